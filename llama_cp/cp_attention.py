@@ -1,0 +1,418 @@
+"""Context-parallel attention for HF Llama-family models: ring (zigzag) and Ulysses.
+
+Each rank of the cp group holds 2 of the 2 x cp chunks of the sequence (the
+zigzag layout of :mod:`llama_cp.sharding`). Everything in the model except
+attention is per token, so attention is the only place where ranks talk.
+
+Note [Zigzag ring attention]
+============================
+
+The sequence is cut into 2 x cp chunks; cp rank r keeps chunks r and 2cp-1-r,
+so every rank owns one early and one late chunk and does the same causal work
+(cp = 4, rank 1 owns chunks 1 and 6):
+
+    chunk:  0    1    2    3    4    5    6    7
+    rank:   r0   r1   r2   r3   r3   r2   r1   r0
+
+K/V blocks travel around the ring (rank r sends to r+1, receives from r-1), so
+at step i rank r holds the K/V of rank s = (r - i) mod cp. Which query rows of
+rank r may see that block follows from the chunk order alone:
+
+    step 0 (s == r): q [r | 2cp-1-r] x kv [r | 2cp-1-r], causal, a square block
+    s <  r:          all of q        x first half of kv  (chunk s < r < 2cp-1-r)
+    s >  r:          second half of q x all of kv        (r < s, 2cp-1-s < 2cp-1-r)
+
+            kv from s < r              kv from s > r
+          kv[s]  kv[2cp-1-s]         kv[s]  kv[2cp-1-s]
+    q[r]   ####      .          q[r]    .        .
+    q[..]  ####      .          q[..]  ####     ####
+
+so after step 0 every step costs the same: half the q x kv block. The partial
+results are merged by their log-sum-exp (``kernels.merge_block``) in float32.
+
+The next block's K/V is in flight (``batch_isend_irecv``) while the current
+block computes. K and V are sent with their own number of heads: with GQA the
+query groups are expanded inside the local kernel, never on the wire.
+
+Backward runs the same ring again. dQ stays on its rank; the dK/dV of a block
+travel *with* that block, one hop behind it: a rank adds its contribution to
+the dK/dV it received and passes them on, and after cp hops each block's
+dK/dV arrive back at its owner, summed over all ranks (float32 on the wire).
+
+Ulysses (all-to-all) instead re-partitions [seq / cp, heads] into
+[seq, heads / cp], puts the zigzag chunks back in order, runs ordinary causal
+attention on its heads over the whole sequence, and returns by the inverse
+all-to-all. It needs heads % cp == 0; K/V heads are repeated only as much as
+the split needs (cp / gcd(kv_heads, cp) times).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from llama_cp import kernels
+from llama_cp.kernels import Backend
+
+Strategy = Literal["ring", "ulysses"]
+STRATEGIES: tuple[str, ...] = ("ring", "ulysses")
+
+#: Name under which the attention function is registered with transformers.
+ATTENTION_NAME = "llama_cp"
+
+
+class RingComm:
+    """Point-to-point exchange with the ring neighbours of one process group.
+
+    ``send_recv(x)`` posts "send x to the next rank, receive a tensor like x
+    from the previous rank" and returns the receive buffer; ``wait()`` blocks
+    until both are done. Two RingComm objects with different tags may be in
+    flight at once (the K/V and the dK/dV rings of the backward).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, tag: int = 0):
+        self.group = group
+        self.tag = tag
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.next_rank = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev_rank = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self._requests: list = []
+
+    def send_recv(self, x: torch.Tensor) -> torch.Tensor:
+        if self._requests:
+            raise RuntimeError("RingComm.send_recv called again before wait()")
+        recv = torch.empty_like(x)
+        ops = [
+            dist.P2POp(dist.isend, x, self.next_rank, self.group, self.tag),
+            dist.P2POp(dist.irecv, recv, self.prev_rank, self.group, self.tag),
+        ]
+        self._requests = dist.batch_isend_irecv(ops)
+        return recv
+
+    def wait(self) -> None:
+        for request in self._requests:
+            request.wait()
+        self._requests = []
+
+
+# ---------------------------------------------------------------- ring
+def ring_forward(
+    comm: RingComm,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    backend: Backend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zigzag ring attention forward; see Note [Zigzag ring attention].
+
+    q: (B, H, S, D), k/v: (B, Hkv, S, D), the rank's two zigzag chunks.
+    Returns out (B, H, S, D) in q's dtype and lse (B, H, S) in float32.
+    """
+    half = q.shape[2] // 2
+    kv = torch.stack([k, v])  # (2, B, Hkv, S, D): one message per step
+    out = lse = None
+    for step in range(comm.size):
+        if step + 1 < comm.size:
+            next_kv = comm.send_recv(kv)
+        k_blk, v_blk = kv[0], kv[1]
+        if step == 0:
+            block_out, lse = kernels.attention_forward(q, k_blk, v_blk, causal=causal, scale=scale, backend=backend)
+            out = block_out.to(kernels.accumulation_dtype(q))
+        elif not causal:
+            block_out, block_lse = kernels.attention_forward(q, k_blk, v_blk, causal=False, scale=scale, backend=backend)
+            kernels.merge_block(out, lse, block_out, block_lse)
+        elif step <= comm.rank:  # block from an earlier rank: all q vs its first chunk
+            block_out, block_lse = kernels.attention_forward(
+                q, k_blk[:, :, :half], v_blk[:, :, :half], causal=False, scale=scale, backend=backend
+            )
+            kernels.merge_block(out, lse, block_out, block_lse)
+        else:  # block from a later rank: our late chunk vs all of it
+            block_out, block_lse = kernels.attention_forward(
+                q[:, :, half:], k_blk, v_blk, causal=False, scale=scale, backend=backend
+            )
+            kernels.merge_block(out[:, :, half:], lse[:, :, half:], block_out, block_lse)
+        if step + 1 < comm.size:
+            comm.wait()
+            kv = next_kv
+    return out.to(q.dtype), lse
+
+
+def ring_backward(
+    comm_kv: RingComm,
+    comm_dkv: RingComm,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    backend: Backend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zigzag ring attention backward; see Note [Zigzag ring attention]."""
+    size, half = comm_kv.size, q.shape[2] // 2
+    acc = kernels.accumulation_dtype(q)
+    dq = torch.zeros_like(q, dtype=acc)
+    kv = torch.stack([k, v])
+    dkv_in_flight = None
+    for step in range(size):
+        if step + 1 < size:
+            next_kv = comm_kv.send_recv(kv)
+        k_blk, v_blk = kv[0], kv[1]
+        dkv = torch.zeros_like(kv, dtype=acc)  # this rank's share of the block's dK/dV
+        if step == 0 or not causal:
+            grads = kernels.attention_backward(
+                dout, q, k_blk, v_blk, out, lse, causal=causal and step == 0, scale=scale, backend=backend
+            )
+            dq.add_(grads[0])
+            dkv[0].add_(grads[1])
+            dkv[1].add_(grads[2])
+        elif step <= comm_kv.rank:
+            grads = kernels.attention_backward(
+                dout, q, k_blk[:, :, :half], v_blk[:, :, :half], out, lse,
+                causal=False, scale=scale, backend=backend,
+            )
+            dq.add_(grads[0])
+            dkv[0, :, :, :half].add_(grads[1])
+            dkv[1, :, :, :half].add_(grads[2])
+        else:
+            grads = kernels.attention_backward(
+                dout[:, :, half:], q[:, :, half:], k_blk, v_blk, out[:, :, half:], lse[:, :, half:],
+                causal=False, scale=scale, backend=backend,
+            )
+            dq[:, :, half:].add_(grads[0])
+            dkv[0].add_(grads[1])
+            dkv[1].add_(grads[2])
+        if dkv_in_flight is not None:  # the dK/dV the previous ranks accumulated for this block
+            comm_dkv.wait()
+            dkv.add_(dkv_in_flight)
+        dkv_in_flight = comm_dkv.send_recv(dkv)
+        if step + 1 < size:
+            comm_kv.wait()
+            kv = next_kv
+    comm_dkv.wait()  # after the last hop, our own block's dK/dV, summed over the ring
+    return dq.to(q.dtype), dkv_in_flight[0].to(k.dtype), dkv_in_flight[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, backend):
+        out, lse = ring_forward(RingComm(group), q, k, v, causal=causal, scale=scale, backend=backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale, ctx.backend = group, causal, scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(
+            RingComm(ctx.group, tag=0), RingComm(ctx.group, tag=1), dout, q, k, v, out, lse,
+            causal=ctx.causal, scale=ctx.scale, backend=ctx.backend,
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+# ---------------------------------------------------------------- local block
+class _LocalAttention(torch.autograd.Function):
+    """Attention over the whole (local) sequence with the ``kernels`` backend."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, backend):
+        out, lse = kernels.attention_forward(q, k, v, causal=causal, scale=scale, backend=backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = kernels.attention_backward(
+            dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale, backend=ctx.backend
+        )
+        return dq, dk, dv, None, None, None
+
+
+# ---------------------------------------------------------------- ulysses
+def _zigzag_to_natural(num_chunks: int) -> list[int]:
+    """perm with natural[c] = gathered[perm[c]], where rank j contributed chunks j, num_chunks-1-j."""
+    cp = num_chunks // 2
+    return [2 * c if c < cp else 2 * (num_chunks - 1 - c) + 1 for c in range(num_chunks)]
+
+
+def _natural_to_zigzag(num_chunks: int) -> list[int]:
+    """Inverse of :func:`_zigzag_to_natural`: gathered[g] = natural[perm[g]]."""
+    return [g // 2 if g % 2 == 0 else num_chunks - 1 - g // 2 for g in range(num_chunks)]
+
+
+def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(B, H, S/cp, D) zigzag-sharded sequence -> (B, H/cp, S, D), whole sequence in order."""
+    cp = dist.get_world_size(group)
+    b, h, s_local, d = x.shape
+    send = x.reshape(b, cp, h // cp, s_local, d).transpose(0, 1).contiguous()  # (cp, B, H/cp, S/cp, D)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j]: our heads, rank j's tokens
+    chunks = recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, 2 * cp, s_local // 2, d)
+    index = torch.tensor(_zigzag_to_natural(2 * cp), device=x.device)
+    return chunks.index_select(2, index).reshape(b, h // cp, cp * s_local, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Inverse of :func:`_seq_to_heads`: (B, H/cp, S, D) -> (B, H, S/cp, D)."""
+    cp = dist.get_world_size(group)
+    b, h_local, s, d = x.shape
+    chunks = x.reshape(b, h_local, 2 * cp, s // (2 * cp), d)
+    index = torch.tensor(_natural_to_zigzag(2 * cp), device=x.device)
+    zigzag = chunks.index_select(2, index).reshape(b, h_local, cp, s // cp, d)
+    send = zigzag.permute(2, 0, 1, 3, 4).contiguous()  # (cp, B, H/cp, S/cp, D): rank j's tokens
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j]: head group j, our tokens
+    return recv.transpose(0, 1).reshape(b, cp * h_local, s // cp, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.group), None
+
+
+def ulysses_attention(q, k, v, group, *, causal: bool, scale: float, backend: Backend | None = None):
+    """Ulysses attention; q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) zigzag shards. Differentiable."""
+    cp = dist.get_world_size(group)
+    kv_repeat = cp // math.gcd(k.shape[1], cp)  # make the KV heads split evenly across cp
+    k, v = kernels._expand_kv(k, kv_repeat), kernels._expand_kv(v, kv_repeat)
+    q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    out = _LocalAttention.apply(q, k, v, causal, scale, backend)
+    return _HeadsToSeq.apply(out, group)
+
+
+# ---------------------------------------------------------------- HF binding
+@dataclass(frozen=True)
+class ContextParallelAttention:
+    """The context-parallel attention bound to one attention module by :func:`apply_context_parallel`."""
+
+    group: dist.ProcessGroup | None
+    strategy: Strategy
+    backend: Backend | None = None
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def __call__(self, q, k, v, *, causal: bool, scale: float | None) -> torch.Tensor:
+        """q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) -> (B, H, S/cp, D)."""
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if self.cp_size == 1:
+            return _LocalAttention.apply(q, k, v, causal, scale, self.backend)
+        if self.strategy == "ring":
+            if q.shape[2] % 2:
+                raise ValueError(
+                    f"ring attention needs an even local sequence length (two zigzag chunks), got {q.shape[2]}; "
+                    "shard the batch with llama_cp.shard_batch"
+                )
+            return _RingAttention.apply(q, k, v, self.group, causal, scale, self.backend)
+        return ulysses_attention(q, k, v, self.group, causal=causal, scale=scale, backend=self.backend)
+
+
+def cp_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered as ``attn_implementation="llama_cp"``; same signature as
+    transformers' ``sdpa_attention_forward``. Returns ((B, S/cp, H, D), None)."""
+    attention: ContextParallelAttention | None = getattr(module, "cp_attention", None)
+    if attention is None:
+        raise RuntimeError(
+            f"{type(module).__name__} uses attn_implementation={ATTENTION_NAME!r} but has no context-parallel "
+            "binding; call llama_cp.apply_context_parallel(model, cp_mesh) instead of setting it by hand"
+        )
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or not bool(attention_mask.all()):
+            raise ValueError(
+                "context-parallel attention takes no attention mask (it is always causal over the whole "
+                "sequence): drop padding masks and give padded positions labels=-100 instead"
+            )
+    if dropout:
+        raise ValueError(f"context-parallel attention does not support attention dropout (got {dropout})")
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise ValueError("context-parallel attention does not support sliding-window or soft-capped attention")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    out = attention(query, key, value, causal=causal, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def apply_context_parallel(
+    model: nn.Module,
+    cp_mesh: DeviceMesh | dist.ProcessGroup | None,
+    strategy: Strategy = "ring",
+    *,
+    backend: Backend | None = None,
+) -> nn.Module:
+    """Make every attention layer of an HF Llama-family ``model`` context-parallel over ``cp_mesh``.
+
+    The model then expects the zigzag shards made by :func:`llama_cp.shard_batch`
+    (with global ``position_ids``) on every rank of the cp group. Only attention
+    changes: parameter gradients stay per rank, and their sum over the cp group is
+    the full-sequence gradient (reducing them is FSDP's job, see ``shard_model``).
+    With a cp group of size 1 the attention is the ordinary local causal attention.
+    """
+    from transformers import AttentionInterface
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown cp strategy {strategy!r}; choose one of {STRATEGIES}")
+    if backend is not None and backend not in kernels.BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {kernels.BACKENDS}")
+    group = cp_mesh.get_group() if isinstance(cp_mesh, DeviceMesh) else cp_mesh
+    cp = 1 if group is None else dist.get_world_size(group)
+
+    config = model.config
+    heads = config.num_attention_heads
+    if strategy == "ulysses" and heads % cp:
+        raise ValueError(
+            f"cp_strategy='ulysses' needs num_attention_heads ({heads}) divisible by cp ({cp}); "
+            f"use cp_strategy='ring' or a cp that divides {heads}"
+        )
+    layers = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "o_proj") and hasattr(m, "config")]
+    if not layers:
+        raise ValueError(f"found no attention layers (modules with q_proj and o_proj) in {type(model).__name__}")
+
+    attention = ContextParallelAttention(group=group if cp > 1 else None, strategy=strategy, backend=backend)
+    for layer in layers:
+        layer.cp_attention = attention  # a plain attribute: bound per model, no module globals
+    AttentionInterface.register(ATTENTION_NAME, cp_attention_forward)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model

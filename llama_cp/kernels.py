@@ -1,0 +1,286 @@
+"""Local attention blocks that return the log-sum-exp, and their backward.
+
+Context-parallel attention computes attention one block of keys at a time and
+merges the partial results, so it needs every block's softmax normaliser
+(``lse``, the log-sum-exp of the scaled scores of each query row) and a backward
+that takes a given ``(out, lse)`` instead of recomputing them.
+
+Layout everywhere in this module (the layout HF passes to attention functions):
+
+    q:        (B, H,   Sq, D)
+    k, v:     (B, Hkv, Sk, D)      H % Hkv == 0 (GQA when Hkv < H)
+    out:      (B, H,   Sq, D)      in q's dtype
+    lse:      (B, H,   Sq)         float32 (float64 for float64 inputs)
+
+``causal=True`` is only used for square blocks (Sq == Sk), where the top-left
+and bottom-right alignments of the mask agree.
+
+Backends, chosen per call by :func:`select_backend`:
+
+- ``flash_attn``: the flash-attn package (CUDA, fp16/bf16), imported lazily.
+- ``sdpa_cuda``: torch's CUDA flash kernel (fp16/bf16) or memory-efficient
+  kernel (fp32), through the aten ops that return the log-sum-exp.
+- ``sdpa_cpu``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+  backward (tiled: never materialises the score matrix).
+- ``math``: a float32 reference that materialises the (Sq, Sk) scores of the
+  block; used on other devices and as the reference in tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Literal
+
+import torch
+
+Backend = Literal["flash_attn", "sdpa_cuda", "sdpa_cpu", "math"]
+BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_cuda", "sdpa_cpu", "math")
+
+_aten = torch.ops.aten
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _flash_attn_interface():
+    """The flash-attn module, or None when it is not installed."""
+    try:
+        from flash_attn import flash_attn_interface
+    except ImportError:
+        return None
+    return flash_attn_interface
+
+
+def select_backend(q: torch.Tensor) -> Backend:
+    """The fastest backend that supports ``q``'s device and dtype."""
+    if q.device.type == "cuda":
+        if q.dtype in _HALF_DTYPES and _flash_attn_interface() is not None:
+            return "flash_attn"
+        return "sdpa_cuda"
+    if q.device.type == "cpu":
+        return "sdpa_cpu"
+    return "math"
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    backend: Backend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block. Returns ``(out, lse)``; see the module docstring."""
+    _check_shapes(q, k, v, causal)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    backend = backend or select_backend(q)
+    if backend == "sdpa_cpu":
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse.to(accumulation_dtype(q))
+    if backend == "sdpa_cuda":
+        return _sdpa_cuda_forward(q, k, v, causal, scale)
+    if backend == "flash_attn":
+        return _flash_attn_forward(q, k, v, causal, scale)
+    if backend == "math":
+        return _math_forward(q, k, v, causal, scale)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    backend: Backend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` of one block, given the softmax statistics.
+
+    ``out`` and ``lse`` may be the *final* (merged) output and log-sum-exp of
+    the full attention row rather than this block's own: the block's softmax
+    probabilities are then ``exp(s - lse)`` of the whole row, which is exactly
+    what the gradient of the merged output needs (the trick of
+    FlashAttention-2's backward, Dao 2023, reused by ring attention). dk/dv
+    have the key/value head count of ``k``/``v``.
+    """
+    _check_shapes(q, k, v, causal)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    backend = backend or select_backend(q)
+    out = out.to(q.dtype)
+    if backend == "sdpa_cpu":
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype).contiguous(), q, k, v, out, lse.to(accumulation_dtype(q)), 0.0, causal, scale=scale
+        )
+    if backend == "sdpa_cuda":
+        return _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale)
+    if backend == "flash_attn":
+        return _flash_attn_backward(dout, q, k, v, out, lse, causal, scale)
+    if backend == "math":
+        return _math_backward(dout, q, k, v, out, lse, causal, scale)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+
+
+def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 for float64 tensors, else float32: the dtype of lse and of every accumulator."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(
+            f"expected q (B, H, Sq, D) and k, v (B, Hkv, Sk, D); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal blocks must be square; got Sq={q.shape[2]}, Sk={k.shape[2]}")
+
+
+def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, Hkv, S, D) -> (B, Hkv * n_rep, S, D), each KV head repeated for its query group."""
+    if n_rep == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def _reduce_kv_grad(dx: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Inverse of :func:`_expand_kv` for gradients: sum each query group."""
+    if n_rep == 1:
+        return dx
+    b, h, s, d = dx.shape
+    return dx.view(b, h // n_rep, n_rep, s, d).sum(2)
+
+
+# ---------------------------------------------------------------- math reference
+def _math_forward(q, k, v, causal, scale):
+    n_rep = q.shape[1] // k.shape[1]
+    acc = accumulation_dtype(q)
+    scores = q.to(acc) @ _expand_kv(k, n_rep).to(acc).transpose(-1, -2) * scale  # (B, H, Sq, Sk)
+    if causal:
+        scores = scores.masked_fill(_causal_block_mask(q.shape[2], q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    out = probs @ _expand_kv(v, n_rep).to(acc)
+    return out.to(q.dtype), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale):
+    n_rep = q.shape[1] // k.shape[1]
+    acc = accumulation_dtype(q)
+    qa, ka, va = q.to(acc), _expand_kv(k, n_rep).to(acc), _expand_kv(v, n_rep).to(acc)
+    da, oa = dout.to(acc), out.to(acc)
+    scores = qa @ ka.transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(_causal_block_mask(q.shape[2], q.device), float("-inf"))
+    probs = torch.exp(scores - lse.to(acc)[..., None])  # (B, H, Sq, Sk)
+    dv = probs.transpose(-1, -2) @ da
+    dprobs = da @ va.transpose(-1, -2)
+    delta = (da * oa).sum(-1, keepdim=True)  # rowsum(dO * O) = sum_j P_ij dP_ij
+    dscores = probs * (dprobs - delta) * scale
+    dq = dscores @ ka
+    dk = dscores.transpose(-1, -2) @ qa
+    return (
+        dq.to(q.dtype),
+        _reduce_kv_grad(dk, n_rep).to(k.dtype),
+        _reduce_kv_grad(dv, n_rep).to(v.dtype),
+    )
+
+
+def _causal_block_mask(s: int, device: torch.device) -> torch.Tensor:
+    """(s, s) boolean, True above the diagonal (masked). Only for the math block."""
+    return torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
+
+
+# ---------------------------------------------------------------- torch CUDA ops
+def _sdpa_cuda_forward(q, k, v, causal, scale):
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
+    if q.dtype in _HALF_DTYPES:
+        out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    else:
+        out, lse, *_ = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        lse = lse[..., : q.shape[2]]  # the efficient kernel pads the lse rows
+    return out, lse.float()
+
+
+def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale):
+    n_rep = q.shape[1] // k.shape[1]
+    ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
+    dout = dout.to(q.dtype).contiguous()
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    if q.dtype in _HALF_DTYPES:
+        sq, sk = q.shape[2], k.shape[2]
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            dout, q, ke, ve, out, lse.float().contiguous(), None, None, sq, sk, 0.0, causal,
+            zero, zero, scale=scale,
+        )
+    else:
+        dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, ke, ve, None, out, lse.float().contiguous(), zero, zero, 0.0,
+            [True, True, True, False], causal, scale=scale,
+        )
+    return dq, _reduce_kv_grad(dk, n_rep), _reduce_kv_grad(dv, n_rep)
+
+
+# ---------------------------------------------------------------- flash-attn
+# flash-attn works in (B, S, H, D) and supports GQA natively. Its private
+# forward/backward changed their argument lists across 2.x releases, so they
+# are called by keyword, with only the arguments the installed version takes.
+def _call_by_keyword(fn, **kwargs):
+    params = inspect.signature(fn).parameters
+    if "window_size" in params:  # flash-attn < 2.6
+        kwargs["window_size"] = (-1, -1)
+    return fn(**{name: value for name, value in kwargs.items() if name in params})
+
+
+def _flash_attn_forward(q, k, v, causal, scale):
+    fa = _flash_attn_interface()
+    q_, k_, v_ = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    result = _call_by_keyword(
+        fa._flash_attn_forward, q=q_, k=k_, v=v_, dropout_p=0.0, softmax_scale=scale,
+        causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+        alibi_slopes=None, return_softmax=False,
+    )
+    out, lse = (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
+    return out.transpose(1, 2), lse.float()
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
+    fa = _flash_attn_interface()
+    dout_, q_, k_, v_, out_ = (t.transpose(1, 2).contiguous() for t in (dout.to(q.dtype), q, k, v, out))
+    dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
+    _call_by_keyword(
+        fa._flash_attn_backward, dout=dout_, q=q_, k=k_, v=v_, out=out_,
+        softmax_lse=lse.float().contiguous(), dq=dq, dk=dk, dv=dv, dropout_p=0.0,
+        softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
+        softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def merge_block(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
+    """Merge one block's ``(block_out, block_lse)`` into the fp32 running ``(out, lse)`` in place.
+
+    With l = lse and b = block_lse, the merged lse is log(e^l + e^b) and the
+    merged output is the lse-weighted average of the two outputs. Written with
+    sigmoid / logsigmoid so no exponential can overflow (the form used by
+    ring-flash-attention's ``_update_out_and_lse``):
+
+        out <- out - sigmoid(b - l) * (out - block_out)
+        lse <- lse - logsigmoid(l - b)
+    """
+    weight = torch.sigmoid(block_lse - lse)[..., None]  # (B, H, S, 1)
+    out.sub_(weight * (out - block_out.to(out.dtype)))
+    lse.sub_(torch.nn.functional.logsigmoid(lse - block_lse))
+

@@ -1,0 +1,82 @@
+"""The device mesh: ``dp_replicate x dp_shard x cp``.
+
+Mesh dims (always present, size 1 allowed):
+
+- ``dp_replicate``: HSDP replicas (usually across nodes).
+- ``dp_shard``: FSDP shards parameters within a replica.
+- ``cp``: context parallelism; ranks of one cp group hold one sample between them.
+
+Flattened views:
+
+- ``dp_shard_cp``: FSDP shards parameters, gradients and optimizer state over it
+  (the ranks of a cp group hold the same parameters, so they shard them too).
+- ``dp`` (``dp_replicate x dp_shard``): the data loader; ranks of one cp group
+  read the same sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
+
+
+@dataclass
+class ParallelDims:
+    """Parallel degrees of a job, validated against the world size.
+
+    ``dp_shard=-1`` takes what is left: world_size / (dp_replicate x cp).
+    ``world_size`` defaults to the initialised process group's.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size is None:
+            if not dist.is_initialized():
+                raise RuntimeError(
+                    "ParallelDims needs world_size, or torch.distributed.init_process_group() called first"
+                )
+            self.world_size = dist.get_world_size()
+        for name in ("dp_replicate", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard == -1:
+            if self.world_size % (self.dp_replicate * self.cp):
+                raise ValueError(
+                    f"world_size({self.world_size}) is not divisible by dp_replicate({self.dp_replicate}) * "
+                    f"cp({self.cp}), so dp_shard=-1 cannot be inferred"
+                )
+            self.dp_shard = self.world_size // (self.dp_replicate * self.cp)
+        if self.dp_shard < 1:
+            raise ValueError(f"dp_shard must be >= 1 or -1 (infer), got {self.dp_shard}")
+        if self.dp_replicate * self.dp_shard * self.cp != self.world_size:
+            raise ValueError(
+                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) "
+                f"!= world_size({self.world_size})"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Number of data-parallel replicas of the sequence (ranks reading different samples)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks that shard one copy of the parameters (dp_shard x cp)."""
+        return self.dp_shard * self.cp
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """A 3-D mesh over ``MESH_DIMS`` with the flattened ``dp_shard_cp`` and ``dp`` views."""
+        mesh = init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.cp), mesh_dim_names=MESH_DIMS
+        )
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh

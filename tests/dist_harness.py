@@ -1,0 +1,99 @@
+"""Run many multi-rank checks inside one gloo process group per test module.
+
+A test module registers checks with ``checks = Checks()`` and ``@checks.add``,
+then exposes them to pytest with ``checks.pytest_tests(world_size)``::
+
+    checks = Checks()
+
+    @checks.add
+    def ring_matches_reference():
+        ...  # runs on every rank; raise (assert) on failure
+
+    results = checks.module_fixture(__name__, world_size=4)
+
+    @pytest.mark.parametrize("name", checks.names)
+    def test_check(results, name):
+        checks.assert_passed(results, name)
+
+Every rank runs every check in order (collectives must line up); a check
+fails if it raised on any rank, and the test shows that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=180),
+    )
+    module = importlib.import_module(module_name)
+    results: dict[str, str | None] = {}
+    for name, fn in module.checks.items:
+        try:
+            fn()
+            results[name] = None
+        except Exception:  # recorded and reported by pytest in the parent
+            results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+class Checks:
+    def __init__(self) -> None:
+        self.items: list[tuple[str, callable]] = []
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.items]
+
+    def add(self, fn, name: str | None = None):
+        """Register ``fn`` (no arguments) under ``name`` (default: its __name__); usable as a decorator."""
+        self.items.append((name or fn.__name__, fn))
+        return fn
+
+    def run(self, module_name: str, world_size: int) -> dict[str, list[str | None]]:
+        with tempfile.TemporaryDirectory() as out_dir:
+            mp.start_processes(
+                _worker, args=(world_size, _free_port(), module_name, out_dir),
+                nprocs=world_size, start_method="spawn", join=True,
+            )
+            per_rank = []
+            for rank in range(world_size):
+                with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+                    per_rank.append(json.load(f))
+        return {name: [r.get(name, "not run") for r in per_rank] for name in self.names}
+
+    def module_fixture(self, module_name: str, world_size: int):
+        @pytest.fixture(scope="module")
+        def results():
+            return self.run(module_name, world_size)
+
+        return results
+
+    @staticmethod
+    def assert_passed(results: dict[str, list[str | None]], name: str) -> None:
+        failures = [r for r in results[name] if r is not None]
+        if failures:
+            pytest.fail(failures[0], pytrace=False)
