@@ -52,10 +52,15 @@ def _flash_attn_interface():
 
 
 def select_backend(q: torch.Tensor) -> Backend:
-    """The fastest backend that supports ``q``'s device and dtype."""
+    """The fastest backend that supports ``q``'s device, dtype and head size."""
     if q.device.type == "cuda":
-        if q.dtype in _HALF_DTYPES and _flash_attn_interface() is not None:
+        if q.dtype == torch.float64 or q.shape[-1] % 8 or q.shape[-1] > 256:
+            return "math"  # the CUDA kernels take fp16/bf16/fp32 and head sizes 8, 16, ..., 256
+        ampere = torch.cuda.get_device_capability(q.device) >= (8, 0)
+        if q.dtype in _HALF_DTYPES and ampere and _flash_attn_interface() is not None:
             return "flash_attn"
+        if q.dtype == torch.bfloat16 and not ampere:
+            return "math"  # before sm80 neither flash kernel runs, and the efficient one lacks bf16
         return "sdpa_cuda"
     if q.device.type == "cpu":
         return "sdpa_cpu"
@@ -201,14 +206,19 @@ def _causal_block_mask(s: int, device: torch.device) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- torch CUDA ops
+def _use_cuda_flash(q: torch.Tensor) -> bool:
+    """torch's CUDA flash kernel for fp16/bf16 on sm80+, else the memory-efficient kernel."""
+    return q.dtype in _HALF_DTYPES and torch.cuda.get_device_capability(q.device) >= (8, 0)
+
+
 def _sdpa_cuda_forward(q, k, v, causal, scale):
     n_rep = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
-    if q.dtype in _HALF_DTYPES:
+    if _use_cuda_flash(q):
         out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     else:
         out, lse, *_ = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-        lse = lse[..., : q.shape[2]]  # the efficient kernel pads the lse rows
+        lse = lse[..., : q.shape[2]]  # the efficient kernel pads the lse rows to a multiple of 32
     return out, lse.float()
 
 
@@ -217,16 +227,19 @@ def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale):
     ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
     dout = dout.to(q.dtype).contiguous()
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
-    if q.dtype in _HALF_DTYPES:
+    if _use_cuda_flash(q):
         sq, sk = q.shape[2], k.shape[2]
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
             dout, q, ke, ve, out, lse.float().contiguous(), None, None, sq, sk, 0.0, causal,
             zero, zero, scale=scale,
         )
     else:
+        # The efficient backward reads lse rows up to a multiple of 32, padded with +inf by its
+        # forward (pytorch mem_eff_attention kernel_backward.h); ROCm's kernel takes them unpadded.
+        pad = 0 if torch.version.hip else -q.shape[2] % 32
+        lse = torch.nn.functional.pad(lse.float(), (0, pad), value=float("inf")).contiguous()
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, ke, ve, None, out, lse.float().contiguous(), zero, zero, 0.0,
-            [True, True, True, False], causal, scale=scale,
+            dout, q, ke, ve, None, out, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale,
         )
     return dq, _reduce_kv_grad(dk, n_rep), _reduce_kv_grad(dv, n_rep)
 
@@ -235,9 +248,11 @@ def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale):
 # flash-attn works in (B, S, H, D) and supports GQA natively. Its private
 # forward/backward changed their argument lists across 2.x releases, so they
 # are called by keyword, with only the arguments the installed version takes.
+# From 2.7 they are torch custom ops whose own signature is (*args, **kwargs):
+# the Python function they wrap is ``_init_fn``.
 def _call_by_keyword(fn, **kwargs):
-    params = inspect.signature(fn).parameters
-    if "window_size" in params:  # flash-attn < 2.6
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    if "window_size" in params:  # flash-attn < 2.7 takes a (left, right) tuple
         kwargs["window_size"] = (-1, -1)
     return fn(**{name: value for name, value in kwargs.items() if name in params})
 

@@ -16,12 +16,20 @@ Flattened views:
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
+
+# torch >= 2.11 warns when a flattened dim is sliced from the root mesh (mesh["dp"]), asking
+# callers to keep the flattened meshes themselves; it still works, and mesh["dp_shard_cp"]
+# is the interface torchtitan users know, so the warning is silenced for these names only.
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
 
 
 @dataclass
@@ -80,3 +88,17 @@ class ParallelDims:
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
+
+
+def init_distributed() -> str:
+    """Initialise the default process group from torchrun's environment (or as a single
+    process) and return the device type: cuda + nccl when CUDA is available, else cpu + gloo."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return device_type

@@ -107,3 +107,27 @@ def test_bad_shapes_raise():
 
 def test_cpu_selects_the_sdpa_cpu_op():
     assert kernels.select_backend(torch.zeros(1, 1, 2, 2)) == "sdpa_cpu"
+
+
+def _cuda_backends():
+    if not torch.cuda.is_available():
+        return [pytest.param(None, marks=pytest.mark.skip(reason="needs CUDA"))]
+    backends = ["sdpa_cuda"]
+    if kernels._flash_attn_interface() is not None:
+        backends.append("flash_attn")
+    return backends
+
+
+@pytest.mark.parametrize("backend", _cuda_backends())
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_backends_match_math(backend, causal):
+    q, k, v = (t.cuda() for t in _inputs(4, 2, 128, 128, torch.bfloat16))
+    dout = torch.randn_like(q)
+    out, lse = kernels.attention_forward(q, k, v, causal=causal, backend=backend)
+    ref_out, ref_lse = kernels.attention_forward(q, k, v, causal=causal, backend="math")
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal, backend=backend)
+    ref_grads = kernels.attention_backward(dout, q, k, v, ref_out, ref_lse, causal=causal, backend="math")
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
