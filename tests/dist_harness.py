@@ -45,7 +45,7 @@ def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: st
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=180),
+        timeout=timedelta(seconds=90),
     )
     module = importlib.import_module(module_name)
     results: dict[str, str | None] = {}

@@ -1,0 +1,200 @@
+"""FSDP2 over the ``dp_shard x cp`` mesh: parameters, gradients and optimizer state
+sharded over ``dp_shard_cp`` while the sequence is sharded over ``cp``.
+
+Gradient semantics: FSDP here **sums** gradients over ``dp_shard_cp`` (and over
+``dp_replicate`` with HSDP) instead of averaging them. A rank that backpropagates
+``sum(CE of its local tokens) / (valid tokens of the whole step)`` (see
+``llama_cp.loss``) therefore ends with exactly the single-process gradient of
+the mean loss, for any split of the tokens over dp and cp ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF model (the classes in its ``_no_split_modules``), also under peft."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"found no decoder layers ({sorted(names)}) in {type(model).__name__}")
+    return layers
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: ``dp_shard_cp``, or (``dp_replicate``, ``dp_shard_cp``) for HSDP."""
+    if mesh.ndim == 1:
+        return mesh
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard_cp"]
+    return mesh["dp_shard_cp"]
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant checkpointing).
+
+    Uses HF's per-layer checkpointing (``GradientCheckpointingLayer``) so parameter
+    names, and with them checkpoints and exports, stay unchanged.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> None:
+    """``fully_shard`` each decoder layer, then [final norm, lm_head], then the root."""
+    shard_mesh = fsdp_mesh(mesh)
+    options = dict(
+        mesh=shard_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    )
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = [base.get_output_embeddings()]
+    norm = getattr(base.get_decoder(), "norm", None)
+    if norm is not None:
+        head.insert(0, norm)
+    if base.get_output_embeddings().weight is base.get_input_embeddings().weight:
+        head = head[:-1]  # tied lm_head: it stays with the embedding, in the root group
+    if head:
+        # backward starts with this group right after forward: keep it gathered in between
+        fully_shard(head, reshard_after_forward=False, **options)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # sum, not average, over dp_shard_cp (see the module docstring); sum-only
+            # collectives also keep gloo working (it has no pre-multiplied sum)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 over ``mesh`` (from ``ParallelDims.build_mesh``).
+
+    ``param_dtype``: compute dtype of the gathered parameters (bf16 on GPU;
+    None keeps the stored dtype, fp32 on CPU). ``reduce_dtype``: dtype of the
+    gradient reduce-scatter. ``cpu_offload``: keep the sharded parameters,
+    gradients and optimizer state in CPU memory. Returns the same module.
+    """
+    # 1. LoRA: inject adapters with peft *before* this call; the frozen base weights
+    #    are sharded like everything else and simply get no gradient.
+    # 2. Activation checkpointing per decoder layer.
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    # 3. fully_shard: decoder layers -> [norm, lm_head] -> root.
+    apply_fsdp(
+        model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+    )
+    return model
+
+
+def activation_offload(enabled: bool) -> contextlib.AbstractContextManager:
+    """Context for forward+backward that keeps saved activations in (pinned) CPU memory."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
+# ---------------------------------------------------------------- weights in and out
+def _reinit_rotary_buffers(model: nn.Module, device: torch.device) -> None:
+    """After ``to_empty`` the non-persistent RoPE buffers (``inv_freq``) hold garbage and no
+    checkpoint restores them: rebuild each rotary module from its config and take its buffers."""
+    for module in model.modules():
+        if "inv_freq" in dict(module.named_buffers(recurse=False)):
+            with torch.device(device):
+                fresh = type(module)(module.config)
+            for name, buffer in fresh.named_buffers(recurse=False):
+                module.register_buffer(name, buffer, persistent=name not in fresh._non_persistent_buffers_set)
+            if hasattr(fresh, "attention_scaling"):
+                module.attention_scaling = fresh.attention_scaling
+
+
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}; save the model with save_pretrained")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(os.path.join(path, name)))
+    return state
+
+
+def load_full_weights(model: nn.Module, path: str, device: torch.device | str) -> None:
+    """Load an HF checkpoint directory (safetensors) into a model that was built on the meta
+    device and sharded: rank 0 reads the files, every rank receives only its shards.
+
+    Peak host memory is one full copy on rank 0 and one shard per rank elsewhere.
+    """
+    model.to_empty(device=device)
+    _reinit_rotary_buffers(model, torch.device(device))
+    full = _read_safetensors(path) if dist.get_rank() == 0 else {}
+    model_keys = set(get_model_state_dict(model).keys()) if dist.get_rank() == 0 else set()
+    if dist.get_rank() == 0:
+        missing = model_keys - set(full)
+        if missing:
+            if all(k.endswith("lm_head.weight") for k in missing) and "model.embed_tokens.weight" in full:
+                full["lm_head.weight"] = full["model.embed_tokens.weight"]  # tied in the file
+            else:
+                raise KeyError(f"checkpoint {path!r} lacks {sorted(missing)[:5]} ...")
+        full = {k: v for k, v in full.items() if k in model_keys}
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict on rank 0, on CPU; an empty dict on other ranks."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def export_pretrained(model: nn.Module, output_dir: str) -> None:
+    """Write an HF ``save_pretrained`` directory of the sharded ``model`` from rank 0,
+    into a temporary directory renamed into place, so a half-written export never
+    looks complete."""
+    state = gather_full_state_dict(model)
+    if dist.get_rank() == 0:
+        parent = os.path.dirname(os.path.abspath(output_dir))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
+        # a peft model saves its adapter (and modules_to_save) only; a plain model everything
+        model.save_pretrained(tmp, state_dict=state)
+        if os.path.exists(output_dir):
+            raise FileExistsError(f"{output_dir!r} exists; choose another output directory")
+        os.rename(tmp, output_dir)
+    dist.barrier()

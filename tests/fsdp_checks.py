@@ -1,0 +1,112 @@
+"""FSDP2 + CP checks shared by the world-4 and world-2 test modules.
+
+Every check builds a single-process reference on each rank (same seed, same
+global batch) and compares the sharded run with it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from llama_cp import ParallelDims, apply_context_parallel, shard_batch
+from llama_cp.fsdp_wrap import shard_model
+from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
+
+VOCAB, SEQ_LEN, GLOBAL_BATCH = 96, 32, 4
+FP32_CLOSE = dict(atol=1e-5, rtol=1e-5)
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    return LlamaConfig(**{
+        **dict(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+            attn_implementation="sdpa",
+        ),
+        **overrides,
+    })
+
+
+def tiny_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_config(**overrides))
+
+
+def global_batch(step: int = 0, batch_size: int = GLOBAL_BATCH) -> dict[str, torch.Tensor]:
+    """input_ids and pre-shifted labels; sample i ignores its first 3 + 5 i labels (unequal counts)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (batch_size, SEQ_LEN + 1), generator=g)
+    labels = tokens[:, 1:].clone()
+    for i in range(batch_size):
+        labels[i, : 3 + 5 * i] = -100
+    return {"input_ids": tokens[:, :-1], "labels": labels}
+
+
+def reference_loss(model, batch) -> torch.Tensor:
+    """Single process: mean CE over all valid tokens of the global batch, from full logits."""
+    logits = model(input_ids=batch["input_ids"]).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
+def build(dims: ParallelDims, model, strategy="ring", **shard_options):
+    mesh = dims.build_mesh("cpu")
+    apply_context_parallel(model, mesh["cp"], strategy=strategy)
+    enable_chunked_loss(model, chunk_size=7)  # several chunks with a ragged last one
+    shard_model(model, mesh, **shard_options)
+    return model, mesh
+
+
+def local_batches(batch, mesh, micro_batches: int = 1):
+    """This rank's rows (by dp rank), split into micro-batches, each sharded over cp."""
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    rows = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
+    micro = [{k: v.chunk(micro_batches)[i] for k, v in rows.items()} for i in range(micro_batches)]
+    return [shard_batch(m, mesh["cp"]) for m in micro]
+
+
+def sharded_step(model, batch, mesh, micro_batches: int = 1) -> torch.Tensor:
+    """Forward+backward of one optimizer step; returns the global mean loss (all-reduced)."""
+    micro = local_batches(batch, mesh, micro_batches)
+    num_tokens = count_valid_tokens(m["labels"] for m in micro)
+    total = torch.zeros(())
+    for m in micro:
+        loss = causal_lm_loss_sum(model, m) / num_tokens
+        loss.backward()
+        total += loss.detach()
+    dist.all_reduce(total)
+    return total
+
+
+def full_grad(param) -> torch.Tensor:
+    grad = param.grad
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def full_param(param) -> torch.Tensor:
+    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
+
+
+def assert_grads_equal(model, reference, **tol):
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        if ref.grad is None:
+            assert param.grad is None, f"{name} has a gradient but should be frozen"
+            continue
+        torch.testing.assert_close(full_grad(param), ref.grad, **(tol or FP32_CLOSE), msg=lambda m: f"{name}: {m}")
+
+
+def check_one_step(dims_kwargs: dict, strategy: str = "ring", **shard_options):
+    """Loss and every parameter gradient of one step equal the single-process values."""
+    reference = tiny_model()
+    model, mesh = build(ParallelDims(**dims_kwargs), copy.deepcopy(reference), strategy, **shard_options)
+    batch = global_batch()
+    ref_loss = reference_loss(reference, batch)
+    ref_loss.backward()
+    loss = sharded_step(model, batch, mesh)
+    torch.testing.assert_close(loss, ref_loss.detach(), **FP32_CLOSE)
+    assert_grads_equal(model, reference)

@@ -1,0 +1,176 @@
+"""FSDP2 on the dp_shard x cp mesh, 4 CPU ranks (gloo), against single-process references."""
+
+import copy
+import functools
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
+from torch.distributed.tensor import DTensor
+from transformers import LlamaForCausalLM
+
+from dist_harness import Checks
+from fsdp_checks import (
+    FP32_CLOSE, assert_grads_equal, build, check_one_step, full_param, global_batch, reference_loss,
+    sharded_step, tiny_config, tiny_model,
+)
+from llama_cp import ParallelDims
+from llama_cp.fsdp_wrap import gather_full_state_dict, load_full_weights, shard_model
+
+WORLD_SIZE = 4
+checks = Checks()
+
+for _name, _dims, _strategy in (
+    ("dp_shard2_cp2_ring", dict(dp_shard=2, cp=2), "ring"),
+    ("dp_shard2_cp2_ulysses", dict(dp_shard=2, cp=2), "ulysses"),
+    ("cp4_ring", dict(dp_shard=1, cp=4), "ring"),
+    ("dp_shard4", dict(dp_shard=4, cp=1), "ring"),
+    ("hsdp_replicate2_cp2", dict(dp_replicate=2, dp_shard=1, cp=2), "ring"),
+):
+    checks.add(functools.partial(check_one_step, _dims, _strategy), name=f"one_step_{_name}")
+checks.add(
+    functools.partial(check_one_step, dict(dp_shard=2, cp=2), "ring", activation_checkpointing=True),
+    name="one_step_dp_shard2_cp2_activation_checkpointing",
+)
+checks.add(
+    functools.partial(check_one_step, dict(dp_shard=2, cp=2), "ring", reshard_after_forward=False),
+    name="one_step_dp_shard2_cp2_no_reshard",
+)
+
+
+def lora(model):
+    config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]
+    )
+    model = get_peft_model(model, config)
+    torch.manual_seed(7)  # lora_B starts at zero: give it values so every adapter weight gets a gradient
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    return model
+
+
+def check_five_adamw_steps(use_lora: bool):
+    reference = tiny_model()
+    if use_lora:
+        reference = lora(reference)
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    model, mesh = build(ParallelDims(dp_shard=2, cp=2), copy.deepcopy(reference))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    losses, ref_losses = [], []
+    for step in range(5):
+        batch = global_batch(step)
+        ref_loss = reference_loss(reference, batch)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(sharded_step(model, batch, mesh).item())
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
+    assert ref_losses[-1] < ref_losses[0]
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(full_param(param), ref.detach(), atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    if use_lora:
+        trained = {n for n, p in reference.named_parameters() if p.requires_grad}
+        assert trained and all("lora_" in n or "modules_to_save" in n for n in trained), trained
+        for name, value in reference.state_dict().items():
+            if "lora_" not in name and "modules_to_save" not in name:
+                torch.testing.assert_close(value, initial[name], rtol=0, atol=0, msg=lambda m: f"{name} changed: {m}")
+
+
+checks.add(functools.partial(check_five_adamw_steps, False), name="five_adamw_steps_full")
+checks.add(functools.partial(check_five_adamw_steps, True), name="five_adamw_steps_lora")
+
+
+@checks.add
+def gradient_accumulation_two_micro_steps_equal_one_step():
+    reference = tiny_model()
+    model, mesh = build(ParallelDims(dp_shard=1, cp=4), copy.deepcopy(reference))
+    batch = global_batch()
+    reference_loss(reference, batch).backward()
+    loss = sharded_step(model, batch, mesh, micro_batches=2)
+    torch.testing.assert_close(loss, reference_loss(tiny_model(), batch).detach(), **FP32_CLOSE)
+    assert_grads_equal(model, reference)
+
+
+@checks.add
+def per_rank_bytes_are_total_over_dp_shard_x_cp():
+    model, mesh = build(ParallelDims(dp_shard=2, cp=2), tiny_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sharded_step(model, global_batch(), mesh)
+    opt.step()
+    params = list(model.parameters())
+    assert all(isinstance(p, DTensor) for p in params)
+    total = sum(p.numel() for p in params)
+    one_row_each = sum(p.numel() // p.shape[0] for p in params)  # Shard(0) pads each tensor by < 1 row per rank
+    local_params = sum(p.to_local().numel() for p in params)
+    local_grads = sum(p.grad.to_local().numel() for p in params)
+    local_states = sum(
+        s.to_local().numel() for state in opt.state.values() for k, s in state.items() if k != "step"
+    )
+    assert abs(local_params - total / 4) <= one_row_each, (local_params, total)
+    assert local_grads == local_params
+    assert local_states == 2 * local_params  # exp_avg and exp_avg_sq
+
+
+@checks.add
+def clipping_uses_the_global_norm():
+    reference = tiny_model()
+    model, mesh = build(ParallelDims(dp_shard=2, cp=2), copy.deepcopy(reference))
+    batch = global_batch()
+    reference_loss(reference, batch).backward()
+    sharded_step(model, batch, mesh)
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.05)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    assert ref_norm > 0.05, "the test needs a norm above max_norm"
+    torch.testing.assert_close(norm, ref_norm, **FP32_CLOSE)
+    assert_grads_equal(model, reference)
+
+
+@checks.add
+def load_sharded_from_save_pretrained_and_gather_back():
+    original = tiny_model(seed=3)
+    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    if dist.get_rank() == 0:
+        original.save_pretrained(path[0])
+    dist.barrier()
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(tiny_config())
+        mesh = ParallelDims(dp_shard=2, cp=2).build_mesh("cpu")
+        shard_model(model, mesh)
+        load_full_weights(model, path[0], device="cpu")
+        gathered = gather_full_state_dict(model)
+        if dist.get_rank() == 0:
+            want = original.state_dict()
+            assert set(gathered) == set(want)
+            for key, value in want.items():
+                torch.testing.assert_close(gathered[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+        else:
+            assert gathered == {}
+        # the loaded, sharded model computes what the original computes
+        batch = global_batch()
+        torch.testing.assert_close(
+            model(input_ids=batch["input_ids"]).logits, original(input_ids=batch["input_ids"]).logits, **FP32_CLOSE
+        )
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0])
+
+
+results = checks.module_fixture(__name__, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("name", checks.names)
+def test_check(results, name):
+    checks.assert_passed(results, name)
