@@ -66,6 +66,11 @@ def apply_fsdp(
 ) -> None:
     """``fully_shard`` each decoder layer, then [final norm, lm_head], then the root."""
     shard_mesh = fsdp_mesh(mesh)
+    if cpu_offload and shard_mesh.device_type == "cpu":
+        raise ValueError(
+            "cpu_offload keeps sharded parameters, gradients and optimizer state in CPU memory "
+            "instead of accelerator memory; on a CPU mesh they are there already: drop cpu_offload"
+        )
     options = dict(
         mesh=shard_mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),

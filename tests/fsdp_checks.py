@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
-from llama_cp.fsdp_wrap import shard_model
+from llama_cp.fsdp_wrap import activation_offload, shard_model
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
 
 VOCAB, SEQ_LEN, GLOBAL_BATCH = 96, 32, 4
@@ -70,14 +70,15 @@ def local_batches(batch, mesh, micro_batches: int = 1):
     return [shard_batch(m, mesh["cp"]) for m in micro]
 
 
-def sharded_step(model, batch, mesh, micro_batches: int = 1) -> torch.Tensor:
+def sharded_step(model, batch, mesh, micro_batches: int = 1, offload: bool = False) -> torch.Tensor:
     """Forward+backward of one optimizer step; returns the global mean loss (all-reduced)."""
     micro = local_batches(batch, mesh, micro_batches)
     num_tokens = count_valid_tokens(m["labels"] for m in micro)
     total = torch.zeros(())
     for m in micro:
-        loss = causal_lm_loss_sum(model, m) / num_tokens
-        loss.backward()
+        with activation_offload(offload):
+            loss = causal_lm_loss_sum(model, m) / num_tokens
+            loss.backward()
         total += loss.detach()
     dist.all_reduce(total)
     return total
@@ -100,13 +101,13 @@ def assert_grads_equal(model, reference, **tol):
         torch.testing.assert_close(full_grad(param), ref.grad, **(tol or FP32_CLOSE), msg=lambda m: f"{name}: {m}")
 
 
-def check_one_step(dims_kwargs: dict, strategy: str = "ring", **shard_options):
+def check_one_step(dims_kwargs: dict, strategy: str = "ring", offload: bool = False, **shard_options):
     """Loss and every parameter gradient of one step equal the single-process values."""
     reference = tiny_model()
     model, mesh = build(ParallelDims(**dims_kwargs), copy.deepcopy(reference), strategy, **shard_options)
     batch = global_batch()
     ref_loss = reference_loss(reference, batch)
     ref_loss.backward()
-    loss = sharded_step(model, batch, mesh)
+    loss = sharded_step(model, batch, mesh, offload=offload)
     torch.testing.assert_close(loss, ref_loss.detach(), **FP32_CLOSE)
     assert_grads_equal(model, reference)
