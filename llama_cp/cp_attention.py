@@ -281,26 +281,17 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, cp * h_local, s // cp, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """Differentiable re-partition: ``forward_fn`` forward, its inverse ``backward_fn`` backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, forward_fn, backward_fn):
+        ctx.group, ctx.backward_fn = group, backward_fn
+        return forward_fn(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
 def ulysses_attention(q, k, v, group, *, causal: bool, scale: float, backend: Backend | None = None):
@@ -308,9 +299,9 @@ def ulysses_attention(q, k, v, group, *, causal: bool, scale: float, backend: Ba
     cp = dist.get_world_size(group)
     kv_repeat = cp // math.gcd(k.shape[1], cp)  # make the KV heads split evenly across cp
     k, v = kernels._expand_kv(k, kv_repeat), kernels._expand_kv(v, kv_repeat)
-    q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    q, k, v = (_AllToAll.apply(t, group, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
     out = _LocalAttention.apply(q, k, v, causal, scale, backend)
-    return _HeadsToSeq.apply(out, group)
+    return _AllToAll.apply(out, group, _heads_to_seq, _seq_to_heads)
 
 
 # ---------------------------------------------------------------- HF binding

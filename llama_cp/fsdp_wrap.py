@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -101,7 +102,7 @@ def shard_model(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
-    param_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None | Literal["auto"] = "auto",
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
@@ -109,11 +110,14 @@ def shard_model(
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over ``mesh`` (from ``ParallelDims.build_mesh``).
 
-    ``param_dtype``: compute dtype of the gathered parameters (bf16 on GPU;
-    None keeps the stored dtype, fp32 on CPU). ``reduce_dtype``: dtype of the
+    ``param_dtype``: compute dtype of the gathered parameters; ``"auto"`` is
+    bf16 on CUDA and the stored dtype (fp32) on CPU; None keeps the stored
+    dtype. ``reduce_dtype``: dtype of the
     gradient reduce-scatter. ``cpu_offload``: keep the sharded parameters,
     gradients and optimizer state in CPU memory. Returns the same module.
     """
+    if param_dtype == "auto":
+        param_dtype = torch.bfloat16 if fsdp_mesh(mesh).device_type == "cuda" else None
     # 1. LoRA: inject adapters with peft *before* this call; the frozen base weights
     #    are sharded like everything else and simply get no gradient.
     # 2. Activation checkpointing per decoder layer.

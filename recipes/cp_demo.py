@@ -1,13 +1,12 @@
-"""A small context-parallel training demo on the embedded Llama (no download).
+"""A small long-context training demo on the embedded Llama (no download).
 
-    python -m recipes.cp_demo                                           # one process, cp=1
+    python -m recipes.cp_demo                                           # one process
     torchrun --standalone --nproc_per_node 2 -m recipes.cp_demo --cp 2 --context_length 8192
 
-Every sample is one fixed random block of 128 tokens repeated to fill the
-context; the loss falls as the model learns it. Every
-rank of a cp group holds its zigzag half of the sequence; gradients are summed
-over all ranks by hand here (``llama_cp.shard_model`` does it with FSDP2).
-The full fine-tuning recipe is ``recipes/finetune_longctx.py``.
+The whole stack on a toy task: context-parallel attention, the chunked loss
+and FSDP2 over the dp_shard x cp mesh. Every sample is one fixed random block
+of 128 tokens repeated to fill the context; the loss falls as the model
+learns it. The fine-tuning recipe proper will be ``recipes/finetune_longctx.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +20,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
-from llama_cp import ParallelDims, apply_context_parallel, shard_batch
+from llama_cp import (
+    ParallelDims, apply_context_parallel, causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss,
+    shard_batch, shard_model,
+)
 from llama_cp.memory import track_peak_memory
 from llama_cp.mesh import init_distributed
 from llama_cp.models import embedded_llama_config
@@ -32,8 +34,7 @@ def make_sample(context_length: int, vocab_size: int, seed: int) -> dict[str, to
     g = torch.Generator().manual_seed(seed)
     block = torch.randint(0, vocab_size, (128,), generator=g)
     tokens = block.repeat(context_length // 128 + 2)[: context_length + 1]
-    labels = tokens[1:].clone()
-    return {"input_ids": tokens[:-1].unsqueeze(0), "labels": labels.unsqueeze(0)}
+    return {"input_ids": tokens[:-1].unsqueeze(0), "labels": tokens[1:].unsqueeze(0)}
 
 
 def main(
@@ -47,12 +48,15 @@ def main(
     device_type = init_distributed()
     dims = ParallelDims(cp=cp or dist.get_world_size())
     mesh = dims.build_mesh(device_type)
-    rank, device = dist.get_rank(), torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else 0)
+    rank = dist.get_rank()
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     config = embedded_llama_config()
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(device)
     apply_context_parallel(model, mesh["cp"], strategy=cp_strategy)
+    enable_chunked_loss(model)
+    shard_model(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
 
     progress = tqdm(range(steps), disable=rank != 0, desc=f"cp={dims.cp} {cp_strategy} L={context_length}")
@@ -63,14 +67,8 @@ def main(
         start = time.perf_counter()
         tracking = track_peak_memory(model, optimizer, device_type=device_type) if step == 0 else nullcontext()
         with tracking as memory:
-            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-            # sum over local tokens / tokens of the whole step: summing over ranks gives the mean
-            loss = torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="sum"
-            ) / (context_length * dims.dp)
+            loss = causal_lm_loss_sum(model, batch) / count_valid_tokens([batch["labels"]])
             loss.backward()
-        for param in model.parameters():
-            dist.all_reduce(param.grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = loss.detach().clone()
