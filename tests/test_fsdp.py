@@ -19,7 +19,7 @@ from fsdp_checks import (
     sharded_step, tiny_config, tiny_model,
 )
 from llama_cp import ParallelDims
-from llama_cp.fsdp_wrap import gather_full_state_dict, load_full_weights, shard_model
+from llama_cp.fsdp_wrap import export_pretrained, gather_full_state_dict, load_full_weights, shard_model
 
 WORLD_SIZE = 4
 checks = Checks()
@@ -162,6 +162,13 @@ def load_sharded_from_save_pretrained_and_gather_back():
         torch.testing.assert_close(
             model(input_ids=batch["input_ids"]).logits, original(input_ids=batch["input_ids"]).logits, **FP32_CLOSE
         )
+        # and exports back to an HF directory that from_pretrained reads
+        export_dir = os.path.join(path[0], "export")
+        export_pretrained(model, export_dir)
+        assert not [f for f in os.listdir(path[0]) if f.startswith(".tmp-export-")]
+        reloaded = LlamaForCausalLM.from_pretrained(export_dir)
+        for key, value in original.state_dict().items():
+            torch.testing.assert_close(reloaded.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
