@@ -53,7 +53,10 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     names, and with them checkpoints and exports, stay unchanged.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def apply_fsdp(
