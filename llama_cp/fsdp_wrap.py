@@ -11,6 +11,7 @@ the mean loss, for any split of the tokens over dp and cp ranks.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 from typing import Literal
@@ -167,24 +168,45 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def _checkpoint_key(key: str) -> str:
+    """The HF checkpoint name of a (possibly peft-wrapped) parameter name."""
+    key = key.removeprefix("base_model.model.")
+    for wrapper in (".base_layer", ".original_module", ".modules_to_save.default"):
+        key = key.replace(wrapper, "")
+    return key
+
+
+def _full_state_for(model_state: dict[str, torch.Tensor], checkpoint: dict[str, torch.Tensor], path: str):
+    """Rank 0: the full state dict the (possibly peft) model expects, from the checkpoint tensors;
+    fresh LoRA adapters initialised as peft does (A Kaiming-uniform, B zero)."""
+    full = {}
+    for key, value in model_state.items():
+        if ".lora_A." in key:
+            full[key] = torch.nn.init.kaiming_uniform_(torch.empty(value.shape, dtype=value.dtype), a=math.sqrt(5))
+        elif ".lora_B." in key:
+            full[key] = torch.zeros(value.shape, dtype=value.dtype)
+        else:
+            name = _checkpoint_key(key)
+            if name not in checkpoint and name == "lm_head.weight" and "model.embed_tokens.weight" in checkpoint:
+                name = "model.embed_tokens.weight"  # tied embeddings stored once
+            if name not in checkpoint:
+                raise KeyError(f"checkpoint {path!r} has no tensor {name!r} (needed for {key!r})")
+            full[key] = checkpoint[name].to(value.dtype)
+    return full
+
+
 def load_full_weights(model: nn.Module, path: str, device: torch.device | str) -> None:
     """Load an HF checkpoint directory (safetensors) into a model that was built on the meta
-    device and sharded: rank 0 reads the files, every rank receives only its shards.
+    device (optionally wrapped by peft) and sharded: rank 0 reads the files, every rank
+    receives only its shards. LoRA adapters start as peft initialises them.
 
     Peak host memory is one full copy on rank 0 and one shard per rank elsewhere.
     """
     model.to_empty(device=device)
     _reinit_rotary_buffers(model, torch.device(device))
-    full = _read_safetensors(path) if dist.get_rank() == 0 else {}
-    model_keys = set(get_model_state_dict(model).keys()) if dist.get_rank() == 0 else set()
+    full: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
-        missing = model_keys - set(full)
-        if missing:
-            if all(k.endswith("lm_head.weight") for k in missing) and "model.embed_tokens.weight" in full:
-                full["lm_head.weight"] = full["model.embed_tokens.weight"]  # tied in the file
-            else:
-                raise KeyError(f"checkpoint {path!r} lacks {sorted(missing)[:5]} ...")
-        full = {k: v for k, v in full.items() if k in model_keys}
+        full = _full_state_for(get_model_state_dict(model), _read_safetensors(path), path)
     set_model_state_dict(
         model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )

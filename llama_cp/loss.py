@@ -126,7 +126,9 @@ def enable_chunked_loss(model: nn.Module, chunk_size: int = 4096) -> nn.Module:
 
 
 def _loss_forward(original_forward):
-    def forward(self, input_ids=None, position_ids=None, loss_labels=None, **kwargs):
+    def forward(self, input_ids=None, position_ids=None, loss_labels=None, return_correct=False, **kwargs):
+        """With ``loss_labels``: the summed loss, and with ``return_correct`` also a bool tensor
+        like the labels, True where the argmax prediction equals the label (or it is ignored)."""
         if loss_labels is None:
             return original_forward(self, input_ids=input_ids, position_ids=position_ids, **kwargs)
         hidden = self.get_decoder()(
@@ -136,7 +138,14 @@ def _loss_forward(original_forward):
             inputs_embeds=kwargs.get("inputs_embeds"),
             use_cache=False,
         ).last_hidden_state
-        return self.get_output_embeddings()(hidden, labels=loss_labels)
+        head = self.get_output_embeddings()
+        loss = head(hidden, labels=loss_labels)
+        if not return_correct:
+            return loss
+        labeled = loss_labels != IGNORE_INDEX
+        correct = torch.ones_like(loss_labels, dtype=torch.bool)
+        correct[labeled] = head(hidden[labeled]).argmax(-1) == loss_labels[labeled]  # logits of labeled tokens only
+        return loss, correct
 
     return forward
 

@@ -1,0 +1,211 @@
+"""The training configuration: nested dataclasses, YAML presets, flat CLI flags.
+
+Every leaf field has a unique name, which is also its command-line flag
+(``--context_length 8192``), the names llama-recipes uses where it has one.
+A YAML preset may be flat (``context_length: 8192``) or nested by section
+(``data: {context_length: 8192}``); flags override the preset, the preset
+overrides the defaults. An unknown name is an error listing the close matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    model_name: str = "embedded"
+    """Local HF model directory or hub id; "embedded" is the built-in small Llama (no download)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of the gathered parameters: auto = bfloat16 on CUDA, float32 on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (saves most activation memory)."""
+    activation_offload: bool = False
+    """Keep saved activations in CPU memory during forward/backward (the longest runs)."""
+    loss_chunk_size: int = 4096
+    """Tokens per chunk of the chunked cross-entropy (never builds the full logits)."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """HSDP replicas (usually nodes); 1 = plain FSDP."""
+    dp_shard: int = -1
+    """FSDP shards per replica; -1 = the rest of the world size."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split one sequence."""
+    cp_strategy: Literal["ring", "ulysses"] = "ring"
+    """ring (any head count) or ulysses (num_attention_heads % cp == 0)."""
+
+
+@dataclass
+class PeftConfig:
+    use_peft: bool = False
+    """Train LoRA adapters instead of all weights."""
+    lora_r: int = 8
+    """LoRA rank."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator (scale = lora_alpha / lora_r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """Module names that get adapters."""
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "passkey"
+    """passkey (built-in synthetic), a local json/jsonl/parquet/txt file or directory, or a hub id."""
+    context_length: int = 1024
+    """Tokens per row; must be a multiple of 2 x cp."""
+    batch_size: int = 1
+    """Rows per micro-batch per data-parallel rank."""
+    num_passkey_samples: int = 512
+    """Training rows of the passkey task."""
+    num_eval_samples: int = 16
+    """Held-out rows evaluated at each eval."""
+
+
+@dataclass
+class OptimConfig:
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    """adamw (torch) or adamw8bit (bitsandbytes)."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warm-up."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    num_epochs: int = 1
+    """Passes over the training rows (max_steps, when set, wins)."""
+    max_steps: int = 60
+    """Optimizer steps; 0 = num_epochs of the data."""
+    seed: int = 0
+    """Seed of the model init, the data order and the synthetic data."""
+    output_dir: str = "outputs/run"
+    """metrics.jsonl, the loss plot, checkpoints/ and final/ go here."""
+    save_every: int = 0
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Checkpoints to keep."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in output_dir."""
+    eval_every: int = 0
+    """Evaluate every N steps (0 = only at the end)."""
+    log_every: int = 5
+    """Write a metrics row every N steps."""
+
+    SECTIONS: typing.ClassVar[tuple[str, ...]] = ("model", "parallel", "peft", "data", "optim")
+
+    @classmethod
+    def flag_names(cls) -> dict[str, str | None]:
+        """Flag name -> section holding it (None for top-level fields)."""
+        names: dict[str, str | None] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in cls.SECTIONS:
+                for leaf in dataclasses.fields(f.default_factory()):
+                    names[leaf.name] = f.name
+            else:
+                names[f.name] = None
+        return names
+
+    @classmethod
+    def from_flags(cls, config: str | None = None, **flags: Any) -> "TrainConfig":
+        """Defaults <- YAML preset ``config`` <- ``flags``; validates names and types."""
+        values: dict[str, Any] = {}
+        if config is not None:
+            with open(config) as f:
+                preset = yaml.safe_load(f) or {}
+            for key, value in preset.items():
+                if key in cls.SECTIONS and isinstance(value, dict):
+                    values.update(value)
+                else:
+                    values[key] = value
+        values.update(flags)
+        cfg = cls()
+        names = cls.flag_names()
+        for name, value in values.items():
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+                hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
+                raise ValueError(f"unknown flag --{name}{hint} (run with --help for the list)")
+            section = names[name]
+            target = getattr(cfg, section) if section else cfg
+            setattr(target, name, _coerce(type(target), name, value))
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        for section in (self.model, self.parallel, self.peft, self.data, self.optim, self):
+            for f in dataclasses.fields(section):
+                choices = typing.get_args(_field_type(type(section), f.name))
+                if typing.get_origin(_field_type(type(section), f.name)) is Literal:
+                    value = getattr(section, f.name)
+                    if value not in choices:
+                        raise ValueError(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        for name in ("context_length", "batch_size", "gradient_accumulation_steps", "loss_chunk_size", "cp"):
+            section = getattr(self, self.flag_names()[name])
+            if getattr(section, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(section, name)}")
+        multiple = 2 * self.parallel.cp
+        if self.data.context_length % multiple:
+            padded = -(-self.data.context_length // multiple) * multiple
+            raise ValueError(
+                f"--context_length {self.data.context_length} is not a multiple of 2 x cp = {multiple}; "
+                f"use --context_length {padded} (the next multiple)"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _field_type(cls: type, name: str):
+    return typing.get_type_hints(cls)[name]
+
+
+def _coerce(cls: type, name: str, value: Any) -> Any:
+    """Convert a flag value (fire may hand over str, int, tuple) to the field's type."""
+    kind = _field_type(cls, name)
+    origin = typing.get_origin(kind)
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            return float(value)
+        if origin is tuple:
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(str(item).strip() for item in items if str(item).strip())
+        if kind is str or origin is Literal:
+            return str(value) if not isinstance(value, str) else value
+    except (TypeError, ValueError):
+        raise ValueError(f"--{name} expects {getattr(kind, '__name__', kind)}, got {value!r}") from None
+    return value

@@ -1,0 +1,37 @@
+"""TrainConfig: defaults <- YAML preset <- flags, and clear errors."""
+
+import pytest
+
+from llama_cp.config import TrainConfig
+
+
+def test_flags_override_preset_override_defaults(tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("data:\n  context_length: 2048\n  batch_size: 2\ncp: 2\nlr: 0.01\n")
+    cfg = TrainConfig.from_flags(str(preset), batch_size=4, lora_target_modules="q_proj,v_proj", use_peft="true")
+    assert cfg.data.context_length == 2048 and cfg.parallel.cp == 2 and cfg.optim.lr == 0.01
+    assert cfg.data.batch_size == 4
+    assert cfg.peft.use_peft is True and cfg.peft.lora_target_modules == ("q_proj", "v_proj")
+    assert TrainConfig().data.dataset == "passkey"
+
+
+def test_every_flag_is_unique_and_documented():
+    names = TrainConfig.flag_names()
+    assert "context_length" in names and names["context_length"] == "data" and names["max_steps"] is None
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(contxt_length=4096), r"unknown flag --contxt_length; did you mean --context_length\?"),
+        (dict(context_length=100, cp=4), r"--context_length 100 is not a multiple of 2 x cp = 8; use --context_length 104"),
+        (dict(cp_strategy="zigzag"), r"--cp_strategy must be one of ring, ulysses"),
+        (dict(optimizer="sgd"), r"--optimizer must be one of adamw, adamw8bit"),
+        (dict(lr="fast"), r"--lr expects float"),
+        (dict(batch_size=0), r"--batch_size must be >= 1"),
+    ],
+)
+def test_bad_flags_are_clear_errors(flags, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_flags(**flags)
