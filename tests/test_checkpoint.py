@@ -1,0 +1,165 @@
+"""DCP checkpoints, 2 CPU ranks (gloo): exact resume (full and LoRA), keep-last-K, incomplete ones ignored."""
+
+import contextlib
+import functools
+import os
+import random
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
+from torch.distributed.checkpoint import FileSystemReader
+
+from dist_harness import Checks
+from fsdp_checks import build, full_param, global_batch, sharded_step, tiny_model
+from llama_cp import ParallelDims
+from llama_cp.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+
+WORLD_SIZE = 2
+SAVE_AT, TRAIN_AFTER = 2, 2
+checks = Checks()
+
+
+@contextlib.contextmanager
+def shared_tmpdir():
+    """One temporary directory for all ranks, removed by rank 0 at the end."""
+    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    try:
+        yield path[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0])
+
+
+def lora(model, seed: int):
+    config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]
+    )
+    model = get_peft_model(model, config)
+    torch.manual_seed(seed)  # lora_B starts at zero: give the adapters seed-dependent values
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    return model
+
+
+def trainer(dims: dict, model):
+    """Sharded model, AdamW and a warmup-then-decay schedule (the lr changes every step)."""
+    model, mesh = build(ParallelDims(**dims), model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(step + 1, 3) / (step + 1) ** 0.5)
+    return model, mesh, optimizer, scheduler
+
+
+def train(model, mesh, optimizer, scheduler, steps) -> list[float]:
+    losses = []
+    for step in steps:
+        losses.append(sharded_step(model, global_batch(step), mesh).item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def draw_random() -> tuple:
+    """One draw from every RNG a checkpoint restores."""
+    return random.random(), np.random.rand(), torch.rand(3)
+
+
+def check_exact_resume(dims: dict, use_lora: bool):
+    """Train, save, train on; a fresh run that loads the checkpoint trains on identically."""
+    make_model = (lambda seed: lora(tiny_model(), seed)) if use_lora else tiny_model
+    with shared_tmpdir() as output_dir:
+        model, mesh, optimizer, scheduler = trainer(dims, make_model(0))
+        train(model, mesh, optimizer, scheduler, range(SAVE_AT))
+        seed_everything(100 + dist.get_rank())  # each rank its own RNG streams
+        extra = {"data_position": {"epoch": 0, "batches_seen": SAVE_AT}}
+        path = save_checkpoint(output_dir, SAVE_AT, model, optimizer, scheduler=scheduler, extra=extra)
+        draws = draw_random()
+        lr_at_save = scheduler.get_last_lr()
+        losses = train(model, mesh, optimizer, scheduler, range(SAVE_AT, SAVE_AT + TRAIN_AFTER))
+
+        assert path == checkpoint_dir(output_dir, SAVE_AT) and latest_checkpoint(output_dir) == path
+        keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert {k.removeprefix("model.") for k in keys if k.startswith("model.")} == trainable
+        assert all(k.startswith(("model.", "optimizer.")) for k in keys), keys
+        if use_lora:
+            assert trainable and all("lora_" in n or "modules_to_save" in n for n in trainable), trainable
+            assert not any(".base_layer." in k or "original_module" in k for k in keys), keys
+
+        # a fresh run: other trainable weights and other RNG streams until loaded
+        resumed, mesh, optimizer, scheduler = trainer(dims, make_model(1))
+        assert any(
+            not torch.equal(full_param(p), full_param(q))
+            for p, q in zip(resumed.parameters(), model.parameters()) if p.requires_grad
+        )
+        seed_everything(999)
+        state = load_checkpoint(path, resumed, optimizer, scheduler=scheduler)
+        assert state == {"step": SAVE_AT, "extra": extra}, state
+        for got, want in zip(draw_random(), draws):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert scheduler.get_last_lr() == lr_at_save
+        resumed_losses = train(resumed, mesh, optimizer, scheduler, range(SAVE_AT, SAVE_AT + TRAIN_AFTER))
+
+    torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(losses), rtol=0, atol=1e-7)
+    for (name, param), (_, want) in zip(resumed.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(full_param(param), full_param(want), rtol=0, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+for _name, _dims in (("cp2", dict(dp_shard=1, cp=2)), ("dp_shard2", dict(dp_shard=2, cp=1))):
+    checks.add(functools.partial(check_exact_resume, _dims, False), name=f"exact_resume_{_name}")
+    checks.add(functools.partial(check_exact_resume, _dims, True), name=f"exact_resume_lora_{_name}")
+
+
+@checks.add
+def keep_last_and_incomplete_checkpoints_are_ignored():
+    model, _, optimizer, scheduler = trainer(dict(dp_shard=2), tiny_model())
+    save = functools.partial(save_checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, keep_last=2)
+    with shared_tmpdir() as output_dir:
+        root = os.path.join(output_dir, "checkpoints")
+        for step in (1, 2, 3):
+            save(output_dir, step)
+        assert sorted(os.listdir(root)) == ["step_00000002", "step_00000003"]
+        assert latest_checkpoint(output_dir) == checkpoint_dir(output_dir, 3)
+        dist.barrier()  # every rank has looked before rank 0 adds the broken ones
+
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.join(root, ".tmp-step_00000009"))  # a save in progress (marker even)
+            open(os.path.join(root, ".tmp-step_00000009", "COMPLETE"), "w").close()
+            os.makedirs(os.path.join(root, "step_00000008"))  # a save interrupted before its marker
+        dist.barrier()
+        assert latest_checkpoint(output_dir) == checkpoint_dir(output_dir, 3)
+        with pytest.raises(ValueError, match="incomplete"):
+            load_checkpoint(os.path.join(root, "step_00000008"), model, optimizer)
+        with pytest.raises(FileNotFoundError, match="no checkpoint"):
+            load_checkpoint(os.path.join(root, "step_00000042"), model, optimizer)
+        assert latest_checkpoint(os.path.join(output_dir, "nothing here")) is None
+
+        # a run rewound to step 1 keeps what it just wrote, and the newest other one
+        save(output_dir, 1)
+        complete = sorted(n for n in os.listdir(root) if n.startswith("step_") and n != "step_00000008")
+        assert complete == ["step_00000001", "step_00000003"], complete
+        with pytest.raises(ValueError, match="keep_last"):
+            save(output_dir, 4, keep_last=0)
+        dist.barrier()  # every rank has listed before the directory is removed
+
+
+results = checks.module_fixture(__name__, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("name", checks.names)
+def test_check(results, name):
+    checks.assert_passed(results, name)
