@@ -1,0 +1,319 @@
+"""The training loop shared by ``recipes/finetune_longctx.py`` and notebooks.
+
+    from llama_cp import Trainer, TrainConfig
+    Trainer(TrainConfig.from_flags(context_length=8192, cp=2)).fit()
+
+One optimizer step: ``gradient_accumulation_steps`` micro-batches per
+data-parallel rank, each sharded over the cp group; the loss of every
+micro-batch is its summed token loss divided by the valid tokens of the whole
+step (all ranks, all micro-batches), so FSDP's gradient sum is the
+single-process gradient of the mean loss (see ``llama_cp.loss``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from llama_cp.config import TrainConfig
+from llama_cp.cp_attention import apply_context_parallel
+from llama_cp.fsdp_wrap import activation_offload, export_pretrained, load_full_weights, shard_model
+from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
+from llama_cp.mesh import ParallelDims, init_distributed
+from llama_cp.sharding import shard_batch
+
+
+class Trainer:
+    """Builds everything from a :class:`TrainConfig` and trains with :meth:`fit`."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    # ------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.device_type = init_distributed()
+        self.rank = dist.get_rank()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
+        )
+        p = cfg.parallel
+        self.dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp)
+        self.mesh = self.dims.build_mesh(self.device_type)
+        self.tokenizer = self._build_tokenizer()
+        self.model = self._build_model()
+        self.optimizer = self._build_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self._build_data()
+        os.makedirs(cfg.output_dir, exist_ok=True)
+
+    def _build_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        from llama_cp.tokenizer import byte_tokenizer
+
+        if self.cfg.model.model_name == "embedded":
+            return byte_tokenizer()
+        return AutoTokenizer.from_pretrained(self.cfg.model.model_name)
+
+    def _param_dtype(self) -> torch.dtype | None | str:
+        return {"auto": "auto", "float32": None, "bfloat16": torch.bfloat16}[self.cfg.model.dtype]
+
+    def _build_model(self):
+        from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+        from llama_cp.models import embedded_llama_config
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        name = cfg.model.model_name
+        if name == "embedded":
+            # small enough to build on every rank; identical there thanks to the seed
+            model = LlamaForCausalLM(embedded_llama_config()).to(self.device)
+            path = None
+        else:
+            path = name if os.path.isdir(name) else _snapshot(name)
+            with torch.device("meta"):  # no rank ever holds the whole model
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        if cfg.peft.use_peft:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=cfg.peft.lora_r, lora_alpha=cfg.peft.lora_alpha, lora_dropout=cfg.peft.lora_dropout,
+                    target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
+                ),
+            )
+        apply_context_parallel(model, self.mesh["cp"], strategy=cfg.parallel.cp_strategy)
+        enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
+        shard_model(
+            model, self.mesh, param_dtype=self._param_dtype(),
+            activation_checkpointing=cfg.model.activation_checkpointing,
+        )
+        if path is not None:
+            load_full_weights(model, path, device=self.device)
+        return model
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        o = self.cfg.optim
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if o.optimizer == "adamw8bit":
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit(params, lr=o.lr, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+
+    def _build_data(self) -> None:
+        from llama_cp.data import DistributedRowLoader, build_rows
+
+        cfg, dims = self.cfg, self.dims
+        common = dict(tokenizer=self.tokenizer, context_length=cfg.data.context_length, cp=dims.cp, seed=cfg.seed)
+        train_rows = build_rows(cfg.data.dataset, split="train", num_samples=cfg.data.num_passkey_samples, **common)
+        eval_rows = build_rows(cfg.data.dataset, split="eval", num_samples=cfg.data.num_eval_samples, **common)
+        dp_rank, dp_size = self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
+        self.loader = DistributedRowLoader(train_rows, cfg.data.batch_size, dp_rank, dp_size, seed=cfg.seed)
+        # every rank must run the same number of eval forwards (FSDP collectives): whole global batches only
+        per_step = cfg.data.batch_size * dp_size
+        usable = len(eval_rows) // per_step * per_step
+        if usable == 0:
+            raise ValueError(
+                f"{len(eval_rows)} eval rows are fewer than one global batch ({per_step}); "
+                "raise --num_eval_samples or lower --batch_size"
+            )
+        mine = eval_rows[:usable][dp_rank::dp_size]
+        self.eval_batches = [
+            {k: torch.stack([row[k] for row in mine[i : i + cfg.data.batch_size]]) for k in mine[0]}
+            for i in range(0, len(mine), cfg.data.batch_size)
+        ]
+        micro_per_epoch = self.loader.steps_per_epoch
+        steps_per_epoch = max(1, micro_per_epoch // cfg.optim.gradient_accumulation_steps)
+        self.total_steps = cfg.max_steps or steps_per_epoch * cfg.num_epochs
+
+    def _lr_factor(self, step: int) -> float:
+        o = self.cfg.optim
+        if step < o.warmup_steps:
+            return (step + 1) / (o.warmup_steps + 1)
+        progress = min(1.0, (step - o.warmup_steps) / max(1, self.total_steps - o.warmup_steps))
+        if o.lr_scheduler == "cosine":
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        if o.lr_scheduler == "linear":
+            return 1.0 - 0.9 * progress
+        return 1.0
+
+    # ------------------------------------------------------------ loop
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        local = shard_batch(batch, self.mesh["cp"])
+        return {k: v.to(self.device) for k, v in local.items()}
+
+    def _next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        batches = []
+        while len(batches) < self.cfg.optim.gradient_accumulation_steps:
+            try:
+                batches.append(next(self._iterator))
+            except StopIteration:  # end of an epoch: the loader moves on to the next one
+                self._iterator = iter(self.loader)
+        return [self._to_device(b) for b in batches]
+
+    def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
+        start = time.perf_counter()
+        micro = self._next_micro_batches()
+        num_tokens = count_valid_tokens(m["labels"] for m in micro)
+        total = torch.zeros((), device=self.device)
+        for batch in micro:
+            with activation_offload(cfg.model.activation_offload):
+                loss = causal_lm_loss_sum(self.model, batch) / max(num_tokens, 1)
+                loss.backward()
+            total += loss.detach()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if cfg.optim.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        seconds = time.perf_counter() - start
+        global_tokens = cfg.data.context_length * cfg.data.batch_size * len(micro) * self.dims.dp
+        return {
+            "loss": total.item(),
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_sec": global_tokens / seconds,
+            "peak_memory_bytes": self._peak_memory(),
+        }
+
+    def _peak_memory(self) -> int:
+        """Peak memory of the busiest rank: CUDA allocator peak, or process peak RSS on CPU."""
+        if self.device_type == "cuda":
+            value = torch.cuda.max_memory_allocated()
+        else:
+            value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss, and for the passkey task the exact-match accuracy of the answer."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        counts = torch.zeros(2, dtype=torch.float64, device=self.device)  # valid tokens, correct rows
+        for batch in self.eval_batches:
+            local = self._to_device(batch)
+            loss, correct = self.model(
+                input_ids=local["input_ids"], position_ids=local["position_ids"], loss_labels=local["labels"],
+                return_correct=True,
+            )
+            loss_sum += loss.double()
+            counts[0] += (local["labels"] != -100).sum()
+            # a row is right when all its answer tokens are, on every cp rank
+            wrong = (~correct).sum(dim=1).to(torch.float64)
+            dist.all_reduce(wrong, group=self.mesh["cp"].get_group())
+            counts[1] += (wrong == 0).sum()
+        dist.all_reduce(loss_sum)
+        dist.all_reduce(counts[:1])
+        dist.all_reduce(counts[1:], group=self.mesh["dp"].get_group())
+        rows = sum(b["input_ids"].shape[0] for b in self.eval_batches) * self.mesh["dp"].size()
+        result = {"eval_loss": (loss_sum / counts[0].clamp(min=1)).item()}
+        if self.cfg.data.dataset == "passkey":
+            result["passkey_acc"] = counts[1].item() / rows
+        return result
+
+    def fit(self) -> dict[str, Any]:
+        """Train to ``max_steps`` (or ``num_epochs``), evaluate, checkpoint and export. Returns the
+        last metrics row (with the final eval)."""
+        from llama_cp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+        self.setup()
+        cfg = self.cfg
+        step = 0
+        if cfg.resume:
+            path = latest_checkpoint(cfg.output_dir)
+            if path is not None:
+                state = load_checkpoint(path, self.model, self.optimizer, scheduler=self.scheduler)
+                step = state["step"]
+                self.loader.load_state_dict(state["extra"]["loader"])
+        self._iterator = iter(self.loader)
+        metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        if self.rank == 0 and step == 0 and os.path.exists(metrics_path):
+            os.remove(metrics_path)
+        progress = tqdm(total=self.total_steps, initial=step, disable=self.rank != 0, desc="train", unit="step")
+        row: dict[str, Any] = {}
+        while step < self.total_steps:
+            row = {"step": step + 1, **self.train_step()}
+            step += 1
+            progress.update(1)
+            progress.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_sec']:.0f}")
+            last = step == self.total_steps
+            if (cfg.eval_every and step % cfg.eval_every == 0) or last:
+                row.update(self.evaluate())
+            if step % cfg.log_every == 0 or last or "eval_loss" in row:
+                self._log(metrics_path, row)
+            if (cfg.save_every and step % cfg.save_every == 0) or last:
+                save_checkpoint(
+                    cfg.output_dir, step, self.model, self.optimizer, scheduler=self.scheduler,
+                    extra={"loader": self.loader.state_dict()}, keep_last=cfg.keep_last,
+                )
+        progress.close()
+        self.export(os.path.join(cfg.output_dir, "final"))
+        if self.rank == 0:
+            plot_losses(metrics_path, os.path.join(cfg.output_dir, "loss.png"))
+        return row
+
+    def _log(self, path: str, row: dict[str, Any]) -> None:
+        if self.rank == 0:
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+
+    def export(self, path: str) -> None:
+        """``final/``: an HF model directory (full) or a peft adapter (LoRA), with the tokenizer."""
+        if self.rank == 0 and os.path.exists(path):
+            import shutil
+
+            shutil.rmtree(path)  # the previous export of this output_dir
+        dist.barrier()
+        export_pretrained(self.model, path)
+        if self.rank == 0:
+            self.tokenizer.save_pretrained(path)
+
+
+def plot_losses(metrics_path: str, png_path: str) -> None:
+    """Training (and eval) loss against step, from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss")
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def _snapshot(model_id: str) -> str:
+    """Local directory of a hub model id (downloads when online)."""
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])

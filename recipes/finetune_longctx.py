@@ -1,0 +1,22 @@
+"""Long-context fine-tuning of an HF Llama model: context parallelism on FSDP2.
+
+    python -m recipes.finetune_longctx                                   # embedded model, passkey task
+    torchrun --standalone --nproc_per_node 8 -m recipes.finetune_longctx \\
+        --model_name /models/Llama-3.1-8B --context_length 131072 --cp 8 --use_peft
+
+Flags: see the README, or ``llama_cp/config.py`` (one flag per config field).
+"""
+
+import fire
+
+from llama_cp.config import TrainConfig
+from llama_cp.trainer import Trainer
+
+
+def main(config: str | None = None, **flags) -> None:
+    """``--config preset.yaml`` then any flag of :class:`llama_cp.config.TrainConfig`."""
+    Trainer(TrainConfig.from_flags(config, **flags)).fit()
+
+
+if __name__ == "__main__":
+    fire.Fire(main)

@@ -1,0 +1,358 @@
+"""Single-process checks of the byte tokenizer, example formats, packing, passkey rows and the dp loader."""
+
+import json
+import random
+
+import datasets
+import pytest
+import torch
+from tokenizers import pre_tokenizers
+from transformers import AutoTokenizer
+
+from llama_cp import data
+from llama_cp.data import (
+    DistributedRowLoader,
+    build_rows,
+    load_examples,
+    pack_documents,
+    passkey_example,
+    passkey_rows,
+    tokenize_example,
+)
+from llama_cp.tokenizer import _byte_alphabet, byte_tokenizer
+
+IGNORE = -100
+TEXTS = ["plain ascii", "héllo wörld, 日本語 and 🎉", "  leading spaces\n\ttabs\r\n\x00nul", ""]
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo!"},
+    {"role": "user", "content": "bye"},
+    {"role": "assistant", "content": "ciao"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+def trained_text(document, tokenizer) -> str:
+    input_ids, label_mask = document
+    return tokenizer.decode([token for token, trained in zip(input_ids, label_mask) if trained])
+
+
+def row_text(rows, tokenizer) -> str:
+    return tokenizer.decode(torch.cat([row["input_ids"] for row in rows]))  # rows may cut a character's bytes
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_byte_tokenizer_is_one_token_per_byte_and_round_trips(tokenizer):
+    assert set(_byte_alphabet()) == set(pre_tokenizers.ByteLevel.alphabet())
+    assert len(tokenizer) == 259 < 1024
+    assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token) == ("<|pad|>", "<|bos|>", "<|eos|>")
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (256, 257, 258)
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert ids == list(text.encode("utf-8"))  # id == byte value, nothing added by encode
+        assert tokenizer.encode(text, add_special_tokens=True) == ids
+        assert tokenizer.decode(ids) == text
+
+
+def test_byte_tokenizer_saves_and_reloads_with_auto_tokenizer(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    for text in TEXTS:
+        assert reloaded.encode(text) == tokenizer.encode(text)
+        assert reloaded.decode(tokenizer.encode(text)) == text
+    assert (reloaded.pad_token_id, reloaded.bos_token_id, reloaded.eos_token_id) == (256, 257, 258)
+    rendered = reloaded.apply_chat_template(CHAT[1:3], tokenize=False)
+    assert rendered == "<|bos|>user\nhi<|eos|><|bos|>assistant\nyo!<|eos|>"
+    assert reloaded.encode(rendered)[0] == reloaded.bos_token_id  # special tokens in text map to their ids
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def test_text_document_is_bos_text_eos_all_trained(tokenizer):
+    input_ids, label_mask = tokenize_example({"text": "abc"}, tokenizer)
+    assert input_ids == [257, 97, 98, 99, 258]
+    assert label_mask == [False, True, True, True, True]
+    assert tokenize_example({"text": ""}, tokenizer) == ([], [])
+
+
+@pytest.mark.parametrize("extra_input", ["", "1 2"])
+def test_alpaca_prompt_is_masked(tokenizer, extra_input):
+    example = {"instruction": "Add the numbers.", "input": extra_input, "output": "3"}
+    input_ids, label_mask = tokenize_example(example, tokenizer)
+    assert trained_text((input_ids, label_mask), tokenizer) == "3<|eos|>"
+    assert label_mask == [False] * (len(input_ids) - 2) + [True, True]  # the response is the trained suffix
+    assert ("### Input:\n1 2" in tokenizer.decode(input_ids)) == bool(extra_input)
+    assert input_ids[0] == tokenizer.bos_token_id
+
+
+def test_chat_trains_only_assistant_turns_with_template(tokenizer):
+    document = tokenize_example({"messages": CHAT}, tokenizer)
+    assert tokenizer.decode(document[0]) == tokenizer.apply_chat_template(CHAT, tokenize=False)
+    assert trained_text(document, tokenizer) == "yo!<|eos|>ciao<|eos|>"  # not the "<|bos|>assistant\n" headers
+
+
+def test_chat_without_template_renders_role_colon_content():
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = None
+    document = tokenize_example({"messages": CHAT[1:3]}, tokenizer)
+    assert tokenizer.decode(document[0]) == "<|bos|>user: hi\nassistant: yo!\n<|eos|>"
+    assert trained_text(document, tokenizer) == "yo!\n<|eos|>"
+    with pytest.raises(ValueError, match="chat message 0 must be a"):
+        tokenize_example({"messages": [{"text": "hi"}]}, tokenizer)
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def test_packing_shifts_labels_resets_positions_and_pads():
+    # Note [Packed rows]: "abc" and "defghij", L = 8
+    documents = [([1, 2, 3], [False, True, True]), ([4, 5, 6, 7, 8, 9, 10], [False] + [True] * 6)]
+    rows = pack_documents(documents, context_length=8, cp=2, pad_id=0)
+    assert len(rows) == 2
+    for row in rows:
+        assert set(row) == {"input_ids", "labels", "position_ids"}
+        assert all(tensor.shape == (8,) and tensor.dtype == torch.long for tensor in row.values())
+    assert rows[0]["input_ids"].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert rows[0]["labels"].tolist() == [2, 3, IGNORE, 5, 6, 7, 8, 9]  # 3 -> 4 crosses documents; 8 -> 9 crosses rows
+    assert rows[0]["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    assert rows[1]["input_ids"].tolist() == [9, 10, 0, 0, 0, 0, 0, 0]
+    assert rows[1]["labels"].tolist() == [10] + [IGNORE] * 7
+    assert rows[1]["position_ids"].tolist() == list(range(5, 13))  # continuing through the padding
+
+
+def test_packing_labels_match_a_reference_on_random_documents():
+    generator = random.Random(0)
+    documents = []
+    for _ in range(30):
+        length = generator.randint(1, 40)
+        input_ids = [generator.randint(0, 255) for _ in range(length)]
+        documents.append((input_ids, [generator.random() < 0.7 for _ in range(length)]))
+    rows = pack_documents(documents, context_length=24, cp=3)
+    assert all(row["input_ids"].shape == (24,) for row in rows)
+    stream = {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
+    # reference: the target of token t is token t+1 of the same document, when that one is trained
+    expected = [(token, document_index) for document_index, (ids, _) in enumerate(documents) for token in ids]
+    reference_labels = []
+    for ids, mask in documents:
+        reference_labels += [ids[t + 1] if mask[t + 1] else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
+    real = len(expected)
+    assert stream["input_ids"][:real].tolist() == [token for token, _ in expected]
+    assert stream["labels"][:real].tolist() == reference_labels
+    assert (stream["labels"][real:] == IGNORE).all()
+    starts = (stream["position_ids"][:real] == 0).nonzero().flatten().tolist()
+    assert starts == [sum(len(ids) for ids, _ in documents[:i]) for i in range(len(documents))]
+    # no label crosses a document start
+    assert (stream["labels"][torch.tensor(starts[1:]) - 1] == IGNORE).all()
+
+
+def test_context_length_must_be_a_multiple_of_two_cp():
+    documents = [([1, 2, 3], [False, True, True])]
+    message = r"--context_length 100 must be a multiple of 2 x cp = 8.*padded length would be 104.*--context_length 104"
+    with pytest.raises(ValueError, match=message):
+        pack_documents(documents, context_length=100, cp=4)
+    with pytest.raises(ValueError, match="no usable text"):
+        pack_documents([([1, 2, 3], [False, False, False]), ([], [])], context_length=8)
+
+
+# ----------------------------------------------------------------------------- passkey
+
+
+def needle_start(row, tokenizer) -> int:
+    text = tokenizer.decode(row["input_ids"][1:])  # byte tokenizer: character offset == token offset (ASCII)
+    return 1 + text.index("The pass key is")
+
+
+@pytest.mark.parametrize("context_length", [256, 1000, 4096])
+def test_passkey_row_fills_the_context_and_trains_only_the_answer(tokenizer, context_length):
+    row = passkey_example(random.Random(3), context_length, tokenizer)
+    assert all(tensor.shape == (context_length,) for tensor in row.values())
+    assert row["position_ids"].tolist() == list(range(context_length))
+    text = tokenizer.decode(row["input_ids"])
+    key = text[-len("58231<|eos|>") : -len("<|eos|>")]
+    assert key.isdigit() and len(key) == 5
+    assert text.startswith("<|bos|>") and text.endswith(f"What is the pass key? The pass key is {key}<|eos|>")
+    assert f"The pass key is {key}. Remember it. {key} is the pass key. " in text
+    trained = (row["labels"] != IGNORE).nonzero().flatten().tolist()
+    assert trained == list(range(context_length - 7, context_length - 1))  # targets: 5 digits and eos
+    assert tokenizer.decode(row["labels"][trained]) == f"{key}<|eos|>"
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.9, 0.999])
+def test_passkey_key_sits_at_the_requested_depth(tokenizer, depth):
+    context_length = 2048
+    row = passkey_example(random.Random(0), context_length, tokenizer, key=12345, depth=depth)
+    needle = "The pass key is 12345. Remember it. 12345 is the pass key. "
+    question = "What is the pass key? The pass key is "
+    filler = context_length - len(needle) - len(question) - len("12345") - 2  # bos, eos
+    longest_sentence = max(len(sentence) for sentence in data.PASSKEY_FILLER)
+    filler_before = needle_start(row, tokenizer) - 1
+    # the key goes in at the last sentence boundary at or before depth x filler (the first one, for depth 0)
+    assert depth * filler - longest_sentence < filler_before <= max(depth * filler, longest_sentence)
+    text = tokenizer.decode(row["input_ids"])
+    assert text.index("The pass key is 12345.") > 0 and text.count("12345") == 3
+
+
+def test_passkey_rows_are_deterministic_and_train_eval_disjoint(tokenizer):
+    def keys(rows):
+        return [tokenizer.decode(row["input_ids"][-6:-1]) for row in rows]
+
+    train = build_rows("passkey", tokenizer, 256, cp=2, split="train", seed=7, num_samples=40)
+    again = passkey_rows(40, 256, tokenizer, seed=7)
+    evaluation = build_rows("passkey", tokenizer, 256, cp=2, split="eval", seed=7, num_samples=40)
+    assert len(train) == len(evaluation) == 40
+    for row, same in zip(train, again):
+        assert all(torch.equal(row[key], same[key]) for key in row)
+    train_rows = {tuple(row["input_ids"].tolist()) for row in train}
+    assert not train_rows & {tuple(row["input_ids"].tolist()) for row in evaluation}
+    assert keys(train) != keys(evaluation) and len(set(keys(train))) > 30
+    assert keys(passkey_rows(5, 256, tokenizer, seed=8)) != keys(train[:5])
+    examples = load_examples("passkey", seed=7, num_passkey=40)
+    assert [str(key) for key in examples["passkey"]] == keys(train)
+    with pytest.raises(ValueError, match="--context_length 64 is too short for the passkey task"):
+        build_rows("passkey", tokenizer, 64, num_samples=1)
+
+
+# ----------------------------------------------------------------------------- local files
+
+
+def test_local_files_and_directories_load_in_every_format(tokenizer, tmp_path):
+    records = [{"text": f"document {i:02d} " + "x" * i} for i in range(20)]
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    write_jsonl(tmp_path / "data.jsonl", records)
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "data.parquet"))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", records[:10])
+    write_jsonl(folder / "b.jsonl", records[10:])
+    for source in ("data.json", "data.jsonl", "data.parquet", "folder"):
+        train = build_rows(str(tmp_path / source), tokenizer, 64, cp=2, split="train")
+        evaluation = build_rows(str(tmp_path / source), tokenizer, 64, cp=2, split="eval")
+        train_text, eval_text = row_text(train, tokenizer), row_text(evaluation, tokenizer)
+        # 5% of 20 documents: the last one is held out for eval
+        assert train_text.count("<|bos|>document") == 19 and "document 19" not in train_text, source
+        assert eval_text.startswith("<|bos|>document 19 " + "x" * 19 + "<|eos|>"), source
+        assert len(evaluation) == 1 and all(row["input_ids"].shape == (64,) for row in train + evaluation)
+
+
+def test_text_file_is_one_document_and_eval_is_its_tail(tokenizer, tmp_path):
+    body = "".join(f"line {i}: the quick brown fox. 日本\n" for i in range(40))
+    (tmp_path / "book.txt").write_text(body)
+    train = build_rows(str(tmp_path / "book.txt"), tokenizer, 128, split="train")
+    evaluation = build_rows(str(tmp_path / "book.txt"), tokenizer, 128, split="eval")
+    cut = round(0.95 * len(body))
+    assert row_text(train, tokenizer).split("<|pad|>")[0] == f"<|bos|>{body[:cut]}<|eos|>"
+    assert row_text(evaluation, tokenizer).split("<|pad|>")[0] == f"<|bos|>{body[cut:]}<|eos|>"
+
+
+def test_instruction_and_chat_files_mask_prompts(tokenizer, tmp_path):
+    alpaca = [{"instruction": f"Say {i}.", "input": "", "output": f"{i}"} for i in range(10)]
+    chats = [{"messages": CHAT} for _ in range(10)]
+    for name, records, answer in (("alpaca.jsonl", alpaca, "0<|eos|>"), ("chat.jsonl", chats, "yo!<|eos|>")):
+        rows = build_rows(str(write_jsonl(tmp_path / name, records)), tokenizer, 512, split="train")
+        targets = torch.cat([row["labels"] for row in rows])
+        assert tokenizer.decode(targets[targets != IGNORE]).startswith(answer), name
+        assert "Below is an instruction" not in tokenizer.decode(targets[targets != IGNORE])
+
+
+def test_missing_and_unusable_datasets_have_clear_errors(tokenizer, tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match=r"--dataset .*nope\.jsonl"):
+        load_examples(str(missing))
+    with pytest.raises(FileNotFoundError, match=r"--dataset './data/corpus'"):
+        load_examples("./data/corpus")
+    bad = write_jsonl(tmp_path / "qa.jsonl", [{"question": "q", "answer": "a"}] * 3)
+    with pytest.raises(ValueError, match=r"columns \['answer', 'question'\].*text: .*instruction \(alpaca\).*chat: "):
+        load_examples(str(bad))
+    empty = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}] * 4)
+    with pytest.raises(ValueError, match=r"--dataset .*empty\.jsonl.*no usable text"):
+        build_rows(str(empty), tokenizer, 64)
+    with pytest.raises(ValueError, match="--context_length 60 must be a multiple of 2 x cp = 8"):
+        build_rows(str(empty), tokenizer, 60, cp=4)
+
+
+def test_unknown_names_are_tried_as_hub_ids(monkeypatch):
+    def offline(name, *args, **kwargs):
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub")
+
+    monkeypatch.setattr(data.datasets, "load_dataset", offline)
+    with pytest.raises(ConnectionError, match="Couldn't reach 'someone/corpus'") as caught:
+        load_examples("someone/corpus")
+    assert "treated as a HuggingFace hub dataset id" in "".join(getattr(caught.value, "__notes__", [str(caught.value)]))
+
+    # a hub dataset with its own validation split uses it for eval instead of holding out
+    splits = {"train": [f"train {i}" for i in range(4)], "validation": ["held out"]}
+    hub = datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": texts}) for name, texts in splits.items()})
+    monkeypatch.setattr(data.datasets, "load_dataset", lambda name, *args, **kwargs: hub)
+    assert load_examples("someone/corpus", split="train")["text"] == splits["train"]
+    assert load_examples("someone/corpus", split="eval")["text"] == ["held out"]
+
+
+# ----------------------------------------------------------------------------- loader
+
+
+def numbered_rows(count, length=4):
+    """Row i is filled with the value i, so batches show which rows they hold."""
+    return [{"input_ids": torch.full((length,), i), "labels": torch.full((length,), i)} for i in range(count)]
+
+
+def row_numbers(batch):
+    return batch["input_ids"][:, 0].tolist()
+
+
+def test_loader_gives_disjoint_dp_slices_of_the_same_global_order():
+    rows, batch_size, dp_size = numbered_rows(11), 2, 2
+    loaders = [DistributedRowLoader(rows, batch_size, rank, dp_size, seed=5) for rank in range(dp_size)]
+    assert all(loader.steps_per_epoch == 2 for loader in loaders)  # 11 // 4, the last 3 rows dropped
+    order = loaders[0].epoch_order(0).tolist()
+    assert order == loaders[1].epoch_order(0).tolist() and sorted(order) == sorted(set(order))
+    per_rank = [list(loader) for loader in loaders]
+    for step in range(2):
+        batches = [per_rank[rank][step] for rank in range(dp_size)]
+        assert all(batch["input_ids"].shape == (batch_size, 4) for batch in batches)
+        assert row_numbers(batches[0]) + row_numbers(batches[1]) == order[4 * step : 4 * step + 4]
+    assert loaders[0].state_dict() == {"epoch": 1, "batch_index": 0}
+    second_epoch = [row_numbers(batch) for batch in loaders[0]]
+    assert second_epoch != [row_numbers(batch) for batch in per_rank[0]]  # reshuffled
+    assert loaders[0].epoch_order(1).tolist() != order
+
+
+def test_loader_resumes_exactly_from_its_state():
+    rows = numbered_rows(24)
+    reference = DistributedRowLoader(rows, batch_size=3, dp_rank=1, dp_size=2, seed=1)
+    seen, states = [], []
+    for _ in range(4):  # four epochs of 4 steps
+        for batch in reference:
+            states.append(reference.state_dict())
+            seen.append(row_numbers(batch))
+    assert states[3] == {"epoch": 1, "batch_index": 0} and states[5] == {"epoch": 1, "batch_index": 2}
+    for consumed in (1, 4, 6, 9):
+        resumed = DistributedRowLoader(rows, batch_size=3, dp_rank=1, dp_size=2, seed=1)
+        resumed.load_state_dict(states[consumed - 1])
+        remaining = [row_numbers(batch) for batch in resumed]
+        assert remaining == seen[consumed : (consumed // 4 + 1) * 4]  # up to the end of that epoch
+        next_epoch = (consumed // 4 + 1) * 4
+        assert [row_numbers(batch) for batch in resumed] == seen[next_epoch : next_epoch + 4]
+    with pytest.raises(ValueError, match="batch_index=9 is outside this data: 4 batches per epoch"):
+        reference.load_state_dict({"epoch": 0, "batch_index": 9})
+
+
+def test_loader_without_drop_last_and_too_few_rows():
+    loader = DistributedRowLoader(numbered_rows(5), batch_size=2, dp_rank=0, dp_size=2, shuffle=False, drop_last=False)
+    assert loader.steps_per_epoch == 2
+    assert loader.epoch_order(0).tolist() == [0, 1, 2, 3, 4, 0, 1, 2]  # completed from the start
+    assert [row_numbers(batch) for batch in loader] == [[0, 1], [4, 0]]
+    with pytest.raises(ValueError, match=r"3 rows are fewer than one global batch of batch_size\(2\) x dp\(2\) = 4"):
+        DistributedRowLoader(numbered_rows(3), batch_size=2, dp_rank=0, dp_size=2)
