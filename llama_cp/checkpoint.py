@@ -36,7 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 try:
     import numpy as np
@@ -94,8 +100,20 @@ def _state_dict_options(model: nn.Module) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=peft, strict=not peft)
 
 
+def _per_rank_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Optimizers whose state is not in DTensor form (``llama_cp.optim.ShardLocalOptimizer``):
+    each rank saves its own, in ``optimizer_rank{r}.pt``."""
+    return getattr(optimizer, "per_rank_state", False)
+
+
+def _optimizer_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"optimizer_rank{rank}.pt")
+
+
 def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Model and optimizer state keyed by canonical parameter names, tensors sharded as in training."""
+    if _per_rank_optimizer(optimizer):
+        return {"model": get_model_state_dict(model, options=_state_dict_options(model))}
     model_state, optimizer_state = get_state_dict(model, optimizer, options=_state_dict_options(model))
     return {"model": model_state, "optimizer": optimizer_state}
 
@@ -160,6 +178,8 @@ def save_checkpoint(
 
     dcp.save(_training_state(model, optimizer), checkpoint_id=tmp)
     torch.save(_rng_state(), _rng_file(tmp, rank))
+    if _per_rank_optimizer(optimizer):
+        torch.save(optimizer.state_dict(), _optimizer_file(tmp, rank))
     if rank == 0:
         trainer_state = {
             "step": step,
@@ -220,10 +240,21 @@ def load_checkpoint(
 
     state = _training_state(model, optimizer)
     dcp.load(state, checkpoint_id=path)  # in place; fails on any key the checkpoint lacks
-    loaded = set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-        options=_state_dict_options(model),
-    )
+    if _per_rank_optimizer(optimizer):
+        with open(os.path.join(path, COMPLETE_MARKER)) as f:
+            saved_world = json.load(f)["world_size"]
+        if saved_world != dist.get_world_size():
+            raise ValueError(
+                f"checkpoint {path!r} holds per-rank optimizer state of {saved_world} ranks; resume it "
+                f"with the same world size and degrees (now {dist.get_world_size()}) or with --optimizer adamw"
+            )
+        loaded = set_model_state_dict(model, state["model"], options=_state_dict_options(model))
+        optimizer.load_state_dict(torch.load(_optimizer_file(path, dist.get_rank()), weights_only=True))
+    else:
+        loaded = set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+            options=_state_dict_options(model),
+        )
     not_loaded = set(loaded.missing_keys) & set(state["model"])
     if loaded.unexpected_keys or not_loaded:
         raise RuntimeError(

@@ -28,6 +28,7 @@ from llama_cp.cp_attention import apply_context_parallel
 from llama_cp.fsdp_wrap import activation_offload, export_pretrained, load_full_weights, shard_model
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
 from llama_cp.mesh import ParallelDims, init_distributed
+from llama_cp.optim import build_optimizer
 from llama_cp.sharding import shard_batch
 
 
@@ -105,12 +106,7 @@ class Trainer:
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if o.optimizer == "adamw8bit":
-            import bitsandbytes as bnb
-
-            return bnb.optim.AdamW8bit(params, lr=o.lr, weight_decay=o.weight_decay)
-        return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+        return build_optimizer(o.optimizer, self.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
     def _build_data(self) -> None:
         from llama_cp.data import DistributedRowLoader, build_rows

@@ -1,0 +1,177 @@
+"""The recipe end to end: the CLI on 1 and 2 processes, crash + resume, 8-bit AdamW, LoRA export.
+
+CLI runs are subprocesses (plain python and torchrun); the in-process checks run
+in one world-1 gloo process group (dist_harness), like a notebook would.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from dist_harness import Checks
+
+SMALL = [
+    "--context_length", "256", "--num_passkey_samples", "16", "--num_eval_samples", "4",
+    "--max_steps", "4", "--log_every", "1", "--warmup_steps", "1", "--lr", "3e-3",
+]
+
+
+def run_cli(output_dir, *flags, nproc=1, check=True):
+    launcher = [sys.executable, "-m", "recipes.finetune_longctx"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                    "-m", "recipes.finetune_longctx"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*launcher, *SMALL, "--output_dir", str(output_dir), *flags],
+        capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=600,
+    )
+    if check:
+        assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def single_runs(tmp_path_factory):
+    """The single-process reference runs: batch 1 and batch 2 per step."""
+    runs = {}
+    for batch_size in (1, 2):
+        out = tmp_path_factory.mktemp(f"single_b{batch_size}")
+        run_cli(out, "--batch_size", str(batch_size))
+        runs[batch_size] = out
+    return runs
+
+
+def test_single_process_run_writes_everything(single_runs):
+    out = single_runs[1]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "peak_memory_bytes"):
+        assert all(key in r for r in rows), key
+    assert "eval_loss" in rows[-1] and "passkey_acc" in rows[-1]
+    assert os.path.exists(os.path.join(out, "loss.png"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(out, "final"))
+    assert model.config.vocab_size >= len(tokenizer)
+
+
+@pytest.mark.parametrize("flags, reference_batch", [(["--cp", "2"], 1), (["--cp", "2", "--cp_strategy", "ulysses"], 1), (["--dp_shard", "2"], 2)])
+def test_two_processes_match_the_single_process_trajectory(tmp_path, single_runs, flags, reference_batch):
+    run_cli(tmp_path, *flags, nproc=2)
+    got, want = read_metrics(tmp_path), read_metrics(single_runs[reference_batch])
+    for key in ("loss", "grad_norm", "lr"):
+        torch.testing.assert_close(
+            torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in want]), rtol=1e-4, atol=1e-6,
+            msg=lambda m: f"{key}: {m}",
+        )
+    torch.testing.assert_close(got[-1]["eval_loss"], want[-1]["eval_loss"], rtol=1e-4, atol=1e-6)
+
+
+def test_unknown_flag_is_a_clear_error(tmp_path):
+    result = run_cli(tmp_path, "--contex_length", "512", check=False)
+    assert result.returncode != 0
+    assert "unknown flag --contex_length; did you mean --context_length?" in result.stderr
+
+
+# ---------------------------------------------------------------- in-process checks (world 1)
+checks = Checks()
+
+
+def _config(output_dir, **flags):
+    from llama_cp import TrainConfig
+
+    base = dict(context_length=256, num_passkey_samples=16, num_eval_samples=4, max_steps=4, log_every=1,
+                warmup_steps=1, lr=3e-3, output_dir=output_dir)
+    return TrainConfig.from_flags(**{**base, **flags})
+
+
+@checks.add
+def crash_and_resume_continue_the_trajectory():
+    from llama_cp import Trainer
+
+    class CrashAfterTwoSteps(Trainer):
+        def train_step(self):
+            if getattr(self, "_steps_run", 0) == 2:
+                raise KeyboardInterrupt("simulated crash after step 2")
+            self._steps_run = getattr(self, "_steps_run", 0) + 1
+            return super().train_step()
+
+    with tempfile.TemporaryDirectory() as straight, tempfile.TemporaryDirectory() as crashed:
+        Trainer(_config(straight, save_every=2)).fit()
+        with pytest.raises(KeyboardInterrupt):
+            CrashAfterTwoSteps(_config(crashed, save_every=2)).fit()
+        Trainer(_config(crashed, save_every=2, resume=True)).fit()
+        got, want = read_metrics(crashed), read_metrics(straight)
+        assert [r["step"] for r in got] == [1, 2, 3, 4]
+        for g, w in zip(got, want):
+            for key in ("loss", "grad_norm", "lr"):
+                assert abs(g[key] - w[key]) <= 1e-6 * max(1.0, abs(w[key])), (g, w)
+
+
+@checks.add
+def adamw8bit_runs_on_cpu_and_resumes():
+    from llama_cp import Trainer
+
+    with tempfile.TemporaryDirectory() as straight, tempfile.TemporaryDirectory() as resumed:
+        row = Trainer(_config(straight, optimizer="adamw8bit", max_steps=4, save_every=2)).fit()
+        assert row["step"] == 4 and torch.isfinite(torch.tensor(row["loss"]))
+        losses = [r["loss"] for r in read_metrics(straight)]
+        assert losses[-1] < losses[0], losses
+        Trainer(_config(resumed, optimizer="adamw8bit", max_steps=4, save_every=2)).fit()
+        # keep only the step-2 checkpoint and the first two metrics rows, then resume
+        import shutil
+
+        shutil.rmtree(os.path.join(resumed, "checkpoints", "step_00000004"))
+        with open(os.path.join(resumed, "metrics.jsonl")) as f:
+            first_two = f.readlines()[:2]
+        with open(os.path.join(resumed, "metrics.jsonl"), "w") as f:
+            f.writelines(first_two)
+        Trainer(_config(resumed, optimizer="adamw8bit", max_steps=4, save_every=2, resume=True)).fit()
+        got = [r["loss"] for r in read_metrics(resumed)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(losses), rtol=1e-6, atol=1e-7)
+
+
+@checks.add
+def lora_export_reloads_with_peft_and_reproduces_logits():
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from llama_cp import Trainer
+    from llama_cp.models import embedded_llama_config
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(_config(out, use_peft=True, max_steps=3, lr=1e-2))
+        trainer.fit()
+        final = os.path.join(out, "final")
+        assert os.path.exists(os.path.join(final, "adapter_model.safetensors"))
+        torch.manual_seed(0)  # the embedded base model is the seed's random init
+        base = LlamaForCausalLM(embedded_llama_config())
+        reloaded = PeftModel.from_pretrained(base, final)
+        input_ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = trainer.model(input_ids=input_ids).logits
+            got = reloaded(input_ids=input_ids).logits
+            with reloaded.disable_adapter():
+                without_adapter = reloaded(input_ids=input_ids).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert (got - without_adapter).abs().max() > 1e-3, "the adapter did not change the model"
+
+
+results = checks.module_fixture(__name__, 1)
+
+
+@pytest.mark.parametrize("name", checks.names)
+def test_in_process(results, name):
+    checks.assert_passed(results, name)
