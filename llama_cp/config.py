@@ -99,7 +99,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     num_epochs: int = 1
     """Passes over the training rows (max_steps, when set, wins)."""
-    max_steps: int = 60
+    max_steps: int = 200
     """Optimizer steps; 0 = num_epochs of the data."""
     seed: int = 0
     """Seed of the model init, the data order and the synthetic data."""

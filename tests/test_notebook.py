@@ -1,0 +1,103 @@
+"""examples/longctx_lora.ipynb runs top to bottom, and launch() reports a child's failure.
+
+The notebook trains in the kernel's own process, checks its own loss curve and
+adapter files, then runs the same config with ``launch(cfg, nprocs=2)`` at cp=2.
+Here we check what it displayed against what it wrote under ``tmp_path``.
+"""
+
+import ast
+import json
+import math
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from llama_cp.config import TrainConfig
+from llama_cp.launcher import launch
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "longctx_lora.ipynb"
+ROW_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "peak_memory_bytes", "eval_loss", "passkey_acc"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cell(nb, tag: str):
+    (cell,) = [c for c in nb.cells if tag in c.metadata.get("tags", [])]
+    return cell
+
+
+def _displayed_row(cell) -> dict:
+    """The dict a cell displayed as its value (its last expression)."""
+    (result,) = [o for o in cell.outputs if o.output_type == "execute_result"]
+    return ast.literal_eval(result.data["text/plain"])
+
+
+def _stdout(cell) -> str:
+    return "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
+
+
+def _last_logged_row(output_dir: Path) -> dict:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return json.loads(lines[-1])
+
+
+def test_notebook_runs(tmp_path, monkeypatch):
+    nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (pip install -e .[test])")
+    nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (pip install -e .[test])")
+    monkeypatch.setenv("LLAMA_CP_OUTPUT_DIR", str(tmp_path))
+    # the kernel's one-process group binds MASTER_PORT: not the fixed default, which other runs may hold
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+    )
+    client.execute()  # raises CellExecutionError on the first failing cell (the asserts of the check cell too)
+
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert errors == []
+
+    # in-process LoRA run: the displayed row is the last row of metrics.jsonl
+    row = _displayed_row(_cell(nb, "train"))
+    assert set(row) == ROW_KEYS
+    assert row["step"] == 40
+    assert math.isfinite(row["loss"]) and math.isfinite(row["eval_loss"])
+    assert 0.0 <= row["passkey_acc"] <= 1.0
+    assert _last_logged_row(tmp_path / "lora") == row
+    assert len((tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()) == 40  # log_every=1
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / "lora" / "final" / name).is_file()
+    assert (tmp_path / "lora" / "loss.png").is_file()
+    assert "40 steps: mean loss" in _stdout(_cell(nb, "check"))
+
+    # launch(cfg, nprocs=2) at cp=2: rank 0's row came back through the launcher
+    cp_row = _displayed_row(_cell(nb, "launch"))
+    assert set(cp_row) == ROW_KEYS
+    assert cp_row["step"] == 3
+    assert math.isfinite(cp_row["loss"]) and math.isfinite(cp_row["eval_loss"])
+    assert _last_logged_row(tmp_path / "lora_cp2") == cp_row
+    assert (tmp_path / "lora_cp2" / "final" / "adapter_model.safetensors").is_file()
+    assert "cp=2 result:" in _stdout(_cell(nb, "launch"))
+    # same seed, data and warm-up lr: cp=2 must reproduce the one-process run's first steps
+    one_process = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
+    two_process = [json.loads(line) for line in (tmp_path / "lora_cp2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in two_process] == [1, 2, 3]
+    for key in ("loss", "grad_norm", "lr"):
+        torch.testing.assert_close(
+            [r[key] for r in two_process], [r[key] for r in one_process[:3]], rtol=1e-4, atol=0, msg=key
+        )
+
+
+def test_launch_raises_child_error(tmp_path):
+    # cp=2 on a world of one fails in the child's ParallelDims; the caller gets its message
+    cfg = TrainConfig.from_flags(cp=2, context_length=64, max_steps=1, output_dir=str(tmp_path))
+    with pytest.raises(mp.ProcessRaisedException, match=r"world_size\(1\)"):
+        launch(cfg, nprocs=1)
+    assert not (tmp_path / "metrics.jsonl").exists()
