@@ -17,6 +17,7 @@ Flattened views:
 from __future__ import annotations
 
 import os
+import socket
 import warnings
 from dataclasses import dataclass
 
@@ -90,13 +91,20 @@ class ParallelDims:
         return mesh
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed() -> str:
     """Initialise the default process group from torchrun's environment (or as a single
     process) and return the device type: cuda + nccl when CUDA is available, else cpu + gloo."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))  # several runs may share a machine
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
