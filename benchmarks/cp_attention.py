@@ -18,7 +18,6 @@ over ranks. "activations" is the peak of activation + temporary bytes.
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import fire
@@ -30,6 +29,7 @@ from transformers import LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
 from llama_cp.memory import track_peak_memory
+from llama_cp.mesh import free_port
 from llama_cp.models import embedded_llama_config
 
 WORLD_SIZE = 2
@@ -91,9 +91,7 @@ def _worker(rank: int, port: int, seq_lens: list[int], steps: int) -> None:
 def main(seq_lens: str | int | tuple = "2048,4096,8192", steps: int = 2) -> None:
     # fire turns "1024" into an int and "1024,2048" into a tuple
     lengths = [int(x) for x in (seq_lens.split(",") if isinstance(seq_lens, str) else [seq_lens] if isinstance(seq_lens, int) else seq_lens)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.start_processes(_worker, args=(port, lengths, steps), nprocs=WORLD_SIZE, start_method="spawn")
 

@@ -20,7 +20,6 @@ as parameters. Reported as the maximum over ranks.
 
 from __future__ import annotations
 
-import socket
 
 import fire
 import torch
@@ -33,6 +32,7 @@ from llama_cp import (
     shard_batch, shard_model,
 )
 from llama_cp.memory import track_peak_memory
+from llama_cp.mesh import free_port
 from llama_cp.models import embedded_llama_config
 
 WORLD_SIZE = 2
@@ -92,9 +92,7 @@ def main(seq_lens: str | int | tuple = "4096,8192", activation_checkpointing: bo
     if isinstance(seq_lens, str):
         seq_lens = seq_lens.split(",")
     lengths = [int(x) for x in ([seq_lens] if isinstance(seq_lens, int) else seq_lens)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.start_processes(_worker, args=(port, lengths, activation_checkpointing), nprocs=WORLD_SIZE, start_method="spawn")
 
 

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
+from llama_cp.sharding import check_context_length
+
 
 @dataclass
 class ModelConfig:
@@ -168,13 +170,7 @@ class TrainConfig:
             section = getattr(self, self.flag_names()[name])
             if getattr(section, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(section, name)}")
-        multiple = 2 * self.parallel.cp
-        if self.data.context_length % multiple:
-            padded = -(-self.data.context_length // multiple) * multiple
-            raise ValueError(
-                f"--context_length {self.data.context_length} is not a multiple of 2 x cp = {multiple}; "
-                f"use --context_length {padded} (the next multiple)"
-            )
+        check_context_length(self.data.context_length, self.parallel.cp)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -33,6 +33,7 @@ import datasets
 import torch
 
 from llama_cp.loss import IGNORE_INDEX
+from llama_cp.sharding import check_context_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -337,17 +338,6 @@ def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
 #
 # Shifting the whole stream before cutting it keeps the target that crosses a
 # row border (h -> i); a continued document keeps counting its positions.
-
-
-def check_context_length(context_length: int, cp: int) -> None:
-    """ValueError naming the next valid length unless context_length is a positive multiple of 2 x cp."""
-    multiple = 2 * cp
-    if context_length <= 0 or context_length % multiple:
-        padded = max(multiple, -(-context_length // multiple) * multiple)
-        raise ValueError(
-            f"--context_length {context_length} must be a multiple of 2 x cp = {multiple} (each row is split "
-            f"into 2 x cp equal chunks); the padded length would be {padded}: use --context_length {padded}"
-        )
 
 
 def pack_documents(documents: Iterable[Document], context_length: int, cp: int = 1, pad_id: int = 0) -> list[Row]:

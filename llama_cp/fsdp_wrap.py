@@ -27,10 +27,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from llama_cp.models import base_causal_lm
+
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of an HF model (the classes in its ``_no_split_modules``), also under peft."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_causal_lm(model)
     names = set(getattr(base, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
@@ -53,7 +55,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     Uses HF's per-layer checkpointing (``GradientCheckpointingLayer``) so parameter
     names, and with them checkpoints and exports, stay unchanged.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_causal_lm(model)
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x name
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -83,7 +85,7 @@ def apply_fsdp(
     )
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_causal_lm(model)
     head = [base.get_output_embeddings()]
     norm = getattr(base.get_decoder(), "norm", None)
     if norm is not None:
@@ -221,6 +223,8 @@ def export_pretrained(model: nn.Module, output_dir: str) -> None:
     """Write an HF ``save_pretrained`` directory of the sharded ``model`` from rank 0,
     into a temporary directory renamed into place, so a half-written export never
     looks complete."""
+    if os.path.exists(output_dir):  # every rank sees it: all raise before the collective
+        raise FileExistsError(f"{output_dir!r} exists; choose another output directory")
     state = gather_full_state_dict(model)
     if dist.get_rank() == 0:
         parent = os.path.dirname(os.path.abspath(output_dir))
@@ -228,7 +232,5 @@ def export_pretrained(model: nn.Module, output_dir: str) -> None:
         tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
         # a peft model saves its adapter (and modules_to_save) only; a plain model everything
         model.save_pretrained(tmp, state_dict=state)
-        if os.path.exists(output_dir):
-            raise FileExistsError(f"{output_dir!r} exists; choose another output directory")
         os.rename(tmp, output_dir)
     dist.barrier()

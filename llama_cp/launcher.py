@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llama_cp.config import TrainConfig
+from llama_cp.mesh import free_port
 
 _RESULT_FILE = "rank0_metrics.json"
 
@@ -41,7 +41,7 @@ def launch(cfg: TrainConfig, nprocs: int, *, master_port: int | None = None) -> 
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     if torch.cuda.is_available() and nprocs > torch.cuda.device_count():
         raise ValueError(f"nprocs({nprocs}) > visible CUDA devices({torch.cuda.device_count()}): one GPU per process")
-    port = master_port if master_port is not None else _free_port()
+    port = master_port if master_port is not None else free_port()
     with tempfile.TemporaryDirectory(prefix="llama_cp_launch_") as result_dir:
         # the result goes through a file, not a Queue: nothing can block a child's exit
         mp.start_processes(
@@ -73,9 +73,3 @@ def _run_rank(rank: int, cfg: TrainConfig, world_size: int, port: int, result_di
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-def _free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS picks it; the rendezvous binds it right after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama_cp.kernels import accumulation_dtype
+from llama_cp.models import base_causal_lm
 
 IGNORE_INDEX = -100
 
@@ -114,7 +115,7 @@ def enable_chunked_loss(model: nn.Module, chunk_size: int = 4096) -> nn.Module:
     a sharded model. Every Linear inside the head is switched, so peft's
     ``modules_to_save`` copy of ``lm_head`` works too. Works on a peft model.
     """
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal_lm = base_causal_lm(model)
     linears = [m for m in causal_lm.get_output_embeddings().modules() if isinstance(m, nn.Linear)]
     if not linears:
         raise ValueError(f"{type(causal_lm).__name__}'s output embeddings contain no nn.Linear")

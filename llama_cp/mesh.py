@@ -91,7 +91,8 @@ class ParallelDims:
         return mesh
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it; a rendezvous binds it right after)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -104,7 +105,7 @@ def init_distributed() -> str:
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))  # several runs may share a machine
+            os.environ.setdefault("MASTER_PORT", str(free_port()))  # several runs may share a machine
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from torch import nn
 from transformers import LlamaConfig
 
 #: Small enough to train on a 2-core CPU, shaped like Llama 3 (GQA, RoPE theta 500k).
@@ -22,3 +23,8 @@ EMBEDDED_LLAMA = dict(
 def embedded_llama_config(**overrides) -> LlamaConfig:
     """The embedded Llama config; keyword arguments override its fields."""
     return LlamaConfig(**{**EMBEDDED_LLAMA, **overrides})
+
+
+def base_causal_lm(model: nn.Module) -> nn.Module:
+    """The HF causal LM itself: ``model``, or the model a peft wrapper holds."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

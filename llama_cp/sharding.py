@@ -45,6 +45,18 @@ def check_seq_len(seq_len: int, cp_size: int) -> None:
         )
 
 
+def check_context_length(context_length: int, cp: int) -> None:
+    """The ``--context_length`` flag's check: ValueError naming the next valid length unless it
+    is a positive multiple of 2 x cp."""
+    multiple = 2 * cp
+    if context_length <= 0 or context_length % multiple:
+        padded = max(multiple, -(-context_length // multiple) * multiple)
+        raise ValueError(
+            f"--context_length {context_length} must be a multiple of 2 x cp = {multiple} (each row is split "
+            f"into 2 x cp equal chunks); the padded length would be {padded}: use --context_length {padded}"
+        )
+
+
 def zigzag_index(seq_len: int, cp_size: int, cp_rank: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Positions (into the full sequence) of the tokens cp rank ``cp_rank`` keeps, in local order."""
     check_seq_len(seq_len, cp_size)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import tempfile
 import traceback
 from datetime import timedelta
@@ -34,11 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from llama_cp.mesh import free_port
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: str) -> None:
@@ -76,7 +73,7 @@ class Checks:
     def run(self, module_name: str, world_size: int) -> dict[str, list[str | None]]:
         with tempfile.TemporaryDirectory() as out_dir:
             mp.start_processes(
-                _worker, args=(world_size, _free_port(), module_name, out_dir),
+                _worker, args=(world_size, free_port(), module_name, out_dir),
                 nprocs=world_size, start_method="spawn", join=True,
             )
             per_rank = []

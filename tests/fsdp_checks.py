@@ -101,13 +101,22 @@ def assert_grads_equal(model, reference, **tol):
         torch.testing.assert_close(full_grad(param), ref.grad, **(tol or FP32_CLOSE), msg=lambda m: f"{name}: {m}")
 
 
-def check_one_step(dims_kwargs: dict, strategy: str = "ring", offload: bool = False, **shard_options):
-    """Loss and every parameter gradient of one step equal the single-process values."""
+def step_both(
+    dims_kwargs: dict, strategy: str = "ring", micro_batches: int = 1, offload: bool = False, **shard_options
+):
+    """One forward+backward of the same global batch on a single-process reference and on a
+    sharded copy of it. Returns (model, reference, loss, reference loss)."""
     reference = tiny_model()
     model, mesh = build(ParallelDims(**dims_kwargs), copy.deepcopy(reference), strategy, **shard_options)
     batch = global_batch()
     ref_loss = reference_loss(reference, batch)
     ref_loss.backward()
-    loss = sharded_step(model, batch, mesh, offload=offload)
-    torch.testing.assert_close(loss, ref_loss.detach(), **FP32_CLOSE)
+    loss = sharded_step(model, batch, mesh, micro_batches=micro_batches, offload=offload)
+    return model, reference, loss, ref_loss.detach()
+
+
+def check_one_step(dims_kwargs: dict, strategy: str = "ring", offload: bool = False, **shard_options):
+    """Loss and every parameter gradient of one step equal the single-process values."""
+    model, reference, loss, ref_loss = step_both(dims_kwargs, strategy, offload=offload, **shard_options)
+    torch.testing.assert_close(loss, ref_loss, **FP32_CLOSE)
     assert_grads_equal(model, reference)

@@ -16,7 +16,7 @@ from transformers import LlamaForCausalLM
 from dist_harness import Checks
 from fsdp_checks import (
     FP32_CLOSE, assert_grads_equal, build, check_one_step, full_param, global_batch, reference_loss,
-    sharded_step, tiny_config, tiny_model,
+    sharded_step, step_both, tiny_config, tiny_model,
 )
 from llama_cp import ParallelDims
 from llama_cp.fsdp_wrap import export_pretrained, gather_full_state_dict, load_full_weights, shard_model
@@ -91,12 +91,8 @@ checks.add(functools.partial(check_five_adamw_steps, True), name="five_adamw_ste
 
 @checks.add
 def gradient_accumulation_two_micro_steps_equal_one_step():
-    reference = tiny_model()
-    model, mesh = build(ParallelDims(dp_shard=1, cp=4), copy.deepcopy(reference))
-    batch = global_batch()
-    reference_loss(reference, batch).backward()
-    loss = sharded_step(model, batch, mesh, micro_batches=2)
-    torch.testing.assert_close(loss, reference_loss(tiny_model(), batch).detach(), **FP32_CLOSE)
+    model, reference, loss, ref_loss = step_both(dict(dp_shard=1, cp=4), micro_batches=2)
+    torch.testing.assert_close(loss, ref_loss, **FP32_CLOSE)
     assert_grads_equal(model, reference)
 
 
@@ -122,11 +118,7 @@ def per_rank_bytes_are_total_over_dp_shard_x_cp():
 
 @checks.add
 def clipping_uses_the_global_norm():
-    reference = tiny_model()
-    model, mesh = build(ParallelDims(dp_shard=2, cp=2), copy.deepcopy(reference))
-    batch = global_batch()
-    reference_loss(reference, batch).backward()
-    sharded_step(model, batch, mesh)
+    model, reference, _, _ = step_both(dict(dp_shard=2, cp=2))
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.05)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -8,7 +8,6 @@ Here we check what it displayed against what it wrote under ``tmp_path``.
 import ast
 import json
 import math
-import socket
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,6 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "longctx_lora.ipyn
 ROW_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "peak_memory_bytes", "eval_loss", "passkey_acc"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cell(nb, tag: str):
@@ -52,8 +47,6 @@ def test_notebook_runs(tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (pip install -e .[test])")
     nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (pip install -e .[test])")
     monkeypatch.setenv("LLAMA_CP_OUTPUT_DIR", str(tmp_path))
-    # the kernel's one-process group binds MASTER_PORT: not the fixed default, which other runs may hold
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(nb)
     client = nbclient.NotebookClient(
