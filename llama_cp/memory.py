@@ -1,13 +1,53 @@
-"""Tensor-level memory tracking (deterministic on CPU, unlike RSS)."""
+"""Memory as a product: per-rank memory of a training step, measured and planned.
+
+Two uses of one measurement (torch's tensor-level ``FSDPMemTracker``, which
+counts every tensor's bytes by category and is deterministic on CPU):
+
+- :func:`measure_step_memory` tracks one real optimizer step of a sharded model;
+- :func:`simulate_step_memory` runs **the same code** (``Trainer``'s model
+  build and ``optimizer_step``) for one rank of an N-rank job under
+  ``FakeTensorMode`` with torch's ``fake`` process-group backend: tensors carry
+  shapes, dtypes and devices but no storage, collectives do nothing, so one CPU
+  process simulates a rank of an 8-GPU Llama-3-8B job in seconds.
+
+Note [Planning from a few layers]
+=================================
+
+Decoder layers are identical, and FSDP shards each layer's parameters on its
+own, so every category of the step's peak is an affine function of the number
+of layers n (the peak sits in backward, where all n layers' saved activations,
+the sharded state of all n layers and a constant set of root/head tensors are
+alive together)::
+
+    bytes(n) = bytes(2) + (n - 2) * (bytes(3) - bytes(2))
+
+:func:`plan_step_memory` therefore simulates 2 and 3 layers and extrapolates;
+``tests/memory`` checks the extrapolation against a full simulation.
+
+Simulated rank 0 holds the largest FSDP shards (torch pads the last ranks'
+shards, never the first), so it is the busiest rank. Not in the tracked
+numbers: the CUDA context, NCCL's and cuBLAS's workspaces and the caching
+allocator's fragmentation; the planner keeps ``headroom`` of the GPU for them.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
+
+from llama_cp.config import TrainConfig
+
+GiB = 1 << 30
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
 
@@ -35,3 +75,287 @@ def track_peak_memory(
         if device.type == device_type:
             for key, nbytes in device_stats.items():
                 peak[key if isinstance(key, str) else key.value] = nbytes
+
+
+# ----------------------------------------------------------------------------- breakdown
+
+#: FSDPMemTracker's categories grouped into ours.
+_GROUPS = {
+    "parameters": ("Sharded Param", "Unsharded Param", "Buffer"),
+    "gradients": ("Sharded Grad", "Unsharded Grad"),
+    "optimizer": ("OptState",),
+    "activations": ("Activation", "Inputs"),
+    "temporary": ("Temp",),
+    "communication": ("All Gather", "Reduce Scatter"),
+}
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes of one rank at the peak of a training step, by category.
+
+    ``parameters``: sharded parameters + gathered (unsharded) parameters alive at
+    the peak + buffers; ``gradients``: sharded and unsharded gradients;
+    ``optimizer``: optimizer state; ``activations``: tensors saved for backward
+    (and the batch); ``temporary``: short-lived tensors of backward;
+    ``communication``: FSDP all-gather / reduce-scatter buffers. ``total`` is
+    their sum, the tracked peak.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    temporary: int
+    communication: int
+    total: int
+
+    @classmethod
+    def from_snapshot(cls, snapshot: dict) -> "MemoryBreakdown":
+        """From one device's ``FSDPMemTracker.get_tracker_snapshot("peak")`` entry."""
+        by_name = {(k if isinstance(k, str) else k.value): v for k, v in snapshot.items()}
+        values = {name: sum(by_name.get(k, 0) for k in keys) for name, keys in _GROUPS.items()}
+        return cls(**values, total=by_name.get("Total", sum(values.values())))
+
+    def extrapolate(self, other: "MemoryBreakdown", steps: int) -> "MemoryBreakdown":
+        """``self + steps * (other - self)``, field by field (Note [Planning from a few layers])."""
+        return MemoryBreakdown(**{
+            f.name: getattr(self, f.name) + steps * (getattr(other, f.name) - getattr(self, f.name))
+            for f in dataclasses.fields(self)
+        })
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- models
+
+#: Model shapes the planner knows by name (the HF configs' fields that matter for memory).
+MODEL_PRESETS: dict[str, dict] = {
+    "llama3-8b": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False,
+    ),
+    "llama3-70b": dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False,
+    ),
+    "llama2-7b": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, rope_theta=10000.0, tie_word_embeddings=False,
+    ),
+    "llama3.2-1b": dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def load_model_config(model_name: str):
+    """The HF config of ``model_name``: "embedded", a preset of ``MODEL_PRESETS``, or a local
+    directory with a config.json."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from llama_cp.models import embedded_llama_config
+
+    if model_name == "embedded":
+        return embedded_llama_config()
+    if model_name in MODEL_PRESETS:
+        return LlamaConfig(max_position_embeddings=1 << 24, **MODEL_PRESETS[model_name])
+    if os.path.isfile(os.path.join(model_name, "config.json")):
+        return AutoConfig.from_pretrained(model_name)
+    raise ValueError(
+        f"--model_name {model_name!r} is neither a preset ({', '.join(['embedded', *MODEL_PRESETS])}) "
+        "nor a local directory with a config.json"
+    )
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Make the optimizer allocate its state (as its first step does) without a forward/backward."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure_step_memory(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
+    num_tokens: int, *, max_grad_norm: float,
+) -> MemoryBreakdown:
+    """Peak memory of this rank during one ``Trainer`` optimizer step (``optimizer_step``) of a
+    model built by ``parallelize_model``, with its optimizer state already allocated."""
+    from llama_cp.trainer import optimizer_step
+
+    tracker = FSDPMemTracker(model, optimizer)
+    tracker.track_inputs(tuple(micro_batches))
+    with tracker:
+        optimizer_step(model, optimizer, micro_batches, num_tokens, max_grad_norm=max_grad_norm)
+    device = micro_batches[0]["input_ids"].device
+    return MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak").get(device, {}))
+
+
+# ----------------------------------------------------------------------------- simulating
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int) -> Iterator[None]:
+    """The default process group as torch's ``fake`` backend: this process is rank 0 of
+    ``world_size``, and every collective returns at once without moving data."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "the memory planner simulates a whole job in one process and needs torch.distributed "
+            "uninitialised: plan in a separate process (python -m recipes.plan_memory ...)"
+        )
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def plan_param_dtype(cfg: TrainConfig) -> torch.dtype | None:
+    """The compute dtype of a GPU run of ``cfg``: "auto" is bf16 there (``shard_model``)."""
+    return {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": None}[cfg.model.dtype]
+
+
+def simulate_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None) -> MemoryBreakdown:
+    """Peak memory of the busiest rank of a ``world_size``-rank job training ``cfg``, simulated in
+    this process with fake tensors (no memory is allocated, no other process is needed).
+
+    Runs the trainer's own path: the HF model built on the meta device (as for real
+    checkpoints) -> ``parallelize_model`` (LoRA, CP attention, chunked loss, FSDP2,
+    checkpointing) -> materialised as fake tensors -> ``optimizer_step`` on
+    ``gradient_accumulation_steps`` cp-sharded micro-batches of ``batch_size`` rows of
+    ``context_length`` tokens, tracked by ``FSDPMemTracker``. ``model_config`` (an HF
+    config) overrides ``cfg.model.model_name``.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from llama_cp.fsdp_wrap import _reinit_rotary_buffers
+    from llama_cp.mesh import ParallelDims
+    from llama_cp.optim import build_optimizer
+    from llama_cp.sharding import shard_batch
+    from llama_cp.trainer import parallelize_model
+
+    config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
+    p, o = cfg.parallel, cfg.optim
+    if cfg.model.activation_offload:
+        raise ValueError("the planner does not model --activation_offload (saved activations in host memory)")
+    dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, world_size=world_size)
+    cpu = torch.device("cpu")
+    with _fake_world(world_size):
+        mesh = dims.build_mesh("cpu")  # outside the fake mode: the mesh reads real rank tensors
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        model = parallelize_model(model, cfg, mesh, param_dtype=plan_param_dtype(cfg))
+        # meta -> fake: the sharded parameters get fake storage of their real size
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device=cpu)
+            _reinit_rotary_buffers(model, cpu)
+            optimizer = build_optimizer(o.optimizer, model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+            create_optimizer_state(model, optimizer)
+            shape = (cfg.data.batch_size, cfg.data.context_length)
+            micro = []
+            for _ in range(o.gradient_accumulation_steps):
+                ids = torch.zeros(shape, dtype=torch.long)
+                micro.append(shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh["cp"]))
+            num_tokens = cfg.data.batch_size * cfg.data.context_length * o.gradient_accumulation_steps * dims.dp
+            return measure_step_memory(model, optimizer, micro, num_tokens, max_grad_norm=o.max_grad_norm)
+
+
+#: Layer counts simulated for the extrapolation (Note [Planning from a few layers]).
+_FEW_LAYERS = (2, 3)
+
+
+def plan_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None) -> MemoryBreakdown:
+    """:func:`simulate_step_memory` for the whole model, from simulations of 2 and 3 layers
+    (Note [Planning from a few layers]); models of at most 3 layers are simulated whole."""
+    config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
+    layers = config.num_hidden_layers
+    if layers <= _FEW_LAYERS[-1]:
+        return simulate_step_memory(cfg, world_size, model_config=config)
+    few = []
+    for n in _FEW_LAYERS:
+        small = copy.deepcopy(config)
+        small.num_hidden_layers = n
+        few.append(simulate_step_memory(cfg, world_size, model_config=small))
+    return few[0].extrapolate(few[1], layers - _FEW_LAYERS[0])
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def usable_bytes(gpu_memory_gb: float, headroom: float) -> int:
+    """Bytes of a GPU of ``gpu_memory_gb`` GiB left to tensors after ``headroom`` (a fraction,
+    for the CUDA context, NCCL/cuBLAS workspaces and the allocator's fragmentation)."""
+    if not 0 <= headroom < 1:
+        raise ValueError(f"--headroom is a fraction of the GPU memory in [0, 1), got {headroom}")
+    return int(gpu_memory_gb * GiB * (1.0 - headroom))
+
+
+def with_context(cfg: TrainConfig, context_length: int, **parallel) -> TrainConfig:
+    """A copy of ``cfg`` with another context length (and optionally other parallel degrees)."""
+    new = copy.deepcopy(cfg)
+    new.data.context_length = context_length
+    for name, value in parallel.items():
+        setattr(new.parallel, name, value)
+    return new
+
+
+def find_max_context(
+    cfg: TrainConfig, world_size: int, budget_bytes: int, *, model_config=None, limit: int = 1 << 26,
+) -> tuple[int, MemoryBreakdown | None]:
+    """The largest context length, a multiple of 2 x cp, whose planned peak per rank fits in
+    ``budget_bytes``, and its breakdown; (0, None) when even 2 x cp tokens do not fit.
+
+    Memory grows with the context length and is close to affine in it, so the search first
+    plans two lengths and solves the line for a guess, then gallops from the guess to a
+    bracket [fits, does not fit] and bisects it: about a dozen plans instead of the ~30 of a
+    bisection from scratch, with the same answer. ``limit`` caps the search.
+    """
+    config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
+    step = 2 * cfg.parallel.cp  # the context is searched in units of 2 x cp tokens
+    cache: dict[int, MemoryBreakdown] = {}
+
+    def plan(units: int) -> MemoryBreakdown:
+        if units not in cache:
+            cache[units] = plan_step_memory(with_context(cfg, units * step), world_size, model_config=config)
+        return cache[units]
+
+    def fits(units: int) -> bool:
+        return plan(units).total <= budget_bytes
+
+    max_units = limit // step
+    if not fits(1):
+        return 0, None
+    # the line through two plans -> a first guess
+    a, b = max(1, 8192 // step), max(2, 16384 // step)
+    slope = (plan(b).total - plan(a).total) / (b - a)
+    guess = max_units if slope <= 0 else int(a + (budget_bytes - plan(a).total) / slope)
+    guess = min(max(guess, 1), max_units)
+    # gallop from the guess: low fits, high does not (or is past the limit)
+    low, high, stride = guess, guess + 1, 1
+    if fits(low):
+        while high <= max_units and fits(high):
+            low, high, stride = high, high + 2 * stride, 2 * stride
+        high = min(high, max_units + 1)
+    else:
+        high = low
+        while True:
+            low = max(1, high - stride)
+            if fits(low):
+                break
+            high, stride = low, 2 * stride
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low * step, plan(low)

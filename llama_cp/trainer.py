@@ -84,22 +84,7 @@ class Trainer:
             path = name if os.path.isdir(name) else _snapshot(name)
             with torch.device("meta"):  # no rank ever holds the whole model
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-        if cfg.peft.use_peft:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=cfg.peft.lora_r, lora_alpha=cfg.peft.lora_alpha, lora_dropout=cfg.peft.lora_dropout,
-                    target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
-                ),
-            )
-        apply_context_parallel(model, self.mesh["cp"], strategy=cfg.parallel.cp_strategy)
-        enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
-        shard_model(
-            model, self.mesh, param_dtype=self._param_dtype(),
-            activation_checkpointing=cfg.model.activation_checkpointing,
-        )
+        model = parallelize_model(model, cfg, self.mesh, param_dtype=self._param_dtype())
         if path is not None:
             load_full_weights(model, path, device=self.device)
         return model
@@ -164,22 +149,12 @@ class Trainer:
         start = time.perf_counter()
         micro = self._next_micro_batches()
         num_tokens = count_valid_tokens(m["labels"] for m in micro)
-        total = torch.zeros((), device=self.device)
-        for batch in micro:
-            with activation_offload(cfg.model.activation_offload):
-                loss = causal_lm_loss_sum(self.model, batch) / max(num_tokens, 1)
-                loss.backward()
-            total += loss.detach()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if cfg.optim.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        total, grad_norm = optimizer_step(
+            self.model, self.optimizer, micro, num_tokens,
+            max_grad_norm=cfg.optim.max_grad_norm, offload=cfg.model.activation_offload,
+        )
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(total)
         seconds = time.perf_counter() - start
         global_tokens = cfg.data.context_length * cfg.data.batch_size * len(micro) * self.dims.dp
@@ -284,6 +259,61 @@ class Trainer:
         export_pretrained(self.model, path)
         if self.rank == 0:
             self.tokenizer.save_pretrained(path)
+
+
+def parallelize_model(
+    model: torch.nn.Module, cfg: TrainConfig, mesh, *, param_dtype: torch.dtype | None | str = "auto"
+) -> torch.nn.Module:
+    """Turn an HF causal LM (real or on the meta device) into the model the trainer runs, in
+    this order: LoRA adapters (peft, with ``--use_peft``) -> context-parallel attention over
+    ``mesh["cp"]`` -> the chunked loss path -> FSDP2 over ``dp_shard x cp`` (with activation
+    checkpointing when asked). Returns the (possibly peft-wrapped) model."""
+    if cfg.peft.use_peft:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=cfg.peft.lora_r, lora_alpha=cfg.peft.lora_alpha, lora_dropout=cfg.peft.lora_dropout,
+                target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
+            ),
+        )
+    apply_context_parallel(model, mesh["cp"], strategy=cfg.parallel.cp_strategy)
+    enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
+    shard_model(
+        model, mesh, param_dtype=param_dtype, activation_checkpointing=cfg.model.activation_checkpointing
+    )
+    return model
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[dict[str, torch.Tensor]],
+    num_tokens: int,
+    *,
+    max_grad_norm: float,
+    offload: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step of this rank: forward+backward of each (cp-sharded) micro-batch with
+    its summed loss divided by ``num_tokens`` (the valid tokens of the whole step, all ranks),
+    clip, step, zero the gradients. Returns (this rank's share of the mean loss, the global
+    gradient norm before clipping). The memory planner simulates exactly this function."""
+    total = torch.zeros((), device=micro_batches[0]["input_ids"].device)
+    for batch in micro_batches:
+        with activation_offload(offload):
+            loss = causal_lm_loss_sum(model, batch) / max(num_tokens, 1)
+            loss.backward()
+        total += loss.detach()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if max_grad_norm > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, grad_norm
 
 
 def plot_losses(metrics_path: str, png_path: str) -> None:

@@ -1,0 +1,161 @@
+"""Does a long-context fine-tune fit, and how long can the context be? Plans one rank's memory.
+
+    python -m recipes.plan_memory --model_name llama3-8b --context_length 131072 --num_gpus 8 --cp 8 --use_peft
+    python -m recipes.plan_memory --model_name llama3-8b --num_gpus 8 --cp 8 --find_max_context
+    python -m recipes.plan_memory --model_name llama3-8b --use_peft --plot max_context.png
+
+Runs the trainer's own model build and optimizer step for one simulated rank under fake
+tensors (``llama_cp.memory``), in seconds on a CPU. Training flags are the trainer's
+(``llama_cp/config.py``, also from ``--config preset.yaml``); the planner adds:
+
+    --num_gpus          world size of the planned job (default 8)
+    --gpu_memory_gb     memory of one GPU in GiB (default 80)
+    --headroom          fraction of it kept free for the CUDA context, NCCL and fragmentation (0.1)
+    --find_max_context  also search the largest context that fits (a multiple of 2 x cp)
+    --plot PATH         PNG: max context vs number of GPUs (1..32), FSDP only vs FSDP + CP
+    --json              print one JSON object as the last line
+"""
+
+from __future__ import annotations
+
+import json as json_lib
+
+import fire
+
+from llama_cp.config import TrainConfig
+from llama_cp.memory import GiB, MemoryBreakdown, find_max_context, load_model_config, plan_step_memory, usable_bytes
+from llama_cp.mesh import ParallelDims
+
+#: Planner defaults where they differ from the trainer's (flags and --config override them).
+PLAN_DEFAULTS = {"model_name": "llama3-8b", "context_length": 131072}
+
+PLOT_GPUS = (1, 2, 4, 8, 16, 32)
+
+
+def build_config(config: str | None, num_gpus: int, flags: dict) -> TrainConfig:
+    """The TrainConfig of the planned job; its degrees checked against ``--num_gpus``."""
+    if config is None:
+        flags = {**PLAN_DEFAULTS, **flags}
+    cfg = TrainConfig.from_flags(config, **flags)
+    p = cfg.parallel
+    try:
+        ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, world_size=num_gpus)
+    except ValueError as error:
+        raise ValueError(f"--num_gpus {num_gpus} does not match the parallel degrees: {error}") from None
+    return cfg
+
+
+def describe(cfg: TrainConfig, num_gpus: int) -> str:
+    p, m = cfg.parallel, cfg.model
+    dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, world_size=num_gpus)
+    tuning = f"LoRA r={cfg.peft.lora_r}" if cfg.peft.use_peft else "full fine-tune"
+    return (
+        f"{m.model_name}, {tuning}, {cfg.data.context_length} tokens x batch {cfg.data.batch_size}, "
+        f"{num_gpus} GPUs = dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} "
+        f"({p.cp_strategy}), dtype {m.dtype}, activation checkpointing {'on' if m.activation_checkpointing else 'off'}, "
+        f"{cfg.optim.optimizer}"
+    )
+
+
+def table(plan: MemoryBreakdown, budget: int, gpu_memory_gb: float, headroom: float) -> str:
+    rows = [(name, value) for name, value in plan.to_dict().items() if name != "total"]
+    lines = [f"  {name:<14}{value / GiB:>10.2f} GiB" for name, value in rows]
+    verdict = "fits" if plan.total <= budget else "does NOT fit"
+    lines.append(f"  {'total':<14}{plan.total / GiB:>10.2f} GiB  per rank (peak)")
+    lines.append(
+        f"  {verdict} in {budget / GiB:.2f} GiB ({gpu_memory_gb:g} GiB GPU, {headroom:.0%} kept for "
+        "CUDA context, NCCL and fragmentation)"
+    )
+    return "\n".join(lines)
+
+
+def plot_max_context(cfg: TrainConfig, budget: int, path: str, gpu_memory_gb: float) -> list[dict]:
+    """Max context vs number of GPUs: FSDP only (cp=1, every GPU shards parameters) vs
+    FSDP + CP (cp = number of GPUs). Returns the points and writes the PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    config = load_model_config(cfg.model.model_name)
+    points = []
+    for gpus in PLOT_GPUS:
+        for layout, cp in (("FSDP only", 1), ("FSDP + CP", gpus)):
+            if layout == "FSDP + CP" and cfg.parallel.cp_strategy == "ulysses" and config.num_attention_heads % cp:
+                continue
+            planned = TrainConfig.from_flags(**{**_flat(cfg), "cp": cp, "dp_shard": -1, "dp_replicate": 1})
+            length, _ = find_max_context(planned, gpus, budget, model_config=config)
+            points.append({"num_gpus": gpus, "layout": layout, "max_context_length": length})
+            print(f"  {gpus:>3} GPUs  {layout:<10} max context {length:>10,}", flush=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for layout, style in (("FSDP only", "s--"), ("FSDP + CP", "o-")):
+        xs = [p["num_gpus"] for p in points if p["layout"] == layout]
+        ys = [p["max_context_length"] / 1024 for p in points if p["layout"] == layout]
+        ax.plot(xs, ys, style, label=layout)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(PLOT_GPUS, [str(g) for g in PLOT_GPUS])
+    ax.set_xlabel(f"GPUs ({gpu_memory_gb:g} GiB each)")
+    ax.set_ylabel("max context (K tokens)")
+    tuning = "LoRA" if cfg.peft.use_peft else "full fine-tune"
+    ckpt = ", activation checkpointing" if cfg.model.activation_checkpointing else ""
+    ax.set_title(f"{cfg.model.model_name} {tuning}{ckpt}: planned max context")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return points
+
+
+def _flat(cfg: TrainConfig) -> dict:
+    """The config as flat flags (for a modified copy through ``from_flags``)."""
+    flat = {}
+    for section in TrainConfig.SECTIONS:
+        flat.update(getattr(cfg, section).__dict__)
+    return flat
+
+
+def main(
+    config: str | None = None,
+    num_gpus: int = 8,
+    gpu_memory_gb: float = 80.0,
+    headroom: float = 0.1,
+    find_max_context: bool = False,
+    plot: str | None = None,
+    json: bool = False,
+    **flags,
+) -> None:
+    """Plan one rank's peak memory; see the module docstring for the flags."""
+    find = find_max_context
+    cfg = build_config(config, num_gpus, flags)
+    budget = usable_bytes(gpu_memory_gb, headroom)
+    config_hf = load_model_config(cfg.model.model_name)
+    plan = plan_step_memory(cfg, num_gpus, model_config=config_hf)
+    print(describe(cfg, num_gpus))
+    print(table(plan, budget, gpu_memory_gb, headroom))
+    result = {
+        "per_rank_bytes": plan.to_dict(),
+        "fits": plan.total <= budget,
+        "gpu_memory_bytes": int(gpu_memory_gb * GiB),
+        "usable_bytes": budget,
+    }
+    if find:
+        from llama_cp.memory import find_max_context as search
+
+        length, at_max = search(cfg, num_gpus, budget, model_config=config_hf)
+        result["max_context_length"] = length
+        if at_max is None:
+            print("max context: not even the shortest context fits")
+        else:
+            print(f"max context: {length:,} tokens ({at_max.total / GiB:.2f} GiB per rank)")
+    if plot:
+        print(f"max context vs GPUs ({'LoRA' if cfg.peft.use_peft else 'full'}):")
+        result["plot"] = plot_max_context(cfg, budget, plot, gpu_memory_gb)
+        print(f"wrote {plot}")
+    if json:
+        print(json_lib.dumps(result))
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
