@@ -14,15 +14,22 @@ Note [Planning from a few layers]
 =================================
 
 Decoder layers are identical, and FSDP shards each layer's parameters on its
-own, so every category of the step's peak is an affine function of the number
-of layers n (the peak sits in backward, where all n layers' saved activations,
-the sharded state of all n layers and a constant set of root/head tensors are
-alive together)::
+own, so within one phase of a step every category of that phase's peak is an
+affine function of the number of layers n:
 
-    bytes(n) = bytes(2) + (n - 2) * (bytes(3) - bytes(2))
+- forward+backward: the peak sits at the loss or in backward, where all n
+  layers' saved activations, the sharded state of all n layers and a constant
+  set of root/head tensors are alive together;
+- optimizer (clipping + step): all n layers' sharded gradients and states and
+  the foreach temporaries, which are proportional to them.
 
-:func:`plan_step_memory` therefore simulates 2 and 3 layers and extrapolates;
-``tests/memory`` checks the extrapolation against a full simulation.
+    bytes_phase(n) = bytes_phase(2) + (n - 2) * (bytes_phase(3) - bytes_phase(2))
+
+The step's peak is the larger of the two phases, and which one wins can change
+with n (many layers of small activations: the optimizer), so the phases are
+tracked and extrapolated apart (``measure_step_memory``) and compared after.
+:func:`plan_step_memory` simulates 2 and 3 layers; ``tests/memory`` checks
+the extrapolation against full simulations.
 
 Simulated rank 0 holds the largest FSDP shards (torch pads the last ranks'
 shards, never the first), so it is the busiest rank. Not in the tracked
@@ -35,7 +42,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -46,6 +55,9 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from llama_cp.config import TrainConfig
+
+# transformers deprecates the name it still calls while checkpointing is set up: not ours to fix
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 GiB = 1 << 30
 
@@ -109,23 +121,29 @@ class MemoryBreakdown:
     temporary: int
     communication: int
     total: int
+    tracked: dict[str, int] = dataclasses.field(default_factory=dict, compare=False)
+    """FSDPMemTracker's own categories ("Sharded Param", "Unsharded Param", ...) at the peak."""
 
     @classmethod
     def from_snapshot(cls, snapshot: dict) -> "MemoryBreakdown":
         """From one device's ``FSDPMemTracker.get_tracker_snapshot("peak")`` entry."""
         by_name = {(k if isinstance(k, str) else k.value): v for k, v in snapshot.items()}
         values = {name: sum(by_name.get(k, 0) for k in keys) for name, keys in _GROUPS.items()}
-        return cls(**values, total=by_name.get("Total", sum(values.values())))
+        return cls(**values, total=by_name.get("Total", sum(values.values())), tracked=by_name)
 
     def extrapolate(self, other: "MemoryBreakdown", steps: int) -> "MemoryBreakdown":
         """``self + steps * (other - self)``, field by field (Note [Planning from a few layers])."""
-        return MemoryBreakdown(**{
-            f.name: getattr(self, f.name) + steps * (getattr(other, f.name) - getattr(self, f.name))
-            for f in dataclasses.fields(self)
-        })
+        def line(a: int, b: int) -> int:
+            return a + steps * (b - a)
+
+        values = {name: line(getattr(self, name), getattr(other, name)) for name in self.to_dict()}
+        keys = self.tracked.keys() | other.tracked.keys()
+        tracked = {k: line(self.tracked.get(k, 0), other.tracked.get(k, 0)) for k in keys}
+        return MemoryBreakdown(**values, tracked=tracked)
 
     def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        """The categories and the total (``tracked`` left out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tracked"}
 
 
 # ----------------------------------------------------------------------------- models
@@ -174,29 +192,49 @@ def load_model_config(model_name: str):
 # ----------------------------------------------------------------------------- measuring
 
 
-def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Make the optimizer allocate its state (as its first step does) without a forward/backward."""
+
+def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
+    """Run the optimizer phase of a step once on zero gradients, without a forward/backward:
+    the optimizer allocates its state as its first step would, and DTensor's sharding
+    propagation for clipping and the step is cached, so that its first-call bookkeeping
+    (which runs under a fake mode of its own) is not mistaken for memory of a tracked step."""
+    from llama_cp.trainer import apply_gradients
+
     for param in model.parameters():
         if param.requires_grad:
             param.grad = torch.zeros_like(param)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    apply_gradients(model, optimizer, max_grad_norm=max_grad_norm)
 
 
 def measure_step_memory(
     model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
     num_tokens: int, *, max_grad_norm: float,
-) -> MemoryBreakdown:
-    """Peak memory of this rank during one ``Trainer`` optimizer step (``optimizer_step``) of a
-    model built by ``parallelize_model``, with its optimizer state already allocated."""
-    from llama_cp.trainer import optimizer_step
+) -> dict[str, MemoryBreakdown]:
+    """Peak memory of this rank in each phase of one ``Trainer`` optimizer step of a model
+    built by ``parallelize_model`` (its optimizer state already allocated):
+    ``{"forward_backward": ..., "optimizer": ...}`` (Note [Planning from a few layers]).
+    :func:`step_peak` picks the step's peak."""
+    from llama_cp.trainer import apply_gradients, forward_backward
 
+    device = micro_batches[0]["input_ids"].device
+    phases = {}
     tracker = FSDPMemTracker(model, optimizer)
     tracker.track_inputs(tuple(micro_batches))
+    gc.collect()  # no garbage of earlier steps in the tracked peak
     with tracker:
-        optimizer_step(model, optimizer, micro_batches, num_tokens, max_grad_norm=max_grad_norm)
-    device = micro_batches[0]["input_ids"].device
-    return MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak").get(device, {}))
+        forward_backward(model, micro_batches, num_tokens)
+    phases["forward_backward"] = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak").get(device, {}))
+    tracker = FSDPMemTracker(model, optimizer)  # picks up the sharded gradients and the state
+    gc.collect()
+    with tracker:
+        apply_gradients(model, optimizer, max_grad_norm=max_grad_norm)
+    phases["optimizer"] = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak").get(device, {}))
+    return phases
+
+
+def step_peak(phases: dict[str, MemoryBreakdown]) -> MemoryBreakdown:
+    """The phase with the highest total: the step's peak."""
+    return max(phases.values(), key=lambda breakdown: breakdown.total)
 
 
 # ----------------------------------------------------------------------------- simulating
@@ -224,7 +262,12 @@ def plan_param_dtype(cfg: TrainConfig) -> torch.dtype | None:
 
 
 def simulate_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None) -> MemoryBreakdown:
-    """Peak memory of the busiest rank of a ``world_size``-rank job training ``cfg``, simulated in
+    """The step's peak of :func:`simulate_step_phases`."""
+    return step_peak(simulate_step_phases(cfg, world_size, model_config=model_config))
+
+
+def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None) -> dict[str, MemoryBreakdown]:
+    """Peak memory per phase of the busiest rank of a ``world_size``-rank job training ``cfg``, simulated in
     this process with fake tensors (no memory is allocated, no other process is needed).
 
     Runs the trainer's own path: the HF model built on the meta device (as for real
@@ -259,7 +302,7 @@ def simulate_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None
             model.to_empty(device=cpu)
             _reinit_rotary_buffers(model, cpu)
             optimizer = build_optimizer(o.optimizer, model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
-            create_optimizer_state(model, optimizer)
+            create_optimizer_state(model, optimizer, max_grad_norm=o.max_grad_norm)
             shape = (cfg.data.batch_size, cfg.data.context_length)
             micro = []
             for _ in range(o.gradient_accumulation_steps):
@@ -275,7 +318,8 @@ _FEW_LAYERS = (2, 3)
 
 def plan_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None) -> MemoryBreakdown:
     """:func:`simulate_step_memory` for the whole model, from simulations of 2 and 3 layers
-    (Note [Planning from a few layers]); models of at most 3 layers are simulated whole."""
+    extrapolated phase by phase (Note [Planning from a few layers]); models of at most 3
+    layers are simulated whole."""
     config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
     layers = config.num_hidden_layers
     if layers <= _FEW_LAYERS[-1]:
@@ -284,8 +328,9 @@ def plan_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None) ->
     for n in _FEW_LAYERS:
         small = copy.deepcopy(config)
         small.num_hidden_layers = n
-        few.append(simulate_step_memory(cfg, world_size, model_config=small))
-    return few[0].extrapolate(few[1], layers - _FEW_LAYERS[0])
+        few.append(simulate_step_phases(cfg, world_size, model_config=small))
+    steps = layers - _FEW_LAYERS[0]
+    return step_peak({phase: few[0][phase].extrapolate(few[1][phase], steps) for phase in few[0]})
 
 
 # ----------------------------------------------------------------------------- planning

@@ -286,6 +286,35 @@ def parallelize_model(
     return model
 
 
+def forward_backward(
+    model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], num_tokens: int, *, offload: bool = False
+) -> torch.Tensor:
+    """Forward+backward of each (cp-sharded) micro-batch, its summed loss divided by
+    ``num_tokens`` (the valid tokens of the whole step, all ranks). Returns this rank's share
+    of the mean loss; gradients are accumulated (and reduce-scattered by FSDP)."""
+    total = torch.zeros((), device=micro_batches[0]["input_ids"].device)
+    for batch in micro_batches:
+        with activation_offload(offload):
+            loss = causal_lm_loss_sum(model, batch) / max(num_tokens, 1)
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> torch.Tensor:
+    """Clip (when ``max_grad_norm`` > 0), step, zero the gradients. Returns the global gradient
+    norm before clipping."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if max_grad_norm > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
 def optimizer_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -295,25 +324,11 @@ def optimizer_step(
     max_grad_norm: float,
     offload: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step of this rank: forward+backward of each (cp-sharded) micro-batch with
-    its summed loss divided by ``num_tokens`` (the valid tokens of the whole step, all ranks),
-    clip, step, zero the gradients. Returns (this rank's share of the mean loss, the global
-    gradient norm before clipping). The memory planner simulates exactly this function."""
-    total = torch.zeros((), device=micro_batches[0]["input_ids"].device)
-    for batch in micro_batches:
-        with activation_offload(offload):
-            loss = causal_lm_loss_sum(model, batch) / max(num_tokens, 1)
-            loss.backward()
-        total += loss.detach()
-    params = [p for p in model.parameters() if p.requires_grad]
-    if max_grad_norm > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    else:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total, grad_norm
+    """One optimizer step of this rank: :func:`forward_backward` then :func:`apply_gradients`.
+    Returns (this rank's share of the mean loss, the gradient norm). The memory planner
+    simulates exactly these two functions."""
+    total = forward_backward(model, micro_batches, num_tokens, offload=offload)
+    return total, apply_gradients(model, optimizer, max_grad_norm=max_grad_norm)
 
 
 def plot_losses(metrics_path: str, png_path: str) -> None:

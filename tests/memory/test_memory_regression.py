@@ -1,0 +1,129 @@
+"""FSDP memory regression tests: the planned per-rank peak of a mid-size Llama over the
+matrix of ``memory_matrix.py``, against the baselines kept in ``baselines.json``, plus
+scaling rules that hold whatever the baselines say. Everything runs under fake tensors
+in this process (no memory is allocated, no other process is started)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llama_cp.memory import plan_step_memory, simulate_step_memory, step_peak
+from memory_matrix import CASES, case_config, case_name, load_baselines, mid_size_config, run_case
+
+MiB = 1 << 20
+TOLERANCE = 0.02  # a category more than 2% above its baseline fails
+
+
+@pytest.fixture(scope="module")
+def phases():
+    return {name: run_case(name) for name in CASES}
+
+
+@pytest.fixture(scope="module")
+def planned(phases):
+    return {name: step_peak(by_phase) for name, by_phase in phases.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_baseline(planned, name):
+    baselines = load_baselines()
+    assert name in baselines, f"no baseline for {name}: run `python tests/memory/memory_matrix.py`"
+    now, before = planned[name].to_dict(), baselines[name]
+    worse = [key for key in now if now[key] > before[key] * (1 + TOLERANCE) + 1024]
+    if worse:
+        rows = "\n".join(
+            f"  {key:<14} baseline {before[key] / MiB:9.2f} MiB   now {now[key] / MiB:9.2f} MiB   "
+            f"{(now[key] - before[key]) / max(before[key], 1):+.1%}{'   <-- over' if key in worse else ''}"
+            for key in now
+        )
+        pytest.fail(
+            f"{name}: per-rank peak memory grew more than {TOLERANCE:.0%}:\n{rows}\n"
+            "If intended, refresh with `python tests/memory/memory_matrix.py` and say why in the commit."
+        )
+
+
+def activation_bytes(result) -> int:
+    """Everything at the peak that is not parameters, gradients, optimizer state or FSDP's
+    communication buffers: saved activations plus backward temporaries. Which of the two a
+    tensor counts as depends on where the peak falls (the loss's forward or its backward),
+    so only their sum is a fair measure across layouts."""
+    return result.activations + result.temporary
+
+
+def fixed_activation_bytes(tuning: str) -> int:
+    """The part of the activation peak that context parallelism cannot split: a full fine-tune's
+    float32 accumulator of the lm_head gradient (vocab x hidden x 4 bytes, a temporary of the
+    chunked loss's backward, independent of the tokens), plus 1 MiB of small per-step tensors."""
+    config = mid_size_config()
+    head_gradient = config.vocab_size * config.hidden_size * 4 if tuning == "full" else 0
+    return head_gradient + MiB
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_activations_split_by_cp(planned, cp):
+    checked = 0
+    for name, (case_cp, dp_shard, tuning, checkpointing, seq_len) in CASES.items():
+        if case_cp != cp:
+            continue
+        reference = planned[case_name(1, dp_shard, tuning, checkpointing, seq_len)]
+        bound = 1.1 * activation_bytes(reference) / cp + fixed_activation_bytes(tuning)
+        got = activation_bytes(planned[name])
+        assert got <= bound, f"{name}: {got / MiB:.2f} MiB > 1.1 x cp1 / {cp} + fixed = {bound / MiB:.2f} MiB"
+        checked += 1
+    assert checked == 16
+
+
+def _shard_bytes(config, tuning: str, world: int) -> tuple[int, int]:
+    """(all parameters, trainable parameters) bytes of rank 0's FSDP shards, fp32 storage:
+    dim 0 of every tensor is split in ``world`` pieces of ceil(dim0 / world) rows (rank 0 is never short)."""
+    cfg = case_config(1, 1, tuning, False, 2048)
+    with torch.device("meta"):
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM(config)
+        if tuning == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(
+                r=cfg.peft.lora_r, lora_alpha=cfg.peft.lora_alpha,
+                target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
+            ))
+    everything = trainable = 0
+    for param in model.parameters():
+        rows = math.ceil(param.shape[0] / world)
+        nbytes = rows * (param.numel() // param.shape[0]) * 4
+        everything += nbytes
+        trainable += nbytes if param.requires_grad else 0
+    return everything, trainable
+
+
+@pytest.mark.parametrize("tuning", ["full", "lora"])
+def test_state_is_sharded_over_dp_shard_x_cp(phases, tuning):
+    config = mid_size_config()
+    for name, (cp, dp_shard, case_tuning, checkpointing, seq_len) in CASES.items():
+        if case_tuning != tuning:
+            continue
+        world = cp * dp_shard
+        params, trainable = _shard_bytes(config, tuning, world)
+        # in the optimizer phase every gradient exists, reduce-scattered to its shard
+        optimizer_phase = phases[name]["optimizer"]
+        assert optimizer_phase.tracked["Sharded Param"] == params, name
+        assert optimizer_phase.tracked["Sharded Grad"] == trainable, name
+        # AdamW's state: exp_avg and exp_avg_sq shaped like the shard, plus a 4-byte step counter
+        # per tensor (seen in forward+backward; during the step its temporaries count as well)
+        tensors = 3 * 9 + 3 if tuning == "full" else 3 * 4 * 2
+        assert phases[name]["forward_backward"].optimizer == 2 * trainable + 4 * tensors, name
+
+
+def test_layer_extrapolation_is_exact():
+    """Note [Planning from a few layers]: 2 and 3 simulated layers predict 6 layers exactly."""
+    config = mid_size_config(num_hidden_layers=6)
+    for case in [(2, 1, "lora", True, 2048), (1, 2, "full", False, 2048), (4, 2, "full", True, 4096)]:
+        cfg = case_config(*case)
+        world = case[0] * case[1]
+        assert plan_step_memory(cfg, world, model_config=config) == simulate_step_memory(
+            cfg, world, model_config=config
+        ), case
