@@ -354,10 +354,12 @@ def with_context(cfg: TrainConfig, context_length: int, **parallel) -> TrainConf
 
 
 def find_max_context(
-    cfg: TrainConfig, world_size: int, budget_bytes: int, *, model_config=None, limit: int = 1 << 26,
+    cfg: TrainConfig, world_size: int, budget_bytes: int, *, model_config=None, granularity: int | None = None,
+    limit: int = 1 << 26,
 ) -> tuple[int, MemoryBreakdown | None]:
-    """The largest context length, a multiple of 2 x cp, whose planned peak per rank fits in
-    ``budget_bytes``, and its breakdown; (0, None) when even 2 x cp tokens do not fit.
+    """The largest context length, a multiple of ``granularity`` (default and minimum: 2 x cp),
+    whose planned peak per rank fits in ``budget_bytes``, and its breakdown; (0, None) when
+    even ``granularity`` tokens do not fit.
 
     Memory grows with the context length and is close to affine in it, so the search first
     plans two lengths and solves the line for a guess, then gallops from the guess to a
@@ -365,7 +367,9 @@ def find_max_context(
     bisection from scratch, with the same answer. ``limit`` caps the search.
     """
     config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
-    step = 2 * cfg.parallel.cp  # the context is searched in units of 2 x cp tokens
+    step = granularity or 2 * cfg.parallel.cp  # the context is searched in units of this many tokens
+    if step % (2 * cfg.parallel.cp):
+        raise ValueError(f"granularity {step} must be a multiple of 2 x cp = {2 * cfg.parallel.cp}")
     cache: dict[int, MemoryBreakdown] = {}
 
     def plan(units: int) -> MemoryBreakdown:

@@ -12,7 +12,8 @@ tensors (``llama_cp.memory``), in seconds on a CPU. Training flags are the train
     --gpu_memory_gb     memory of one GPU in GiB (default 80)
     --headroom          fraction of it kept free for the CUDA context, NCCL and fragmentation (0.1)
     --find_max_context  also search the largest context that fits (a multiple of 2 x cp)
-    --plot PATH         PNG: max context vs number of GPUs (1..32), FSDP only vs FSDP + CP
+    --plot PATH         PNG: max context vs number of GPUs (1..32), FSDP only vs FSDP + CP,
+                        each rounded down to a multiple of 1024 tokens
     --json              print one JSON object as the last line
 """
 
@@ -30,6 +31,8 @@ from llama_cp.mesh import ParallelDims
 PLAN_DEFAULTS = {"model_name": "llama3-8b", "context_length": 131072}
 
 PLOT_GPUS = (1, 2, 4, 8, 16, 32)
+#: The plot's (and table's) search step in tokens: a multiple of 2 x cp for every cp <= 512.
+PLOT_GRANULARITY = 1024
 
 
 def build_config(config: str | None, num_gpus: int, flags: dict) -> TrainConfig:
@@ -84,7 +87,7 @@ def plot_max_context(cfg: TrainConfig, budget: int, path: str, gpu_memory_gb: fl
             if layout == "FSDP + CP" and cfg.parallel.cp_strategy == "ulysses" and config.num_attention_heads % cp:
                 continue
             planned = TrainConfig.from_flags(**{**_flat(cfg), "cp": cp, "dp_shard": -1, "dp_replicate": 1})
-            length, _ = find_max_context(planned, gpus, budget, model_config=config)
+            length, _ = find_max_context(planned, gpus, budget, model_config=config, granularity=PLOT_GRANULARITY)
             points.append({"num_gpus": gpus, "layout": layout, "max_context_length": length})
             print(f"  {gpus:>3} GPUs  {layout:<10} max context {length:>10,}", flush=True)
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -1,0 +1,55 @@
+"""``python -m recipes.plan_memory``: the JSON contract, the cp=8 activation cut on a
+Llama-3-8B shape, the max-context search, and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llama_cp.config import TrainConfig
+from llama_cp.memory import GiB, find_max_context, plan_step_memory, with_context
+from llama_cp.models import embedded_llama_config
+from recipes.plan_memory import main
+
+KEYS = {"parameters", "gradients", "optimizer", "activations", "temporary", "total"}
+
+
+def run_json(capsys, **flags) -> dict:
+    main(json=True, **flags)
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_llama3_8b_lora_131k_cp8_json_and_activation_cut(capsys):
+    common = dict(model_name="llama3-8b", context_length=131072, num_gpus=8, use_peft=True)
+    cp8 = run_json(capsys, cp=8, **common)
+    assert KEYS <= cp8["per_rank_bytes"].keys()
+    assert cp8["gpu_memory_bytes"] == 80 * GiB and isinstance(cp8["fits"], bool)
+    parts = sum(v for k, v in cp8["per_rank_bytes"].items() if k != "total")
+    assert parts == cp8["per_rank_bytes"]["total"]
+    cp1 = run_json(capsys, cp=1, **common)
+    ratio = cp1["per_rank_bytes"]["activations"] / cp8["per_rank_bytes"]["activations"]
+    assert ratio >= 6, f"cp=8 cut activations only {ratio:.2f}x"
+    # the same LoRA state on every rank layout of 8 GPUs: sharded over all 8 either way
+    assert cp1["per_rank_bytes"]["optimizer"] == cp8["per_rank_bytes"]["optimizer"]
+
+
+def test_find_max_context_is_the_largest_that_fits():
+    config = embedded_llama_config(num_hidden_layers=3)  # 3 layers: each plan is one simulation
+    cfg = TrainConfig.from_flags(cp=2, context_length=1024)
+    budget = int(0.2 * GiB)
+    length, at_max = find_max_context(cfg, 2, budget, model_config=config, granularity=512)
+    assert length > 0 and length % 512 == 0 and at_max.total <= budget
+    assert plan_step_memory(with_context(cfg, length), 2, model_config=config) == at_max
+    assert plan_step_memory(with_context(cfg, length + 512), 2, model_config=config).total > budget
+
+
+def test_errors_name_the_flag(capsys):
+    with pytest.raises(ValueError, match=r"--num_gpus 8 does not match.*cp\(3\)"):
+        main(model_name="embedded", num_gpus=8, cp=3, context_length=1536)
+    with pytest.raises(ValueError, match="--model_name 'llama9'.*llama3-8b"):
+        main(model_name="llama9", num_gpus=1)
+    with pytest.raises(ValueError, match="did you mean --context_length"):
+        main(model_name="embedded", num_gpus=1, context_lenght=4096)
+    with pytest.raises(ValueError, match="--headroom"):
+        main(model_name="embedded", num_gpus=1, context_length=1024, headroom=1.5)
