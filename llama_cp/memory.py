@@ -290,6 +290,12 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
     p, o = cfg.parallel, cfg.optim
     if cfg.model.activation_offload:
         raise ValueError("the planner does not model --activation_offload (saved activations in host memory)")
+    if o.optimizer != "adamw":
+        raise ValueError(
+            f"the planner cannot simulate --optimizer {o.optimizer}: bitsandbytes reads tensor values, which "
+            "fake tensors do not have; plan with --optimizer adamw (its 8 bytes of state per trainable "
+            "parameter bound adamw8bit's ~2 from above)"
+        )
     dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, world_size=world_size)
     cpu = torch.device("cpu")
     with _fake_world(world_size):

@@ -72,4 +72,5 @@ def measured(tmp_path_factory):
 def test_planned_peak_matches_real_run(measured, name):
     planned = plan_step_memory(case_config(name), WORLD_SIZE, model_config=embedded_llama_config())
     real = measured[name]
+    print(f"{name}: planned {planned.total} B, measured {real} B ({(planned.total - real) / real:+.2%})")
     assert abs(planned.total - real) <= 0.05 * real, f"{name}: planned {planned.total} B, measured {real} B"

@@ -51,5 +51,7 @@ def test_errors_name_the_flag(capsys):
         main(model_name="llama9", num_gpus=1)
     with pytest.raises(ValueError, match="did you mean --context_length"):
         main(model_name="embedded", num_gpus=1, context_lenght=4096)
+    with pytest.raises(ValueError, match="cannot simulate --optimizer adamw8bit"):
+        main(model_name="embedded", num_gpus=1, context_length=1024, optimizer="adamw8bit")
     with pytest.raises(ValueError, match="--headroom"):
         main(model_name="embedded", num_gpus=1, context_length=1024, headroom=1.5)
