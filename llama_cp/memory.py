@@ -367,10 +367,10 @@ def find_max_context(
     whose planned peak per rank fits in ``budget_bytes``, and its breakdown; (0, None) when
     even ``granularity`` tokens do not fit.
 
-    Memory grows with the context length and is close to affine in it, so the search first
-    plans two lengths and solves the line for a guess, then gallops from the guess to a
-    bracket [fits, does not fit] and bisects it: about a dozen plans instead of the ~30 of a
-    bisection from scratch, with the same answer. ``limit`` caps the search.
+    Memory grows with the context length and is close to affine in it, so the search takes
+    secant steps from two lengths to a guess, then gallops from the guess to a bracket
+    [fits, does not fit] and bisects it: the answer of a bisection from scratch in a few
+    plans instead of ~30. ``limit`` caps the search.
     """
     config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
     step = granularity or 2 * cfg.parallel.cp  # the context is searched in units of this many tokens
@@ -389,11 +389,18 @@ def find_max_context(
     max_units = limit // step
     if not fits(1):
         return 0, None
-    # the line through two plans -> a first guess
-    a, b = max(1, 8192 // step), max(2, 16384 // step)
-    slope = (plan(b).total - plan(a).total) / (b - a)
-    guess = max_units if slope <= 0 else int(a + (budget_bytes - plan(a).total) / slope)
-    guess = min(max(guess, 1), max_units)
+    # secant steps on the (nearly affine) total from two lengths -> a close first guess
+    x0, x1 = min(max(1, 8192 // step), max_units), min(max(2, 65536 // step), max_units)
+    guess = x1
+    for _ in range(4):
+        y0, y1 = plan(x0).total, plan(x1).total
+        if y1 <= y0 or x1 == x0:  # flat here (e.g. the optimizer phase is the peak): gallop up from x1
+            guess = x1
+            break
+        guess = min(max(int(x1 + (budget_bytes - y1) * (x1 - x0) / (y1 - y0)), 1), max_units)
+        if abs(guess - x1) <= 1:
+            break
+        x0, x1 = x1, guess
     # gallop from the guess: low fits, high does not (or is past the limit)
     low, high, stride = guess, guess + 1, 1
     if fits(low):
