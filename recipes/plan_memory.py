@@ -75,11 +75,6 @@ def table(plan: MemoryBreakdown, budget: int, gpu_memory_gb: float, headroom: fl
 def plot_max_context(cfg: TrainConfig, budget: int, path: str, gpu_memory_gb: float) -> list[dict]:
     """Max context vs number of GPUs: FSDP only (cp=1, every GPU shards parameters) vs
     FSDP + CP (cp = number of GPUs). Returns the points and writes the PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     config = load_model_config(cfg.model.model_name)
     points = []
     for gpus in PLOT_GPUS:
@@ -90,25 +85,38 @@ def plot_max_context(cfg: TrainConfig, budget: int, path: str, gpu_memory_gb: fl
             length, _ = find_max_context(planned, gpus, budget, model_config=config, granularity=PLOT_GRANULARITY)
             points.append({"num_gpus": gpus, "layout": layout, "max_context_length": length})
             print(f"  {gpus:>3} GPUs  {layout:<10} max context {length:>10,}", flush=True)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    tuning = "LoRA" if cfg.peft.use_peft else "full FT"
+    ckpt = ", act. ckpt" if cfg.model.activation_checkpointing else ""
+    draw_max_context(points, path, f"{cfg.model.model_name} {tuning}{ckpt}, {gpu_memory_gb:g} GiB GPUs")
+    return points
+
+
+def draw_max_context(points: list[dict], path: str, title: str) -> None:
+    """The PNG of :func:`plot_max_context`'s points (a length of 0: nothing fits, not drawn)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for layout, style in (("FSDP only", "s--"), ("FSDP + CP", "o-")):
-        xs = [p["num_gpus"] for p in points if p["layout"] == layout]
-        ys = [p["max_context_length"] / 1024 for p in points if p["layout"] == layout]
-        ax.plot(xs, ys, style, label=layout)
+        mine = [p for p in points if p["layout"] == layout and p["max_context_length"] > 0]
+        ax.plot([p["num_gpus"] for p in mine], [p["max_context_length"] for p in mine], style, label=layout)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xticks(PLOT_GPUS, [str(g) for g in PLOT_GPUS])
-    ax.set_xlabel(f"GPUs ({gpu_memory_gb:g} GiB each)")
-    ax.set_ylabel("max context (K tokens)")
-    tuning = "LoRA" if cfg.peft.use_peft else "full fine-tune"
-    ckpt = ", activation checkpointing" if cfg.model.activation_checkpointing else ""
-    ax.set_title(f"{cfg.model.model_name} {tuning}{ckpt}: planned max context")
+    ax.yaxis.set_major_formatter(FuncFormatter(
+        lambda y, _: f"{y / (1 << 20):g}M" if y >= 1 << 20 else f"{y / 1024:g}K"
+    ))
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("max context (tokens)")
+    ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return points
 
 
 def _flat(cfg: TrainConfig) -> dict:
