@@ -44,7 +44,6 @@ import copy
 import dataclasses
 import gc
 import os
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -55,9 +54,6 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from llama_cp.config import TrainConfig
-
-# transformers deprecates the name it still calls while checkpointing is set up: not ours to fix
-warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 GiB = 1 << 30
 
@@ -190,7 +186,6 @@ def load_model_config(model_name: str):
 
 
 # ----------------------------------------------------------------------------- measuring
-
 
 
 def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:

@@ -24,7 +24,8 @@ import json as json_lib
 import fire
 
 from llama_cp.config import TrainConfig
-from llama_cp.memory import GiB, MemoryBreakdown, find_max_context, load_model_config, plan_step_memory, usable_bytes
+from llama_cp.memory import GiB, MemoryBreakdown, load_model_config, plan_step_memory, usable_bytes, with_context
+from llama_cp.memory import find_max_context as search_max_context  # main's flag has the same name
 from llama_cp.mesh import ParallelDims
 
 #: Planner defaults where they differ from the trainer's (flags and --config override them).
@@ -72,17 +73,17 @@ def table(plan: MemoryBreakdown, budget: int, gpu_memory_gb: float, headroom: fl
     return "\n".join(lines)
 
 
-def plot_max_context(cfg: TrainConfig, budget: int, path: str, gpu_memory_gb: float) -> list[dict]:
+def plot_max_context(cfg: TrainConfig, config, budget: int, path: str, gpu_memory_gb: float) -> list[dict]:
     """Max context vs number of GPUs: FSDP only (cp=1, every GPU shards parameters) vs
-    FSDP + CP (cp = number of GPUs). Returns the points and writes the PNG."""
-    config = load_model_config(cfg.model.model_name)
+    FSDP + CP (cp = number of GPUs), for ``cfg`` and the HF model ``config``. Returns the
+    points and writes the PNG."""
     points = []
     for gpus in PLOT_GPUS:
         for layout, cp in (("FSDP only", 1), ("FSDP + CP", gpus)):
             if layout == "FSDP + CP" and cfg.parallel.cp_strategy == "ulysses" and config.num_attention_heads % cp:
                 continue
-            planned = TrainConfig.from_flags(**{**_flat(cfg), "cp": cp, "dp_shard": -1, "dp_replicate": 1})
-            length, _ = find_max_context(planned, gpus, budget, model_config=config, granularity=PLOT_GRANULARITY)
+            planned = with_context(cfg, cfg.data.context_length, cp=cp, dp_shard=-1, dp_replicate=1)
+            length, _ = search_max_context(planned, gpus, budget, model_config=config, granularity=PLOT_GRANULARITY)
             points.append({"num_gpus": gpus, "layout": layout, "max_context_length": length})
             print(f"  {gpus:>3} GPUs  {layout:<10} max context {length:>10,}", flush=True)
     tuning = "LoRA" if cfg.peft.use_peft else "full FT"
@@ -119,14 +120,6 @@ def draw_max_context(points: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _flat(cfg: TrainConfig) -> dict:
-    """The config as flat flags (for a modified copy through ``from_flags``)."""
-    flat = {}
-    for section in TrainConfig.SECTIONS:
-        flat.update(getattr(cfg, section).__dict__)
-    return flat
-
-
 def main(
     config: str | None = None,
     num_gpus: int = 8,
@@ -138,7 +131,6 @@ def main(
     **flags,
 ) -> None:
     """Plan one rank's peak memory; see the module docstring for the flags."""
-    find = find_max_context
     cfg = build_config(config, num_gpus, flags)
     budget = usable_bytes(gpu_memory_gb, headroom)
     config_hf = load_model_config(cfg.model.model_name)
@@ -151,10 +143,8 @@ def main(
         "gpu_memory_bytes": int(gpu_memory_gb * GiB),
         "usable_bytes": budget,
     }
-    if find:
-        from llama_cp.memory import find_max_context as search
-
-        length, at_max = search(cfg, num_gpus, budget, model_config=config_hf)
+    if find_max_context:
+        length, at_max = search_max_context(cfg, num_gpus, budget, model_config=config_hf)
         result["max_context_length"] = length
         if at_max is None:
             print("max context: not even the shortest context fits")
@@ -162,7 +152,7 @@ def main(
             print(f"max context: {length:,} tokens ({at_max.total / GiB:.2f} GiB per rank)")
     if plot:
         print(f"max context vs GPUs ({'LoRA' if cfg.peft.use_peft else 'full'}):")
-        result["plot"] = plot_max_context(cfg, budget, plot, gpu_memory_gb)
+        result["plot"] = plot_max_context(cfg, config_hf, budget, plot, gpu_memory_gb)
         print(f"wrote {plot}")
     if json:
         print(json_lib.dumps(result))
