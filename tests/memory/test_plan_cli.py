@@ -55,3 +55,17 @@ def test_errors_name_the_flag(capsys):
         main(model_name="embedded", num_gpus=1, context_length=1024, optimizer="adamw8bit")
     with pytest.raises(ValueError, match="--headroom"):
         main(model_name="embedded", num_gpus=1, context_length=1024, headroom=1.5)
+
+
+def test_plot_max_context_fsdp_only_vs_cp(tmp_path, monkeypatch):
+    import recipes.plan_memory as plan_memory
+
+    monkeypatch.setattr(plan_memory, "PLOT_GPUS", (1, 2))
+    config = embedded_llama_config(num_hidden_layers=3)
+    cfg = TrainConfig.from_flags(context_length=1024)
+    png = tmp_path / "max_context.png"
+    points = plan_memory.plot_max_context(cfg, config, int(0.2 * GiB), str(png), 0.2)
+    lengths = {(p["num_gpus"], p["layout"]): p["max_context_length"] for p in points}
+    assert lengths[1, "FSDP only"] == lengths[1, "FSDP + CP"] > 0  # cp=1 either way
+    assert lengths[2, "FSDP + CP"] > lengths[2, "FSDP only"] >= lengths[1, "FSDP only"]
+    assert png.stat().st_size > 0
