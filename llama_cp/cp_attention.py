@@ -49,6 +49,7 @@ the split needs (cp / gcd(kv_heads, cp) times).
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,7 +59,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from llama_cp import kernels
+from llama_cp.families import check_supported
 from llama_cp.kernels import Backend
+from llama_cp.models import base_causal_lm
 
 Strategy = Literal["ring", "ulysses"]
 STRATEGIES: tuple[str, ...] = ("ring", "ulysses")
@@ -332,6 +335,28 @@ class ContextParallelAttention:
         return ulysses_attention(q, k, v, self.group, causal=causal, scale=scale, backend=self.backend)
 
 
+def check_attention_mask(attention_mask: torch.Tensor | None) -> None:
+    """Raise unless ``attention_mask`` is None or a 2-D mask of ones (which masks nothing).
+
+    llama-cp's attention is causal over the whole sequence and has no mask input; transformers
+    hands an attention function it has no mask builder for ``None`` whatever mask the caller
+    gave, so a padding mask must be refused before it reaches the model, not inside it.
+    """
+    if attention_mask is None:
+        return
+    if attention_mask.dim() != 2 or not bool(attention_mask.all()):
+        raise ValueError(
+            "llama-cp's attention is causal over the whole sequence and takes no attention mask: got a "
+            f"{attention_mask.dim()}-D attention_mask that masks tokens. Drop the mask and give padded positions "
+            "labels=-100 (right padding), so they neither attend nor count"
+        )
+
+
+def _refuse_attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of the decoder: the mask must be checked where it enters the model."""
+    check_attention_mask(kwargs.get("attention_mask", args[1] if len(args) > 1 else None))
+
+
 def cp_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -351,19 +376,63 @@ def cp_attention_forward(
             f"{type(module).__name__} uses attn_implementation={ATTENTION_NAME!r} but has no context-parallel "
             "binding; call llama_cp.apply_context_parallel(model, cp_mesh) instead of setting it by hand"
         )
-    if attention_mask is not None:
-        if attention_mask.dim() != 2 or not bool(attention_mask.all()):
-            raise ValueError(
-                "context-parallel attention takes no attention mask (it is always causal over the whole "
-                "sequence): drop padding masks and give padded positions labels=-100 instead"
-            )
+    check_attention_mask(attention_mask)
     if dropout:
         raise ValueError(f"context-parallel attention does not support attention dropout (got {dropout})")
-    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        raise ValueError("context-parallel attention does not support sliding-window or soft-capped attention")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("context-parallel attention does not support soft-capped attention scores")
+    window, seq_len = kwargs.get("sliding_window"), query.shape[2] * attention.cp_size
+    if window is not None and window < seq_len:
+        raise ValueError(
+            f"sliding-window attention of {window} tokens is shorter than the sequence ({seq_len} tokens) and "
+            "context-parallel attention has no sliding window; use sequences of at most that many tokens"
+        )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = attention(query, key, value, causal=causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+# ---------------------------------------------------------------- RoPE
+# Note [Position-dependent RoPE under CP]
+# =======================================
+#
+# transformers' "dynamic" and "longrope" RoPE choose their frequencies from the
+# largest position of the call (``dynamic_rope_update``: max(position_ids) + 1),
+# and "dynamic" keeps state across calls. Under CP a rank sees only its zigzag
+# chunks, so each rank would choose from its own maximum. The rotary module of
+# such a model therefore gets a forward that all-reduces the maximum over the cp
+# group and calls the module's own forward on the local positions plus one extra
+# column holding that maximum; cos/sin are per position, so dropping the extra
+# column leaves exactly the local rows of the single-process call:
+#
+#     rank 1 of cp 2, L = 8:  position_ids [2 3 4 5]  ->  forward([2 3 4 5 | 7])  ->  cos/sin [:, :4]
+def _reads_positions(module: nn.Module) -> bool:
+    """Whether transformers' ``dynamic_rope_update`` updates this rotary module from the positions."""
+    rope_type = getattr(module, "rope_type", None)
+    rope_types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    return any(isinstance(t, str) and ("dynamic" in t or t == "longrope") for t in rope_types)
+
+
+def _global_rope_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+    """See Note [Position-dependent RoPE under CP]."""
+    last = position_ids.amax().reshape(1)
+    dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.cp_group)
+    extended = torch.cat([position_ids, last.expand(*position_ids.shape[:-1], 1)], dim=-1)
+    seq_dim, seq_len = position_ids.dim() - 1, position_ids.shape[-1]
+    return tuple(t.narrow(seq_dim, 0, seq_len) for t in type(self).forward(self, x, extended, *args, **kwargs))
+
+
+def bind_global_rope(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Make position-dependent RoPE modules choose their frequencies from the global sequence
+    (Note [Position-dependent RoPE under CP]); other rotary modules are left as they are."""
+    for module in model.modules():
+        if "inv_freq" not in dict(module.named_buffers(recurse=False)):
+            continue
+        if group is not None and _reads_positions(module):
+            module.cp_group = group
+            module.forward = types.MethodType(_global_rope_forward, module)
+        elif "forward" in module.__dict__:  # re-applied with cp = 1 or a static RoPE: the class forward
+            del module.forward
 
 
 def apply_context_parallel(
@@ -372,6 +441,7 @@ def apply_context_parallel(
     strategy: Strategy = "ring",
     *,
     backend: Backend | None = None,
+    max_seq_len: int | None = None,
 ) -> nn.Module:
     """Make every attention layer of an HF Llama-family ``model`` context-parallel over ``cp_mesh``.
 
@@ -380,6 +450,11 @@ def apply_context_parallel(
     changes: parameter gradients stay per rank, and their sum over the cp group is
     the full-sequence gradient (reducing them is FSDP's job, see ``shard_model``).
     With a cp group of size 1 the attention is the ordinary local causal attention.
+
+    Models llama-cp cannot compute exactly are refused here (``llama_cp.families``);
+    ``max_seq_len``, the longest global sequence to come, lets a sliding window be
+    checked now rather than at the first forward. A padding attention mask is refused
+    when the model is called.
     """
     from transformers import AttentionInterface
 
@@ -387,6 +462,7 @@ def apply_context_parallel(
         raise ValueError(f"unknown cp strategy {strategy!r}; choose one of {STRATEGIES}")
     if backend is not None and backend not in kernels.BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {kernels.BACKENDS}")
+    check_supported(model, max_seq_len=max_seq_len)
     group = cp_mesh.get_group() if isinstance(cp_mesh, DeviceMesh) else cp_mesh
     cp = 1 if group is None else dist.get_world_size(group)
 
@@ -404,6 +480,11 @@ def apply_context_parallel(
     attention = ContextParallelAttention(group=group if cp > 1 else None, strategy=strategy, backend=backend)
     for layer in layers:
         layer.cp_attention = attention  # a plain attribute: bound per model, no module globals
+    bind_global_rope(model, attention.group)
+    decoder = base_causal_lm(model).get_decoder()
+    if not getattr(decoder, "_llama_cp_mask_hook", False):
+        decoder.register_forward_pre_hook(_refuse_attention_mask, with_kwargs=True)
+        decoder._llama_cp_mask_hook = True
     AttentionInterface.register(ATTENTION_NAME, cp_attention_forward)
     model.set_attn_implementation(ATTENTION_NAME)
     return model

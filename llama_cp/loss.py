@@ -23,33 +23,52 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from llama_cp.families import LogitTransform, check_supported
 from llama_cp.kernels import accumulation_dtype
 from llama_cp.models import base_causal_lm
 
 IGNORE_INDEX = -100
 
 
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTransform, acc: torch.dtype):
+    """(logits, tanh) of one chunk in ``acc``: the family's logits of ``hidden @ weight.T``
+    (:class:`LogitTransform`), and the tanh term for the backward (None without a softcap)."""
+    logits = (hidden @ weight.t()).to(acc)
+    if transform.scale != 1.0:
+        logits *= transform.scale
+    if transform.softcap is None:
+        return logits, None
+    tanh = logits.div_(transform.softcap).tanh_()
+    return tanh * transform.softcap, tanh
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index):
-        # hidden: (N, d), weight: (V, d), labels: (N,) -> summed loss, float32 scalar
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, transform, return_correct):
+        # hidden: (N, d), weight: (V, d), labels: (N,) -> summed loss, float32 scalar, and
+        # correct: (N,) bool, argmax == label or ignored (empty unless return_correct)
         acc = accumulation_dtype(hidden)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        correct = torch.ones(hidden.shape[0] if return_correct else 0, dtype=torch.bool, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = (hidden[rows] @ weight.t()).to(acc)  # (chunk, V)
+            logits, _ = _chunk_logits(hidden[rows], weight, transform, acc)  # (chunk, V)
             lse[rows] = torch.logsumexp(logits, dim=-1)
             valid = labels[rows] != ignore_index
             target = logits.gather(1, labels[rows].clamp(min=0)[:, None]).squeeze(1)
             total += ((lse[rows] - target) * valid).sum()
+            if return_correct:
+                correct[rows] = (logits.argmax(-1) == labels[rows]) | ~valid
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
-        return total
+        ctx.chunk_size, ctx.ignore_index, ctx.transform = chunk_size, ignore_index, transform
+        ctx.mark_non_differentiable(correct)
+        return total, correct
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_total, _grad_correct):
         hidden, weight, labels, lse = ctx.saved_tensors
+        transform = ctx.transform
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         acc = lse.dtype
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
@@ -58,18 +77,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             valid = labels[rows] != ctx.ignore_index
             # d(lse - logit[label]) / d logits = softmax - onehot(label), zero on ignored rows;
             # computed in place in the recomputed logits, so one (chunk, V) buffer at a time
-            grad_logits = (hidden[rows] @ weight.t()).to(acc).sub_(lse[rows, None]).exp_()
+            # (two with a softcap, whose tanh the chain rule needs)
+            grad_logits, tanh = _chunk_logits(hidden[rows], weight, transform, acc)
+            grad_logits.sub_(lse[rows, None]).exp_()
             grad_logits.scatter_add_(
                 1, labels[rows].clamp(min=0)[:, None], -torch.ones_like(lse[rows, None])
             )
-            grad_logits *= (valid * grad_total)[:, None]
+            if tanh is not None:  # d softcap * tanh(x / softcap) / dx = 1 - tanh^2
+                grad_logits *= tanh.square_().neg_().add_(1)
+            grad_logits *= (valid * grad_total * transform.scale)[:, None]
             if grad_hidden is not None:
                 grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.t(), hidden[rows].to(acc))
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -79,26 +102,36 @@ def linear_cross_entropy(
     *,
     chunk_size: int = 4096,
     ignore_index: int = IGNORE_INDEX,
-) -> torch.Tensor:
-    """Sum over valid tokens of cross_entropy(hidden @ weight.T, labels), a float32 scalar
-    (float64 for float64 inputs).
+    transform: LogitTransform = LogitTransform(),
+    return_correct: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sum over valid tokens of cross_entropy(logits, labels), a float32 scalar (float64 for
+    float64 inputs), where logits are ``hidden @ weight.T`` through the model family's
+    ``transform`` (scale, soft-cap; see ``llama_cp.families``).
 
     hidden: (..., d), weight: (V, d), labels: (...) already shifted. Never holds
-    more than ``chunk_size`` x V logits.
+    more than ``chunk_size`` x V logits. With ``return_correct`` also a bool tensor like
+    ``labels``: True where the argmax of the logits is the label, or the label is ignored
+    (taken from the same chunks, so it costs no extra logits).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return _LinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_size, ignore_index
+    total, correct = _LinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_size, ignore_index, transform,
+        return_correct,
     )
+    return (total, correct.reshape(labels.shape)) if return_correct else total
 
 
-def _head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | None = None, **_):
+def _head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | None = None, return_correct=False):
     if labels is None:
         return F.linear(hidden, self.weight, self.bias)
     if self.bias is not None:
         raise ValueError("chunked cross-entropy supports an lm_head without bias only")
-    return linear_cross_entropy(hidden, self.weight, labels, chunk_size=self.loss_chunk_size)
+    return linear_cross_entropy(
+        hidden, self.weight, labels, chunk_size=self.loss_chunk_size, transform=self.logit_transform,
+        return_correct=return_correct,
+    )
 
 
 def enable_chunked_loss(model: nn.Module, chunk_size: int = 4096) -> nn.Module:
@@ -114,13 +147,17 @@ def enable_chunked_loss(model: nn.Module, chunk_size: int = 4096) -> nn.Module:
     call and reduce-scatters its gradient after), which is what makes it work on
     a sharded model. Every Linear inside the head is switched, so peft's
     ``modules_to_save`` copy of ``lm_head`` works too. Works on a peft model.
+    What the family's forward does to the logits (Granite's scaling, Gemma2's
+    soft-cap, ...) is done inside each chunk; unsupported families are refused
+    (``llama_cp.families``).
     """
     causal_lm = base_causal_lm(model)
+    transform = check_supported(model)
     linears = [m for m in causal_lm.get_output_embeddings().modules() if isinstance(m, nn.Linear)]
     if not linears:
         raise ValueError(f"{type(causal_lm).__name__}'s output embeddings contain no nn.Linear")
     for linear in linears:
-        linear.loss_chunk_size = chunk_size
+        linear.loss_chunk_size, linear.logit_transform = chunk_size, transform
         linear.forward = types.MethodType(_head_forward, linear)
     causal_lm.forward = types.MethodType(_loss_forward(type(causal_lm).forward), causal_lm)
     return model
@@ -139,14 +176,7 @@ def _loss_forward(original_forward):
             inputs_embeds=kwargs.get("inputs_embeds"),
             use_cache=False,
         ).last_hidden_state
-        head = self.get_output_embeddings()
-        loss = head(hidden, labels=loss_labels)
-        if not return_correct:
-            return loss
-        labeled = loss_labels != IGNORE_INDEX
-        correct = torch.ones_like(loss_labels, dtype=torch.bool)
-        correct[labeled] = head(hidden[labeled]).argmax(-1) == loss_labels[labeled]  # logits of labeled tokens only
-        return loss, correct
+        return self.get_output_embeddings()(hidden, labels=loss_labels, return_correct=return_correct)
 
     return forward
 

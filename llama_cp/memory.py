@@ -273,10 +273,10 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
     config) overrides ``cfg.model.model_name``.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
 
     from llama_cp.fsdp_wrap import _reinit_rotary_buffers
     from llama_cp.mesh import ParallelDims
+    from llama_cp.models import build_causal_lm
     from llama_cp.optim import build_optimizer
     from llama_cp.sharding import shard_batch
     from llama_cp.trainer import parallelize_model
@@ -295,8 +295,7 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
     cpu = torch.device("cpu")
     with _fake_world(world_size):
         mesh = dims.build_mesh("cpu")  # outside the fake mode: the mesh reads real rank tensors
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = build_causal_lm(config, device="meta")  # the trainer's build: float32 sharded state
         model = parallelize_model(model, cfg, mesh, param_dtype=plan_param_dtype(cfg))
         # meta -> fake: the sharded parameters get fake storage of their real size
         with FakeTensorMode(allow_non_fake_inputs=True):

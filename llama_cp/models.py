@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers import LlamaConfig
 
@@ -28,3 +29,15 @@ def embedded_llama_config(**overrides) -> LlamaConfig:
 def base_causal_lm(model: nn.Module) -> nn.Module:
     """The HF causal LM itself: ``model``, or the model a peft wrapper holds."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def build_causal_lm(config, device: torch.device | str = "cpu") -> nn.Module:
+    """The HF causal LM of ``config`` with float32 parameters on ``device`` (``"meta"``: no
+    memory, to load sharded weights into or to plan with), whatever dtype the checkpoint's
+    config names. The trainer and the memory planner both build here, so what FSDP shards,
+    and the optimizer state made from it, is float32; bf16 is only FSDP's compute dtype
+    (``shard_model``'s ``param_dtype``)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from llama_cp.cp_attention import check_attention_mask
+
 CpGroup = DeviceMesh | dist.ProcessGroup | None
 
 
@@ -88,9 +90,11 @@ def shard_batch(batch: Mapping[str, Any], cp: CpGroup, seq_dim: int = 1) -> dict
     missing, because after the split each rank must still know the global
     position of its tokens (RoPE). Labels are expected already shifted
     (labels[t] is the target for input t), so no shift crosses a shard border.
+    An ``attention_mask`` that masks anything is refused (the attention has no mask).
     """
     if "input_ids" not in batch:
         raise KeyError("shard_batch needs batch['input_ids'] (B, L) to know the sequence length")
+    check_attention_mask(batch.get("attention_mask"))
     rank, size = cp_rank_and_size(cp)
     input_ids = batch["input_ids"]
     seq_len = input_ids.shape[seq_dim]

@@ -69,21 +69,20 @@ class Trainer:
         return {"auto": "auto", "float32": None, "bfloat16": torch.bfloat16}[self.cfg.model.dtype]
 
     def _build_model(self):
-        from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+        from transformers import AutoConfig
 
-        from llama_cp.models import embedded_llama_config
+        from llama_cp.models import build_causal_lm, embedded_llama_config
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         name = cfg.model.model_name
         if name == "embedded":
             # small enough to build on every rank; identical there thanks to the seed
-            model = LlamaForCausalLM(embedded_llama_config()).to(self.device)
+            model = build_causal_lm(embedded_llama_config()).to(self.device)
             path = None
         else:
             path = name if os.path.isdir(name) else _snapshot(name)
-            with torch.device("meta"):  # no rank ever holds the whole model
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+            model = build_causal_lm(AutoConfig.from_pretrained(path), device="meta")  # no rank holds it all
         model = parallelize_model(model, cfg, self.mesh, param_dtype=self._param_dtype())
         if path is not None:
             load_full_weights(model, path, device=self.device)
@@ -177,18 +176,24 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss, and for the passkey task the exact-match accuracy of the answer."""
+        """Held-out loss, and for the passkey task the exact-match accuracy of the answer (from the
+        loss's own logit chunks: no full logits either way)."""
+        passkey = self.cfg.data.dataset == "passkey"
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct_rows = torch.zeros((), dtype=torch.float64, device=self.device)
         labels = []
         for batch in self.eval_batches:
             local = self._to_device(batch)
-            loss, correct = self.model(
+            loss = self.model(
                 input_ids=local["input_ids"], position_ids=local["position_ids"], loss_labels=local["labels"],
-                return_correct=True,
+                return_correct=passkey,
             )
-            loss_sum += loss.double()
             labels.append(local["labels"])
+            if not passkey:
+                loss_sum += loss.double()
+                continue
+            loss, correct = loss
+            loss_sum += loss.double()
             # a row is right when all its answer tokens are, on every cp rank
             wrong = (~correct).sum(dim=1).to(torch.float64)
             dist.all_reduce(wrong, group=self.mesh["cp"].get_group())
@@ -197,7 +202,7 @@ class Trainer:
         dist.all_reduce(correct_rows, group=self.mesh["dp"].get_group())
         rows = sum(b["input_ids"].shape[0] for b in self.eval_batches) * self.mesh["dp"].size()
         result = {"eval_loss": loss_sum.item() / max(count_valid_tokens(labels), 1)}
-        if self.cfg.data.dataset == "passkey":
+        if passkey:
             result["passkey_acc"] = correct_rows.item() / rows
         return result
 
@@ -217,8 +222,8 @@ class Trainer:
                 self.loader.load_state_dict(state["extra"]["loader"])
         self._iterator = iter(self.loader)
         metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-        if self.rank == 0 and step == 0 and os.path.exists(metrics_path):
-            os.remove(metrics_path)
+        if self.rank == 0:
+            truncate_metrics(metrics_path, step)
         progress = tqdm(total=self.total_steps, initial=step, disable=self.rank != 0, desc="train", unit="step")
         row: dict[str, Any] = {}
         while step < self.total_steps:
@@ -278,7 +283,9 @@ def parallelize_model(
                 target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
             ),
         )
-    apply_context_parallel(model, mesh["cp"], strategy=cfg.parallel.cp_strategy)
+    apply_context_parallel(
+        model, mesh["cp"], strategy=cfg.parallel.cp_strategy, max_seq_len=cfg.data.context_length
+    )
     enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
     shard_model(
         model, mesh, param_dtype=param_dtype, activation_checkpointing=cfg.model.activation_checkpointing
@@ -329,6 +336,22 @@ def optimizer_step(
     simulates exactly these two functions."""
     total = forward_backward(model, micro_batches, num_tokens, offload=offload)
     return total, apply_gradients(model, optimizer, max_grad_norm=max_grad_norm)
+
+
+def truncate_metrics(path: str, step: int) -> None:
+    """Keep only the rows of ``path`` (metrics.jsonl) up to ``step``: a run resumed from the
+    checkpoint of step N rewrites the rows the crashed run logged after N (0: remove the file).
+    Written to a temporary file and renamed, so a crash here never leaves a half file."""
+    if not os.path.exists(path):
+        return
+    if step == 0:
+        os.remove(path)
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def plot_losses(metrics_path: str, png_path: str) -> None:

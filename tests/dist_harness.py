@@ -50,7 +50,7 @@ def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: st
         try:
             fn()
             results[name] = None
-        except Exception:  # recorded and reported by pytest in the parent
+        except (Exception, pytest.fail.Exception):  # recorded and reported by pytest in the parent
             results[name] = f"rank {rank}:\n{traceback.format_exc()}"
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -1,0 +1,212 @@
+"""Every supported model family, and the paths that used to train silently wrong, against
+plain single-process transformers on 4 CPU ranks (gloo).
+
+Per family: the CP model's logits, its chunked loss and every parameter gradient equal
+those of the unmodified HF model (its own forward and ``labels=`` loss), for ring and
+Ulysses, cp 1, 2 and 4, with and without FSDP (``shard_model`` over dp_shard x cp), in
+float32 and float64. The configurations exercise what each family's forward adds
+(Granite's multipliers and logit scaling, Cohere's logit scale, Gemma2's final
+soft-cap, position-dependent RoPE, a sliding window as long as the sequence). What
+llama-cp cannot compute is refused with one clear message.
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dist_harness import Checks
+from fsdp_checks import full_grad, local_batches
+from llama_cp import ParallelDims, apply_context_parallel, enable_chunked_loss, shard_batch, unshard
+from llama_cp.fsdp_wrap import shard_model
+from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens
+
+WORLD_SIZE = 4
+VOCAB, SEQ_LEN, BATCH = 96, 32, 2
+checks = Checks()
+
+BASE = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2, attn_implementation="sdpa",
+)
+
+#: name -> (model_type, config overrides). Values chosen so each family's extra really changes the result.
+FAMILIES = {
+    "llama": ("llama", {}),
+    "llama_llama3_rope": ("llama", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16,
+    ))),
+    # frequencies picked from max(position_ids): L = 32 > max_position_embeddings = 16
+    "llama_dynamic_rope": ("llama", dict(
+        max_position_embeddings=16, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
+    )),
+    # long or short factors picked from max(position_ids): the shards straddle 20
+    "llama_longrope": ("llama", dict(rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=20,
+        short_factor=[1.0, 1.5, 2.0, 2.5], long_factor=[3.0, 5.0, 7.0, 9.0],
+    ))),
+    "mistral_window_eq_seq": ("mistral", dict(sliding_window=SEQ_LEN)),  # a window of L tokens cuts nothing
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "gemma": ("gemma", {}),
+    "olmo2": ("olmo2", {}),
+    "granite": ("granite", dict(
+        logits_scaling=4.0, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
+    )),
+    "cohere": ("cohere", dict(logit_scale=0.25, use_qk_norm=True)),
+    "gemma2": ("gemma2", dict(
+        attn_logit_softcapping=None, final_logit_softcapping=0.5, sliding_window=SEQ_LEN,
+        attn_implementation="eager",  # transformers has no SDPA path for Gemma2
+    )),
+}
+#: Families whose HF code computes its norms in float32 whatever the model's dtype: their
+#: float64 runs can only agree to float32 precision.
+FLOAT32_NORMS = {"gemma", "gemma2", "cohere"}
+
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
+
+
+def family_model(name: str, dtype=torch.float32, **overrides):
+    model_type, family_overrides = FAMILIES[name]
+    config = AutoConfig.for_model(model_type, **{**BASE, **family_overrides, **overrides})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+@functools.cache
+def mesh_for(cp: int):
+    """A (1, 4/cp, cp) mesh, built once per cp in the same order on every rank."""
+    return ParallelDims(dp_shard=WORLD_SIZE // cp, cp=cp).build_mesh("cpu")
+
+
+def batch() -> dict[str, torch.Tensor]:
+    """input_ids and pre-shifted labels (the last position has no target; a few ignored)."""
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(3, VOCAB, (BATCH, SEQ_LEN + 1), generator=g)
+    labels = tokens[:, 1:].clone()
+    labels[:, -1] = -100
+    labels[0, :5] = -100
+    labels[1, 9:12] = -100
+    return {"input_ids": tokens[:, :-1], "labels": labels}
+
+
+def check_family(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.dtype):
+    tol = TOLERANCE[torch.float32 if FAMILIES[name][0] in FLOAT32_NORMS else dtype]
+    reference = family_model(name, dtype)
+    model = copy.deepcopy(reference)
+    data = batch()
+    # the reference: HF's own forward and loss (labels unshifted; HF shifts them). HF computes
+    # the loss in float32 whatever the model's dtype, so the float64 reference is the same
+    # cross-entropy of the same logits, checked against HF's at float32 precision
+    hf_labels = torch.cat([torch.full((BATCH, 1), -100), data["labels"][:, :-1]], dim=1)
+    ref = reference(input_ids=data["input_ids"], labels=hf_labels)
+    ref_loss = F.cross_entropy(ref.logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+    torch.testing.assert_close(ref_loss.float(), ref.loss.float(), **TOLERANCE[torch.float32])
+    ref_loss.backward()
+
+    mesh = mesh_for(cp)
+    apply_context_parallel(model, mesh["cp"], strategy=strategy, max_seq_len=SEQ_LEN)
+    enable_chunked_loss(model, chunk_size=7)  # several chunks with a ragged last one
+    if sharded:
+        shard_model(model, mesh, param_dtype=None, reduce_dtype=None)
+        (local,) = local_batches(data, mesh)  # this dp rank's rows, sharded over cp
+        per_rank = BATCH // mesh["dp"].size()
+        rows = slice(mesh["dp"].get_local_rank() * per_rank, (mesh["dp"].get_local_rank() + 1) * per_rank)
+        loss_group = None  # every rank: dp and cp
+    else:
+        local, rows, loss_group = shard_batch(data, mesh["cp"]), slice(None), mesh["cp"].get_group()
+
+    with torch.no_grad():
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    torch.testing.assert_close(unshard(logits, mesh["cp"]), ref.logits[rows].detach(), **tol)
+
+    loss = causal_lm_loss_sum(model, local) / count_valid_tokens([local["labels"]], group=loss_group)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=loss_group)
+    torch.testing.assert_close(total, ref_loss.detach(), **tol)
+    for (param_name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
+        grad = full_grad(param)
+        if not sharded:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=loss_group)
+        torch.testing.assert_close(grad, ref_param.grad, **tol, msg=lambda m: f"{param_name}: {m}")
+
+
+for _name in FAMILIES:
+    for _strategy in ("ring", "ulysses"):
+        for _cp in (1, 2, 4):
+            for _sharded in (False, True):
+                for _dtype in (torch.float32, torch.float64):
+                    if _cp == 1 and (_strategy == "ulysses" or _sharded):
+                        continue  # cp 1 has no strategy; FSDP without CP is tests/test_fsdp.py's
+                    checks.add(
+                        functools.partial(check_family, _name, _strategy, _cp, _sharded, _dtype),
+                        name=f"{_name}_{_strategy}_cp{_cp}_{'fsdp' if _sharded else 'plain'}_{str(_dtype)[6:]}",
+                    )
+
+
+@checks.add
+def padding_mask_is_refused_where_it_enters():
+    """transformers hands our attention None for any mask, so a padding mask must be refused
+    at the model and at shard_batch; a mask of ones masks nothing and is accepted."""
+    reference = family_model("llama")
+    mesh = mesh_for(2)
+    model = apply_context_parallel(copy.deepcopy(reference), mesh["cp"])
+    data = batch()
+    left_padded = torch.ones(BATCH, SEQ_LEN, dtype=torch.long)
+    left_padded[0, :6] = 0
+    with pytest.raises(ValueError, match="takes no attention mask.*labels=-100"):
+        shard_batch({**data, "attention_mask": left_padded}, mesh["cp"])
+    local = shard_batch(data, mesh["cp"])
+    with pytest.raises(ValueError, match="takes no attention mask"):
+        model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+              attention_mask=torch.ones_like(local["input_ids"]).index_fill_(1, torch.tensor([0]), 0))
+    enable_chunked_loss(model)
+    with pytest.raises(ValueError, match="takes no attention mask"):
+        model(**local, loss_labels=local["labels"], attention_mask=torch.zeros_like(local["input_ids"]))
+    ones = torch.ones(BATCH, SEQ_LEN, dtype=torch.long)
+    local = shard_batch({**data, "attention_mask": ones}, mesh["cp"])
+    with torch.no_grad():
+        got = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                    attention_mask=local["attention_mask"]).logits
+        want = reference(input_ids=data["input_ids"]).logits
+    torch.testing.assert_close(unshard(got, mesh["cp"]), want, atol=1e-5, rtol=1e-5)
+
+
+@checks.add
+def unsupported_models_are_refused_at_apply_time():
+    cp = mesh_for(2)["cp"]
+    phi3 = AutoModelForCausalLM.from_config(AutoConfig.for_model("phi3", **BASE))
+    for apply in (lambda m: apply_context_parallel(m, cp), enable_chunked_loss):
+        with pytest.raises(ValueError, match=r"model family 'phi3' \(Phi3ForCausalLM\) is not supported by "
+                                             r"llama-cp: its attention projects q, k and v with one fused qkv_proj"):
+            apply(phi3)
+    gemma2 = family_model("gemma2", attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match=r"gemma2: config.attn_logit_softcapping=50.0 soft-caps"):
+        apply_context_parallel(gemma2, cp, max_seq_len=SEQ_LEN)
+    with pytest.raises(ValueError, match="attention_dropout=0.1.*set it to 0.0"):
+        apply_context_parallel(family_model("llama", attention_dropout=0.1), cp)
+    short_window = family_model("mistral_window_eq_seq", sliding_window=SEQ_LEN - 1)
+    with pytest.raises(ValueError, match=rf"sliding-window attention of {SEQ_LEN - 1} tokens is shorter than the "
+                                         rf"sequence \({SEQ_LEN} tokens\).*--context_length <= {SEQ_LEN - 1}"):
+        apply_context_parallel(short_window, cp, max_seq_len=SEQ_LEN)
+    # without the length up front, the first forward on a longer sequence refuses it
+    apply_context_parallel(short_window, cp)
+    local = shard_batch(batch(), cp)
+    with pytest.raises(ValueError, match=rf"sliding-window attention of {SEQ_LEN - 1} tokens is shorter"):
+        short_window(input_ids=local["input_ids"], position_ids=local["position_ids"])
+
+
+results = checks.module_fixture(__name__, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("name", checks.names)
+def test_check(results, name):
+    checks.assert_passed(results, name)
