@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llama_cp.families import LogitTransform
 from llama_cp.loss import linear_cross_entropy
 from llama_cp.memory import track_peak_memory
 
@@ -25,6 +26,30 @@ def test_matches_cross_entropy_on_full_logits(chunk_size, dtype):
     torch.testing.assert_close(got.to(dtype), want, **tol)
     for g_got, g_want in zip(got_grads, want_grads):
         torch.testing.assert_close(g_got, g_want, **tol)
+
+
+@pytest.mark.parametrize("transform", [LogitTransform(scale=0.25), LogitTransform(softcap=2.0),
+                                       LogitTransform(scale=3.0, softcap=5.0)])
+def test_family_logit_transform_is_applied_in_every_chunk(transform):
+    """Scaled and soft-capped logits (Granite, Cohere, Gemma2): value and gradients in float64
+    equal the cross-entropy of the transformed full logits; the argmax flags come from them too."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 13, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 40, (2, 13), generator=g)
+    labels[1, :4] = -100
+    logits = (hidden @ weight.t()) * transform.scale
+    if transform.softcap is not None:
+        logits = transform.softcap * torch.tanh(logits / transform.softcap)
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    want_grads = torch.autograd.grad(want, (hidden, weight))
+    got, correct = linear_cross_entropy(hidden, weight, labels, chunk_size=5, transform=transform,
+                                        return_correct=True)
+    got_grads = torch.autograd.grad(got, (hidden, weight))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    for g_got, g_want in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g_got, g_want, atol=1e-12, rtol=1e-12)
+    assert torch.equal(correct, (logits.argmax(-1) == labels) | (labels == -100))
 
 
 def test_upstream_gradient_scales_the_result():

@@ -101,18 +101,19 @@ def _config(output_dir, **flags):
 def crash_and_resume_continue_the_trajectory():
     from llama_cp import Trainer
 
-    class CrashAfterTwoSteps(Trainer):
+    class CrashAfterThreeSteps(Trainer):
         def train_step(self):
-            if getattr(self, "_steps_run", 0) == 2:
-                raise KeyboardInterrupt("simulated crash after step 2")
+            if getattr(self, "_steps_run", 0) == 3:
+                raise KeyboardInterrupt("simulated crash after step 3")
             self._steps_run = getattr(self, "_steps_run", 0) + 1
             return super().train_step()
 
     with tempfile.TemporaryDirectory() as straight, tempfile.TemporaryDirectory() as crashed:
         Trainer(_config(straight, save_every=2)).fit()
         with pytest.raises(KeyboardInterrupt):
-            CrashAfterTwoSteps(_config(crashed, save_every=2)).fit()
-        Trainer(_config(crashed, save_every=2, resume=True)).fit()
+            CrashAfterThreeSteps(_config(crashed, save_every=2)).fit()
+        assert [r["step"] for r in read_metrics(crashed)] == [1, 2, 3]  # step 3 logged, never saved
+        Trainer(_config(crashed, save_every=2, resume=True)).fit()  # from step 2: step 3's row is redone
         got, want = read_metrics(crashed), read_metrics(straight)
         assert [r["step"] for r in got] == [1, 2, 3, 4]
         for g, w in zip(got, want):
@@ -130,15 +131,12 @@ def adamw8bit_runs_on_cpu_and_resumes():
         losses = [r["loss"] for r in read_metrics(straight)]
         assert losses[-1] < losses[0], losses
         Trainer(_config(resumed, optimizer="adamw8bit", max_steps=4, save_every=2)).fit()
-        # keep only the step-2 checkpoint and the first two metrics rows, then resume
+        # keep only the step-2 checkpoint, then resume: the rows of steps 3 and 4 are rewritten
         import shutil
 
         shutil.rmtree(os.path.join(resumed, "checkpoints", "step_00000004"))
-        with open(os.path.join(resumed, "metrics.jsonl")) as f:
-            first_two = f.readlines()[:2]
-        with open(os.path.join(resumed, "metrics.jsonl"), "w") as f:
-            f.writelines(first_two)
         Trainer(_config(resumed, optimizer="adamw8bit", max_steps=4, save_every=2, resume=True)).fit()
+        assert [r["step"] for r in read_metrics(resumed)] == [1, 2, 3, 4]
         got = [r["loss"] for r in read_metrics(resumed)]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(losses), rtol=1e-6, atol=1e-7)
 
@@ -167,6 +165,76 @@ def lora_export_reloads_with_peft_and_reproduces_logits():
                 without_adapter = reloaded(input_ids=input_ids).logits
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert (got - without_adapter).abs().max() > 1e-3, "the adapter did not change the model"
+
+
+@checks.add
+def full_finetune_of_a_bf16_checkpoint_keeps_fp32_shards_and_state():
+    """A bf16 checkpoint is trained with float32 sharded parameters and AdamW state (bf16 would
+    round every update away) and loads its bf16 values exactly. (The planner's side:
+    tests/memory/test_plan_cli.py.)"""
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaForCausalLM
+
+    from llama_cp import Trainer
+    from llama_cp.models import embedded_llama_config
+    from llama_cp.tokenizer import byte_tokenizer
+
+    with tempfile.TemporaryDirectory() as root:
+        torch.manual_seed(3)
+        bf16 = LlamaForCausalLM(embedded_llama_config(num_hidden_layers=2)).to(torch.bfloat16)
+        bf16.save_pretrained(os.path.join(root, "bf16"))
+        byte_tokenizer().save_pretrained(os.path.join(root, "bf16"))
+        trainer = Trainer(_config(os.path.join(root, "run"), model_name=os.path.join(root, "bf16"), max_steps=2))
+        trainer.fit()
+        params = [p for p in trainer.model.parameters() if p.requires_grad]
+        assert params and all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in params)
+        states = [t for state in trainer.optimizer.state.values() for t in state.values() if t.dim() > 0]
+        assert states and all(t.dtype == torch.float32 for t in states), {t.dtype for t in states}
+        # the weights loaded are the checkpoint's bf16 values, held in float32
+        fresh = Trainer(_config(os.path.join(root, "run2"), model_name=os.path.join(root, "bf16")))
+        fresh.setup()
+        loaded = {k: v.full_tensor() for k, v in fresh.model.state_dict().items()}
+        for name, value in bf16.state_dict().items():
+            assert torch.equal(loaded[name], value.float()), name
+
+
+@checks.add
+def eval_never_builds_the_full_logits():
+    """Eval on a text dataset (no passkey metric) keeps the loss chunked; the passkey metric
+    comes from the same chunks. The largest logits product has at most loss_chunk_size rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from llama_cp import Trainer
+    from llama_cp.models import EMBEDDED_LLAMA
+
+    vocab, chunk = EMBEDDED_LLAMA["vocab_size"], 64
+
+    class LargestLogits(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            matmul = func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+            if matmul and out.shape[-1] == vocab:
+                self.rows = max(self.rows, out.numel() // vocab)
+            return out
+
+    with tempfile.TemporaryDirectory() as root:
+        data = os.path.join(root, "text.jsonl")
+        with open(data, "w") as f:
+            for i in range(60):
+                f.write(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor sit amet " * 40}) + "\n")
+        for dataset in (data, "passkey"):
+            trainer = Trainer(_config(os.path.join(root, "run"), dataset=dataset, context_length=512,
+                                      loss_chunk_size=chunk, num_eval_samples=2))
+            trainer.setup()
+            labeled = sum(int((b["labels"] != -100).sum()) for b in trainer.eval_batches)
+            with LargestLogits() as largest:
+                result = trainer.evaluate()
+            assert 0 < largest.rows <= chunk, (dataset, largest.rows, labeled)
+            assert ("passkey_acc" in result) == (dataset == "passkey"), result
+            if dataset == data:
+                assert labeled > 4 * chunk, labeled  # the full logits would have been far larger
 
 
 results = checks.module_fixture(__name__, 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from transformers import LlamaForCausalLM
 
 from llama_cp.config import TrainConfig
 from llama_cp.memory import GiB, find_max_context, plan_step_memory, with_context
@@ -69,3 +70,21 @@ def test_plot_max_context_fsdp_only_vs_cp(tmp_path, monkeypatch):
     assert lengths[1, "FSDP only"] == lengths[1, "FSDP + CP"] > 0  # cp=1 either way
     assert lengths[2, "FSDP + CP"] > lengths[2, "FSDP only"] >= lengths[1, "FSDP only"]
     assert png.stat().st_size > 0
+
+
+def test_bf16_checkpoint_is_planned_with_float32_shards(tmp_path):
+    """The planner builds like the trainer (``build_causal_lm``): a checkpoint whose config.json
+    says bfloat16 is planned with float32 sharded parameters, gradients and optimizer state,
+    exactly like its float32 copy, and the parameters take 4 bytes each."""
+    from llama_cp.memory import simulate_step_phases
+
+    config = embedded_llama_config(num_hidden_layers=2)
+    for dtype in ("bfloat16", "float32"):
+        config.dtype = dtype
+        config.save_pretrained(tmp_path / dtype)
+    cfg = {dtype: TrainConfig.from_flags(model_name=str(tmp_path / dtype), context_length=256)
+           for dtype in ("bfloat16", "float32")}
+    bf16, fp32 = (simulate_step_phases(cfg[d], world_size=1) for d in ("bfloat16", "float32"))
+    assert bf16 == fp32
+    params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    assert bf16["optimizer"].tracked["Sharded Param"] == 4 * params
