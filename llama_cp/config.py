@@ -112,7 +112,7 @@ class TrainConfig:
     keep_last: int = 2
     """Checkpoints to keep."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in output_dir."""
+    """Continue from the newest complete checkpoint in output_dir (metrics.jsonl rows after its step are rewritten)."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only at the end)."""
     log_every: int = 5

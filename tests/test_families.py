@@ -152,13 +152,12 @@ for _name in FAMILIES:
                     )
 
 
-@checks.add
-def padding_mask_is_refused_where_it_enters():
+def check_padding_mask_is_refused_where_it_enters(strategy: str, cp: int):
     """transformers hands our attention None for any mask, so a padding mask must be refused
     at the model and at shard_batch; a mask of ones masks nothing and is accepted."""
     reference = family_model("llama")
-    mesh = mesh_for(2)
-    model = apply_context_parallel(copy.deepcopy(reference), mesh["cp"])
+    mesh = mesh_for(cp)
+    model = apply_context_parallel(copy.deepcopy(reference), mesh["cp"], strategy=strategy)
     data = batch()
     left_padded = torch.ones(BATCH, SEQ_LEN, dtype=torch.long)
     left_padded[0, :6] = 0
@@ -178,6 +177,12 @@ def padding_mask_is_refused_where_it_enters():
                     attention_mask=local["attention_mask"]).logits
         want = reference(input_ids=data["input_ids"]).logits
     torch.testing.assert_close(unshard(got, mesh["cp"]), want, atol=1e-5, rtol=1e-5)
+
+
+for _strategy in ("ring", "ulysses"):
+    for _cp in (1, 2, 4):
+        checks.add(functools.partial(check_padding_mask_is_refused_where_it_enters, _strategy, _cp),
+                   name=f"padding_mask_refused_{_strategy}_cp{_cp}")
 
 
 @checks.add
