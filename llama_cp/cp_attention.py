@@ -59,6 +59,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from llama_cp import kernels
+from llama_cp.documents import DocumentLayout, document_attention, document_starts, pieces_backward, pieces_forward
 from llama_cp.families import check_supported
 from llama_cp.kernels import Backend
 from llama_cp.models import base_causal_lm
@@ -68,6 +69,8 @@ STRATEGIES: tuple[str, ...] = ("ring", "ulysses")
 
 #: Name under which the attention function is registered with transformers.
 ATTENTION_NAME = "llama_cp"
+#: Keyword under which the decoder hands the batch's :class:`DocumentLayout` to every attention call.
+DOCUMENTS_KWARG = "llama_cp_documents"
 
 
 class RingComm:
@@ -115,11 +118,13 @@ def ring_forward(
     causal: bool,
     scale: float,
     backend: Backend | None = None,
+    documents: DocumentLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zigzag ring attention forward; see Note [Zigzag ring attention].
 
     q: (B, H, S, D), k/v: (B, Hkv, S, D), the rank's two zigzag chunks.
     Returns out (B, H, S, D) in q's dtype and lse (B, H, S) in float32.
+    With ``documents`` only the pairs of Note [Document masks under CP] are computed.
     """
     half = q.shape[2] // 2
     kv = torch.stack([k, v])  # (2, B, Hkv, S, D): one message per step
@@ -128,7 +133,10 @@ def ring_forward(
         if step + 1 < comm.size:
             next_kv = comm.send_recv(kv)
         k_blk, v_blk = kv[0], kv[1]
-        if step == 0:
+        if documents is not None:
+            block = documents.ring_pieces((comm.rank - step) % comm.size)
+            out, lse = pieces_forward(q, k_blk, v_blk, block, scale=scale, backend=backend, out=out, lse=lse)
+        elif step == 0:
             block_out, lse = kernels.attention_forward(q, k_blk, v_blk, causal=causal, scale=scale, backend=backend)
             out = block_out.to(kernels.accumulation_dtype(q))
         elif not causal:
@@ -163,8 +171,10 @@ def ring_backward(
     causal: bool,
     scale: float,
     backend: Backend | None = None,
+    documents: DocumentLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Zigzag ring attention backward; see Note [Zigzag ring attention]."""
+    """Zigzag ring attention backward; see Note [Zigzag ring attention] (and Note [Document
+    masks under CP] with ``documents``)."""
     size, half = comm_kv.size, q.shape[2] // 2
     acc = kernels.accumulation_dtype(q)
     dq = torch.zeros_like(q, dtype=acc)
@@ -175,7 +185,12 @@ def ring_backward(
             next_kv = comm_kv.send_recv(kv)
         k_blk, v_blk = kv[0], kv[1]
         dkv = torch.zeros_like(kv, dtype=acc)  # this rank's share of the block's dK/dV
-        if step == 0 or not causal:
+        if documents is not None:
+            block = documents.ring_pieces((comm_kv.rank - step) % size)
+            pieces_backward(
+                dout, q, k_blk, v_blk, out, lse, block, scale=scale, backend=backend, dq=dq, dk=dkv[0], dv=dkv[1]
+            )
+        elif step == 0 or not causal:
             grads = kernels.attention_backward(
                 dout, q, k_blk, v_blk, out, lse, causal=causal and step == 0, scale=scale, backend=backend
             )
@@ -211,10 +226,12 @@ def ring_backward(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend):
-        out, lse = ring_forward(RingComm(group), q, k, v, causal=causal, scale=scale, backend=backend)
+    def forward(ctx, q, k, v, group, causal, scale, backend, documents):
+        out, lse = ring_forward(
+            RingComm(group), q, k, v, causal=causal, scale=scale, backend=backend, documents=documents
+        )
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.backend = group, causal, scale, backend
+        ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.documents = group, causal, scale, backend, documents
         return out
 
     @staticmethod
@@ -222,9 +239,9 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(
             RingComm(ctx.group, tag=0), RingComm(ctx.group, tag=1), dout, q, k, v, out, lse,
-            causal=ctx.causal, scale=ctx.scale, backend=ctx.backend,
+            causal=ctx.causal, scale=ctx.scale, backend=ctx.backend, documents=ctx.documents,
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- local block
@@ -297,13 +314,20 @@ class _AllToAll(torch.autograd.Function):
         return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
-def ulysses_attention(q, k, v, group, *, causal: bool, scale: float, backend: Backend | None = None):
-    """Ulysses attention; q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) zigzag shards. Differentiable."""
+def ulysses_attention(
+    q, k, v, group, *, causal: bool, scale: float, backend: Backend | None = None,
+    documents: DocumentLayout | None = None,
+):
+    """Ulysses attention; q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) zigzag shards. Differentiable.
+    With ``documents``, causal attention within each document of the gathered row."""
     cp = dist.get_world_size(group)
     kv_repeat = cp // math.gcd(k.shape[1], cp)  # make the KV heads split evenly across cp
     k, v = kernels._expand_kv(k, kv_repeat), kernels._expand_kv(v, kv_repeat)
     q, k, v = (_AllToAll.apply(t, group, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
-    out = _LocalAttention.apply(q, k, v, causal, scale, backend)
+    if documents is None:
+        out = _LocalAttention.apply(q, k, v, causal, scale, backend)
+    else:
+        out = document_attention(q, k, v, documents.full_row_pieces(), scale=scale, backend=backend)
     return _AllToAll.apply(out, group, _heads_to_seq, _seq_to_heads)
 
 
@@ -315,15 +339,39 @@ class ContextParallelAttention:
     group: dist.ProcessGroup | None
     strategy: Strategy
     backend: Backend | None = None
+    document_mask: bool = True
 
     @property
     def cp_size(self) -> int:
         return 1 if self.group is None else dist.get_world_size(self.group)
 
-    def __call__(self, q, k, v, *, causal: bool, scale: float | None) -> torch.Tensor:
-        """q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) -> (B, H, S/cp, D)."""
+    def document_layout(self, position_ids: torch.Tensor) -> DocumentLayout | None:
+        """The documents of a batch from its local (B, S/cp) global ``position_ids``; None when
+        every row is one document (Note [Document masks under CP]). A collective over the cp group."""
+        full = position_ids
+        if self.group is not None:
+            from llama_cp.sharding import unshard_sequence
+
+            shards = [torch.empty_like(position_ids) for _ in range(self.cp_size)]
+            dist.all_gather(shards, position_ids.contiguous(), group=self.group)
+            full = unshard_sequence(shards, seq_dim=1)
+        starts = document_starts(full)
+        if not bool(starts.any()):
+            return None
+        rank = 0 if self.group is None else dist.get_rank(self.group)
+        return DocumentLayout(starts, cp_rank=rank, cp_size=self.cp_size)
+
+    def __call__(
+        self, q, k, v, *, causal: bool, scale: float | None, documents: DocumentLayout | None = None
+    ) -> torch.Tensor:
+        """q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) -> (B, H, S/cp, D). ``documents``: attend
+        only within each packed document (Note [Document masks under CP])."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if documents is not None and not causal:
+            raise ValueError("document masks are causal; got a non-causal attention call with documents")
         if self.cp_size == 1:
+            if documents is not None:
+                return document_attention(q, k, v, documents.ring_pieces(0), scale=scale, backend=self.backend)
             return _LocalAttention.apply(q, k, v, causal, scale, self.backend)
         if self.strategy == "ring":
             if q.shape[2] % 2:
@@ -331,8 +379,10 @@ class ContextParallelAttention:
                     f"ring attention needs an even local sequence length (two zigzag chunks), got {q.shape[2]}; "
                     "shard the batch with llama_cp.shard_batch"
                 )
-            return _RingAttention.apply(q, k, v, self.group, causal, scale, self.backend)
-        return ulysses_attention(q, k, v, self.group, causal=causal, scale=scale, backend=self.backend)
+            return _RingAttention.apply(q, k, v, self.group, causal, scale, self.backend, documents)
+        return ulysses_attention(
+            q, k, v, self.group, causal=causal, scale=scale, backend=self.backend, documents=documents
+        )
 
 
 def check_attention_mask(attention_mask: torch.Tensor | None) -> None:
@@ -352,9 +402,30 @@ def check_attention_mask(attention_mask: torch.Tensor | None) -> None:
         )
 
 
-def _refuse_attention_mask(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of the decoder: the mask must be checked where it enters the model."""
+def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of the decoder (``LlamaModel``), where the batch enters the model:
+    refuse a padding mask (transformers would hand the attention None), require global
+    ``position_ids`` under CP, and hand every attention layer the batch's documents."""
     check_attention_mask(kwargs.get("attention_mask", args[1] if len(args) > 1 else None))
+    attention: ContextParallelAttention = module.cp_attention
+    position_ids = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    if position_ids is None:
+        if attention.cp_size > 1:
+            raise ValueError(
+                "context-parallel model called without position_ids: each rank holds zigzag chunks of the "
+                "sequence and needs their global positions; shard the batch with llama_cp.shard_batch, "
+                "which creates them"
+            )
+        return args, kwargs
+    if attention.document_mask:
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs["inputs_embeds"]
+        positions = position_ids.reshape(-1, position_ids.shape[-1]).expand(tokens.shape[0], -1)
+        documents = attention.document_layout(positions)
+        if documents is not None:
+            kwargs = {**kwargs, DOCUMENTS_KWARG: documents}
+    return args, kwargs
 
 
 def cp_attention_forward(
@@ -388,7 +459,7 @@ def cp_attention_forward(
             "context-parallel attention has no sliding window; use sequences of at most that many tokens"
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = attention(query, key, value, causal=causal, scale=scaling)
+    out = attention(query, key, value, causal=causal, scale=scaling, documents=kwargs.get(DOCUMENTS_KWARG))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -442,6 +513,7 @@ def apply_context_parallel(
     *,
     backend: Backend | None = None,
     max_seq_len: int | None = None,
+    document_mask: bool = True,
 ) -> nn.Module:
     """Make every attention layer of an HF Llama-family ``model`` context-parallel over ``cp_mesh``.
 
@@ -450,6 +522,11 @@ def apply_context_parallel(
     changes: parameter gradients stay per rank, and their sum over the cp group is
     the full-sequence gradient (reducing them is FSDP's job, see ``shard_model``).
     With a cp group of size 1 the attention is the ordinary local causal attention.
+
+    ``document_mask`` (default): a row whose ``position_ids`` restart holds several
+    packed documents, and each token attends only to the earlier tokens of its own
+    document, as single-process transformers does (Note [Document masks under CP]).
+    ``False``: every token attends to all earlier tokens of the row.
 
     Models llama-cp cannot compute exactly are refused here (``llama_cp.families``);
     ``max_seq_len``, the longest global sequence to come, lets a sliding window be
@@ -477,14 +554,16 @@ def apply_context_parallel(
     if not layers:
         raise ValueError(f"found no attention layers (modules with q_proj and o_proj) in {type(model).__name__}")
 
-    attention = ContextParallelAttention(group=group if cp > 1 else None, strategy=strategy, backend=backend)
-    for layer in layers:
-        layer.cp_attention = attention  # a plain attribute: bound per model, no module globals
-    bind_global_rope(model, attention.group)
+    attention = ContextParallelAttention(
+        group=group if cp > 1 else None, strategy=strategy, backend=backend, document_mask=document_mask
+    )
     decoder = base_causal_lm(model).get_decoder()
-    if not getattr(decoder, "_llama_cp_mask_hook", False):
-        decoder.register_forward_pre_hook(_refuse_attention_mask, with_kwargs=True)
-        decoder._llama_cp_mask_hook = True
+    for module in (*layers, decoder):
+        module.cp_attention = attention  # a plain attribute: bound per model, no module globals
+    bind_global_rope(model, attention.group)
+    if not getattr(decoder, "_llama_cp_hook", False):
+        decoder.register_forward_pre_hook(_prepare_decoder_call, with_kwargs=True)
+        decoder._llama_cp_hook = True
     AttentionInterface.register(ATTENTION_NAME, cp_attention_forward)
     model.set_attn_implementation(ATTENTION_NAME)
     return model

@@ -294,8 +294,13 @@ def merge_block(
 
         out <- out - sigmoid(b - l) * (out - block_out)
         lse <- lse - logsigmoid(l - b)
-    """
-    weight = torch.sigmoid(block_lse - lse)[..., None]  # (B, H, S, 1)
-    out.sub_(weight * (out - block_out.to(out.dtype)))
-    lse.sub_(torch.nn.functional.logsigmoid(lse - block_lse))
 
+    A row that has seen no key yet (l = -inf, out = 0, as document masks start)
+    takes the block's values; a row that sees no key of the block (b = -inf) keeps
+    its own; a row with neither stays (0, -inf). No NaN in any of the three.
+    """
+    empty = lse == float("-inf")
+    weight = torch.sigmoid(block_lse - lse).masked_fill_(empty, 1.0)[..., None]  # (B, H, S, 1)
+    out.sub_(weight * (out - block_out.to(out.dtype)))
+    lse.sub_(torch.nn.functional.logsigmoid(lse - block_lse).masked_fill_(empty, 0.0))
+    lse.copy_(torch.where(empty, block_lse.to(lse.dtype), lse))

@@ -1,0 +1,130 @@
+"""Packed-document checks shared by the world-4 (cp 1, 2, 4) and world-3 (cp 3) test modules.
+
+The reference is plain single-process transformers on the whole packed rows: with
+restarting ``position_ids`` and no attention mask it masks across documents itself
+(``masking_utils.find_packed_sequence_indices``); ``hf_packing_is_per_document``
+checks that this reference is indeed every document run on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+
+from fsdp_checks import full_grad, local_batches, tiny_model
+from llama_cp import ParallelDims, apply_context_parallel, enable_chunked_loss, shard_batch, unshard
+from llama_cp.fsdp_wrap import shard_model
+from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens
+
+VOCAB, SEQ_LEN = 96, 96  # 96 is a multiple of 2 x cp for cp 1, 2, 3 and 4
+#: documents per row of the test batch; the 1-document row starts inside a document
+DOCUMENTS_PER_ROW = (1, 2, 7, 50)
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
+
+
+def document_lengths(count: int, g: torch.Generator) -> list[int]:
+    """``count`` random lengths summing to SEQ_LEN, with a document of length 1 whenever
+    count > 2; two documents are one that spans every cp shard and a short one."""
+    if count == 1:
+        return [SEQ_LEN]
+    if count == 2:
+        return [SEQ_LEN - 5, 5]
+    cuts = (torch.randperm(SEQ_LEN - 2, generator=g)[: count - 2] + 1).sort().values.tolist()
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, SEQ_LEN - 1])]
+    position = int(torch.randint(0, count, (1,), generator=g))
+    return lengths[:position] + [1] + lengths[position:]
+
+
+def packed_batch(seed: int = 3) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """One row per entry of DOCUMENTS_PER_ROW: random tokens, position_ids restarting at
+    every document, labels pre-shifted within each document (-100 at its last token) with a
+    few more ignored. Returns (batch, document lengths per row)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = len(DOCUMENTS_PER_ROW)
+    input_ids = torch.randint(3, VOCAB, (rows, SEQ_LEN), generator=g)
+    labels = torch.full_like(input_ids, -100)
+    position_ids = torch.empty_like(input_ids)
+    all_lengths = []
+    for row, count in enumerate(DOCUMENTS_PER_ROW):
+        lengths = document_lengths(count, g)
+        assert sum(lengths) == SEQ_LEN and len(lengths) == count, lengths
+        all_lengths.append(lengths)
+        start = 0
+        for index, length in enumerate(lengths):
+            first = 3 if count == 1 else 0  # the one-document row continues a document
+            position_ids[row, start : start + length] = torch.arange(first, first + length)
+            labels[row, start : start + length - 1] = input_ids[row, start + 1 : start + length]
+            start += length
+    labels[0, :4] = -100
+    labels[2, 10:13] = -100
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}, all_lengths
+
+
+def reference_forward(model, batch):
+    """Single-process transformers on the whole packed rows: (logits, mean CE)."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+    return logits, loss
+
+
+def lora(model):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    return get_peft_model(model, config)
+
+
+#: 12 query heads split evenly for Ulysses at cp 2, 3 and 4; 4 KV heads (GQA)
+HEADS = dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=48)
+
+
+def check_documents(strategy: str, mesh, sharded: bool, dtype: torch.dtype, use_lora: bool = False):
+    """Logits, loss and every gradient of packed rows under CP equal single-process transformers."""
+    tol = TOLERANCE[dtype]
+    reference = tiny_model(**HEADS).to(dtype)
+    if use_lora:
+        reference = lora(reference)
+    model = copy.deepcopy(reference)
+    data, _ = packed_batch()
+    ref_logits, ref_loss = reference_forward(reference, data)
+    ref_loss.backward()
+
+    apply_context_parallel(model, mesh["cp"], strategy=strategy, max_seq_len=SEQ_LEN)
+    enable_chunked_loss(model, chunk_size=7)
+    if sharded:
+        shard_model(model, mesh, param_dtype=None, reduce_dtype=None)
+        (local,) = local_batches(data, mesh)
+        per_rank = data["input_ids"].shape[0] // mesh["dp"].size()
+        rows = slice(mesh["dp"].get_local_rank() * per_rank, (mesh["dp"].get_local_rank() + 1) * per_rank)
+        loss_group = None  # every rank: dp and cp
+    else:
+        local, rows, loss_group = shard_batch(data, mesh["cp"]), slice(None), mesh["cp"].get_group()
+
+    with torch.no_grad():
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    torch.testing.assert_close(unshard(logits, mesh["cp"]), ref_logits[rows].detach(), **tol)
+
+    loss = causal_lm_loss_sum(model, local) / count_valid_tokens([local["labels"]], group=loss_group)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=loss_group)
+    torch.testing.assert_close(total, ref_loss.detach(), **tol)
+    compared = 0
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if ref_param.grad is None:
+            assert param.grad is None, f"{name} has a gradient but should be frozen"
+            continue
+        grad = full_grad(param)
+        if not sharded:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=loss_group)
+        torch.testing.assert_close(grad, ref_param.grad, **tol, msg=lambda m: f"{name}: {m}")
+        compared += 1
+    assert compared == sum(p.requires_grad for p in reference.parameters()) > 0, compared
+
+
+def mesh_for(cp: int, world_size: int):
+    return ParallelDims(dp_shard=world_size // cp, cp=cp).build_mesh("cpu")

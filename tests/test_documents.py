@@ -1,0 +1,92 @@
+"""Packed documents that never see each other, on 4 CPU ranks (gloo): cp 1, 2 and 4.
+
+Rows of 1, 2, 7 and 50 documents of random lengths (a document of one token, one
+that spans every cp shard, a row that starts inside a document) give the logits,
+loss and every gradient of single-process transformers, for ring and Ulysses, with
+and without FSDP over dp_shard x cp, full fine-tuning and LoRA, float32 and float64.
+cp 3 runs in ``test_documents_cp3.py`` (world 3).
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from dist_harness import Checks
+from document_checks import HEADS, SEQ_LEN, check_documents, mesh_for, packed_batch, reference_forward
+from fsdp_checks import tiny_model
+from llama_cp import apply_context_parallel, shard_batch
+from llama_cp.documents import document_starts
+
+WORLD_SIZE = 4
+checks = Checks()
+
+for _strategy in ("ring", "ulysses"):
+    for _cp in (1, 2, 4):
+        if _cp == 1 and _strategy == "ulysses":
+            continue  # cp 1 has no strategy
+        for _mode in ("plain", "fsdp", "lora"):
+            for _dtype in (torch.float32, torch.float64):
+                checks.add(
+                    functools.partial(
+                        lambda s, c, m, d: check_documents(s, mesh_for(c, WORLD_SIZE), m != "plain", d, m == "lora"),
+                        _strategy, _cp, _mode, _dtype,
+                    ),
+                    name=f"{_strategy}_cp{_cp}_{_mode}_{str(_dtype)[6:]}",
+                )
+
+
+@checks.add
+def hf_packing_is_per_document():
+    """The reference itself: transformers on packed rows equals each document run alone."""
+    model = tiny_model(**HEADS).double()
+    data, lengths = packed_batch()
+    packed, _ = reference_forward(model, data)
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for length in row_lengths:
+            piece = slice(start, start + length)
+            alone = model(input_ids=data["input_ids"][row : row + 1, piece],
+                          position_ids=data["position_ids"][row : row + 1, piece], use_cache=False).logits
+            torch.testing.assert_close(packed[row : row + 1, piece], alone, atol=1e-10, rtol=1e-10)
+            start += length
+
+
+@checks.add
+def document_mask_false_attends_across_documents():
+    """--document_mask false: the whole row is one causal sequence (transformers with the
+    position_ids of one document), which differs from the packed reference."""
+    mesh = mesh_for(2, WORLD_SIZE)
+    reference = tiny_model(**HEADS).double()
+    model = apply_context_parallel(copy.deepcopy(reference), mesh["cp"], document_mask=False)
+    data, _ = packed_batch()
+    local = shard_batch(data, mesh["cp"])
+    with torch.no_grad():
+        got = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+        # same rows, but RoPE positions as packed and attention over the whole row: eager with a plain causal mask
+        whole_row = reference(input_ids=data["input_ids"], position_ids=data["position_ids"],
+                              attention_mask=torch.ones_like(data["input_ids"]), use_cache=False).logits
+        packed, _ = reference_forward(reference, data)
+    from llama_cp import unshard
+
+    got = unshard(got, mesh["cp"])
+    torch.testing.assert_close(got, whole_row, atol=1e-10, rtol=1e-10)
+    assert (got - packed).abs().max() > 1e-3
+
+
+@checks.add
+def position_ids_are_required_under_cp():
+    mesh = mesh_for(2, WORLD_SIZE)
+    model = apply_context_parallel(tiny_model(**HEADS), mesh["cp"])
+    local = shard_batch(packed_batch()[0], mesh["cp"])
+    with pytest.raises(ValueError, match="without position_ids.*llama_cp.shard_batch"):
+        model(input_ids=local["input_ids"])
+
+
+results = checks.module_fixture(__name__, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("name", checks.names)
+def test_check(results, name):
+    checks.assert_passed(results, name)

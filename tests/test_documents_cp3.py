@@ -1,0 +1,30 @@
+"""Packed documents at cp 3 (a world of 3 CPU ranks): see ``test_documents.py``."""
+
+import functools
+
+import pytest
+import torch
+
+from dist_harness import Checks
+from document_checks import check_documents, mesh_for
+
+WORLD_SIZE = 3
+checks = Checks()
+
+for _strategy in ("ring", "ulysses"):
+    for _mode in ("plain", "fsdp", "lora"):
+        for _dtype in (torch.float32, torch.float64):
+            checks.add(
+                functools.partial(
+                    lambda s, m, d: check_documents(s, mesh_for(3, WORLD_SIZE), m != "plain", d, m == "lora"),
+                    _strategy, _mode, _dtype,
+                ),
+                name=f"{_strategy}_cp3_{_mode}_{str(_dtype)[6:]}",
+            )
+
+results = checks.module_fixture(__name__, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("name", checks.names)
+def test_check(results, name):
+    checks.assert_passed(results, name)
