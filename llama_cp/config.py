@@ -72,6 +72,8 @@ class DataConfig:
     """Training rows of the passkey task."""
     num_eval_samples: int = 16
     """Held-out rows evaluated at each eval."""
+    document_mask: bool = True
+    """Packed documents (position_ids restart) attend only within themselves, as in transformers; false: across the row."""
 
 
 @dataclass

@@ -284,7 +284,8 @@ def parallelize_model(
             ),
         )
     apply_context_parallel(
-        model, mesh["cp"], strategy=cfg.parallel.cp_strategy, max_seq_len=cfg.data.context_length
+        model, mesh["cp"], strategy=cfg.parallel.cp_strategy, max_seq_len=cfg.data.context_length,
+        document_mask=cfg.data.document_mask,
     )
     enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
     shard_model(

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dist_harness import Checks
+from probes import LargestTensor
 from llama_cp import ContextParallelAttention, ParallelDims, apply_context_parallel, shard_batch, unshard
 from llama_cp.sharding import shard_sequence
 
@@ -163,21 +163,6 @@ def ring_sends_native_kv_heads():
         dist.batch_isend_irecv = original
     expected = 2 * batch * (seq_len // cp) * kv_heads * head_dim * 4  # K and V, fp32
     assert sent_per_call == [expected] * (cp - 1), (sent_per_call, expected)
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel, self.op = 0, None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for t in result if isinstance(result, (tuple, list)) else (result,):
-            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
-                self.numel, self.op = t.numel(), func
-        return result
 
 
 @checks.add

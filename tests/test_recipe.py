@@ -79,6 +79,35 @@ def test_two_processes_match_the_single_process_trajectory(tmp_path, single_runs
     torch.testing.assert_close(got[-1]["eval_loss"], want[-1]["eval_loss"], rtol=1e-4, atol=1e-6)
 
 
+def write_chat_jsonl(path, count: int = 120) -> str:
+    """Many short chat examples: packed, every row holds several documents."""
+    with open(path, "w") as f:
+        for i in range(count):
+            messages = [{"role": "user", "content": f"What is {i} plus {i % 7}?"},
+                        {"role": "assistant", "content": f"{i} plus {i % 7} is {i + i % 7}."}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return str(path)
+
+
+def test_packed_chat_rows_on_two_processes_match_one(tmp_path):
+    """Document masks (on by default) under cp 2, ring and Ulysses, give the single-process
+    trajectory on packed rows of short chat examples."""
+    data = write_chat_jsonl(tmp_path / "chat.jsonl")
+    runs = {}
+    for name, flags, nproc in [("single", [], 1), ("ring", ["--cp", "2"], 2),
+                               ("ulysses", ["--cp", "2", "--cp_strategy", "ulysses"], 2)]:
+        runs[name] = tmp_path / name
+        run_cli(runs[name], "--dataset", data, "--context_length", "128", *flags, nproc=nproc)
+    want = read_metrics(runs["single"])
+    for name in ("ring", "ulysses"):
+        got = read_metrics(runs[name])
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(
+                torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in want]), rtol=1e-4, atol=1e-6,
+                msg=lambda m: f"{name} {key}: {m}",
+            )
+
+
 def test_unknown_flag_is_a_clear_error(tmp_path):
     result = run_cli(tmp_path, "--contex_length", "512", check=False)
     assert result.returncode != 0
@@ -235,6 +264,42 @@ def eval_never_builds_the_full_logits():
             assert ("passkey_acc" in result) == (dataset == "passkey"), result
             if dataset == data:
                 assert labeled > 4 * chunk, labeled  # the full logits would have been far larger
+
+
+@checks.add
+def packed_chat_rows_train_with_document_masks_by_default():
+    """The trainer's loss on packed rows of short chat examples is single-process
+    transformers' loss on the same rows (which masks across documents); with
+    --document_mask false it is not."""
+    import torch.nn.functional as F
+    from transformers import LlamaForCausalLM
+
+    from llama_cp import Trainer
+    from llama_cp.documents import document_starts
+    from llama_cp.loss import causal_lm_loss_sum
+    from llama_cp.models import embedded_llama_config
+
+    with tempfile.TemporaryDirectory() as root:
+        data = write_chat_jsonl(os.path.join(root, "chat.jsonl"))
+        losses = {}
+        for document_mask, flags in ((True, {}), (False, {"document_mask": False})):  # the default, then off
+            trainer = Trainer(_config(os.path.join(root, "run"), dataset=data, context_length=256, batch_size=2,
+                                      **flags))
+            trainer.setup()
+            batch = next(iter(trainer.loader))
+            assert int((document_starts(batch["position_ids"]) > 0).sum()) > 0  # several documents per row
+            local = trainer._to_device(batch)
+            valid = int((batch["labels"] != -100).sum())
+            with torch.no_grad():
+                losses[document_mask] = (causal_lm_loss_sum(trainer.model, local) / valid).item()
+        reference = LlamaForCausalLM(embedded_llama_config())
+        reference.load_state_dict({k: v.full_tensor() for k, v in trainer.model.state_dict().items()})
+        with torch.no_grad():
+            logits = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                               use_cache=False).logits
+        want = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100).item()
+        assert abs(losses[True] - want) <= 1e-5 * want, (losses, want)
+        assert abs(losses[False] - want) > 1e-3, (losses, want)
 
 
 results = checks.module_fixture(__name__, 1)
