@@ -293,6 +293,9 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
         )
     dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, world_size=world_size)
     cpu = torch.device("cpu")
+    # The planned rows are one document each: plain causal attention, which document masks only
+    # skip work of. Finding documents reads position values, which fake tensors do not have.
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=False))
     with _fake_world(world_size):
         mesh = dims.build_mesh("cpu")  # outside the fake mode: the mesh reads real rank tensors
         model = build_causal_lm(config, device="meta")  # the trainer's build: float32 sharded state

@@ -1,0 +1,155 @@
+"""Document masks: rank imbalance of the zigzag layout on packed rows, and step time of packed
+rows of short documents against one-document rows of the same length.
+
+    python benchmarks/document_mask.py balance                     # analytic, seconds
+    python benchmarks/document_mask.py speed --seq_lens 8192,16384 # 2 gloo ranks, CPU
+
+``balance`` packs documents drawn from a few length mixes (Note [Packed rows] in
+``llama_cp/data.py``: a stream of documents cut into rows, a document continuing
+into the next row) and counts, per cp rank, the (query, key) pairs its queries see
+(``DocumentLayout.visible_pairs``): the attention work of the rank. It prints the
+imbalance max/mean over the ranks (1.00 = balanced), averaged over rows and for the
+worst row, and the work of the row relative to one document of the same length; then
+the same imbalance for a whole training step of a Llama-3-8B-shaped model, whose dense
+layers do the same work on every rank (an estimate from FLOP counts, not a measurement).
+
+``speed`` runs one forward+backward step of the embedded Llama with a cross-entropy
+loss on one row (batch 1, fp32), at cp 1 (each of the 2 ranks holds the whole row)
+and cp 2 (ring and Ulysses), for a one-document row and for a packed row of the
+"chat" mix, and prints step times and their ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import fire
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from llama_cp import ParallelDims, apply_context_parallel, shard_batch
+from llama_cp.documents import DocumentLayout, document_starts
+from llama_cp.mesh import free_port
+from llama_cp.models import embedded_llama_config
+
+WORLD_SIZE = 2
+#: Llama-3-8B-shaped FLOPs for the step-level estimate: fwd+bwd of the dense layers per token
+#: (6 x ~7.5e9 parameters) and of attention per visible (query, key) pair (3 x 4 x d x layers).
+LINEAR_FLOPS_PER_TOKEN = 6 * 7.5e9
+ATTENTION_FLOPS_PER_PAIR = 3 * 4 * 4096 * 32
+
+#: name -> (description, sampler of one document length given a generator and the row length)
+MIXES = {
+    "chat": ("log-normal, median 300 tokens, sigma 1.0 (SFT conversations)",
+             lambda g, L: _lognormal(g, 300, 1.0, L)),
+    "web": ("log-normal, median 1500 tokens, sigma 1.5 (long tail)",
+            lambda g, L: _lognormal(g, 1500, 1.5, L)),
+    "mixed": ("90% chat-like, 10% of L/2 to L tokens (long documents among short ones)",
+              lambda g, L: _lognormal(g, 300, 1.0, L) if torch.rand((), generator=g) < 0.9
+              else int(torch.randint(L // 2, L + 1, (), generator=g))),
+    "halves": ("documents of L/3 to L tokens (few long documents per row)",
+               lambda g, L: int(torch.randint(L // 3, L + 1, (), generator=g))),
+}
+
+
+def _lognormal(g: torch.Generator, median: float, sigma: float, limit: int) -> int:
+    value = median * math.exp(sigma * float(torch.randn((), generator=g)))
+    return max(1, min(limit, round(value)))
+
+
+def packed_positions(mix: str, seq_len: int, rows: int, seed: int = 0) -> torch.Tensor:
+    """(rows, seq_len) position_ids of a document stream of ``mix`` cut into rows."""
+    g = torch.Generator().manual_seed(seed)
+    sample = MIXES[mix][1]
+    stream: list[torch.Tensor] = []
+    total = 0
+    while total < rows * seq_len:
+        length = sample(g, seq_len)
+        stream.append(torch.arange(length))
+        total += length
+    return torch.cat(stream)[: rows * seq_len].view(rows, seq_len)
+
+
+def balance(seq_lens: str | int | tuple = "32768,131072", cps: str | int | tuple = "2,4,8", rows: int = 64) -> None:
+    """Print the zigzag imbalance table (markdown)."""
+    print("| mix | seq_len | cp | docs per row | attention work vs 1 doc | attention imbalance mean | worst row "
+          "| 8B step imbalance mean | worst row |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mix in MIXES:
+        for seq_len in _ints(seq_lens):
+            positions = packed_positions(mix, seq_len, rows)
+            starts = document_starts(positions)
+            docs = float((starts == torch.arange(seq_len)).sum(1).float().mean())
+            one_doc = seq_len * (seq_len + 1) / 2
+            for cp in _ints(cps):
+                per_row = torch.stack([DocumentLayout(starts[r : r + 1], cp_size=cp).visible_pairs()
+                                       for r in range(rows)]).double()  # (rows, cp)
+                imbalance = per_row.max(1).values / per_row.mean(1)
+                work = per_row.sum(1).mean() / one_doc
+                step = seq_len / cp * LINEAR_FLOPS_PER_TOKEN + per_row * ATTENTION_FLOPS_PER_PAIR
+                step_imbalance = step.max(1).values / step.mean(1)
+                print(f"| {mix} | {seq_len} | {cp} | {docs:.1f} | {work:.3f} | {imbalance.mean():.3f} "
+                      f"| {imbalance.max():.3f} | {step_imbalance.mean():.3f} | {step_imbalance.max():.3f} |")
+
+
+def _step(model, batch):
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten()).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _worker(rank: int, port: int, seq_lens: list[int], steps: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    meshes = {cp: ParallelDims(cp=cp).build_mesh("cpu")["cp"] for cp in (1, 2)}
+    config = embedded_llama_config()
+    rows = []
+    for seq_len in seq_lens:
+        g = torch.Generator().manual_seed(seq_len)
+        input_ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=g)
+        layouts = {"1 document": torch.arange(seq_len)[None], "chat mix": packed_positions("chat", seq_len, 1)}
+        for cp, strategy in ((1, "-"), (2, "ring"), (2, "ulysses")):
+            torch.manual_seed(0)
+            model = apply_context_parallel(LlamaForCausalLM(config), meshes[cp], strategy="ring" if cp == 1 else strategy)
+            times = {}
+            for name, positions in layouts.items():
+                full = {"input_ids": input_ids, "labels": torch.roll(input_ids, -1, 1), "position_ids": positions}
+                batch = shard_batch(full, meshes[cp])
+                _step(model, batch)  # warm-up
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    _step(model, batch)
+                t = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                times[name] = t.item()
+            docs = int((document_starts(layouts["chat mix"]) == torch.arange(seq_len)).sum())
+            rows.append((seq_len, cp, strategy, docs, times["1 document"], times["chat mix"]))
+    if rank == 0:
+        print("| seq_len | cp | strategy | docs in the packed row | 1 document (s) | packed (s) | speed-up |")
+        print("|---:|---:|---|---:|---:|---:|---:|")
+        for seq_len, cp, strategy, docs, one, packed in rows:
+            print(f"| {seq_len} | {cp} | {strategy} | {docs} | {one:.2f} | {packed:.2f} | {one / packed:.2f}x |")
+    dist.destroy_process_group()
+
+
+def speed(seq_lens: str | int | tuple = "8192,16384", steps: int = 2) -> None:
+    """Print step times of one-document vs packed rows (markdown), on 2 gloo ranks."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_worker, args=(free_port(), _ints(seq_lens), steps), nprocs=WORLD_SIZE, start_method="spawn")
+
+
+def _ints(value) -> list[int]:
+    """fire turns "1024" into an int and "1024,2048" into a tuple."""
+    if isinstance(value, int):
+        return [value]
+    return [int(x) for x in (value.split(",") if isinstance(value, str) else value)]
+
+
+if __name__ == "__main__":
+    fire.Fire({"balance": balance, "speed": speed})
