@@ -44,6 +44,9 @@ Ulysses (all-to-all) instead re-partitions [seq / cp, heads] into
 attention on its heads over the whole sequence, and returns by the inverse
 all-to-all. It needs heads % cp == 0; K/V heads are repeated only as much as
 the split needs (cp / gcd(kv_heads, cp) times).
+
+Packed documents (position_ids that restart) change only which pairs each block
+computes: see Note [Document masks under CP] in ``llama_cp/documents.py``.
 """
 
 from __future__ import annotations
@@ -348,14 +351,9 @@ class ContextParallelAttention:
     def document_layout(self, position_ids: torch.Tensor) -> DocumentLayout | None:
         """The documents of a batch from its local (B, S/cp) global ``position_ids``; None when
         every row is one document (Note [Document masks under CP]). A collective over the cp group."""
-        full = position_ids
-        if self.group is not None:
-            from llama_cp.sharding import unshard_sequence
+        from llama_cp.sharding import unshard  # sharding imports this module
 
-            shards = [torch.empty_like(position_ids) for _ in range(self.cp_size)]
-            dist.all_gather(shards, position_ids.contiguous(), group=self.group)
-            full = unshard_sequence(shards, seq_dim=1)
-        starts = document_starts(full)
+        starts = document_starts(unshard(position_ids, self.group))
         if not bool(starts.any()):
             return None
         rank = 0 if self.group is None else dist.get_rank(self.group)
@@ -419,9 +417,12 @@ def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple
         return args, kwargs
     if attention.document_mask:
         tokens = kwargs.get("input_ids", args[0] if args else None)
-        if tokens is None:
-            tokens = kwargs["inputs_embeds"]
-        positions = position_ids.reshape(-1, position_ids.shape[-1]).expand(tokens.shape[0], -1)
+        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+        if tokens is not None:
+            rows = tokens.shape[0]
+        else:
+            rows = position_ids.shape[0] if position_ids.dim() == 2 else 1
+        positions = position_ids.reshape(-1, position_ids.shape[-1]).expand(rows, -1)
         documents = attention.document_layout(positions)
         if documents is not None:
             kwargs = {**kwargs, DOCUMENTS_KWARG: documents}

@@ -121,3 +121,17 @@ def test_no_seq_by_seq_tensor_and_memory_linear_in_length():
     with LargestTensor() as largest:
         reference(input_ids=input_ids, position_ids=packed_positions(4096), use_cache=False).logits.sum().backward()
     assert largest.numel >= 4096 * 4096, largest.numel
+
+
+def test_position_ids_broadcast_over_the_batch():
+    """position_ids of shape (1, L) for a batch of 3 rows: every row gets the documents."""
+    reference = tiny_model().double()
+    model = apply_context_parallel(tiny_model().double(), None)
+    input_ids = torch.randint(0, 96, (3, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        want = reference(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+        got = model(input_ids=input_ids, position_ids=positions).logits
+        whole_row = reference(input_ids=input_ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    assert (want - whole_row).abs().max() > 1e-3
