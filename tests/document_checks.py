@@ -11,14 +11,11 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
-from fsdp_checks import full_grad, local_batches, tiny_model
-from llama_cp import ParallelDims, apply_context_parallel, enable_chunked_loss, shard_batch, unshard
-from llama_cp.fsdp_wrap import shard_model
-from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens
+from fsdp_checks import check_cp_against_reference, tiny_model
+from llama_cp import ParallelDims
 
 VOCAB, SEQ_LEN = 96, 96  # 96 is a multiple of 2 x cp for cp 1, 2, 3 and 4
 #: documents per row of the test batch; the 1-document row starts inside a document
@@ -92,38 +89,8 @@ def check_documents(strategy: str, mesh, sharded: bool, dtype: torch.dtype, use_
     ref_logits, ref_loss = reference_forward(reference, data)
     ref_loss.backward()
 
-    apply_context_parallel(model, mesh["cp"], strategy=strategy, max_seq_len=SEQ_LEN)
-    enable_chunked_loss(model, chunk_size=7)
-    if sharded:
-        shard_model(model, mesh, param_dtype=None, reduce_dtype=None)
-        (local,) = local_batches(data, mesh)
-        per_rank = data["input_ids"].shape[0] // mesh["dp"].size()
-        rows = slice(mesh["dp"].get_local_rank() * per_rank, (mesh["dp"].get_local_rank() + 1) * per_rank)
-        loss_group = None  # every rank: dp and cp
-    else:
-        local, rows, loss_group = shard_batch(data, mesh["cp"]), slice(None), mesh["cp"].get_group()
-
-    with torch.no_grad():
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-    torch.testing.assert_close(unshard(logits, mesh["cp"]), ref_logits[rows].detach(), **tol)
-
-    loss = causal_lm_loss_sum(model, local) / count_valid_tokens([local["labels"]], group=loss_group)
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=loss_group)
-    torch.testing.assert_close(total, ref_loss.detach(), **tol)
-    compared = 0
-    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
-        if ref_param.grad is None:
-            assert param.grad is None, f"{name} has a gradient but should be frozen"
-            continue
-        grad = full_grad(param)
-        if not sharded:
-            grad = grad.clone()
-            dist.all_reduce(grad, group=loss_group)
-        torch.testing.assert_close(grad, ref_param.grad, **tol, msg=lambda m: f"{name}: {m}")
-        compared += 1
-    assert compared == sum(p.requires_grad for p in reference.parameters()) > 0, compared
+    check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mesh, strategy=strategy,
+                               sharded=sharded, tol=tol, max_seq_len=SEQ_LEN)
 
 
 def mesh_for(cp: int, world_size: int):

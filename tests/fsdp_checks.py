@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llama_cp import ParallelDims, apply_context_parallel, shard_batch
+from llama_cp import ParallelDims, apply_context_parallel, shard_batch, unshard
 from llama_cp.fsdp_wrap import activation_offload, shard_model
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
 
@@ -120,3 +120,43 @@ def check_one_step(dims_kwargs: dict, strategy: str = "ring", offload: bool = Fa
     model, reference, loss, ref_loss = step_both(dims_kwargs, strategy, offload=offload, **shard_options)
     torch.testing.assert_close(loss, ref_loss, **FP32_CLOSE)
     assert_grads_equal(model, reference)
+
+
+def check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mesh, *, strategy: str, sharded: bool,
+                               tol: dict, max_seq_len: int) -> None:
+    """Make ``model`` (a copy of ``reference``, whose gradients of ``ref_loss`` are computed)
+    context-parallel over ``mesh`` (and FSDP-sharded when ``sharded``), then check its logits,
+    chunked loss and every gradient of the trainable parameters against the reference's;
+    frozen parameters must get no gradient."""
+    apply_context_parallel(model, mesh["cp"], strategy=strategy, max_seq_len=max_seq_len)
+    enable_chunked_loss(model, chunk_size=7)  # several chunks with a ragged last one
+    if sharded:
+        shard_model(model, mesh, param_dtype=None, reduce_dtype=None)
+        (local,) = local_batches(data, mesh)  # this dp rank's rows, sharded over cp
+        per_rank = data["input_ids"].shape[0] // mesh["dp"].size()
+        rows = slice(mesh["dp"].get_local_rank() * per_rank, (mesh["dp"].get_local_rank() + 1) * per_rank)
+        loss_group = None  # every rank: dp and cp
+    else:
+        local, rows, loss_group = shard_batch(data, mesh["cp"]), slice(None), mesh["cp"].get_group()
+
+    with torch.no_grad():
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    torch.testing.assert_close(unshard(logits, mesh["cp"]), ref_logits[rows].detach(), **tol)
+
+    loss = causal_lm_loss_sum(model, local) / count_valid_tokens([local["labels"]], group=loss_group)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=loss_group)
+    torch.testing.assert_close(total, ref_loss.detach(), **tol)
+    compared = 0
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if ref_param.grad is None:
+            assert param.grad is None, f"{name} has a gradient but should be frozen"
+            continue
+        grad = full_grad(param)
+        if not sharded:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=loss_group)
+        torch.testing.assert_close(grad, ref_param.grad, **tol, msg=lambda m: f"{name}: {m}")
+        compared += 1
+    assert compared == sum(p.requires_grad for p in reference.parameters()) > 0, compared

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from dist_harness import Checks
-from document_checks import HEADS, SEQ_LEN, check_documents, mesh_for, packed_batch, reference_forward
+from document_checks import HEADS, check_documents, mesh_for, packed_batch, reference_forward
 from fsdp_checks import tiny_model
 from llama_cp import apply_context_parallel, shard_batch
-from llama_cp.documents import document_starts
 
 WORLD_SIZE = 4
 checks = Checks()

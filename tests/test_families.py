@@ -15,15 +15,12 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dist_harness import Checks
-from fsdp_checks import full_grad, local_batches
+from fsdp_checks import check_cp_against_reference
 from llama_cp import ParallelDims, apply_context_parallel, enable_chunked_loss, shard_batch, unshard
-from llama_cp.fsdp_wrap import shard_model
-from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens
 
 WORLD_SIZE = 4
 VOCAB, SEQ_LEN, BATCH = 96, 32, 2
@@ -110,33 +107,8 @@ def check_family(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.
     torch.testing.assert_close(ref_loss.float(), ref.loss.float(), **TOLERANCE[torch.float32])
     ref_loss.backward()
 
-    mesh = mesh_for(cp)
-    apply_context_parallel(model, mesh["cp"], strategy=strategy, max_seq_len=SEQ_LEN)
-    enable_chunked_loss(model, chunk_size=7)  # several chunks with a ragged last one
-    if sharded:
-        shard_model(model, mesh, param_dtype=None, reduce_dtype=None)
-        (local,) = local_batches(data, mesh)  # this dp rank's rows, sharded over cp
-        per_rank = BATCH // mesh["dp"].size()
-        rows = slice(mesh["dp"].get_local_rank() * per_rank, (mesh["dp"].get_local_rank() + 1) * per_rank)
-        loss_group = None  # every rank: dp and cp
-    else:
-        local, rows, loss_group = shard_batch(data, mesh["cp"]), slice(None), mesh["cp"].get_group()
-
-    with torch.no_grad():
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-    torch.testing.assert_close(unshard(logits, mesh["cp"]), ref.logits[rows].detach(), **tol)
-
-    loss = causal_lm_loss_sum(model, local) / count_valid_tokens([local["labels"]], group=loss_group)
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=loss_group)
-    torch.testing.assert_close(total, ref_loss.detach(), **tol)
-    for (param_name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
-        grad = full_grad(param)
-        if not sharded:
-            grad = grad.clone()
-            dist.all_reduce(grad, group=loss_group)
-        torch.testing.assert_close(grad, ref_param.grad, **tol, msg=lambda m: f"{param_name}: {m}")
+    check_cp_against_reference(model, reference, data, ref.logits, ref_loss, mesh_for(cp), strategy=strategy,
+                               sharded=sharded, tol=tol, max_seq_len=SEQ_LEN)
 
 
 for _name in FAMILIES:
