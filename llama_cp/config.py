@@ -9,8 +9,11 @@ overrides the defaults. An unknown name is an error listing the close matches.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -119,6 +122,8 @@ class TrainConfig:
     """Evaluate every N steps (0 = only at the end)."""
     log_every: int = 5
     """Write a metrics row every N steps."""
+    max_nonfinite_steps: int = 3
+    """A step whose loss or gradient norm is NaN/inf is skipped (no update); stop after this many in a row."""
 
     SECTIONS: typing.ClassVar[tuple[str, ...]] = ("model", "parallel", "peft", "data", "optim")
 
@@ -168,14 +173,48 @@ class TrainConfig:
                     value = getattr(section, f.name)
                     if value not in choices:
                         raise ValueError(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
-        for name in ("context_length", "batch_size", "gradient_accumulation_steps", "loss_chunk_size", "cp"):
-            section = getattr(self, self.flag_names()[name])
-            if getattr(section, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(section, name)}")
+        names = self.flag_names()
+        for name, minimum in _MINIMUMS.items():
+            section = getattr(self, names[name]) if names[name] else self
+            if getattr(section, name) < minimum:
+                raise ValueError(f"--{name} must be >= {minimum}, got {getattr(section, name)}")
         check_context_length(self.data.context_length, self.parallel.cp)
+
+    @classmethod
+    def flag_docs(cls) -> list[tuple[str, Any, str]]:
+        """``(flag, default, doc)`` of every flag, in declaration order; the doc is the string
+        under the field in this file (what ``--help`` and the README's table show)."""
+        docs = {}
+        for klass in (cls, *(f.default_factory for f in dataclasses.fields(cls) if f.name in cls.SECTIONS)):
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+            for node, after in zip(body, body[1:]):
+                if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr):
+                    docs[node.target.id] = after.value.value
+        defaults = dataclasses.asdict(cls())
+        flat = {k: v for section in cls.SECTIONS for k, v in defaults.pop(section).items()} | defaults
+        return [(name, flat[name], docs[name]) for name in cls.flag_names()]
+
+    @classmethod
+    def help(cls) -> str:
+        """The ``--help`` text: every flag with its default and doc."""
+        lines = ["flags (--config preset.yaml first, then --flag value; flags override the preset):"]
+        for name, default, doc in cls.flag_docs():
+            shown = ",".join(default) if isinstance(default, tuple) else default
+            lines.append(f"  --{name} (default {shown}): {doc}")
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+#: Lower bounds of the numeric flags, checked before anything is built.
+_MINIMUMS = {
+    "context_length": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "loss_chunk_size": 1, "cp": 1,
+    "dp_replicate": 1, "lora_r": 1, "num_passkey_samples": 1, "num_eval_samples": 1, "num_epochs": 1,
+    "max_steps": 0, "warmup_steps": 0, "save_every": 0, "eval_every": 0, "keep_last": 1, "log_every": 1,
+    "max_nonfinite_steps": 1,
+    "lr": 0.0, "weight_decay": 0.0, "max_grad_norm": 0.0, "lora_dropout": 0.0,
+}
 
 
 def _field_type(cls: type, name: str):

@@ -144,25 +144,33 @@ class Trainer:
         return [self._to_device(b) for b in batches]
 
     def train_step(self) -> dict[str, float]:
+        """One optimizer step. A step whose loss or gradient norm is not finite changes no weight
+        (its row says ``"skipped": true``); the data and the schedule move on."""
         cfg = self.cfg
         start = time.perf_counter()
         micro = self._next_micro_batches()
         num_tokens = count_valid_tokens(m["labels"] for m in micro)
         lr = self.scheduler.get_last_lr()[0]
-        total, grad_norm = optimizer_step(
-            self.model, self.optimizer, micro, num_tokens,
-            max_grad_norm=cfg.optim.max_grad_norm, offload=cfg.model.activation_offload,
-        )
-        self.scheduler.step()
+        total = self._forward_backward(micro, num_tokens)
         dist.all_reduce(total)
+        grad_norm = clip_gradients(self.model, max_grad_norm=cfg.optim.max_grad_norm)
+        finite = bool(torch.isfinite(total)) and bool(torch.isfinite(grad_norm))  # the same on every rank
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
         seconds = time.perf_counter() - start
         global_tokens = cfg.data.context_length * cfg.data.batch_size * len(micro) * self.dims.dp
-        return {
+        row = {
             "loss": total.item(),
             "lr": lr,
             "grad_norm": grad_norm.item(),
             "tokens_per_sec": global_tokens / seconds,
         }
+        return row if finite else {**row, "skipped": True}
+
+    def _forward_backward(self, micro: list[dict[str, torch.Tensor]], num_tokens: int) -> torch.Tensor:
+        return forward_backward(self.model, micro, num_tokens, offload=self.cfg.model.activation_offload)
 
     def _peak_memory(self) -> int:
         """Peak memory of the busiest rank: CUDA allocator peak, or process peak RSS on CPU."""
@@ -225,28 +233,49 @@ class Trainer:
         if self.rank == 0:
             truncate_metrics(metrics_path, step)
         progress = tqdm(total=self.total_steps, initial=step, disable=self.rank != 0, desc="train", unit="step")
-        row: dict[str, Any] = {}
-        while step < self.total_steps:
-            row = {"step": step + 1, **self.train_step()}
-            step += 1
-            progress.update(1)
-            progress.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_sec']:.0f}")
-            last = step == self.total_steps
-            if (cfg.eval_every and step % cfg.eval_every == 0) or last:
-                row.update(self.evaluate())
-            if step % cfg.log_every == 0 or last or "eval_loss" in row:
-                row["peak_memory_bytes"] = self._peak_memory()  # a collective: only for written rows
-                self._log(metrics_path, row)
-            if (cfg.save_every and step % cfg.save_every == 0) or last:
-                save_checkpoint(
-                    cfg.output_dir, step, self.model, self.optimizer, scheduler=self.scheduler,
-                    extra={"loader": self.loader.state_dict()}, keep_last=cfg.keep_last,
-                )
-        progress.close()
+        try:
+            row: dict[str, Any] = {}
+            nonfinite: list[int] = []  # the current run of skipped steps
+            while step < self.total_steps:
+                row = {"step": step + 1, **self.train_step()}
+                step += 1
+                progress.update(1)
+                progress.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_sec']:.0f}")
+                nonfinite = nonfinite + [step] if row.get("skipped") else []
+                if nonfinite:  # a skipped step is logged, never evaluated or saved
+                    self._log(metrics_path, row)
+                    if len(nonfinite) >= cfg.max_nonfinite_steps:
+                        self._stop_nonfinite(nonfinite)
+                    continue
+                last = step == self.total_steps
+                if (cfg.eval_every and step % cfg.eval_every == 0) or last:
+                    row.update(self.evaluate())
+                if step % cfg.log_every == 0 or last or "eval_loss" in row:
+                    row["peak_memory_bytes"] = self._peak_memory()  # a collective: only for written rows
+                    self._log(metrics_path, row)
+                if (cfg.save_every and step % cfg.save_every == 0) or last:
+                    save_checkpoint(
+                        cfg.output_dir, step, self.model, self.optimizer, scheduler=self.scheduler,
+                        extra={"loader": self.loader.state_dict()}, keep_last=cfg.keep_last,
+                    )
+        finally:
+            progress.close()  # also on an error, so the bar does not garble its message
         self.export(os.path.join(cfg.output_dir, "final"))
         if self.rank == 0:
             plot_losses(metrics_path, os.path.join(cfg.output_dir, "loss.png"))
         return row
+
+    def _stop_nonfinite(self, steps: list[int]) -> None:
+        from llama_cp.checkpoint import latest_checkpoint
+
+        saved = latest_checkpoint(self.cfg.output_dir)
+        where = f"the newest checkpoint, {saved}, holds the last finite weights" if saved else "no checkpoint was saved"
+        raise RuntimeError(
+            f"loss or gradient norm was NaN/inf at steps {steps[0]}-{steps[-1]} ({len(steps)} steps in a row, "
+            f"--max_nonfinite_steps {self.cfg.max_nonfinite_steps}); those steps changed no weight, and training "
+            f"stopped without saving or exporting; {where}. Lower --lr or --max_grad_norm, check the data, "
+            "then resume with --resume"
+        )
 
     def _log(self, path: str, row: dict[str, Any]) -> None:
         if self.rank == 0:
@@ -309,15 +338,21 @@ def forward_backward(
     return total
 
 
-def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> torch.Tensor:
-    """Clip (when ``max_grad_norm`` > 0), step, zero the gradients. Returns the global gradient
-    norm before clipping."""
+def clip_gradients(model: torch.nn.Module, *, max_grad_norm: float) -> torch.Tensor:
+    """Clip the gradients to ``max_grad_norm`` (when > 0). Returns the global gradient norm
+    before clipping (the same on every rank)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if max_grad_norm > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     else:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+
+
+def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> torch.Tensor:
+    """Clip (when ``max_grad_norm`` > 0), step, zero the gradients. Returns the global gradient
+    norm before clipping."""
+    grad_norm = clip_gradients(model, max_grad_norm=max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm

@@ -4,11 +4,10 @@
     torchrun --standalone --nproc_per_node 8 -m recipes.finetune_longctx \\
         --model_name /models/Llama-3.1-8B --context_length 131072 --cp 8 --use_peft
 
-Flags: see the README, or ``llama_cp/config.py`` (one flag per config field).
+Flags: ``--help``, the README, or ``llama_cp/config.py`` (one flag per config field).
 """
 
-import fire
-
+from llama_cp.cli import run_cli
 from llama_cp.config import TrainConfig
 from llama_cp.trainer import Trainer
 
@@ -19,4 +18,4 @@ def main(config: str | None = None, **flags) -> None:
 
 
 if __name__ == "__main__":
-    fire.Fire(main)
+    run_cli(main, usage="python -m recipes.finetune_longctx [--config preset.yaml] [--flag value ...] [--debug]")

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json as json_lib
 
-import fire
 
+from llama_cp.cli import run_cli
 from llama_cp.config import TrainConfig
 from llama_cp.memory import GiB, MemoryBreakdown, load_model_config, plan_step_memory, usable_bytes, with_context
 from llama_cp.memory import find_max_context as search_max_context  # main's flag has the same name
@@ -159,4 +159,5 @@ def main(
 
 
 if __name__ == "__main__":
-    fire.Fire(main)
+    run_cli(main, usage="python -m recipes.plan_memory [--config preset.yaml] [--num_gpus N] [--gpu_memory_gb G] "
+                        "[--headroom F] [--find_max_context] [--plot PNG] [--json] [--flag value ...] [--debug]")

@@ -302,6 +302,61 @@ def packed_chat_rows_train_with_document_masks_by_default():
         assert abs(losses[False] - want) > 1e-3, (losses, want)
 
 
+def _nan_at(bad_steps):
+    """A Trainer whose loss and gradients are NaN at ``bad_steps`` (1-based), as a diverging run's are."""
+    from llama_cp import Trainer
+
+    class NaNTrainer(Trainer):
+        calls = 0
+
+        def _forward_backward(self, micro, num_tokens):
+            total = super()._forward_backward(micro, num_tokens)
+            NaNTrainer.calls += 1
+            if NaNTrainer.calls in bad_steps:
+                for param in self.model.parameters():
+                    if param.grad is not None:
+                        param.grad.fill_(float("nan"))
+                total = total * float("nan")
+            return total
+
+    return NaNTrainer
+
+
+@checks.add
+def nonfinite_steps_are_skipped_and_a_run_of_them_stops_training():
+    from llama_cp.checkpoint import complete_checkpoints, load_checkpoint
+
+    with tempfile.TemporaryDirectory() as straight, tempfile.TemporaryDirectory() as one_bad, \
+            tempfile.TemporaryDirectory() as diverged:
+        from llama_cp import Trainer
+
+        Trainer(_config(straight, max_steps=2)).fit()
+        # one NaN step: skipped (no update, logged), training goes on to the end
+        trainer = _nan_at({3})(_config(one_bad, max_steps=5))
+        trainer.fit()
+        rows = read_metrics(one_bad)
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[2]["skipped"] is True, rows
+        assert not any(r.get("skipped") for r in rows[:2] + rows[3:]), rows
+        assert all(torch.isfinite(p.full_tensor()).all() for p in trainer.model.parameters())
+        assert os.path.isdir(os.path.join(one_bad, "final"))
+        # three in a row: stop with the steps named, no export, the saved checkpoint intact and finite
+        failing = _nan_at({3, 4, 5})(_config(diverged, max_steps=8, save_every=2, keep_last=1))
+        with pytest.raises(RuntimeError, match=r"NaN/inf at steps 3-5 \(3 steps in a row, --max_nonfinite_steps 3\)"
+                                               r".*step_00000002, holds the last finite weights"):
+            failing.fit()
+        assert [step for step, _ in complete_checkpoints(diverged)] == [2]
+        assert not os.path.exists(os.path.join(diverged, "final"))
+        assert [r.get("skipped", False) for r in read_metrics(diverged)] == [False, False, True, True, True]
+        # the skipped steps changed no weight: the model still holds step 2's weights, which equal
+        # a clean run's step 2
+        reference = Trainer(_config(straight, max_steps=2))
+        reference.setup()
+        load_checkpoint(complete_checkpoints(straight)[-1][1], reference.model, reference.optimizer,
+                        scheduler=reference.scheduler)
+        for got, want in zip(failing.model.parameters(), reference.model.parameters(), strict=True):
+            torch.testing.assert_close(got.full_tensor(), want.full_tensor(), rtol=0, atol=0)
+
+
 results = checks.module_fixture(__name__, 1)
 
 

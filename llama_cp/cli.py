@@ -1,0 +1,48 @@
+"""What the command-line recipes share: ``--help``, and errors as one paragraph, printed once.
+
+    if __name__ == "__main__":
+        run_cli(main, usage="python -m recipes.finetune_longctx [--config preset.yaml] [--flag value ...]")
+
+``--help`` / ``-h`` print ``main``'s docstring and every training flag with its
+default and doc (``TrainConfig.help``). An exception ends the command with exit
+status 1 and one line, ``error: <message>``, instead of a traceback; ``--debug``
+shows the traceback. Mistakes in the input (``ValueError``, ``FileNotFoundError``,
+``KeyError``) are hit by every rank alike, so only rank 0 prints them; anything
+else is printed by each rank it happens on, with the rank.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from collections.abc import Callable
+
+import fire
+
+from llama_cp.config import TrainConfig
+
+#: Exceptions that come from the command's input and happen on every rank alike.
+INPUT_ERRORS = (ValueError, FileNotFoundError, KeyError)
+
+
+def run_cli(main: Callable, usage: str, argv: list[str] | None = None) -> None:
+    """Run ``main`` with fire on ``argv`` (default ``sys.argv[1:]``); see the module docstring."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        doc = inspect.getdoc(sys.modules[main.__module__]) or inspect.getdoc(main) or ""
+        print(f"usage: {usage}\n\n{doc}\n\n{TrainConfig.help()}")
+        return
+    debug = "--debug" in argv
+    argv = [arg for arg in argv if arg != "--debug"]
+    try:
+        fire.Fire(main, command=argv)
+    except Exception as error:  # noqa: BLE001 - every failure ends here, as one paragraph
+        if debug:
+            raise
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 or not isinstance(error, INPUT_ERRORS):
+            prefix = f"error (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "error"
+            message = " ".join(str(error).split()) or type(error).__name__
+            print(f"{prefix}: {message} (rerun with --debug for the traceback)", file=sys.stderr, flush=True)
+        sys.exit(1)
