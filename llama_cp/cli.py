@@ -41,8 +41,10 @@ def run_cli(main: Callable, usage: str, argv: list[str] | None = None) -> None:
         if debug:
             raise
         rank = int(os.environ.get("RANK", "0"))
-        if rank == 0 or not isinstance(error, INPUT_ERRORS):
-            prefix = f"error (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "error"
+        input_error = isinstance(error, INPUT_ERRORS)
+        if rank == 0 or not input_error:
+            many = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not input_error
+            prefix = f"error (rank {rank})" if many else "error"
             message = " ".join(str(error).split()) or type(error).__name__
             print(f"{prefix}: {message} (rerun with --debug for the traceback)", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -1,0 +1,69 @@
+"""The command line: --help, flags checked before anything runs, errors as one line printed once."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from llama_cp.cli import run_cli
+from llama_cp.config import TrainConfig
+from recipes import finetune_longctx, plan_memory
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
+@pytest.mark.parametrize("module", [finetune_longctx, plan_memory])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_flag_with_its_doc(module, flag, capsys):
+    run_cli(module.main, usage=module.__name__, argv=[flag])
+    out = capsys.readouterr().out
+    for name, _, doc in TrainConfig.flag_docs():
+        assert f"--{name} (default " in out and doc in out, name
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--keep_last", "0"], "--keep_last must be >= 1, got 0"),
+    (["--log_every", "0"], "--log_every must be >= 1, got 0"),
+    (["--max_steps", "-5"], "--max_steps must be >= 0, got -5"),
+    (["--warmup_steps", "-3"], "--warmup_steps must be >= 0, got -3"),
+    (["--save_every", "-1"], "--save_every must be >= 0, got -1"),
+    (["--eval_every", "-1"], "--eval_every must be >= 0, got -1"),
+    (["--max_nonfinite_steps", "0"], "--max_nonfinite_steps must be >= 1, got 0"),
+    (["--contex_length", "512"], "unknown flag --contex_length; did you mean --context_length?"),
+    (["--dataset", "/no/such/file.jsonl", "--max_steps", "1"], "--dataset '/no/such/file.jsonl': no such file"),
+])
+def test_bad_input_is_one_line_before_anything_runs(flags, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(finetune_longctx.main, usage="x", argv=[*flags, "--output_dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(ValueError, match="--log_every must be >= 1"):
+        run_cli(finetune_longctx.main, usage="x", argv=["--log_every", "0", "--debug"])
+
+
+def test_readme_flag_table_matches_the_config():
+    """The README's table is the config's fields, defaults and docs (so --help and README agree)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        rows = re.findall(r"^\| `--(\w+)` \| `([^`]*)` \| (.*) \|$", f.read(), flags=re.M)
+    want = [(name, ",".join(d) if isinstance(d, tuple) else str(d), doc) for name, d, doc in TrainConfig.flag_docs()]
+    assert rows == want
+
+
+def test_an_input_error_on_two_ranks_is_printed_once(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "recipes.finetune_longctx", "--dataset", str(tmp_path / "missing.jsonl"),
+         "--output_dir", str(tmp_path / "run")],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "missing.jsonl': no such file" in errors[0], result.stderr[-3000:]
+    assert "llama_cp/" not in result.stderr  # no traceback from the ranks (torchrun reports the exit itself)
