@@ -7,6 +7,7 @@ One checkpoint per saved step, every rank writing only its own shards::
         .metadata, __*_*.distcp     DCP: model (adapter only under peft) + optimizer, sharded
         trainer_state.pt            rank 0: step, scheduler state, ``extra`` (data position)
         rng_rank{r}.pt              rank r: python / numpy / torch (CPU, CUDA) RNG states
+        MANIFEST.json               size and sha256 of every file above
         COMPLETE                    written last: the checkpoint is whole
       step_00000300/
       .tmp-step_00000400/       being written (or left by a crash): never read
@@ -18,12 +19,20 @@ directory to ``step_N``. A rename within one directory is atomic, so a
 requires the marker, and pruning removes the marker before the files, so an
 interrupted deletion never looks complete either.
 
+Note [Verified checkpoints]: a whole checkpoint can still be damaged later (a
+truncated copy, a deleted file, flipped bits on a disk). Before the marker,
+the ranks hash the files (each a share of them) into ``MANIFEST.json``;
+``verify_checkpoint`` checks every file's size and sha256 against it (again
+shared over the ranks), and ``resumable_checkpoint`` takes the newest
+checkpoint that verifies, reporting the ones it skipped and why.
+
 DCP loads in place into the model's (FSDP2-sharded) state, so a checkpoint can
 be resumed on another sharding of the same model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -51,6 +60,7 @@ except ImportError:  # numpy is optional: its RNG is saved only when it is insta
 
 CHECKPOINTS_DIR = "checkpoints"
 COMPLETE_MARKER = "COMPLETE"
+MANIFEST_FILE = "MANIFEST.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -188,6 +198,7 @@ def save_checkpoint(
         }
         torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE_FILE))
     dist.barrier()  # every rank's files are written
+    _write_manifest(tmp)
 
     if rank == 0:
         with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
@@ -204,6 +215,73 @@ def save_checkpoint(
                 _remove_checkpoint(path)
     dist.barrier()  # no rank returns (and maybe resumes) before the checkpoint is in place
     return final
+
+
+def _file_digest(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return {"bytes": os.path.getsize(path), "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _share(names: list[str]) -> list[str]:
+    """This rank's share of ``names`` (the same sorted list on every rank)."""
+    return names[dist.get_rank() :: dist.get_world_size()]
+
+
+def _write_manifest(path: str) -> None:
+    """Every rank hashes its share of the checkpoint's files; rank 0 writes ``MANIFEST.json``
+    (Note [Verified checkpoints])."""
+    names = sorted(name for name in os.listdir(path) if name not in (MANIFEST_FILE, COMPLETE_MARKER))
+    mine = {name: _file_digest(os.path.join(path, name)) for name in _share(names)}
+    shares: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(shares, mine)
+    if dist.get_rank() == 0:
+        files = {name: entry for share in shares for name, entry in share.items()}
+        with open(os.path.join(path, MANIFEST_FILE), "w") as f:
+            json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def verify_checkpoint(path: str) -> str | None:
+    """None if every file of the complete checkpoint ``path`` has the size and sha256 its
+    manifest records, else why not (the same answer on every rank; call on every rank).
+    A checkpoint written before manifests existed passes on its marker alone."""
+    problem = None
+    if not is_complete(path):
+        problem = f"no {COMPLETE_MARKER} marker (its save was interrupted)"
+    elif not os.path.isfile(os.path.join(path, MANIFEST_FILE)):
+        warnings.warn(f"{path} has no {MANIFEST_FILE} (an older checkpoint): its files are not verified", stacklevel=2)
+    else:
+        try:
+            with open(os.path.join(path, MANIFEST_FILE)) as f:
+                files = json.load(f)["files"]
+        except (OSError, ValueError, KeyError) as error:
+            files, problem = {}, f"unreadable {MANIFEST_FILE} ({error})"
+        for name in _share(sorted(files)):
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                problem = f"{name} is missing"
+            elif os.path.getsize(file) != files[name]["bytes"]:
+                problem = f"{name} has {os.path.getsize(file)} bytes, the manifest says {files[name]['bytes']} (truncated?)"
+            elif _file_digest(file)["sha256"] != files[name]["sha256"]:
+                problem = f"{name} does not match its sha256 in the manifest (corrupted)"
+            if problem:
+                break
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
+
+
+def resumable_checkpoint(output_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest checkpoint under ``output_dir`` that verifies (``verify_checkpoint``), and the
+    ``(path, reason)`` of every newer one skipped; call on every rank."""
+    skipped = []
+    for _, path in reversed(complete_checkpoints(output_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
 
 
 def _remove_checkpoint(path: str) -> None:

@@ -116,8 +116,10 @@ class TrainConfig:
     """Save a checkpoint every N steps (0 = only at the end)."""
     keep_last: int = 2
     """Checkpoints to keep."""
-    resume: bool = False
-    """Continue from the newest complete checkpoint in output_dir (metrics.jsonl rows after its step are rewritten)."""
+    resume: Literal["false", "true", "auto"] = "false"
+    """Continue from the newest intact checkpoint in output_dir (true: one must exist; auto: else start at step 0)."""
+    overwrite: bool = False
+    """Start over in an output_dir that holds an earlier run's checkpoints (deletes them, metrics.jsonl and final/)."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only at the end)."""
     log_every: int = 5
@@ -242,7 +244,11 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(str(item).strip() for item in items if str(item).strip())
         if kind is str or origin is Literal:
-            return str(value) if not isinstance(value, str) else value
+            if isinstance(value, bool):  # --resume / --resume true / YAML `resume: true`
+                return "true" if value else "false"
+            value = str(value)
+            choices = typing.get_args(kind)
+            return value.lower() if value not in choices and value.lower() in choices else value
     except (TypeError, ValueError):
         raise ValueError(f"--{name} expects {getattr(kind, '__name__', kind)}, got {value!r}") from None
     return value

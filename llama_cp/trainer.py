@@ -217,17 +217,20 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to ``max_steps`` (or ``num_epochs``), evaluate, checkpoint and export. Returns the
         last metrics row (with the final eval)."""
-        from llama_cp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+        self._claim_output_dir()  # before anything heavy
+        try:
+            return self._fit()
+        finally:
+            if getattr(self, "_lock", None) is not None:
+                self._lock.close()  # releases the output_dir for the next run (also in this process)
+                self._lock = None
+
+    def _fit(self) -> dict[str, Any]:
+        from llama_cp.checkpoint import save_checkpoint
 
         self.setup()
         cfg = self.cfg
-        step = 0
-        if cfg.resume:
-            path = latest_checkpoint(cfg.output_dir)
-            if path is not None:
-                state = load_checkpoint(path, self.model, self.optimizer, scheduler=self.scheduler)
-                step = state["step"]
-                self.loader.load_state_dict(state["extra"]["loader"])
+        step = self._resume()
         self._iterator = iter(self.loader)
         metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         if self.rank == 0:
@@ -264,6 +267,69 @@ class Trainer:
         if self.rank == 0:
             plot_losses(metrics_path, os.path.join(cfg.output_dir, "loss.png"))
         return row
+
+    def _claim_output_dir(self) -> None:
+        """One run per output_dir: refuse the checkpoints of an earlier run unless --resume or
+        --overwrite, hold a lock for the run (rank 0), save the resolved config (warning on
+        --resume about settings that changed)."""
+        from llama_cp.checkpoint import CHECKPOINTS_DIR, complete_checkpoints
+
+        cfg, rank = self.cfg, _global_rank()
+        out = cfg.output_dir
+        if rank == 0:
+            os.makedirs(out, exist_ok=True)
+            self._lock = _lock_output_dir(out)
+        found = complete_checkpoints(out)
+        if found and cfg.resume == "false":
+            if not cfg.overwrite:
+                raise ValueError(
+                    f"--output_dir {out} holds the checkpoints of an earlier run (newest: step {found[-1][0]}); "
+                    "pass --resume to continue it, --overwrite to start over (deletes its checkpoints, "
+                    "metrics.jsonl and final/), or choose another --output_dir"
+                )
+            if rank == 0:
+                import shutil
+
+                for name in (CHECKPOINTS_DIR, "final"):
+                    shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+                for name in ("metrics.jsonl", "loss.png"):
+                    if os.path.exists(os.path.join(out, name)):
+                        os.remove(os.path.join(out, name))
+        if rank == 0:
+            saved = os.path.join(out, "config.yaml")
+            if cfg.resume != "false" and os.path.exists(saved):
+                for line in _changed_settings(saved, cfg):
+                    self._say(f"warning: --resume with a changed setting: {line}")
+            _write_atomically(saved, yaml_dump(cfg.to_dict()))
+
+    def _resume(self) -> int:
+        """Load the newest intact checkpoint when --resume asks for it; returns the step to go on from."""
+        from llama_cp.checkpoint import load_checkpoint, resumable_checkpoint
+
+        cfg = self.cfg
+        if cfg.resume == "false":
+            return 0
+        path, skipped = resumable_checkpoint(cfg.output_dir)
+        for bad, why in skipped:
+            self._say(f"skipped checkpoint {bad}: {why}")
+        if path is None:
+            where = os.path.join(cfg.output_dir, "checkpoints")
+            if cfg.resume == "true":
+                raise FileNotFoundError(
+                    f"--resume: no intact checkpoint under {where}"
+                    f"{' (all ' + str(len(skipped)) + ' failed verification)' if skipped else ''}; "
+                    "use --resume auto to start from step 0 when there is none"
+                )
+            self._say(f"--resume auto: no checkpoint under {where}, starting from step 0")
+            return 0
+        state = load_checkpoint(path, self.model, self.optimizer, scheduler=self.scheduler)
+        self.loader.load_state_dict(state["extra"]["loader"])
+        self._say(f"resumed from step {state['step']} ({path})")
+        return state["step"]
+
+    def _say(self, message: str) -> None:
+        if _global_rank() == 0:
+            tqdm.write(message)
 
     def _stop_nonfinite(self, steps: list[int]) -> None:
         from llama_cp.checkpoint import latest_checkpoint
@@ -372,6 +438,65 @@ def optimizer_step(
     simulates exactly these two functions."""
     total = forward_backward(model, micro_batches, num_tokens, offload=offload)
     return total, apply_gradients(model, optimizer, max_grad_norm=max_grad_norm)
+
+
+def _global_rank() -> int:
+    """This process's rank, also before ``init_distributed`` (from torchrun's RANK)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+#: Settings that may change between a run and its --resume without a warning.
+_RUN_CONTROL = {"resume", "overwrite", "max_steps", "num_epochs", "eval_every", "save_every", "keep_last",
+                "log_every", "max_nonfinite_steps", "output_dir"}
+
+
+def yaml_dump(values: dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(json.loads(json.dumps(values)), sort_keys=False)  # tuples -> lists
+
+
+def _changed_settings(saved_path: str, cfg: TrainConfig) -> list[str]:
+    """``name: old -> new`` for every setting (outside ``_RUN_CONTROL``) that differs from the saved config."""
+    import yaml
+
+    with open(saved_path) as f:
+        saved = yaml.safe_load(f) or {}
+    now = yaml.safe_load(yaml_dump(cfg.to_dict()))
+    flat = lambda d: {k: v for key, value in d.items() for k, v in (value.items() if isinstance(value, dict) else [(key, value)])}  # noqa: E731
+    old, new = flat(saved), flat(now)
+    return [f"{name}: {old.get(name)!r} -> {new[name]!r}" for name in new
+            if name not in _RUN_CONTROL and old.get(name) != new[name]]
+
+
+def _write_atomically(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _lock_output_dir(path: str):
+    """An exclusive lock on ``path/.lock`` held for the life of the returned file; ValueError
+    naming the holder when another run has it."""
+    import fcntl
+    import socket
+
+    lock = open(os.path.join(path, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise RuntimeError(
+            f"--output_dir {path} is in use by another run ({holder}); wait for it to finish or choose "
+            "another --output_dir"
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    lock.flush()
+    return lock
 
 
 def truncate_metrics(path: str, step: int) -> None:

@@ -1,0 +1,159 @@
+"""Faults a cluster inflicts on a run, injected on 2 CPU ranks (gloo), and what must survive them.
+
+Damaged checkpoints (a truncated or bit-flipped shard, a deleted file) are skipped on
+--resume for the newest one that verifies, and the resumed trajectory equals the
+uninterrupted one; --resume true/auto with nothing to resume; an output_dir holding
+an earlier run is refused unless --resume or --overwrite; one run per output_dir.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import Checks
+
+WORLD_SIZE = 2
+checks = Checks()
+
+
+def _config(output_dir, **flags):
+    from llama_cp import TrainConfig
+
+    base = dict(context_length=128, num_passkey_samples=32, num_eval_samples=2, max_steps=6, log_every=1,
+                warmup_steps=1, lr=3e-3, save_every=2, keep_last=3, output_dir=output_dir)
+    return TrainConfig.from_flags(**{**base, **flags})
+
+
+def _metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _shared_tmpdir() -> str:
+    """One temporary directory for both ranks (made by rank 0)."""
+    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    return path[0]
+
+
+def _fit(cfg):
+    """Run a Trainer; returns (its messages, the metrics rows)."""
+    from llama_cp import Trainer
+
+    trainer = Trainer(cfg)
+    said = []
+    trainer._say = said.append
+    trainer.fit()
+    return said, _metrics(cfg.output_dir)
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+
+
+def _flip(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        chunk = f.read(256)
+        f.seek(os.path.getsize(path) // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+
+
+DAMAGE = {
+    "truncated_shard": (lambda d: _truncate(os.path.join(d, "__1_0.distcp")), "__1_0.distcp has .* bytes"),
+    "bit_flipped_shard": (lambda d: _flip(os.path.join(d, "__0_0.distcp")), "__0_0.distcp does not match its sha256"),
+    "deleted_metadata": (lambda d: os.remove(os.path.join(d, ".metadata")), r"\.metadata is missing"),
+    "deleted_trainer_state": (lambda d: os.remove(os.path.join(d, "trainer_state.pt")), "trainer_state.pt is missing"),
+}
+
+
+@checks.add
+def damaged_checkpoints_are_skipped_and_the_trajectory_continues():
+    from llama_cp.checkpoint import checkpoint_dir, resumable_checkpoint
+
+    root = _shared_tmpdir()
+    straight = os.path.join(root, "straight")
+    _, want = _fit(_config(straight))
+    for name, (damage, reason) in DAMAGE.items():
+        run = os.path.join(root, name)
+        if dist.get_rank() == 0:
+            shutil.copytree(straight, run)
+            shutil.rmtree(checkpoint_dir(run, 6))  # the run "crashed" after step 5: newest is step 4
+            damage(checkpoint_dir(run, 4))
+        dist.barrier()
+        path, skipped = resumable_checkpoint(run)
+        assert path == checkpoint_dir(run, 2) and len(skipped) == 1, (name, path, skipped)
+        assert skipped[0][0] == checkpoint_dir(run, 4), skipped
+        assert __import__("re").search(reason, skipped[0][1]), (name, skipped)
+        said, got = _fit(_config(run, resume=True))
+        assert said[0].startswith(f"skipped checkpoint {checkpoint_dir(run, 4)}: "), said
+        assert said[1] == f"resumed from step 2 ({checkpoint_dir(run, 2)})", said
+        assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6], (name, got)
+        for g, w in zip(got, want, strict=True):
+            for key in ("loss", "grad_norm"):
+                assert abs(g[key] - w[key]) <= 1e-6 * max(1.0, abs(w[key])), (name, g, w)
+
+
+@checks.add
+def resume_true_needs_a_checkpoint_and_auto_starts_fresh():
+    from llama_cp import Trainer
+
+    root = _shared_tmpdir()
+    with pytest.raises(FileNotFoundError, match=r"--resume: no intact checkpoint under .*checkpoints; "
+                                                r"use --resume auto"):
+        Trainer(_config(os.path.join(root, "empty"), resume=True, max_steps=2)).fit()
+    said, rows = _fit(_config(os.path.join(root, "auto"), resume="auto", max_steps=2))
+    assert said == [f"--resume auto: no checkpoint under {os.path.join(root, 'auto', 'checkpoints')}, "
+                    "starting from step 0"], said
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+@checks.add
+def an_earlier_run_is_refused_unless_resume_or_overwrite():
+    from llama_cp import Trainer
+    from llama_cp.checkpoint import complete_checkpoints
+
+    root = _shared_tmpdir()
+    out = os.path.join(root, "run")
+    _fit(_config(out, max_steps=4))
+    with pytest.raises(ValueError, match=r"holds the checkpoints of an earlier run \(newest: step 4\); pass "
+                                         r"--resume to continue it, --overwrite to start over"):
+        Trainer(_config(out, max_steps=2)).fit()
+    assert [s for s, _ in complete_checkpoints(out)] == [2, 4]  # nothing was touched
+    _, rows = _fit(_config(out, max_steps=2, overwrite=True))
+    assert [r["step"] for r in rows] == [1, 2] and [s for s, _ in complete_checkpoints(out)] == [2]
+    # the resolved config is saved; --resume with a changed setting warns about it
+    with open(os.path.join(out, "config.yaml")) as f:
+        assert "context_length: 128" in f.read()
+    said, _ = _fit(_config(out, max_steps=4, resume=True, lr=1e-3))
+    assert "warning: --resume with a changed setting: lr: 0.003 -> 0.001" in "\n".join(said) or dist.get_rank() != 0
+
+
+@checks.add
+def one_run_per_output_dir():
+    from llama_cp import Trainer
+    from llama_cp.trainer import _lock_output_dir
+
+    root = _shared_tmpdir()
+    out = os.path.join(root, "run")
+    if dist.get_rank() == 0:
+        os.makedirs(out)
+        holder = _lock_output_dir(out)  # another run holds the directory
+        with pytest.raises(RuntimeError, match=r"is in use by another run \(pid \d+ on .*, since .*\); wait"):
+            Trainer(_config(out, max_steps=2)).fit()
+        holder.close()
+    dist.barrier()
+
+
+results = checks.module_fixture(__name__, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("name", checks.names)
+def test_check(results, name):
+    checks.assert_passed(results, name)
