@@ -7,8 +7,9 @@
 default and doc (``TrainConfig.help``). An exception ends the command with exit
 status 1 and one line, ``error: <message>``, instead of a traceback; ``--debug``
 shows the traceback. Mistakes in the input (``ValueError``, ``FileNotFoundError``,
-``KeyError``) are hit by every rank alike, so only rank 0 prints them; anything
-else is printed by each rank it happens on, with the rank.
+``KeyError``) and deliberate stops (``TrainingStopped``) happen on every rank
+alike, so only rank 0 prints them; anything else is printed by each rank it
+happens on, with the rank.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def run_cli(main: Callable, usage: str, argv: list[str] | None = None) -> None:
         if debug:
             raise
         rank = int(os.environ.get("RANK", "0"))
-        input_error = isinstance(error, INPUT_ERRORS)
+        input_error = isinstance(error, INPUT_ERRORS) or getattr(error, "same_on_every_rank", False)
         if rank == 0 or not input_error:
             many = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not input_error
             prefix = f"error (rank {rank})" if many else "error"

@@ -16,6 +16,8 @@ import json
 import math
 import os
 import resource
+import signal
+import threading
 import time
 from typing import Any
 
@@ -30,6 +32,27 @@ from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked
 from llama_cp.mesh import ParallelDims, init_distributed
 from llama_cp.optim import build_optimizer
 from llama_cp.sharding import shard_batch
+
+
+#: Signals that stop training gracefully: finish the step, save, exit (Note [Stopping on a signal]).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped on purpose (a stop signal, a run of non-finite steps); raised on every rank."""
+
+    same_on_every_rank = True
+
+
+# Note [Stopping on a signal]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Clusters stop jobs with SIGTERM (SLURM at pre-emption or the time limit, k8s on
+# eviction; torchrun forwards it to its workers and waits 30 s before SIGKILL), and
+# SLURM can send SIGUSR1 ahead of time (``#SBATCH --signal=USR1@300``). The handler
+# only records the signal. Before each step the ranks agree (an all-reduce MAX of
+# the signal number: one rank's signal stops them all at the same step); then they
+# save the current step, unless it is saved already, and raise TrainingStopped:
+# "stopped by SIGTERM after step N: saved ...; resume with --resume".
 
 
 class Trainer:
@@ -226,8 +249,6 @@ class Trainer:
                 self._lock = None
 
     def _fit(self) -> dict[str, Any]:
-        from llama_cp.checkpoint import save_checkpoint
-
         self.setup()
         cfg = self.cfg
         step = self._resume()
@@ -236,10 +257,13 @@ class Trainer:
         if self.rank == 0:
             truncate_metrics(metrics_path, step)
         progress = tqdm(total=self.total_steps, initial=step, disable=self.rank != 0, desc="train", unit="step")
+        handlers = self._catch_stop_signals()
         try:
             row: dict[str, Any] = {}
             nonfinite: list[int] = []  # the current run of skipped steps
+            saved_step = step if step > 0 else None
             while step < self.total_steps:
+                self._stop_if_signalled(step, saved_step)
                 row = {"step": step + 1, **self.train_step()}
                 step += 1
                 progress.update(1)
@@ -257,12 +281,12 @@ class Trainer:
                     row["peak_memory_bytes"] = self._peak_memory()  # a collective: only for written rows
                     self._log(metrics_path, row)
                 if (cfg.save_every and step % cfg.save_every == 0) or last:
-                    save_checkpoint(
-                        cfg.output_dir, step, self.model, self.optimizer, scheduler=self.scheduler,
-                        extra={"loader": self.loader.state_dict()}, keep_last=cfg.keep_last,
-                    )
+                    self._save(step)
+                    saved_step = step
         finally:
             progress.close()  # also on an error, so the bar does not garble its message
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
         self.export(os.path.join(cfg.output_dir, "final"))
         if self.rank == 0:
             plot_losses(metrics_path, os.path.join(cfg.output_dir, "loss.png"))
@@ -331,12 +355,43 @@ class Trainer:
         if _global_rank() == 0:
             tqdm.write(message)
 
+    def _save(self, step: int) -> str:
+        from llama_cp.checkpoint import save_checkpoint
+
+        return save_checkpoint(
+            self.cfg.output_dir, step, self.model, self.optimizer, scheduler=self.scheduler,
+            extra={"loader": self.loader.state_dict()}, keep_last=self.cfg.keep_last,
+        )
+
+    def _catch_stop_signals(self) -> dict:
+        """Record STOP_SIGNALS instead of dying on them (main thread only); returns the previous handlers."""
+        self._signal = 0
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def record(signum, frame):
+            self._signal = signum
+
+        return {signum: signal.signal(signum, record) for signum in STOP_SIGNALS}
+
+    def _stop_if_signalled(self, step: int, saved_step: int | None) -> None:
+        """See Note [Stopping on a signal]; a collective, before every step."""
+        received = torch.tensor([self._signal], dtype=torch.int64, device=self.device)
+        dist.all_reduce(received, op=dist.ReduceOp.MAX)
+        if not received.item():
+            return
+        name = signal.Signals(int(received.item())).name
+        if step == 0:
+            raise TrainingStopped(f"stopped by {name} before the first step: nothing to save")
+        path = self._save(step) if saved_step != step else os.path.join(self.cfg.output_dir, "checkpoints")
+        raise TrainingStopped(f"stopped by {name} after step {step}: saved {path}; resume with --resume")
+
     def _stop_nonfinite(self, steps: list[int]) -> None:
         from llama_cp.checkpoint import latest_checkpoint
 
         saved = latest_checkpoint(self.cfg.output_dir)
         where = f"the newest checkpoint, {saved}, holds the last finite weights" if saved else "no checkpoint was saved"
-        raise RuntimeError(
+        raise TrainingStopped(
             f"loss or gradient norm was NaN/inf at steps {steps[0]}-{steps[-1]} ({len(steps)} steps in a row, "
             f"--max_nonfinite_steps {self.cfg.max_nonfinite_steps}); those steps changed no weight, and training "
             f"stopped without saving or exporting; {where}. Lower --lr or --max_grad_norm, check the data, "

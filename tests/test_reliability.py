@@ -157,3 +157,70 @@ results = checks.module_fixture(__name__, WORLD_SIZE)
 @pytest.mark.parametrize("name", checks.names)
 def test_check(results, name):
     checks.assert_passed(results, name)
+
+
+# ---------------------------------------------------------------- stop signals (CLI, torchrun)
+import re  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+SIGNAL_RUN = ["--cp", "2", "--context_length", "256", "--max_steps", "24", "--log_every", "1", "--warmup_steps", "1",
+              "--num_passkey_samples", "48", "--num_eval_samples", "2", "--lr", "3e-3"]
+
+
+def _torchrun(output_dir, *flags):
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "recipes.finetune_longctx", *SIGNAL_RUN, "--output_dir", str(output_dir), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = _torchrun(out)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return _metrics(out)
+
+
+@pytest.mark.parametrize("target", ["torchrun", "one_rank"])
+def test_sigterm_saves_the_step_and_resume_continues_the_trajectory(tmp_path, uninterrupted, target):
+    """SIGTERM to torchrun (as SLURM/k8s send it) or to one rank only: the ranks finish the
+    step, save it, exit non-zero saying so; --resume then gives the uninterrupted trajectory."""
+    out = tmp_path / "run"
+    proc = _torchrun(out)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(out / "metrics.jsonl") and len(_metrics(out)) >= 3:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the signal"
+    if target == "torchrun":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(workers) == 2, workers
+        os.kill(int(workers[-1]), signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    stops = re.findall(r"^error: stopped by SIGTERM after step (\d+): saved (\S+); resume with --resume\b", err, re.M)
+    assert len(stops) == 1, err[-3000:]
+    step, saved = int(stops[0][0]), stops[0][1]
+    assert 3 <= step < 24 and saved.endswith(f"step_{step:08d}") and os.path.isdir(saved), (step, saved)
+    assert [r["step"] for r in _metrics(out)] == list(range(1, step + 1))
+
+    resumed = _torchrun(out, "--resume")
+    stdout, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"resumed from step {step} ({saved})" in stdout + err
+    got = _metrics(out)
+    assert [r["step"] for r in got] == list(range(1, 25))
+    for g, w in zip(got, uninterrupted, strict=True):
+        for key in ("loss", "grad_norm", "lr"):
+            assert abs(g[key] - w[key]) <= 1e-6 * max(1.0, abs(w[key])), (g, w)
