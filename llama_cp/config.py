@@ -181,6 +181,9 @@ class TrainConfig:
             if getattr(section, name) < minimum:
                 raise ValueError(f"--{name} must be >= {minimum}, got {getattr(section, name)}")
         check_context_length(self.data.context_length, self.parallel.cp)
+        from llama_cp.data import check_dataset_path  # imports datasets: only when validating
+
+        check_dataset_path(self.data.dataset)
 
     @classmethod
     def flag_docs(cls) -> list[tuple[str, Any, str]]:

@@ -105,11 +105,10 @@ def load_examples(
         draws = [_draw_passkey(_passkey_rng(stream_seed, index)) for index in range(num_passkey)]
         keys, depths = zip(*draws) if draws else ((), ())
         return datasets.Dataset.from_dict({"passkey": list(keys), "depth": list(depths)})
+    check_dataset_path(dataset)
     path = Path(dataset).expanduser()
     if path.exists():
         loaded = _load_local(path)
-    elif dataset.startswith(("/", "./", "../", "~")) or dataset.endswith(_FILE_LIKE_SUFFIXES):
-        raise FileNotFoundError(f"--dataset {dataset!r}: no such file or directory ({path.absolute()})")
     else:
         try:
             loaded = datasets.load_dataset(dataset)
@@ -125,6 +124,15 @@ def load_examples(
     examples = _select_split(loaded, split)
     detect_format(examples.column_names)  # fail here, before any tokenization, on unusable columns
     return examples
+
+
+def check_dataset_path(dataset: str) -> None:
+    """FileNotFoundError when ``--dataset`` names a local file or directory (a path, or a file
+    name ending like one) that does not exist; run at config time, before anything is built."""
+    path = Path(dataset).expanduser()
+    looks_local = dataset.startswith(("/", "./", "../", "~")) or dataset.endswith(_FILE_LIKE_SUFFIXES)
+    if dataset != PASSKEY and looks_local and not path.exists():
+        raise FileNotFoundError(f"--dataset {dataset!r}: no such file or directory ({path.absolute()})")
 
 
 def _check_split(split: str) -> str:
