@@ -218,8 +218,11 @@ def save_checkpoint(
 
 
 def _file_digest(path: str) -> dict[str, Any]:
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        return {"bytes": os.path.getsize(path), "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+        while block := f.read(1 << 24):  # 16 MiB at a time (hashlib.file_digest needs Python 3.11)
+            digest.update(block)
+    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
 
 
 def _share(names: list[str]) -> list[str]:
