@@ -383,7 +383,9 @@ class Trainer:
         name = signal.Signals(int(received.item())).name
         if step == 0:
             raise TrainingStopped(f"stopped by {name} before the first step: nothing to save")
-        path = self._save(step) if saved_step != step else os.path.join(self.cfg.output_dir, "checkpoints")
+        from llama_cp.checkpoint import checkpoint_dir
+
+        path = self._save(step) if saved_step != step else checkpoint_dir(self.cfg.output_dir, step)
         raise TrainingStopped(f"stopped by {name} after step {step}: saved {path}; resume with --resume")
 
     def _stop_nonfinite(self, steps: list[int]) -> None:
@@ -565,9 +567,7 @@ def truncate_metrics(path: str, step: int) -> None:
         return
     with open(path) as f:
         kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+    _write_atomically(path, "".join(kept))
 
 
 def plot_losses(metrics_path: str, png_path: str) -> None:
