@@ -186,18 +186,23 @@ def save_checkpoint(
         os.makedirs(tmp)
     dist.barrier()  # the directory exists before any rank writes into it
 
-    dcp.save(_training_state(model, optimizer), checkpoint_id=tmp)
-    torch.save(_rng_state(), _rng_file(tmp, rank))
-    if _per_rank_optimizer(optimizer):
-        torch.save(optimizer.state_dict(), _optimizer_file(tmp, rank))
-    if rank == 0:
-        trainer_state = {
-            "step": step,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "extra": extra,
-        }
-        torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE_FILE))
-    dist.barrier()  # every rank's files are written
+    failure = None
+    try:
+        dcp.save(_training_state(model, optimizer), checkpoint_id=tmp)
+        torch.save(_rng_state(), _rng_file(tmp, rank))
+        if _per_rank_optimizer(optimizer):
+            torch.save(optimizer.state_dict(), _optimizer_file(tmp, rank))
+        if rank == 0:
+            trainer_state = {
+                "step": step,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "extra": extra,
+            }
+            torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE_FILE))
+    except Exception as error:  # noqa: BLE001 - a full disk, a lost mount: every rank must hear of it
+        failure = error
+    # every rank's files are written, or the ranks fail together (no rank left in a barrier)
+    _fail_together(failure, f"saving the checkpoint of step {step}", tmp, output_dir)
     _write_manifest(tmp)
 
     if rank == 0:
@@ -215,6 +220,54 @@ def save_checkpoint(
                 _remove_checkpoint(path)
     dist.barrier()  # no rank returns (and maybe resumes) before the checkpoint is in place
     return final
+
+
+class WriteFailed(OSError):
+    """Writing a checkpoint or an export failed (e.g. a full disk); raised on every rank, nothing half-written kept."""
+
+    same_on_every_rank = True
+
+
+#: Free bytes under which a failed write is put down to a full filesystem.
+_NEARLY_FULL = 64 << 20
+
+
+def describe_write_failure(error: BaseException | None, what: str, directory: str, output_dir: str) -> str:
+    """One paragraph on why ``what`` (writing into ``directory``) failed: a full filesystem
+    when the error says so or almost nothing is free (torch's writer reports ENOSPC as
+    "unexpected pos"), else the error itself; and what is still safe."""
+    try:
+        free = shutil.disk_usage(directory if os.path.exists(directory) else output_dir).free
+    except OSError:
+        free = None
+    reason = " ".join(str(error).split())[:300] if error is not None else "another rank failed to write"
+    chain, causes = [], error
+    while causes is not None:
+        chain.append(causes)
+        causes = causes.__cause__ or causes.__context__
+    full = any(getattr(e, "errno", None) == 28 for e in chain) or "no space left" in reason.lower() or (
+        free is not None and free < _NEARLY_FULL
+    )
+    if full:
+        reason = f"the filesystem is full ({(free or 0) / (1 << 20):.1f} MiB free; the writer said: {reason})"
+    newest = latest_checkpoint(output_dir)
+    kept = f"the newest checkpoint, {newest}, is intact" if newest else "no earlier checkpoint exists"
+    fix = "free space, lower --keep_last or choose another --output_dir" if full else "fix the cause"
+    return f"{what} in {directory} failed: {reason}. Nothing of it was kept; {kept}. {fix.capitalize()}, then --resume"
+
+
+def _fail_together(failure: BaseException | None, what: str, tmp: str, output_dir: str) -> None:
+    """A collective: when ``failure`` happened on any rank, rank 0 removes the half-written
+    ``tmp`` and every rank raises :class:`WriteFailed` with one message."""
+    message = describe_write_failure(failure, what, tmp, output_dir) if failure is not None else None
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, message)  # works with gloo and NCCL alike
+    if all(m is None for m in gathered):
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    raise WriteFailed(next(m for m in gathered if m is not None))
 
 
 def _file_digest(path: str) -> dict[str, Any]:

@@ -48,6 +48,13 @@ class ParallelConfig:
     cp_strategy: Literal["ring", "ulysses"] = "ring"
     """ring (any head count) or ulysses (num_attention_heads % cp == 0)."""
 
+    def dims(self, world_size: int | None = None):
+        """The validated :class:`~llama_cp.mesh.ParallelDims` of these degrees on ``world_size``
+        ranks (default: the initialised process group's)."""
+        from llama_cp.mesh import ParallelDims
+
+        return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, world_size=world_size)
+
 
 @dataclass
 class PeftConfig:
@@ -126,6 +133,8 @@ class TrainConfig:
     """Write a metrics row every N steps."""
     max_nonfinite_steps: int = 3
     """A step whose loss or gradient norm is NaN/inf is skipped (no update); stop after this many in a row."""
+    collective_timeout: float = 600.0
+    """Seconds a collective waits for the other ranks; then the run stops with an error naming the rank and step."""
 
     SECTIONS: typing.ClassVar[tuple[str, ...]] = ("model", "parallel", "peft", "data", "optim")
 
@@ -181,6 +190,9 @@ class TrainConfig:
             if getattr(section, name) < minimum:
                 raise ValueError(f"--{name} must be >= {minimum}, got {getattr(section, name)}")
         check_context_length(self.data.context_length, self.parallel.cp)
+        from llama_cp.models import check_model_name
+
+        check_model_name(self.model.model_name)
         from llama_cp.data import check_dataset_path  # imports datasets: only when validating
 
         check_dataset_path(self.data.dataset)
@@ -218,7 +230,7 @@ _MINIMUMS = {
     "dp_replicate": 1, "lora_r": 1, "num_passkey_samples": 1, "num_eval_samples": 1, "num_epochs": 1,
     "max_steps": 0, "warmup_steps": 0, "save_every": 0, "eval_every": 0, "keep_last": 1, "log_every": 1,
     "max_nonfinite_steps": 1,
-    "lr": 0.0, "weight_decay": 0.0, "max_grad_norm": 0.0, "lora_dropout": 0.0,
+    "collective_timeout": 1.0, "lr": 0.0, "weight_decay": 0.0, "max_grad_norm": 0.0, "lora_dropout": 0.0,
 }
 
 

@@ -121,9 +121,11 @@ def load_examples(
                 raise RuntimeError(f"{note}: {error}") from error
             error.add_note(note)
             raise
-    examples = _select_split(loaded, split)
-    detect_format(examples.column_names)  # fail here, before any tokenization, on unusable columns
-    return examples
+    for part in loaded.values() if isinstance(loaded, datasets.DatasetDict) else [loaded]:
+        if len(part) == 0:
+            raise ValueError(f"--dataset {dataset!r} is empty: it holds no rows")
+        check_required_values(part, dataset)  # also fails on unusable columns, before any tokenization
+    return _select_split(loaded, split)
 
 
 def check_dataset_path(dataset: str) -> None:
@@ -167,8 +169,75 @@ def _load_local(path: Path) -> datasets.Dataset | datasets.DatasetDict:
     if len(builders) > 1:
         raise ValueError(f"--dataset {str(path)!r} mixes file types ({', '.join(sorted(builders))}); use one type")
     builder = builders.pop()
+    if all(_is_blank(file) for file in files):
+        raise ValueError(f"--dataset {str(path)!r} is empty: it holds no rows")
     options = {"sample_by": "document"} if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files=[str(file) for file in files], **options)
+    try:
+        return datasets.load_dataset(builder, data_files=[str(file) for file in files], **options)
+    except Exception:
+        if builder == "json":
+            for file in files:
+                _check_json_file(file)  # names the file and line when that is what failed
+        raise
+
+
+def _is_blank(file: Path) -> bool:
+    """Whether ``file`` holds nothing but whitespace (read only when it is small)."""
+    size = file.stat().st_size
+    return size == 0 or (size < 1 << 16 and not file.read_bytes().strip())
+
+
+def _check_json_file(file: Path) -> None:
+    """ValueError naming the first line of ``file`` that is not valid JSON: the whole file as
+    one JSON document when it starts with ``[``, else every non-blank line as one row."""
+    import json
+
+    with open(file, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"--dataset {str(file)!r}: invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
+            ) from None
+        if not rows:
+            raise ValueError(f"--dataset {str(file)!r} is empty: it holds no rows")
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as error:
+            shown = line if len(line) <= 80 else line[:77] + "..."
+            raise ValueError(
+                f"--dataset {str(file)!r}: line {number} is not valid JSON ({error.msg}, column {error.colno}): "
+                f"{shown!r}; fix or remove that line"
+            ) from None
+
+
+#: The columns each example format needs a value in (a missing key is read as null).
+REQUIRED_COLUMNS = {"text": ("text",), "instruction": ("instruction", "output"), "chat": ("messages",)}
+
+
+def check_required_values(examples: datasets.Dataset, dataset: str) -> None:
+    """ValueError when rows lack a value their format needs (a JSON row without the key, or
+    null): such a row would otherwise be dropped or trained as empty without a word. Row
+    numbers count from 1 over the loaded rows (a JSONL file's lines, blank lines aside)."""
+    import pyarrow.compute as pc
+
+    kind = detect_format(examples.column_names)
+    for column in REQUIRED_COLUMNS.get(kind, ()):
+        values = examples.data.column(column)
+        if values.null_count == 0:
+            continue
+        missing = pc.indices_nonzero(pc.is_null(values)).to_pylist()
+        shown = ", ".join(str(i + 1) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(
+            f"--dataset {dataset!r}: {len(missing)} of {len(examples)} rows have no {column!r} value "
+            f"(missing or null; rows {shown}), which the {kind} format needs; fix or drop those rows"
+        )
 
 
 def _select_split(loaded: datasets.Dataset | datasets.DatasetDict, split: str) -> datasets.Dataset:

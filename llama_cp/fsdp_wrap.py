@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import tempfile
 import warnings
 from typing import Literal
@@ -230,12 +231,24 @@ def export_pretrained(model: nn.Module, output_dir: str) -> None:
     looks complete."""
     if os.path.exists(output_dir):  # every rank sees it: all raise before the collective
         raise FileExistsError(f"{output_dir!r} exists; choose another output directory")
+    from llama_cp.checkpoint import WriteFailed, describe_write_failure
+
     state = gather_full_state_dict(model)
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    failure = [None]
     if dist.get_rank() == 0:
-        parent = os.path.dirname(os.path.abspath(output_dir))
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
-        # a peft model saves its adapter (and modules_to_save) only; a plain model everything
-        model.save_pretrained(tmp, state_dict=state)
-        os.rename(tmp, output_dir)
-    dist.barrier()
+        tmp = None
+        try:
+            os.makedirs(parent, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
+            # a peft model saves its adapter (and modules_to_save) only; a plain model everything
+            model.save_pretrained(tmp, state_dict=state)
+            os.rename(tmp, output_dir)
+        except Exception as error:  # noqa: BLE001 - e.g. a full disk: the other ranks must hear of it
+            where = tmp or parent
+            failure = [describe_write_failure(error, f"exporting {output_dir}", where, parent)]
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+    dist.broadcast_object_list(failure, src=0)  # also the barrier: the export is in place
+    if failure[0] is not None:
+        raise WriteFailed(failure[0])

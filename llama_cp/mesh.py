@@ -20,6 +20,7 @@ import os
 import socket
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -98,9 +99,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> str:
+def init_distributed(timeout_s: float | None = None) -> str:
     """Initialise the default process group from torchrun's environment (or as a single
-    process) and return the device type: cuda + nccl when CUDA is available, else cpu + gloo."""
+    process) and return the device type: cuda + nccl when CUDA is available, else cpu + gloo.
+
+    ``timeout_s``: how long a collective (of this group and of every group made from it,
+    the mesh's included) waits for the other ranks before it fails; None keeps the
+    backend's default. An already initialised group is left as it is."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
@@ -109,5 +114,6 @@ def init_distributed() -> str:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
     return device_type

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -41,3 +43,38 @@ def build_causal_lm(config, device: torch.device | str = "cpu") -> nn.Module:
 
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+#: Files that hold a tokenizer in an HF model directory (any one is enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def check_model_name(name: str) -> None:
+    """Fail before anything is built when ``--model_name`` names a local directory (a path:
+    it starts with /, ./, ../ or ~, or exists) that is missing or is no HF model directory.
+    Other names are hub ids ("meta-llama/Llama-3.1-8B") or "embedded"."""
+    if name == "embedded":
+        return
+    path = os.path.expanduser(name)
+    looks_local = name.startswith(("/", "./", "../", "~")) or os.path.exists(path)
+    if not looks_local:
+        return
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"--model_name {name!r}: no such directory ({os.path.abspath(path)}); pass a local HF model "
+            "directory (with config.json, *.safetensors and the tokenizer), a hub id, or embedded"
+        )
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(
+            f"--model_name {name!r} has no config.json: it is not an HF model directory "
+            "(write one with save_pretrained)"
+        )
+
+
+def check_tokenizer_files(path: str) -> None:
+    """FileNotFoundError naming the fix when the model directory ``path`` holds no tokenizer."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"--model_name {path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+            "tokenizer files of the original model into it (tokenizer.save_pretrained)"
+        )

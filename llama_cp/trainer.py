@@ -29,7 +29,7 @@ from llama_cp.config import TrainConfig
 from llama_cp.cp_attention import apply_context_parallel
 from llama_cp.fsdp_wrap import activation_offload, export_pretrained, load_full_weights, shard_model
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
-from llama_cp.mesh import ParallelDims, init_distributed
+from llama_cp.mesh import init_distributed
 from llama_cp.optim import build_optimizer
 from llama_cp.sharding import shard_batch
 
@@ -42,6 +42,20 @@ class TrainingStopped(RuntimeError):
     """Training stopped on purpose (a stop signal, a run of non-finite steps); raised on every rank."""
 
     same_on_every_rank = True
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective timed out or lost a peer: another rank is stuck or gone (Note [Stuck ranks])."""
+
+
+# Note [Stuck ranks]
+# ~~~~~~~~~~~~~~~~~~
+# A rank that stops answering (SIGSTOP, hung storage, a dead node) leaves the others
+# blocked in their next collective. --collective_timeout bounds that wait (it is the
+# process group's timeout, inherited by the mesh's groups); the rank that gives up
+# raises CollectiveFailed, naming itself and the step it was in, and exits, and
+# torchrun then ends the job. With gloo the failing collective raises; with NCCL its
+# watchdog aborts the process after the same timeout with NCCL's own report.
 
 
 # Note [Stopping on a signal]
@@ -64,14 +78,14 @@ class Trainer:
     # ------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
-        self.device_type = init_distributed()
+        self.device_type = init_distributed(timeout_s=cfg.collective_timeout)
         self.rank = dist.get_rank()
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
         )
-        p = cfg.parallel
-        self.dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp)
+        self.dims = cfg.parallel.dims()
         self.mesh = self.dims.build_mesh(self.device_type)
+        self.model_path = _model_path(cfg.model.model_name)
         self.tokenizer = self._build_tokenizer()
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
@@ -84,9 +98,12 @@ class Trainer:
 
         from llama_cp.tokenizer import byte_tokenizer
 
-        if self.cfg.model.model_name == "embedded":
+        from llama_cp.models import check_tokenizer_files
+
+        if self.model_path is None:
             return byte_tokenizer()
-        return AutoTokenizer.from_pretrained(self.cfg.model.model_name)
+        check_tokenizer_files(self.model_path)
+        return AutoTokenizer.from_pretrained(self.model_path)
 
     def _param_dtype(self) -> torch.dtype | None | str:
         return {"auto": "auto", "float32": None, "bfloat16": torch.bfloat16}[self.cfg.model.dtype]
@@ -98,13 +115,11 @@ class Trainer:
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        name = cfg.model.model_name
-        if name == "embedded":
+        path = self.model_path
+        if path is None:
             # small enough to build on every rank; identical there thanks to the seed
             model = build_causal_lm(embedded_llama_config()).to(self.device)
-            path = None
         else:
-            path = name if os.path.isdir(name) else _snapshot(name)
             model = build_causal_lm(AutoConfig.from_pretrained(path), device="meta")  # no rank holds it all
         model = parallelize_model(model, cfg, self.mesh, param_dtype=self._param_dtype())
         if path is not None:
@@ -240,9 +255,15 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to ``max_steps`` (or ``num_epochs``), evaluate, checkpoint and export. Returns the
         last metrics row (with the final eval)."""
-        self._claim_output_dir()  # before anything heavy
+        self._check_before_start()
+        self._claim_output_dir()
+        self._where = "while setting up"
         try:
             return self._fit()
+        except RuntimeError as error:
+            if not getattr(error, "same_on_every_rank", False) and _is_collective_failure(error):
+                raise CollectiveFailed(self._collective_failure_message(error)) from error
+            raise
         finally:
             if getattr(self, "_lock", None) is not None:
                 self._lock.close()  # releases the output_dir for the next run (also in this process)
@@ -263,6 +284,7 @@ class Trainer:
             nonfinite: list[int] = []  # the current run of skipped steps
             saved_step = step if step > 0 else None
             while step < self.total_steps:
+                self._where = f"in step {step + 1}"
                 self._stop_if_signalled(step, saved_step)
                 row = {"step": step + 1, **self.train_step()}
                 step += 1
@@ -287,10 +309,48 @@ class Trainer:
             progress.close()  # also on an error, so the bar does not garble its message
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
+        self._where = "while exporting final/"
         self.export(os.path.join(cfg.output_dir, "final"))
         if self.rank == 0:
             plot_losses(metrics_path, os.path.join(cfg.output_dir, "loss.png"))
         return row
+
+    def _check_before_start(self) -> None:
+        """What can be checked before any process group or model exists: a local model
+        directory has a tokenizer, and the parallel degrees multiply to the number of
+        processes (a single process, plain ``python -m`` or a notebook, asked for more is
+        told how to launch them)."""
+        from llama_cp.models import check_tokenizer_files
+
+        name = os.path.expanduser(self.cfg.model.model_name)
+        if self.cfg.model.model_name != "embedded" and os.path.isdir(name):
+            check_tokenizer_files(name)
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        p = self.cfg.parallel
+        try:
+            p.dims(world)
+        except ValueError as error:
+            if world > 1:
+                raise ValueError(f"{error}: choose --dp_replicate, --dp_shard and --cp for {world} processes") from None
+            needed = p.dp_replicate * max(p.dp_shard, 1) * p.cp
+            raise ValueError(
+                f"--cp {p.cp} --dp_shard {p.dp_shard} --dp_replicate {p.dp_replicate} need {needed} processes, "
+                f"and this is one: launch with torchrun --nproc_per_node {needed} -m recipes.finetune_longctx ... "
+                f"(or llama_cp.launcher.launch(cfg, nprocs={needed}) from a notebook)"
+            ) from None
+
+    def _collective_failure_message(self, error: BaseException) -> str:
+        from llama_cp.checkpoint import latest_checkpoint
+
+        saved = latest_checkpoint(self.cfg.output_dir)
+        reason = " ".join(str(error).split())
+        reason = reason[reason.rfind("] ") + 2:] if "] " in reason else reason  # drop gloo's source location
+        return (
+            f"gave up waiting for a collective {self._where} ({reason[:200]}): another rank is stuck "
+            f"(stopped, hung I/O), died or lost its network; --collective_timeout is {self.cfg.collective_timeout:g} s. "
+            + (f"The newest checkpoint is {saved}: resume with --resume once the faulty rank is gone"
+               if saved else "No checkpoint was saved yet")
+        )
 
     def _claim_output_dir(self) -> None:
         """One run per output_dir: refuse the checkpoints of an earlier run unless --resume or
@@ -497,6 +557,15 @@ def optimizer_step(
     return total, apply_gradients(model, optimizer, max_grad_norm=max_grad_norm)
 
 
+def _is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that timed out or lost its peer (gloo raises
+    RuntimeError, NCCL DistBackendError)."""
+    text = str(error).lower()
+    return isinstance(error, dist.DistBackendError) or any(
+        marker in text for marker in ("timed out", "timeout", "connection closed by peer", "connection reset by peer")
+    )
+
+
 def _global_rank() -> int:
     """This process's rank, also before ``init_distributed`` (from torchrun's RANK)."""
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -592,8 +661,20 @@ def plot_losses(metrics_path: str, png_path: str) -> None:
     plt.close(fig)
 
 
-def _snapshot(model_id: str) -> str:
-    """Local directory of a hub model id (downloads when online)."""
+def _model_path(name: str) -> str | None:
+    """The local directory of ``--model_name`` (None for "embedded"): the directory itself, or
+    the hub snapshot of a hub id (downloaded when online, else from the local cache)."""
+    if name == "embedded":
+        return None
+    if os.path.isdir(os.path.expanduser(name)):
+        return os.path.expanduser(name)
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(model_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+    try:
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+    except Exception as error:  # noqa: BLE001 - offline, unknown id, gated repo: one message for all
+        raise FileNotFoundError(
+            f"--model_name {name!r} is not a local directory, and as a hub id it could not be fetched "
+            f"({type(error).__name__}: {' '.join(str(error).split())[:300]}); pass the path of a local HF "
+            "model directory"
+        ) from error

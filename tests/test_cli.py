@@ -33,6 +33,11 @@ def test_help_lists_every_flag_with_its_doc(module, flag, capsys):
     (["--max_nonfinite_steps", "0"], "--max_nonfinite_steps must be >= 1, got 0"),
     (["--contex_length", "512"], "unknown flag --contex_length; did you mean --context_length?"),
     (["--dataset", "/no/such/file.jsonl", "--max_steps", "1"], "--dataset '/no/such/file.jsonl': no such file"),
+    (["--collective_timeout", "0"], "--collective_timeout must be >= 1.0, got 0.0"),
+    (["--model_name", "/no/such/model"], "--model_name '/no/such/model': no such directory"),
+    (["--cp", "2"], "--cp 2 --dp_shard -1 --dp_replicate 1 need 2 processes, and this is one: launch with "
+                    "torchrun --nproc_per_node 2 -m recipes.finetune_longctx"),
+    (["--cp", "2", "--dp_shard", "2"], "need 4 processes, and this is one: launch with torchrun --nproc_per_node 4"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(flags, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
@@ -41,6 +46,35 @@ def test_bad_input_is_one_line_before_anything_runs(flags, message, capsys, tmp_
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_model_directories_without_config_or_tokenizer_are_refused(capsys, tmp_path):
+    from llama_cp.models import build_causal_lm, embedded_llama_config
+
+    build_causal_lm(embedded_llama_config(num_hidden_layers=1)).save_pretrained(tmp_path / "weights_only")
+    (tmp_path / "nothing").mkdir()
+    capsys.readouterr()  # save_pretrained's progress bar
+    for directory, message in (("nothing", "has no config.json: it is not an HF model directory"),
+                               ("weights_only", "has no tokenizer (none of tokenizer.json, tokenizer.model")):
+        with pytest.raises(SystemExit):
+            run_cli(finetune_longctx.main, usage="x",
+                    argv=["--model_name", str(tmp_path / directory), "--output_dir", str(tmp_path / "run")])
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --model_name '{tmp_path / directory}' {message}"), err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()  # refused before the run claimed anything
+
+
+def test_an_empty_dataset_is_one_line(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    result = subprocess.run(
+        [sys.executable, "-m", "recipes.finetune_longctx", "--dataset", str(tmp_path / "empty.jsonl"),
+         "--output_dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert errors == [f"error: --dataset '{tmp_path / 'empty.jsonl'}' is empty: it holds no rows "
+                      "(rerun with --debug for the traceback)"], result.stderr[-2000:]
 
 
 def test_debug_shows_the_traceback():

@@ -283,6 +283,40 @@ def test_missing_and_unusable_datasets_have_clear_errors(tokenizer, tmp_path):
         build_rows(str(empty), tokenizer, 60, cp=4)
 
 
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_an_empty_file_is_refused_by_name(tmp_path, content):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(content)
+    with pytest.raises(ValueError, match=r"--dataset '.*empty\.jsonl' is empty: it holds no rows"):
+        load_examples(str(empty))
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"--dataset '.*empty\.json' is empty: it holds no rows"):
+        load_examples(str(tmp_path / "empty.json"))
+
+
+def test_malformed_json_names_the_line(tmp_path):
+    lines = ['{"text": "one"}', "", '{"text": "two"}', '{"text": "three"', '{"text": "four"}']
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl': line 4 is not valid JSON \(.*\): '\{\"text\": \"three\"'"):
+        load_examples(str(bad))
+    array = tmp_path / "bad.json"
+    array.write_text('[\n {"text": "one"},\n {"text": "two" oops}\n]\n')
+    with pytest.raises(ValueError, match=r"bad\.json': invalid JSON at line 3, column"):
+        load_examples(str(array))
+
+
+@pytest.mark.parametrize("records, column, rows", [
+    ([{"text": "a"}, {"txt": "b"}, {"text": None}, {"text": "d"}], "text", "rows 2, 3"),
+    ([{"instruction": "i", "output": "o"}, {"instruction": "i"}], "output", "rows 2"),
+    ([{"messages": CHAT}, {"messages": None}, {"messages": CHAT}], "messages", "rows 2"),
+])
+def test_rows_without_the_needed_value_are_refused_not_dropped(tmp_path, records, column, rows):
+    path = write_jsonl(tmp_path / "rows.jsonl", records)
+    with pytest.raises(ValueError, match=rf"of {len(records)} rows have no '{column}' value \(missing or null; {rows}\)"):
+        load_examples(str(path))
+
+
 def test_unknown_names_are_tried_as_hub_ids(monkeypatch):
     def offline(name, *args, **kwargs):
         raise ConnectionError(f"Couldn't reach '{name}' on the Hub")
