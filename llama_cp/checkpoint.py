@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -199,8 +200,8 @@ def save_checkpoint(
                 "extra": extra,
             }
             torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE_FILE))
-    except Exception as error:  # noqa: BLE001 - a full disk, a lost mount: every rank must hear of it
-        failure = error
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - a full disk, a lost mount: tell every rank
+        failure = error  # (DCP's CheckpointException is a BaseException)
     # every rank's files are written, or the ranks fail together (no rank left in a barrier)
     _fail_together(failure, f"saving the checkpoint of step {step}", tmp, output_dir)
     _write_manifest(tmp)

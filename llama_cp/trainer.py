@@ -453,6 +453,8 @@ class Trainer:
 
         saved = latest_checkpoint(self.cfg.output_dir)
         where = f"the newest checkpoint, {saved}, holds the last finite weights" if saved else "no checkpoint was saved"
+        if self.rank == 0:  # the plot marks the skipped steps
+            plot_losses(os.path.join(self.cfg.output_dir, "metrics.jsonl"), os.path.join(self.cfg.output_dir, "loss.png"))
         raise TrainingStopped(
             f"loss or gradient norm was NaN/inf at steps {steps[0]}-{steps[-1]} ({len(steps)} steps in a row, "
             f"--max_nonfinite_steps {self.cfg.max_nonfinite_steps}); those steps changed no weight, and training "
@@ -639,8 +641,10 @@ def truncate_metrics(path: str, step: int) -> None:
     _write_atomically(path, "".join(kept))
 
 
-def plot_losses(metrics_path: str, png_path: str) -> None:
-    """Training (and eval) loss against step, from metrics.jsonl."""
+def plot_losses(metrics_path: str, png_path: str) -> dict[str, list]:
+    """Training (and eval) loss against step, from metrics.jsonl; skipped (non-finite) steps
+    are marked with a red x on the bottom edge and break the line. Returns what was drawn:
+    ``{"train": [(step, loss)], "eval": [(step, loss)], "skipped": [step]}``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -648,17 +652,27 @@ def plot_losses(metrics_path: str, png_path: str) -> None:
 
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f]
+    finite = lambda r: not r.get("skipped") and math.isfinite(r["loss"])  # noqa: E731
+    drawn = {
+        "train": [(r["step"], r["loss"]) for r in rows if finite(r)],
+        "eval": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r],
+        "skipped": [r["step"] for r in rows if not finite(r)],
+    }
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss")
-    evals = [r for r in rows if "eval_loss" in r]
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    # NaN where a step was skipped: the line breaks there instead of bridging the gap
+    ax.plot([r["step"] for r in rows], [r["loss"] if finite(r) else math.nan for r in rows], label="train loss")
+    if drawn["eval"]:
+        ax.plot(*zip(*drawn["eval"]), "o-", label="eval loss")
+    if drawn["skipped"]:
+        ax.plot(drawn["skipped"], [0] * len(drawn["skipped"]), "x", color="red", markersize=8, clip_on=False,
+                transform=ax.get_xaxis_transform(), label="skipped step (NaN/inf)")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
+    return drawn
 
 
 def _model_path(name: str) -> str | None:

@@ -347,6 +347,12 @@ def nonfinite_steps_are_skipped_and_a_run_of_them_stops_training():
         assert [step for step, _ in complete_checkpoints(diverged)] == [2]
         assert not os.path.exists(os.path.join(diverged, "final"))
         assert [r.get("skipped", False) for r in read_metrics(diverged)] == [False, False, True, True, True]
+        # loss.png of the stopped run marks the skipped steps, and the line leaves them out
+        from llama_cp.trainer import plot_losses
+
+        assert os.path.getsize(os.path.join(diverged, "loss.png")) > 0
+        drawn = plot_losses(os.path.join(diverged, "metrics.jsonl"), os.path.join(diverged, "again.png"))
+        assert drawn["skipped"] == [3, 4, 5] and [step for step, _ in drawn["train"]] == [1, 2], drawn
         # the skipped steps changed no weight: the model still holds step 2's weights, which equal
         # a clean run's step 2
         reference = Trainer(_config(straight, max_steps=2))

@@ -189,10 +189,13 @@ def uninterrupted(tmp_path_factory):
     return _metrics(out)
 
 
-@pytest.mark.parametrize("target", ["torchrun", "one_rank"])
-def test_sigterm_saves_the_step_and_resume_continues_the_trajectory(tmp_path, uninterrupted, target):
-    """SIGTERM to torchrun (as SLURM/k8s send it) or to one rank only: the ranks finish the
-    step, save it, exit non-zero saying so; --resume then gives the uninterrupted trajectory."""
+@pytest.mark.parametrize("target, signum", [
+    ("torchrun", signal.SIGTERM), ("one_rank", signal.SIGTERM), ("one_rank", signal.SIGUSR1),
+], ids=["torchrun-SIGTERM", "one_rank-SIGTERM", "one_rank-SIGUSR1"])
+def test_sigterm_saves_the_step_and_resume_continues_the_trajectory(tmp_path, uninterrupted, target, signum):
+    """SIGTERM to torchrun (as SLURM/k8s send it) or SIGTERM/SIGUSR1 to one rank only: the
+    ranks finish the step, save it, exit non-zero saying so; --resume then gives the
+    uninterrupted trajectory."""
     out = tmp_path / "run"
     proc = _torchrun(out)
     deadline = time.time() + 300
@@ -202,14 +205,15 @@ def test_sigterm_saves_the_step_and_resume_continues_the_trajectory(tmp_path, un
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before the signal"
     if target == "torchrun":
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
     else:
         workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert len(workers) == 2, workers
-        os.kill(int(workers[-1]), signal.SIGTERM)
+        os.kill(int(workers[-1]), signum)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
-    stops = re.findall(r"^error: stopped by SIGTERM after step (\d+): saved (\S+); resume with --resume\b", err, re.M)
+    name = signal.Signals(signum).name
+    stops = re.findall(rf"^error: stopped by {name} after step (\d+): saved (\S+); resume with --resume\b", err, re.M)
     assert len(stops) == 1, err[-3000:]
     step, saved = int(stops[0][0]), stops[0][1]
     assert 3 <= step < 24 and saved.endswith(f"step_{step:08d}") and os.path.isdir(saved), (step, saved)
@@ -224,3 +228,90 @@ def test_sigterm_saves_the_step_and_resume_continues_the_trajectory(tmp_path, un
     for g, w in zip(got, uninterrupted, strict=True):
         for key in ("loss", "grad_norm", "lr"):
             assert abs(g[key] - w[key]) <= 1e-6 * max(1.0, abs(w[key])), (g, w)
+
+
+# ---------------------------------------------------------------- a stuck rank, a full disk
+
+
+def _intact(path) -> bool:
+    """Every file of checkpoint ``path`` has the size and sha256 its manifest records."""
+    from llama_cp.checkpoint import COMPLETE_MARKER, MANIFEST_FILE, _file_digest
+
+    with open(os.path.join(path, MANIFEST_FILE)) as f:
+        files = json.load(f)["files"]
+    return os.path.isfile(os.path.join(path, COMPLETE_MARKER)) and all(
+        _file_digest(os.path.join(path, name)) == entry for name, entry in files.items()
+    )
+
+
+def test_a_stopped_rank_ends_the_job_after_the_collective_timeout(tmp_path):
+    """SIGSTOP one of two ranks (launched directly, as srun does): after --collective_timeout
+    the other gives up with one line naming itself, the step and the newest checkpoint,
+    which is intact; not gloo's 30-minute hang."""
+    from llama_cp.mesh import free_port
+
+    out, port = tmp_path / "run", str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "recipes.finetune_longctx", *SIGNAL_RUN[:-4], "--max_steps", "1000",
+             "--save_every", "2", "--collective_timeout", "5", "--output_dir", str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+        )
+        for rank in range(2)
+    ]
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            if os.path.exists(out / "metrics.jsonl") and len(_metrics(out)) >= 3:
+                break
+            time.sleep(0.05)
+        assert all(p.poll() is None for p in procs), "a rank ended before the stop"
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        stopped = time.time()
+        _, err = procs[0].communicate(timeout=120)
+        waited = time.time() - stopped
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    assert procs[0].returncode == 1 and 5 <= waited < 60, (procs[0].returncode, waited)
+    found = re.findall(
+        r"^error \(rank 0\): gave up waiting for a collective in step (\d+) \(.+\): another rank is stuck .*"
+        r"--collective_timeout is 5 s\. The newest checkpoint is (\S+): resume with --resume", err, re.M,
+    )
+    assert len(found) == 1, err[-3000:]
+    step, saved = int(found[0][0]), found[0][1]
+    assert step >= 4 and saved.endswith(f"step_{(step - 1) // 2 * 2:08d}") and _intact(saved), (step, saved)
+
+
+def test_a_full_disk_fails_the_save_and_keeps_the_last_checkpoint(tmp_path):
+    """The output_dir on a 60 MiB filesystem: the step-1 checkpoint (~39 MiB) fits, the
+    step-2 one does not. One line says the disk is full; no half-written checkpoint stays,
+    the step-1 one is intact, nothing is exported."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=60m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small tmpfs could not be mounted (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        out = disk / "run"
+        result = subprocess.run(
+            [sys.executable, "-m", "recipes.finetune_longctx", "--context_length", "128", "--max_steps", "4",
+             "--save_every", "1", "--keep_last", "3", "--num_passkey_samples", "8", "--num_eval_samples", "1",
+             "--output_dir", str(out)],
+            capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+        first = out / "checkpoints" / "step_00000001"
+        assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
+        assert re.fullmatch(
+            rf"error: saving the checkpoint of step 2 in \S+\.tmp-step_00000002 failed: the filesystem is full "
+            rf"\([\d.]+ MiB free; the writer said: .*\)\. Nothing of it was kept; the newest checkpoint, {first}, is "
+            r"intact\. Free space, lower --keep_last or choose another --output_dir, then --resume "
+            r"\(rerun with --debug for the traceback\)", errors[0]), errors[0]
+        assert os.listdir(out / "checkpoints") == ["step_00000001"] and _intact(first)
+        assert not (out / "final").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
