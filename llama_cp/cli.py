@@ -24,7 +24,7 @@ import fire
 from llama_cp.config import TrainConfig
 
 #: Exceptions that come from the command's input and happen on every rank alike.
-INPUT_ERRORS = (ValueError, FileNotFoundError, KeyError)
+INPUT_ERRORS = (ValueError, FileNotFoundError, KeyError, PermissionError)
 
 
 def run_cli(main: Callable, usage: str, argv: list[str] | None = None) -> None:

@@ -361,8 +361,13 @@ class Trainer:
         cfg, rank = self.cfg, _global_rank()
         out = cfg.output_dir
         if rank == 0:
-            os.makedirs(out, exist_ok=True)
-            self._lock = _lock_output_dir(out)
+            try:
+                os.makedirs(out, exist_ok=True)
+                self._lock = _lock_output_dir(out)
+            except OSError as error:  # read-only filesystem, no permission: found now, not at the first save
+                raise PermissionError(
+                    f"--output_dir {out} is not writable ({error.strerror or error}); choose another --output_dir"
+                ) from None
         found = complete_checkpoints(out)
         if found and cfg.resume == "false":
             if not cfg.overwrite:
