@@ -104,16 +104,12 @@ def test_an_input_error_on_two_ranks_is_printed_once(tmp_path):
 
 
 def test_a_read_only_output_dir_is_refused_before_training(capsys, tmp_path):
+    from probes import tmpfs
+
     disk = tmp_path / "ro"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"a read-only tmpfs could not be mounted (needs root): {mounted.stderr.decode().strip()}")
-    try:
-        with pytest.raises(SystemExit):
-            run_cli(finetune_longctx.main, usage="x", argv=["--output_dir", str(disk / "run")])
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
+    with tmpfs(disk, "ro,size=1m"), pytest.raises(SystemExit):
+        run_cli(finetune_longctx.main, usage="x", argv=["--output_dir", str(disk / "run")])
     err = capsys.readouterr().err
     assert err.startswith(f"error: --output_dir {disk / 'run'} is not writable (Read-only file system); "
                           "choose another --output_dir"), err

@@ -290,12 +290,11 @@ def test_a_full_disk_fails_the_save_and_keeps_the_last_checkpoint(tmp_path):
     """The output_dir on a 60 MiB filesystem: the step-1 checkpoint (~39 MiB) fits, the
     step-2 one does not. One line says the disk is full; no half-written checkpoint stays,
     the step-1 one is intact, nothing is exported."""
+    from probes import tmpfs
+
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=60m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"a small tmpfs could not be mounted (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(disk, "size=60m"):
         out = disk / "run"
         result = subprocess.run(
             [sys.executable, "-m", "recipes.finetune_longctx", "--context_length", "128", "--max_steps", "4",
@@ -313,5 +312,3 @@ def test_a_full_disk_fails_the_save_and_keeps_the_last_checkpoint(tmp_path):
             r"\(rerun with --debug for the traceback\)", errors[0]), errors[0]
         assert os.listdir(out / "checkpoints") == ["step_00000001"] and _intact(first)
         assert not (out / "final").exists()
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
