@@ -131,6 +131,8 @@ class TrainConfig:
     """Evaluate every N steps (0 = only at the end)."""
     log_every: int = 5
     """Write a metrics row every N steps."""
+    report_to: tuple[str, ...] = ("tensorboard",)
+    """Also send the metrics rows to: tensorboard (output_dir/tensorboard), wandb (when installed), or none."""
     max_nonfinite_steps: int = 3
     """A step whose loss or gradient norm is NaN/inf is skipped (no update); stop after this many in a row."""
     collective_timeout: float = 600.0
@@ -189,6 +191,9 @@ class TrainConfig:
             section = getattr(self, names[name]) if names[name] else self
             if getattr(section, name) < minimum:
                 raise ValueError(f"--{name} must be >= {minimum}, got {getattr(section, name)}")
+        from llama_cp.reporting import check_report_to
+
+        check_report_to(self.report_to)
         check_context_length(self.data.context_length, self.parallel.cp)
         from llama_cp.models import check_model_name
 

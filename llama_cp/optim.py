@@ -65,7 +65,10 @@ def build_optimizer(name: str, params, *, lr: float, weight_decay: float) -> tor
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "adamw8bit":
-        import bitsandbytes as bnb
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ValueError("--optimizer adamw8bit needs bitsandbytes: pip install 'llama-cp[quant]'") from None
 
         return ShardLocalOptimizer(params, bnb.optim.AdamW8bit, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown --optimizer {name!r}; choose adamw or adamw8bit")

@@ -277,6 +277,7 @@ class Trainer:
         metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         if self.rank == 0:
             truncate_metrics(metrics_path, step)
+        self.reporter = self._build_reporter(step)
         progress = tqdm(total=self.total_steps, initial=step, disable=self.rank != 0, desc="train", unit="step")
         handlers = self._catch_stop_signals()
         try:
@@ -307,6 +308,7 @@ class Trainer:
                     saved_step = step
         finally:
             progress.close()  # also on an error, so the bar does not garble its message
+            self.reporter.close()
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
         self._where = "while exporting final/"
@@ -379,9 +381,11 @@ class Trainer:
             if rank == 0:
                 import shutil
 
-                for name in (CHECKPOINTS_DIR, "final"):
+                from llama_cp.reporting import TENSORBOARD_DIR, WANDB_ID_FILE
+
+                for name in (CHECKPOINTS_DIR, "final", TENSORBOARD_DIR):
                     shutil.rmtree(os.path.join(out, name), ignore_errors=True)
-                for name in ("metrics.jsonl", "loss.png"):
+                for name in ("metrics.jsonl", "loss.png", "run_info.json", WANDB_ID_FILE):
                     if os.path.exists(os.path.join(out, name)):
                         os.remove(os.path.join(out, name))
         if rank == 0:
@@ -467,8 +471,22 @@ class Trainer:
             "then resume with --resume"
         )
 
+    def _build_reporter(self, step: int):
+        """TensorBoard / W&B (``--report_to``) on rank 0, and ``run_info.json`` (the resolved
+        config, versions and layout of the run) beside ``config.yaml``."""
+        from llama_cp.reporting import Reporter, run_info
+
+        info = run_info(self.cfg.to_dict(), world_size=dist.get_world_size(), device_type=self.device_type,
+                        dims={"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
+                              "cp": self.dims.cp}, resumed_from_step=step)
+        if self.rank == 0:
+            _write_atomically(os.path.join(self.cfg.output_dir, "run_info.json"), json.dumps(info, indent=1))
+        report_to = [name for name in self.cfg.report_to if name != "none"]
+        return Reporter(self.cfg.output_dir, report_to, run_info=info, start_step=step, enabled=self.rank == 0)
+
     def _log(self, path: str, row: dict[str, Any]) -> None:
         if self.rank == 0:
+            self.reporter.log(row, row["step"])
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))

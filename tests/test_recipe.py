@@ -21,11 +21,30 @@ SMALL = [
 ]
 
 
-def run_cli(output_dir, *flags, nproc=1, check=True):
+#: An accelerate config file for one machine with 2 processes (accelerate runs torchrun underneath).
+ACCELERATE_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+mixed_precision: 'no'
+rdzv_backend: static
+same_network: true
+"""
+
+
+def run_cli(output_dir, *flags, nproc=1, check=True, launcher_name="torchrun"):
     launcher = [sys.executable, "-m", "recipes.finetune_longctx"]
-    if nproc > 1:
+    if nproc > 1 and launcher_name == "torchrun":
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                     "-m", "recipes.finetune_longctx"]
+    elif nproc > 1:
+        config = os.path.join(output_dir, "accelerate.yaml")
+        os.makedirs(output_dir, exist_ok=True)
+        with open(config, "w") as f:
+            f.write(ACCELERATE_CONFIG.replace("num_processes: 2", f"num_processes: {nproc}"))
+        launcher = ["accelerate", "launch", "--config_file", config, "-m", "recipes.finetune_longctx"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [*launcher, *SMALL, "--output_dir", str(output_dir), *flags],
@@ -60,6 +79,14 @@ def test_single_process_run_writes_everything(single_runs):
         assert all(key in r for r in rows), key
     assert "eval_loss" in rows[-1] and "passkey_acc" in rows[-1]
     assert os.path.exists(os.path.join(out, "loss.png"))
+    # the rows, read back from TensorBoard's event files; the config and versions beside them
+    scalars = tensorboard_scalars(out)
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec"):
+        assert_series(scalars[f"train/{key}"], [(r["step"], r[key]) for r in rows])
+    assert_series(scalars["eval/eval_loss"], [(4, rows[-1]["eval_loss"])])
+    with open(os.path.join(out, "run_info.json")) as f:
+        info = json.load(f)
+    assert info["config"]["data"]["context_length"] == 256 and info["versions"]["torch"] == torch.__version__
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
@@ -67,10 +94,15 @@ def test_single_process_run_writes_everything(single_runs):
     assert model.config.vocab_size >= len(tokenizer)
 
 
-@pytest.mark.parametrize("flags, reference_batch", [(["--cp", "2"], 1), (["--cp", "2", "--cp_strategy", "ulysses"], 1), (["--dp_shard", "2"], 2)])
-def test_two_processes_match_the_single_process_trajectory(tmp_path, single_runs, flags, reference_batch):
-    run_cli(tmp_path, *flags, nproc=2)
-    got, want = read_metrics(tmp_path), read_metrics(single_runs[reference_batch])
+@pytest.mark.parametrize("flags, reference_batch, launcher", [
+    (["--cp", "2"], 1, "torchrun"), (["--cp", "2", "--cp_strategy", "ulysses"], 1, "torchrun"),
+    (["--dp_shard", "2"], 2, "torchrun"), (["--cp", "2"], 1, "accelerate"),
+])
+def test_two_processes_match_the_single_process_trajectory(tmp_path, single_runs, flags, reference_batch, launcher):
+    """torchrun, or `accelerate launch` with an accelerate config file, on 2 processes."""
+    out = tmp_path / "run"
+    run_cli(out, *flags, nproc=2, launcher_name=launcher)
+    got, want = read_metrics(out), read_metrics(single_runs[reference_batch])
     for key in ("loss", "grad_norm", "lr"):
         torch.testing.assert_close(
             torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in want]), rtol=1e-4, atol=1e-6,
@@ -145,9 +177,26 @@ def crash_and_resume_continue_the_trajectory():
         Trainer(_config(crashed, save_every=2, resume=True)).fit()  # from step 2: step 3's row is redone
         got, want = read_metrics(crashed), read_metrics(straight)
         assert [r["step"] for r in got] == [1, 2, 3, 4]
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             for key in ("loss", "grad_norm", "lr"):
                 assert abs(g[key] - w[key]) <= 1e-6 * max(1.0, abs(w[key])), (g, w)
+        # TensorBoard shows the resumed trajectory once: the crashed attempt's step 3 is purged
+        assert_series(tensorboard_scalars(crashed)["train/loss"], [(r["step"], r["loss"]) for r in got])
+
+
+def assert_series(got, want):
+    """Two (step, value) series: the same steps, values equal to float32 precision."""
+    assert [step for step, _ in got] == [step for step, _ in want], (got, want)
+    assert [value for _, value in got] == pytest.approx([value for _, value in want], rel=1e-6), (got, want)
+
+
+def tensorboard_scalars(output_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of ``output_dir/tensorboard``, read back from the event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(output_dir, "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 @checks.add

@@ -1,0 +1,119 @@
+"""Where a run's metrics go besides ``metrics.jsonl``: TensorBoard and Weights & Biases.
+
+    reporter = Reporter(output_dir, ("tensorboard",), run_info=run_info(cfg), start_step=0)
+    reporter.log({"loss": 2.3, "lr": 1e-4}, step=1)
+    reporter.close()
+
+Only rank 0 reports. ``metrics.jsonl`` stays the record the trainer itself reads
+(resume, ``loss.png``); the reporters mirror its rows:
+
+- ``tensorboard``: event files in ``output_dir/tensorboard`` (``tensorboard --logdir``).
+  A resumed run purges the events after the step it resumed from, as it rewrites
+  the metrics rows, so a crash and resume shows one curve, not two.
+- ``wandb``: ``wandb.init`` with the resolved config and versions; the run id is kept in
+  ``output_dir/wandb_run_id`` so that ``--resume`` continues the same W&B run.
+
+Every numeric value of a row is a scalar (``train/loss``, ``eval/eval_loss``, ...);
+the resolved config and the versions go in as text (TensorBoard) or config (W&B).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from typing import Any
+
+REPORTERS = ("tensorboard", "wandb")
+TENSORBOARD_DIR = "tensorboard"
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def check_report_to(report_to: Sequence[str]) -> None:
+    """ValueError naming the flag and the fix for an unknown or unusable reporter."""
+    for name in report_to:
+        if name not in (*REPORTERS, "none"):
+            raise ValueError(f"--report_to {name!r}: choose from {', '.join(REPORTERS)} or none (comma-separated)")
+    if "none" in report_to and len(report_to) > 1:
+        raise ValueError("--report_to none cannot be combined with other reporters")
+    if "tensorboard" in report_to and not _importable("tensorboard"):
+        raise ValueError("--report_to tensorboard needs the tensorboard package: pip install tensorboard")
+    if "wandb" in report_to and not _importable("wandb"):
+        raise ValueError("--report_to wandb needs the wandb package: pip install wandb (or drop wandb)")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def run_info(config: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """The resolved config and the versions that produced a run (logged with it)."""
+    import peft
+    import torch
+    import transformers
+
+    import llama_cp
+
+    versions = {
+        "llama_cp": llama_cp.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "peft": peft.__version__, "python": platform.python_version(),
+        "cuda": torch.version.cuda, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    return {"config": config, "versions": versions, **extra}
+
+
+class Reporter:
+    """Mirrors metrics rows to TensorBoard / W&B (rank 0 only; a no-op elsewhere)."""
+
+    def __init__(
+        self, output_dir: str, report_to: Sequence[str], *, run_info: dict[str, Any], start_step: int = 0,
+        enabled: bool = True,
+    ):
+        self.writer = None
+        self.wandb_run = None
+        if not enabled:
+            return
+        if "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: events of an earlier attempt after the resumed step are dropped
+            self.writer = SummaryWriter(
+                os.path.join(output_dir, TENSORBOARD_DIR), purge_step=start_step + 1 if start_step else None
+            )
+            self.writer.add_text("run_info", "```\n" + json.dumps(run_info, indent=1, default=str) + "\n```", 0)
+        if "wandb" in report_to:
+            import wandb
+
+            id_file = os.path.join(output_dir, WANDB_ID_FILE)
+            run_id = open(id_file).read().strip() if start_step and os.path.exists(id_file) else None
+            self.wandb_run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "llama-cp"), dir=output_dir, id=run_id,
+                resume="allow" if run_id else None, config=run_info,
+            )
+            with open(id_file, "w") as f:
+                f.write(self.wandb_run.id)
+
+    def log(self, row: dict[str, Any], step: int) -> None:
+        scalars = {_tag(k): float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def _tag(key: str) -> str:
+    """``eval/...`` for eval metrics, ``train/...`` for the rest."""
+    return f"eval/{key}" if key.startswith(("eval_", "passkey")) else f"train/{key}"
