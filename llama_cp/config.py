@@ -98,6 +98,8 @@ class OptimConfig:
     """Linear warm-up steps."""
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warm-up."""
+    min_lr_ratio: float = 0.1
+    """Where cosine/linear decay ends, as a fraction of --lr (0 = decay to zero)."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
     max_grad_norm: float = 1.0
@@ -194,6 +196,8 @@ class TrainConfig:
         from llama_cp.reporting import check_report_to
 
         check_report_to(self.report_to)
+        if self.optim.min_lr_ratio > 1:
+            raise ValueError(f"--min_lr_ratio is a fraction of --lr in [0, 1], got {self.optim.min_lr_ratio}")
         check_context_length(self.data.context_length, self.parallel.cp)
         from llama_cp.models import check_model_name
 
@@ -235,7 +239,7 @@ _MINIMUMS = {
     "dp_replicate": 1, "lora_r": 1, "num_passkey_samples": 1, "num_eval_samples": 1, "num_epochs": 1,
     "max_steps": 0, "warmup_steps": 0, "save_every": 0, "eval_every": 0, "keep_last": 1, "log_every": 1,
     "max_nonfinite_steps": 1,
-    "collective_timeout": 1.0, "lr": 0.0, "weight_decay": 0.0, "max_grad_norm": 0.0, "lora_dropout": 0.0,
+    "collective_timeout": 1.0, "min_lr_ratio": 0.0, "lr": 0.0, "weight_decay": 0.0, "max_grad_norm": 0.0, "lora_dropout": 0.0,
 }
 
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from llama_cp.mesh import submesh
 from llama_cp.models import base_causal_lm
 
 
@@ -47,12 +48,10 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if mesh.ndim == 1:
         return mesh
     if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard_cp"]
-    return mesh["dp_shard_cp"]
+        return submesh(mesh, "dp_replicate", "dp_shard_cp")
+    return submesh(mesh, "dp_shard_cp")
 
 
-# transformers >= 5 warns that a name its own checkpointing code still calls is deprecated: not ours to fix
-warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

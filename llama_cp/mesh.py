@@ -28,10 +28,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
 
-# torch >= 2.11 warns when a flattened dim is sliced from the root mesh (mesh["dp"]), asking
-# callers to keep the flattened meshes themselves; it still works, and mesh["dp_shard_cp"]
-# is the interface torchtitan users know, so the warning is silenced for these names only.
-warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+#: The sub-meshes ``build_mesh`` keeps on the mesh (see :func:`submesh`).
+KEPT_MESHES = ("dp_shard_cp", "dp", ("dp_replicate", "dp_shard_cp"))
+
+
+def submesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """``mesh[names]``: the sub-mesh kept by :meth:`ParallelDims.build_mesh` when there is one.
+
+    torch >= 2.11 warns when a flattened dim ("dp", "dp_shard_cp") is sliced from the root
+    mesh and asks callers to keep the flattened meshes themselves; the library does, and
+    looks them up here. ``mesh["dp_shard_cp"]`` still works for user code (with torch's warning).
+    """
+    key = names[0] if len(names) == 1 else names
+    kept = getattr(mesh, "_llama_cp_kept", {})
+    return kept[key] if key in kept else mesh[key]
 
 
 @dataclass
@@ -89,6 +99,9 @@ class ParallelDims:
         )
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        with warnings.catch_warnings():  # slicing them once here is what torch's warning asks for
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+            mesh._llama_cp_kept = {key: mesh[key] for key in KEPT_MESHES}
         return mesh
 
 

@@ -19,6 +19,7 @@ import resource
 import signal
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from llama_cp.config import TrainConfig
 from llama_cp.cp_attention import apply_context_parallel
 from llama_cp.fsdp_wrap import activation_offload, export_pretrained, load_full_weights, shard_model
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
-from llama_cp.mesh import init_distributed
+from llama_cp.mesh import init_distributed, submesh
 from llama_cp.optim import build_optimizer
 from llama_cp.sharding import shard_batch
 
@@ -137,7 +138,8 @@ class Trainer:
         common = dict(tokenizer=self.tokenizer, context_length=cfg.data.context_length, cp=dims.cp, seed=cfg.seed)
         train_rows = build_rows(cfg.data.dataset, split="train", num_samples=cfg.data.num_passkey_samples, **common)
         eval_rows = build_rows(cfg.data.dataset, split="eval", num_samples=cfg.data.num_eval_samples, **common)
-        dp_rank, dp_size = self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
+        dp = submesh(self.mesh, "dp")
+        dp_rank, dp_size = dp.get_local_rank(), dp.size()
         self.loader = DistributedRowLoader(train_rows, cfg.data.batch_size, dp_rank, dp_size, seed=cfg.seed)
         # every rank must run the same number of eval forwards (FSDP collectives): whole global batches only
         per_step = cfg.data.batch_size * dp_size
@@ -161,10 +163,11 @@ class Trainer:
         if step < o.warmup_steps:
             return (step + 1) / (o.warmup_steps + 1)
         progress = min(1.0, (step - o.warmup_steps) / max(1, self.total_steps - o.warmup_steps))
+        floor = o.min_lr_ratio
         if o.lr_scheduler == "cosine":
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
         if o.lr_scheduler == "linear":
-            return 1.0 - 0.9 * progress
+            return 1.0 - (1 - floor) * progress
         return 1.0
 
     # ------------------------------------------------------------ loop
@@ -245,8 +248,9 @@ class Trainer:
             dist.all_reduce(wrong, group=self.mesh["cp"].get_group())
             correct_rows += (wrong == 0).sum()
         dist.all_reduce(loss_sum)
-        dist.all_reduce(correct_rows, group=self.mesh["dp"].get_group())
-        rows = sum(b["input_ids"].shape[0] for b in self.eval_batches) * self.mesh["dp"].size()
+        dp = submesh(self.mesh, "dp")
+        dist.all_reduce(correct_rows, group=dp.get_group())
+        rows = sum(b["input_ids"].shape[0] for b in self.eval_batches) * dp.size()
         result = {"eval_loss": loss_sum.item() / max(count_valid_tokens(labels), 1)}
         if passkey:
             result["passkey_acc"] = correct_rows.item() / rows
@@ -513,13 +517,13 @@ def parallelize_model(
     if cfg.peft.use_peft:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=cfg.peft.lora_r, lora_alpha=cfg.peft.lora_alpha, lora_dropout=cfg.peft.lora_dropout,
-                target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
-            ),
+        lora = LoraConfig(
+            r=cfg.peft.lora_r, lora_alpha=cfg.peft.lora_alpha, lora_dropout=cfg.peft.lora_dropout,
+            target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
         )
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = get_peft_model(model, lora)
     apply_context_parallel(
         model, mesh["cp"], strategy=cfg.parallel.cp_strategy, max_seq_len=cfg.data.context_length,
         document_mask=cfg.data.document_mask,

@@ -35,3 +35,36 @@ def test_every_flag_is_unique_and_documented():
 def test_bad_flags_are_clear_errors(flags, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig.from_flags(**flags)
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", "linear"])
+@pytest.mark.parametrize("floor", [0.0, 0.1, 0.5])
+def test_decay_ends_at_min_lr_ratio(scheduler, floor):
+    from llama_cp import Trainer
+
+    trainer = Trainer(TrainConfig.from_flags(lr_scheduler=scheduler, min_lr_ratio=floor, warmup_steps=10))
+    trainer.total_steps = 110
+    assert trainer._lr_factor(10) == pytest.approx(1.0)
+    assert trainer._lr_factor(60) == pytest.approx(floor + (1 - floor) * 0.5)  # half way, for both shapes
+    assert trainer._lr_factor(110) == pytest.approx(floor) and trainer._lr_factor(500) == pytest.approx(floor)
+    with pytest.raises(ValueError, match=r"--min_lr_ratio is a fraction of --lr in \[0, 1\], got 1.5"):
+        TrainConfig.from_flags(min_lr_ratio=1.5)
+
+
+def test_importing_the_library_leaves_the_warning_filters_alone():
+    """The library's imports add no global warning filter (the dependencies' own are imported first)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, torch, transformers, peft, datasets, matplotlib, fire, yaml, tqdm\n"
+        "import torch.distributed.checkpoint, torch.distributed.fsdp, torch.utils.tensorboard\n"
+        "import torch.distributed._tools.fsdp2_mem_tracker\n"
+        "before = list(warnings.filters)\n"
+        "import llama_cp, llama_cp.trainer, llama_cp.memory, llama_cp.checkpoint, llama_cp.reporting\n"
+        "import recipes.finetune_longctx, recipes.plan_memory\n"
+        "added = [f for f in warnings.filters if f not in before]\n"
+        "assert not added, added\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
