@@ -94,7 +94,7 @@ def full_param(param) -> torch.Tensor:
 
 
 def assert_grads_equal(model, reference, **tol):
-    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
         if ref.grad is None:
             assert param.grad is None, f"{name} has a gradient but should be frozen"
             continue

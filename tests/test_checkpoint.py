@@ -104,18 +104,18 @@ def check_exact_resume(dims: dict, use_lora: bool):
         resumed, mesh, optimizer, scheduler = trainer(dims, make_model(1))
         assert any(
             not torch.equal(full_param(p), full_param(q))
-            for p, q in zip(resumed.parameters(), model.parameters()) if p.requires_grad
+            for p, q in zip(resumed.parameters(), model.parameters(), strict=True) if p.requires_grad
         )
         seed_everything(999)
         state = load_checkpoint(path, resumed, optimizer, scheduler=scheduler)
         assert state == {"step": SAVE_AT, "extra": extra}, state
-        for got, want in zip(draw_random(), draws):
+        for got, want in zip(draw_random(), draws, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert scheduler.get_last_lr() == lr_at_save
         resumed_losses = train(resumed, mesh, optimizer, scheduler, range(SAVE_AT, SAVE_AT + TRAIN_AFTER))
 
     torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(losses), rtol=0, atol=1e-7)
-    for (name, param), (_, want) in zip(resumed.named_parameters(), model.named_parameters()):
+    for (name, param), (_, want) in zip(resumed.named_parameters(), model.named_parameters(), strict=True):
         torch.testing.assert_close(full_param(param), full_param(want), rtol=0, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 

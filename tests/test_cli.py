@@ -65,6 +65,7 @@ def test_model_directories_without_config_or_tokenizer_are_refused(capsys, tmp_p
     assert not (tmp_path / "run").exists()  # refused before the run claimed anything
 
 
+@pytest.mark.slow
 def test_an_empty_dataset_is_one_line(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     result = subprocess.run(
@@ -90,6 +91,7 @@ def test_readme_flag_table_matches_the_config():
     assert rows == want
 
 
+@pytest.mark.slow
 def test_an_input_error_on_two_ranks_is_printed_once(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

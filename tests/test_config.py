@@ -51,6 +51,7 @@ def test_decay_ends_at_min_lr_ratio(scheduler, floor):
         TrainConfig.from_flags(min_lr_ratio=1.5)
 
 
+@pytest.mark.slow
 def test_importing_the_library_leaves_the_warning_filters_alone():
     """The library's imports add no global warning filter (the dependencies' own are imported first)."""
     import subprocess

@@ -67,7 +67,7 @@ def check_model(strategy, cp, heads, kv_heads, dtype=torch.float32, seq_len=64):
 
     logits_tol, grad_tol = TOLERANCES[dtype]
     torch.testing.assert_close(unshard(logits.detach(), mesh), ref_logits.detach(), **logits_tol)
-    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
         grad = param.grad.clone() if grad_tol else param.grad.float()
         dist.all_reduce(grad, group=mesh.get_group())
         if grad_tol:
@@ -113,7 +113,7 @@ def check_kernel(strategy, cp, causal, kv_heads):
     out = attention(*local, causal=causal, scale=None)
     out.backward(shard_sequence(dout, cp, rank, seq_dim=2))
     torch.testing.assert_close(unshard(out.detach(), mesh, seq_dim=2), ref_out.detach(), atol=1e-5, rtol=1e-5)
-    for name, got, want in zip("qkv", local, ref):
+    for name, got, want in zip("qkv", local, ref, strict=True):
         torch.testing.assert_close(
             unshard(got.grad, mesh, seq_dim=2), want.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"d{name}: {m}"
         )

@@ -213,7 +213,7 @@ def test_passkey_rows_are_deterministic_and_train_eval_disjoint(tokenizer):
     again = passkey_rows(40, 256, tokenizer, seed=7)
     evaluation = build_rows("passkey", tokenizer, 256, cp=2, split="eval", seed=7, num_samples=40)
     assert len(train) == len(evaluation) == 40
-    for row, same in zip(train, again):
+    for row, same in zip(train, again, strict=True):
         assert all(torch.equal(row[key], same[key]) for key in row)
     train_rows = {tuple(row["input_ids"].tolist()) for row in train}
     assert not train_rows & {tuple(row["input_ids"].tolist()) for row in evaluation}

@@ -103,6 +103,7 @@ def packed_positions(seq_len: int, document: int = 64) -> torch.Tensor:
     return (torch.arange(seq_len) % document)[None]
 
 
+@pytest.mark.slow
 def test_no_seq_by_seq_tensor_and_memory_linear_in_length():
     """Document masking builds no [L, L] tensor: the largest tensor is far below L * L / 8
     and the tracked peak of forward+backward grows linearly with L (2x for 2x tokens)."""

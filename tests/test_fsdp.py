@@ -75,7 +75,7 @@ def check_five_adamw_steps(use_lora: bool):
         ref_losses.append(ref_loss.item())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
     assert ref_losses[-1] < ref_losses[0]
-    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(full_param(param), ref.detach(), atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     if use_lora:
         trained = {n for n, p in reference.named_parameters() if p.requires_grad}

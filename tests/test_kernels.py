@@ -129,5 +129,5 @@ def test_cuda_backends_match_math(backend, causal):
     torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
     grads = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal, backend=backend)
     ref_grads = kernels.attention_backward(dout, q, k, v, ref_out, ref_lse, causal=causal, backend="math")
-    for got, want in zip(grads, ref_grads):
+    for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)

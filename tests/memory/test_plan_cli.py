@@ -21,6 +21,7 @@ def run_json(capsys, **flags) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_llama3_8b_lora_131k_cp8_json_and_activation_cut(capsys):
     common = dict(model_name="llama3-8b", context_length=131072, num_gpus=8, use_peft=True)
     cp8 = run_json(capsys, cp=8, **common)
@@ -35,6 +36,7 @@ def test_llama3_8b_lora_131k_cp8_json_and_activation_cut(capsys):
     assert cp1["per_rank_bytes"]["optimizer"] == cp8["per_rank_bytes"]["optimizer"]
 
 
+@pytest.mark.slow
 def test_find_max_context_is_the_largest_that_fits():
     config = embedded_llama_config(num_hidden_layers=3)  # 3 layers: each plan is one simulation
     cfg = TrainConfig.from_flags(cp=2, context_length=1024)
@@ -58,6 +60,7 @@ def test_errors_name_the_flag(capsys):
         main(model_name="embedded", num_gpus=1, context_length=1024, headroom=1.5)
 
 
+@pytest.mark.slow
 def test_plot_max_context_fsdp_only_vs_cp(tmp_path, monkeypatch):
     import recipes.plan_memory as plan_memory
 
