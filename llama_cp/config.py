@@ -61,6 +61,8 @@ class PeftConfig:
     """Dropout on the LoRA input."""
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """Module names that get adapters."""
+    quantization: Literal["none", "4bit"] = "none"
+    """4bit = QLoRA: the frozen base Linear layers of the decoder in NF4 (bitsandbytes), sharded by FSDP; needs --use_peft."""
 
 
 @dataclass
@@ -180,6 +182,11 @@ class TrainConfig:
             section = getattr(self, names[name]) if names[name] else self
             if getattr(section, name) < minimum:
                 raise ValueError(f"--{name} must be >= {minimum}, got {getattr(section, name)}")
+        if self.peft.quantization != "none" and not self.peft.use_peft:
+            raise ValueError(
+                f"--quantization {self.peft.quantization} freezes the base weights, so only LoRA adapters can "
+                "train: add --use_peft, or drop --quantization for a full fine-tune"
+            )
         check_context_length(self.data.context_length, self.parallel.cp)
         from llama_cp.data import check_dataset_path  # imports datasets: only when validating
 
