@@ -9,6 +9,7 @@ and block maxima must be bit-identical, and loss and LoRA gradients equal to 1e-
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -262,3 +263,26 @@ def test_quantize_after_peft_is_refused():
 
     with pytest.raises(ValueError, match="before adding LoRA adapters"):
         quantize_model(get_peft_model(tiny_model(), LoraConfig(target_modules=["q_proj"])))
+
+
+def test_fake_tensors_see_what_a_real_nf4_layer_allocates():
+    """The planner's premise for NF4 layers: under fake tensors (bitsandbytes' fake kernels) the
+    forward and backward of an NF4Linear allocate exactly what they allocate for real, the
+    dequantized [out, in] weight included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from llama_cp.memory import track_peak_memory
+    from llama_cp.quantize import NF4Linear, _NF4Matmul
+
+    def peak(fake: bool) -> int:
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            layer = NF4Linear(256, 96) if fake else NF4Linear.from_linear(torch.nn.Linear(256, 96, bias=False))
+            x = torch.ones(3, 256, requires_grad=True)
+            # the autograd function itself: MemTracker's module hooks expect trainable parameters
+            with track_peak_memory() as result:
+                _NF4Matmul.apply(x, layer.weight, layer.absmax, (96, 256)).sum().backward()
+        return result["Total"]
+
+    real, fake = peak(False), peak(True)
+    assert real == fake, (real, fake)
+    assert real >= 96 * 256 * 4, real  # the fp32 dequantized weight is in the peak
