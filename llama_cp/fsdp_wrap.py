@@ -217,7 +217,7 @@ def load_full_weights(model: nn.Module, path: str, device: torch.device | str) -
     if dist.get_rank() == 0:
         checkpoint = _read_safetensors(path)
         if quantized_linears(model):  # --quantization 4bit: the NF4 codes of the checkpoint's weights
-            checkpoint = quantize_checkpoint(model, checkpoint, _checkpoint_key)
+            checkpoint = quantize_checkpoint(model, checkpoint, _checkpoint_key, device=device)
         full = _full_state_for(get_model_state_dict(model), checkpoint, path)
     set_model_state_dict(
         model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

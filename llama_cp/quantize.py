@@ -178,20 +178,28 @@ def quantize_model(model: nn.Module) -> nn.Module:
 
 
 def quantize_checkpoint(
-    model: nn.Module, checkpoint: dict[str, torch.Tensor], checkpoint_key
+    model: nn.Module, checkpoint: dict[str, torch.Tensor], checkpoint_key, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """``checkpoint`` (HF names -> full-precision tensors) with the weight of every
     :class:`NF4Linear` of ``model`` replaced by its packed codes and its ``absmax`` added, so
     that a full state dict for ``model`` can be read from it. ``checkpoint_key`` maps a model
-    parameter name to its checkpoint name."""
+    parameter name to its checkpoint name; each weight is quantized on ``device`` (a GPU is
+    much faster than bitsandbytes' CPU path) and the results are returned on the CPU."""
     checkpoint = dict(checkpoint)
-    for name in quantized_linears(model):
+    for name, layer in quantized_linears(model).items():
         key = checkpoint_key(f"{name}.weight")
         if key not in checkpoint:
             raise KeyError(f"the checkpoint has no tensor {key!r} (needed for {name})")
-        packed, absmax = quantize_nf4(checkpoint[key].float())
-        checkpoint[key] = packed
-        checkpoint[key.removesuffix(".weight") + ".absmax"] = absmax
+        weight = checkpoint[key]
+        if not weight.dtype.is_floating_point or tuple(weight.shape) != (layer.out_features, layer.in_features):
+            raise ValueError(
+                f"checkpoint tensor {key!r} is {weight.dtype} {tuple(weight.shape)}, not the full-precision "
+                f"[{layer.out_features}, {layer.in_features}] weight that --quantization 4bit quantizes (a "
+                "pre-quantized bitsandbytes checkpoint?): point --model_name at the full-precision checkpoint"
+            )
+        packed, absmax = quantize_nf4(weight.to(device, torch.float32))
+        checkpoint[key] = packed.cpu()
+        checkpoint[key.removesuffix(".weight") + ".absmax"] = absmax.cpu()
     return checkpoint
 
 

@@ -211,30 +211,39 @@ def meta_build_loads_and_quantizes_the_checkpoint():
 
 
 @checks.add
-def trainer_trains_and_exports_the_adapter():
+def trainer_trains_exports_and_resumes():
     """`--use_peft --quantization 4bit --cp 2` through Trainer.fit on the embedded model: the loss
-    goes down and final/ holds the adapter."""
+    goes down, final/ holds the adapter, and a resume from the step-4 checkpoint (adapters and
+    optimizer only; the NF4 base is rebuilt) repeats steps 5-8."""
+    import json
+
     from llama_cp import Trainer, TrainConfig
+    from llama_cp.checkpoint import checkpoint_dir
+    from llama_cp.quantize import quantized_linears
+
+    def losses(output_dir):
+        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+            return [json.loads(line)["loss"] for line in f]
 
     path = shared_tmpdir()
     try:
-        cfg = TrainConfig.from_flags(
+        flags = dict(
             use_peft=True, quantization="4bit", cp=2, context_length=256, num_passkey_samples=16, num_eval_samples=2,
-            max_steps=8, log_every=1, warmup_steps=1, lr=1e-2, output_dir=os.path.join(path, "run"),
+            max_steps=8, log_every=1, warmup_steps=1, lr=1e-2, save_every=4, output_dir=os.path.join(path, "run"),
         )
+        cfg = TrainConfig.from_flags(**flags)
         trainer = Trainer(cfg)
         trainer.fit()
-        from llama_cp.quantize import quantized_linears
-
         assert len(quantized_linears(trainer.model)) == 4 * 7
-        final = os.path.join(cfg.output_dir, "final")
+        first = losses(cfg.output_dir)
+        assert len(first) == 8 and sum(first[-3:]) < sum(first[:3]), first
+        assert os.path.exists(os.path.join(cfg.output_dir, "final", "adapter_model.safetensors"))
+        dist.barrier()
         if dist.get_rank() == 0:
-            import json
-
-            with open(os.path.join(cfg.output_dir, "metrics.jsonl")) as f:
-                losses = [json.loads(line)["loss"] for line in f]
-            assert len(losses) == 8 and sum(losses[-3:]) < sum(losses[:3]), losses
-            assert os.path.exists(os.path.join(final, "adapter_model.safetensors"))
+            shutil.rmtree(checkpoint_dir(cfg.output_dir, 8))  # as if the run had stopped after step 4
+        dist.barrier()
+        Trainer(TrainConfig.from_flags(**flags, resume="true")).fit()
+        torch.testing.assert_close(torch.tensor(losses(cfg.output_dir)), torch.tensor(first), rtol=1e-6, atol=1e-7)
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
@@ -286,3 +295,15 @@ def test_fake_tensors_see_what_a_real_nf4_layer_allocates():
     real, fake = peak(False), peak(True)
     assert real == fake, (real, fake)
     assert real >= 96 * 256 * 4, real  # the fp32 dequantized weight is in the peak
+
+
+def test_a_prequantized_checkpoint_is_refused():
+    from llama_cp.fsdp_wrap import _checkpoint_key
+    from llama_cp.quantize import quantize_checkpoint, quantize_model
+
+    model = quantize_model(tiny_model())
+    checkpoint = tiny_model().state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    checkpoint[name] = torch.zeros(checkpoint[name].numel() // 2, 1, dtype=torch.uint8)  # packed 4-bit codes
+    with pytest.raises(ValueError, match="point --model_name at the full-precision checkpoint"):
+        quantize_checkpoint(model, checkpoint, _checkpoint_key)
