@@ -68,24 +68,26 @@ def dequantize_nf4(
     return torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, BLOCKSIZE, QUANT_TYPE, list(shape), dtype)
 
 
-class _NF4Matmul(torch.autograd.Function):
-    """``x @ W.T`` for an NF4 ``W`` (frozen): dequantize in forward and again in backward, saving
-    only the packed codes (what bitsandbytes' ``MatMul4Bit`` does)."""
+class _NF4Linear(torch.autograd.Function):
+    """``x @ W.T + bias`` for a frozen NF4 ``W``: dequantize in forward and again in backward,
+    saving only the packed codes, as bitsandbytes' ``MatMul4Bit`` does."""
 
     @staticmethod
-    def forward(ctx, x, packed, absmax_bits, shape):
+    def forward(ctx, x, packed, absmax_bits, bias, shape):
         ctx.shape = shape
         ctx.save_for_backward(packed, absmax_bits)
-        return F.linear(x, dequantize_nf4(packed, absmax_bits.view(torch.float32), shape, x.dtype))
+        return F.linear(x, dequantize_nf4(packed, absmax_bits.view(torch.float32), shape, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         packed, absmax_bits = ctx.saved_tensors
-        grad_x = None
+        grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
             weight = dequantize_nf4(packed, absmax_bits.view(torch.float32), ctx.shape, grad_out.dtype)
             grad_x = grad_out @ weight  # (..., out) @ (out, in)
-        return grad_x, None, None, None
+        if ctx.needs_input_grad[3]:
+            grad_bias = grad_out.flatten(0, -2).sum(0)
+        return grad_x, None, None, grad_bias, None
 
 
 class NF4Linear(nn.Linear):
@@ -126,13 +128,9 @@ class NF4Linear(nn.Linear):
                     module.bias.copy_(linear.bias)
         return module
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The [out, in] weight this layer multiplies by (needs the gathered, unsharded codes)."""
-        return dequantize_nf4(self.weight, self.absmax.view(torch.float32), (self.out_features, self.in_features), dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _NF4Matmul.apply(x, self.weight, self.absmax, (self.out_features, self.in_features))
-        return out if self.bias is None else out + self.bias.to(out.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return _NF4Linear.apply(x, self.weight, self.absmax, bias, (self.out_features, self.in_features))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nf4"

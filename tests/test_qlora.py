@@ -281,7 +281,7 @@ def test_fake_tensors_see_what_a_real_nf4_layer_allocates():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from llama_cp.memory import track_peak_memory
-    from llama_cp.quantize import NF4Linear, _NF4Matmul
+    from llama_cp.quantize import NF4Linear, _NF4Linear
 
     def peak(fake: bool) -> int:
         with FakeTensorMode() if fake else contextlib.nullcontext():
@@ -289,7 +289,7 @@ def test_fake_tensors_see_what_a_real_nf4_layer_allocates():
             x = torch.ones(3, 256, requires_grad=True)
             # the autograd function itself: MemTracker's module hooks expect trainable parameters
             with track_peak_memory() as result:
-                _NF4Matmul.apply(x, layer.weight, layer.absmax, (96, 256)).sum().backward()
+                _NF4Linear.apply(x, layer.weight, layer.absmax, None, (96, 256)).sum().backward()
         return result["Total"]
 
     real, fake = peak(False), peak(True)
@@ -307,3 +307,32 @@ def test_a_prequantized_checkpoint_is_refused():
     checkpoint[name] = torch.zeros(checkpoint[name].numel() // 2, 1, dtype=torch.uint8)  # packed 4-bit codes
     with pytest.raises(ValueError, match="point --model_name at the full-precision checkpoint"):
         quantize_checkpoint(model, checkpoint, _checkpoint_key)
+
+
+def test_biased_linears_match_bitsandbytes(tmp_path):
+    """Linear layers with a bias (Qwen2's q/k/v): one process, loss and LoRA gradients equal the
+    bitsandbytes + peft model's."""
+    from peft import LoraConfig, get_peft_model
+
+    from llama_cp.quantize import quantize_model
+
+    biased = dict(attention_bias=True, mlp_bias=True)
+    tiny_model(**biased).save_pretrained(tmp_path)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "down_proj"])
+    reference = get_peft_model(bnb_model(str(tmp_path)), lora)
+    model = get_peft_model(quantize_model(tiny_model(**biased)), lora)
+    want = dict(reference.named_parameters())
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                value = torch.randn(param.shape, generator=generator) * 0.02
+                param.copy_(value)
+                want[name].copy_(value)
+    ref_loss, loss = reference_loss(reference, global_batch()), reference_loss(model, global_batch())
+    ref_loss.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **FP32_CLOSE)
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(param.grad, want[name].grad, **FP32_CLOSE, msg=lambda m: f"{name}: {m}")
