@@ -68,6 +68,8 @@ class PeftConfig:
     """Dropout on the LoRA input."""
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """Module names that get adapters."""
+    quantization: Literal["none", "4bit"] = "none"
+    """4bit = QLoRA: the frozen base Linear layers of the decoder in NF4 (bitsandbytes), sharded by FSDP; needs --use_peft."""
 
 
 @dataclass
@@ -198,6 +200,11 @@ class TrainConfig:
         check_report_to(self.report_to)
         if self.optim.min_lr_ratio > 1:
             raise ValueError(f"--min_lr_ratio is a fraction of --lr in [0, 1], got {self.optim.min_lr_ratio}")
+        if self.peft.quantization != "none" and not self.peft.use_peft:
+            raise ValueError(
+                f"--quantization {self.peft.quantization} freezes the base weights, so only LoRA adapters can "
+                "train: add --use_peft, or drop --quantization for a full fine-tune"
+            )
         check_context_length(self.data.context_length, self.parallel.cp)
         from llama_cp.models import check_model_name
 

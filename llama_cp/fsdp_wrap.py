@@ -31,6 +31,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from llama_cp.mesh import submesh
 from llama_cp.models import base_causal_lm
+from llama_cp.quantize import quantize_checkpoint, quantized_linears
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -205,7 +206,8 @@ def _full_state_for(model_state: dict[str, torch.Tensor], checkpoint: dict[str, 
 def load_full_weights(model: nn.Module, path: str, device: torch.device | str) -> None:
     """Load an HF checkpoint directory (safetensors) into a model that was built on the meta
     device (optionally wrapped by peft) and sharded: rank 0 reads the files, every rank
-    receives only its shards. LoRA adapters start as peft initialises them.
+    receives only its shards. LoRA adapters start as peft initialises them; NF4 layers
+    (``--quantization 4bit``) get the checkpoint's weights quantized on rank 0.
 
     Peak host memory is one full copy on rank 0 and one shard per rank elsewhere.
     """
@@ -213,7 +215,10 @@ def load_full_weights(model: nn.Module, path: str, device: torch.device | str) -
     _reinit_rotary_buffers(model, torch.device(device))
     full: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
-        full = _full_state_for(get_model_state_dict(model), _read_safetensors(path), path)
+        checkpoint = _read_safetensors(path)
+        if quantized_linears(model):  # --quantization 4bit: the NF4 codes of the checkpoint's weights
+            checkpoint = quantize_checkpoint(model, checkpoint, _checkpoint_key, device=device)
+        full = _full_state_for(get_model_state_dict(model), checkpoint, path)
     set_model_state_dict(
         model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )

@@ -511,9 +511,14 @@ def parallelize_model(
     model: torch.nn.Module, cfg: TrainConfig, mesh, *, param_dtype: torch.dtype | None | str = "auto"
 ) -> torch.nn.Module:
     """Turn an HF causal LM (real or on the meta device) into the model the trainer runs, in
-    this order: LoRA adapters (peft, with ``--use_peft``) -> context-parallel attention over
-    ``mesh["cp"]`` -> the chunked loss path -> FSDP2 over ``dp_shard x cp`` (with activation
-    checkpointing when asked). Returns the (possibly peft-wrapped) model."""
+    this order: the base Linear layers in 4-bit NF4 (``--quantization 4bit``) -> LoRA adapters
+    (peft, with ``--use_peft``) -> context-parallel attention over ``mesh["cp"]`` -> the chunked
+    loss path -> FSDP2 over ``dp_shard x cp`` (with activation checkpointing when asked).
+    Returns the (possibly peft-wrapped) model."""
+    if cfg.peft.quantization == "4bit":
+        from llama_cp.quantize import quantize_model
+
+        quantize_model(model)  # a meta model gets the shapes; load_full_weights quantizes the checkpoint
     if cfg.peft.use_peft:
         from peft import LoraConfig, get_peft_model
 

@@ -53,6 +53,8 @@ def describe(cfg: TrainConfig, num_gpus: int) -> str:
     p, m = cfg.parallel, cfg.model
     dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, world_size=num_gpus)
     tuning = f"LoRA r={cfg.peft.lora_r}" if cfg.peft.use_peft else "full fine-tune"
+    if cfg.peft.quantization == "4bit":
+        tuning = f"QLoRA (NF4 base) r={cfg.peft.lora_r}"
     return (
         f"{m.model_name}, {tuning}, {cfg.data.context_length} tokens x batch {cfg.data.batch_size}, "
         f"{num_gpus} GPUs = dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} "
@@ -86,7 +88,7 @@ def plot_max_context(cfg: TrainConfig, config, budget: int, path: str, gpu_memor
             length, _ = search_max_context(planned, gpus, budget, model_config=config, granularity=PLOT_GRANULARITY)
             points.append({"num_gpus": gpus, "layout": layout, "max_context_length": length})
             print(f"  {gpus:>3} GPUs  {layout:<10} max context {length:>10,}", flush=True)
-    tuning = "LoRA" if cfg.peft.use_peft else "full FT"
+    tuning = ("QLoRA" if cfg.peft.quantization == "4bit" else "LoRA") if cfg.peft.use_peft else "full FT"
     ckpt = ", act. ckpt" if cfg.model.activation_checkpointing else ""
     draw_max_context(points, path, f"{cfg.model.model_name} {tuning}{ckpt}, {gpu_memory_gb:g} GiB GPUs")
     return points

@@ -27,6 +27,9 @@ CASES = {
     "cp2-ring-full": dict(cp=2, cp_strategy="ring"),
     "cp2-ulysses-lora-ckpt": dict(cp=2, cp_strategy="ulysses", use_peft=True, activation_checkpointing=True),
     "dp_shard2-full-ckpt": dict(dp_shard=2, activation_checkpointing=True),
+    # QLoRA: the NF4 codes sharded, each Linear's weight dequantized in forward and backward
+    "cp2-ring-qlora": dict(cp=2, cp_strategy="ring", use_peft=True, quantization="4bit"),
+    "dp_shard2-qlora-ckpt": dict(dp_shard=2, use_peft=True, quantization="4bit", activation_checkpointing=True),
 }
 
 
