@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llama_cp import ParallelDims, apply_context_parallel, shard_batch, unshard
+from llama_cp import ParallelDims, apply_context_parallel, shard_batch
+from llama_cp.sharding import unshard
 from llama_cp.fsdp_wrap import activation_offload, shard_model
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
 

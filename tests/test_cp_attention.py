@@ -15,7 +15,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dist_harness import Checks
 from probes import LargestTensor
-from llama_cp import ContextParallelAttention, ParallelDims, apply_context_parallel, shard_batch, unshard
+from llama_cp import ParallelDims, apply_context_parallel, shard_batch
+from llama_cp.cp_attention import ContextParallelAttention
+from llama_cp.sharding import unshard
 from llama_cp.sharding import shard_sequence
 
 WORLD_SIZE = 4

@@ -67,7 +67,7 @@ def document_mask_false_attends_across_documents():
         whole_row = reference(input_ids=data["input_ids"], position_ids=data["position_ids"],
                               attention_mask=torch.ones_like(data["input_ids"]), use_cache=False).logits
         packed, _ = reference_forward(reference, data)
-    from llama_cp import unshard
+    from llama_cp.sharding import unshard
 
     got = unshard(got, mesh["cp"])
     torch.testing.assert_close(got, whole_row, atol=1e-10, rtol=1e-10)

@@ -20,7 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dist_harness import Checks
 from fsdp_checks import check_cp_against_reference
-from llama_cp import ParallelDims, apply_context_parallel, enable_chunked_loss, shard_batch, unshard
+from llama_cp import ParallelDims, apply_context_parallel, enable_chunked_loss, shard_batch
+from llama_cp.sharding import unshard
 
 WORLD_SIZE = 4
 VOCAB, SEQ_LEN, BATCH = 96, 32, 2
