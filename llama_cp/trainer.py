@@ -422,9 +422,15 @@ def parallelize_model(
     model: torch.nn.Module, cfg: TrainConfig, mesh, *, param_dtype: torch.dtype | None | str = "auto"
 ) -> torch.nn.Module:
     """Turn an HF causal LM (real or on the meta device) into the model the trainer runs, in
-    this order: LoRA adapters (peft, with ``--use_peft``) -> context-parallel attention over
-    ``mesh["cp"]`` -> the chunked loss path -> FSDP2 over ``dp_shard x cp`` (with activation
-    checkpointing when asked). Returns the (possibly peft-wrapped) model."""
+    this order: LoRA adapters (peft, with ``--use_peft``) -> frozen weights in their storage
+    dtype (``--frozen_dtype``) -> context-parallel attention over ``mesh["cp"]`` -> the chunked
+    loss path -> tiled MLPs and norms (``--mlp_tile_size``, ``--norm_tile_size``) -> FSDP2 over ``dp_shard x cp`` (with
+    activation checkpointing, and its inputs offloaded with ``--offload_checkpoints``).
+    Returns the (possibly peft-wrapped) model."""
+    from llama_cp.fsdp_wrap import cast_frozen_parameters, decoder_layers, resolve_param_dtype
+    from llama_cp.tiling import apply_tiled_mlp, apply_tiled_norms
+
+    param_dtype = resolve_param_dtype(param_dtype, mesh)
     if cfg.peft.use_peft:
         from peft import LoraConfig, get_peft_model
 
@@ -435,15 +441,32 @@ def parallelize_model(
                 target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
             ),
         )
+    frozen_dtype = resolve_frozen_dtype(cfg, param_dtype)
+    if frozen_dtype is not None and cast_frozen_parameters(model, frozen_dtype) and param_dtype is None:
+        param_dtype = torch.float32  # compute in the trainable dtype: frozen weights are cast when gathered
     apply_context_parallel(
         model, mesh["cp"], strategy=cfg.parallel.cp_strategy, max_seq_len=cfg.data.context_length,
         document_mask=cfg.data.document_mask,
     )
     enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
+    if cfg.model.mlp_tile_size:
+        apply_tiled_mlp(decoder_layers(model), cfg.model.mlp_tile_size)
+    if cfg.model.norm_tile_size:
+        apply_tiled_norms(model, decoder_layers(model), cfg.model.norm_tile_size)
     shard_model(
-        model, mesh, param_dtype=param_dtype, activation_checkpointing=cfg.model.activation_checkpointing
+        model, mesh, param_dtype=param_dtype, activation_checkpointing=cfg.model.activation_checkpointing,
+        offload_checkpoints=cfg.model.offload_checkpoints,
     )
     return model
+
+
+def resolve_frozen_dtype(cfg: TrainConfig, compute_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The storage dtype of frozen weights (``--frozen_dtype``), None to keep float32: "auto" is
+    bfloat16 for LoRA when the compute dtype is bf16."""
+    choice = cfg.model.frozen_dtype
+    if choice == "auto":
+        return torch.bfloat16 if cfg.peft.use_peft and compute_dtype == torch.bfloat16 else None
+    return {"float32": None, "bfloat16": torch.bfloat16}[choice]
 
 
 def forward_backward(
