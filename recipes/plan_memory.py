@@ -37,9 +37,11 @@ PLOT_GRANULARITY = 1024
 
 
 def build_config(config: str | None, num_gpus: int, flags: dict) -> TrainConfig:
-    """The TrainConfig of the planned job; its degrees checked against ``--num_gpus``."""
-    if config is None:
-        flags = {**PLAN_DEFAULTS, **flags}
+    """The TrainConfig of the planned job; its degrees checked against ``--num_gpus``.
+    PLAN_DEFAULTS fill what neither the preset nor the flags set (a preset for a real
+    checkpoint usually leaves --model_name to the command line)."""
+    preset = preset_flag_names(config) if config is not None else set()
+    flags = {**{k: v for k, v in PLAN_DEFAULTS.items() if k not in preset}, **flags}
     cfg = TrainConfig.from_flags(config, **flags)
     p = cfg.parallel
     try:
@@ -47,6 +49,18 @@ def build_config(config: str | None, num_gpus: int, flags: dict) -> TrainConfig:
     except ValueError as error:
         raise ValueError(f"--num_gpus {num_gpus} does not match the parallel degrees: {error}") from None
     return cfg
+
+
+def preset_flag_names(path: str) -> set[str]:
+    """The flags a YAML preset sets (flat or nested by section)."""
+    import yaml
+
+    with open(path) as f:
+        preset = yaml.safe_load(f) or {}
+    names = set()
+    for key, value in preset.items():
+        names |= set(value) if key in TrainConfig.SECTIONS and isinstance(value, dict) else {key}
+    return names
 
 
 def describe(cfg: TrainConfig, num_gpus: int) -> str:
