@@ -71,8 +71,22 @@ def describe(cfg: TrainConfig, num_gpus: int) -> str:
         f"{m.model_name}, {tuning}, {cfg.data.context_length} tokens x batch {cfg.data.batch_size}, "
         f"{num_gpus} GPUs = dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} "
         f"({p.cp_strategy}), dtype {m.dtype}, activation checkpointing {'on' if m.activation_checkpointing else 'off'}, "
-        f"{cfg.optim.optimizer}"
+        f"{cfg.optim.optimizer}{levers(cfg)}"
     )
+
+
+def levers(cfg: TrainConfig) -> str:
+    """The long-context levers that are on, for the description line."""
+    m = cfg.model
+    on = [f"{flag} {value}" for flag, value in (
+        ("frozen_dtype", m.frozen_dtype if m.frozen_dtype != "auto" else None),
+        ("offload_checkpoints", "on" if m.offload_checkpoints else None),
+        ("mlp_tile_size", m.mlp_tile_size or None), ("norm_tile_size", m.norm_tile_size or None),
+        ("loss_chunk_size", m.loss_chunk_size or None),
+        ("gradient_accumulation_steps", cfg.optim.gradient_accumulation_steps
+         if cfg.optim.gradient_accumulation_steps > 1 else None),
+    ) if value is not None]
+    return f", {', '.join(on)}" if on else ""
 
 
 def table(plan: MemoryBreakdown, budget: int, gpu_memory_gb: float, headroom: float) -> str:
@@ -80,6 +94,9 @@ def table(plan: MemoryBreakdown, budget: int, gpu_memory_gb: float, headroom: fl
     lines = [f"  {name:<14}{value / GiB:>10.2f} GiB" for name, value in rows]
     verdict = "fits" if plan.total <= budget else "does NOT fit"
     lines.append(f"  {'total':<14}{plan.total / GiB:>10.2f} GiB  per rank (peak)")
+    if plan.host:
+        lines.append(f"  {'host memory':<14}{plan.host / GiB:>10.2f} GiB  per rank, pinned, for the offloaded "
+                     "checkpoints (not GPU memory)")
     lines.append(
         f"  {verdict} in {budget / GiB:.2f} GiB ({gpu_memory_gb:g} GiB GPU, {headroom:.0%} kept for "
         "CUDA context, NCCL and fragmentation)"
@@ -153,6 +170,7 @@ def main(
     print(table(plan, budget, gpu_memory_gb, headroom))
     result = {
         "per_rank_bytes": plan.to_dict(),
+        "host_bytes_per_rank": plan.host,
         "fits": plan.total <= budget,
         "gpu_memory_bytes": int(gpu_memory_gb * GiB),
         "usable_bytes": budget,
@@ -163,7 +181,10 @@ def main(
         if at_max is None:
             print("max context: not even the shortest context fits")
         else:
-            print(f"max context: {length:,} tokens ({at_max.total / GiB:.2f} GiB per rank)")
+            host = f", {at_max.host / GiB:.2f} GiB host memory per rank" if at_max.host else ""
+            print(f"max context: {length:,} tokens ({at_max.total / GiB:.2f} GiB per rank{host})")
+            result["max_context_per_rank_bytes"] = at_max.to_dict()
+            result["max_context_host_bytes_per_rank"] = at_max.host
     if plot:
         print(f"max context vs GPUs ({'LoRA' if cfg.peft.use_peft else 'full'}):")
         result["plot"] = plot_max_context(cfg, config_hf, budget, plot, gpu_memory_gb)
