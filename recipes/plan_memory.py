@@ -12,6 +12,7 @@ tensors (``llama_cp.memory``), in seconds on a CPU. Training flags are the train
     --gpu_memory_gb     memory of one GPU in GiB (default 80)
     --headroom          fraction of it kept free for the CUDA context, NCCL and fragmentation (0.1)
     --find_max_context  also search the largest context that fits (a multiple of 2 x cp)
+    --context_step N    search the context in steps of N tokens (a multiple of 2 x cp; default 2 x cp)
     --plot PATH         PNG: max context vs number of GPUs (1..32), FSDP only vs FSDP + CP,
                         each rounded down to a multiple of 1024 tokens
     --json              print one JSON object as the last line
@@ -157,6 +158,7 @@ def main(
     gpu_memory_gb: float = 80.0,
     headroom: float = 0.1,
     find_max_context: bool = False,
+    context_step: int | None = None,
     plot: str | None = None,
     json: bool = False,
     **flags,
@@ -176,7 +178,7 @@ def main(
         "usable_bytes": budget,
     }
     if find_max_context:
-        length, at_max = search_max_context(cfg, num_gpus, budget, model_config=config_hf)
+        length, at_max = search_max_context(cfg, num_gpus, budget, model_config=config_hf, granularity=context_step)
         result["max_context_length"] = length
         if at_max is None:
             print("max context: not even the shortest context fits")
