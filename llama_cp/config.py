@@ -33,8 +33,16 @@ class ModelConfig:
     """Recompute each decoder layer's activations in backward (saves most activation memory)."""
     activation_offload: bool = False
     """Keep saved activations in CPU memory during forward/backward (the longest runs)."""
-    loss_chunk_size: int = 4096
-    """Tokens per chunk of the chunked cross-entropy (never builds the full logits)."""
+    loss_chunk_size: int = 0
+    """Tokens per chunk of the chunked cross-entropy (never builds the full logits); 0 = auto: at most 4096, fewer for large vocabularies so one chunk's fp32 logits stay <= 256 MiB (512 at vocab 128256)."""
+    frozen_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Storage dtype of frozen (LoRA base) weights; auto = bfloat16 with --use_peft when the compute dtype is bf16 (--dtype auto on CUDA), else float32. Trainable weights and optimizer state stay float32."""
+    offload_checkpoints: bool = False
+    """With --activation_checkpointing: keep each decoder layer's checkpointed input in (pinned) host memory, copied on a side stream, prefetched for the recompute."""
+    mlp_tile_size: int = 0
+    """Compute each decoder MLP in tiles of this many tokens, the backward recomputing one tile at a time (exact); 0 = off."""
+    norm_tile_size: int = 0
+    """Compute the decoder's RMSNorm/LayerNorms (per layer and final) in tiles of this many tokens, recomputed per tile in backward (exact); 0 = off."""
 
 
 @dataclass
@@ -205,6 +213,16 @@ class TrainConfig:
                 f"--quantization {self.peft.quantization} freezes the base weights, so only LoRA adapters can "
                 "train: add --use_peft, or drop --quantization for a full fine-tune"
             )
+        if self.model.offload_checkpoints and not self.model.activation_checkpointing:
+            raise ValueError(
+                "--offload_checkpoints moves the inputs that activation checkpointing keeps to host memory: "
+                "add --activation_checkpointing (or drop --offload_checkpoints)"
+            )
+        if self.model.frozen_dtype == "bfloat16" and not self.peft.use_peft:
+            raise ValueError(
+                "--frozen_dtype bfloat16 stores the frozen LoRA base weights in bf16, but without --use_peft "
+                "every weight is trained: add --use_peft or use --frozen_dtype auto"
+            )
         check_context_length(self.data.context_length, self.parallel.cp)
         from llama_cp.models import check_model_name
 
@@ -242,7 +260,8 @@ class TrainConfig:
 
 #: Lower bounds of the numeric flags, checked before anything is built.
 _MINIMUMS = {
-    "context_length": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "loss_chunk_size": 1, "cp": 1,
+    "context_length": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "loss_chunk_size": 0, "cp": 1,
+    "mlp_tile_size": 0, "norm_tile_size": 0,
     "dp_replicate": 1, "lora_r": 1, "num_passkey_samples": 1, "num_eval_samples": 1, "num_epochs": 1,
     "max_steps": 0, "warmup_steps": 0, "save_every": 0, "eval_every": 0, "keep_last": 1, "log_every": 1,
     "max_nonfinite_steps": 1,

@@ -66,6 +66,50 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers also makes the embedding output require grad, which only reentrant
+    # checkpointing needs; with frozen embeddings (LoRA) that output becomes a leaf that
+    # autograd keeps on the device through the whole backward, and fills a gradient for
+    if hasattr(base, "disable_input_require_grads"):
+        base.disable_input_require_grads()
+
+
+def apply_checkpoint_offload(model: nn.Module):
+    """Keep the input each checkpointed decoder layer saves in host memory until its recompute
+    (Note [Offloading checkpoint inputs] in ``llama_cp.offload``). Call after
+    :func:`apply_activation_checkpointing`. Returns the :class:`CheckpointOffloader`, also
+    kept as ``model.checkpoint_offloader`` (its ``peak_host_bytes`` is the host memory used)."""
+    from llama_cp.offload import CheckpointOffloader
+
+    offloader = CheckpointOffloader()
+    layers = [layer for layer in decoder_layers(model) if getattr(layer, "gradient_checkpointing", False)]
+    if not layers:
+        raise ValueError("--offload_checkpoints needs --activation_checkpointing: no decoder layer is checkpointed")
+    for layer in layers:
+        # transformers' checkpointing layers call this attribute with (forward, *positional tensors)
+        checkpoint = layer._gradient_checkpointing_func
+
+        def offloaded(function, *args, _checkpoint=checkpoint, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(offloader.pack, offloader.unpack):
+                return _checkpoint(function, *args, **kwargs)
+
+        layer._gradient_checkpointing_func = offloaded
+    model.checkpoint_offloader = offloader
+    return offloader
+
+
+def cast_frozen_parameters(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store every frozen (requires_grad=False) floating-point parameter in ``dtype``, before
+    ``fully_shard``; trainable parameters keep their dtype. Returns how many were cast.
+
+    FSDP2 requires one dtype only among a group's *trainable* parameters; frozen ones of
+    another dtype are gathered like the rest (cast to the compute dtype first when it is
+    set, else as bytes)."""
+    cast = 0
+    for param in model.parameters():  # tied parameters are visited once
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            cast += 1
+    return cast
 
 
 def apply_fsdp(
@@ -110,6 +154,13 @@ def apply_fsdp(
             module.set_force_sum_reduction_for_comms(True)
 
 
+def resolve_param_dtype(param_dtype: torch.dtype | None | str, mesh: DeviceMesh) -> torch.dtype | None:
+    """``"auto"``: bf16 on CUDA, None (the stored dtype) on CPU; anything else as given."""
+    if param_dtype == "auto":
+        return torch.bfloat16 if fsdp_mesh(mesh).device_type == "cuda" else None
+    return param_dtype
+
+
 def shard_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -118,6 +169,7 @@ def shard_model(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
+    offload_checkpoints: bool = False,
     cpu_offload: bool = False,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over ``mesh`` (from ``ParallelDims.build_mesh``).
@@ -126,15 +178,18 @@ def shard_model(
     bf16 on CUDA and the stored dtype (fp32) on CPU; None keeps the stored
     dtype. ``reduce_dtype``: dtype of the
     gradient reduce-scatter. ``cpu_offload``: keep the sharded parameters,
-    gradients and optimizer state in CPU memory. Returns the same module.
+    gradients and optimizer state in CPU memory. ``offload_checkpoints``: keep the
+    checkpointed layer inputs in host memory (:func:`apply_checkpoint_offload`). Returns
+    the same module.
     """
-    if param_dtype == "auto":
-        param_dtype = torch.bfloat16 if fsdp_mesh(mesh).device_type == "cuda" else None
+    param_dtype = resolve_param_dtype(param_dtype, mesh)
     # 1. LoRA: inject adapters with peft *before* this call; the frozen base weights
     #    are sharded like everything else and simply get no gradient.
     # 2. Activation checkpointing per decoder layer.
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if offload_checkpoints:
+        apply_checkpoint_offload(model)
     # 3. fully_shard: decoder layers -> [norm, lm_head] -> root.
     apply_fsdp(
         model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,

@@ -134,13 +134,29 @@ def _head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | 
     )
 
 
-def enable_chunked_loss(model: nn.Module, chunk_size: int = 4096) -> nn.Module:
+#: Bounds of the automatic loss chunk (``--loss_chunk_size 0``): one chunk's fp32 logits take at
+#: most AUTO_CHUNK_LOGITS_BYTES, and a chunk has at most AUTO_CHUNK_MAX_TOKENS tokens.
+AUTO_CHUNK_LOGITS_BYTES = 256 << 20
+AUTO_CHUNK_MAX_TOKENS = 4096
+
+
+def auto_loss_chunk_size(vocab_size: int) -> int:
+    """Tokens per loss chunk for a vocabulary of ``vocab_size``: the largest power of two whose
+    fp32 logits (tokens x vocab x 4 bytes) fit AUTO_CHUNK_LOGITS_BYTES, at most
+    AUTO_CHUNK_MAX_TOKENS (Llama 3, vocab 128256: 512 tokens, 250 MiB; Llama 2, 32000: 2048).
+    The backward holds about 1.5 chunks of logits (the fp32 gradient and its matmul-dtype copy)."""
+    fitting = max(1, AUTO_CHUNK_LOGITS_BYTES // (4 * vocab_size))
+    return min(AUTO_CHUNK_MAX_TOKENS, 1 << (fitting.bit_length() - 1))
+
+
+def enable_chunked_loss(model: nn.Module, chunk_size: int = 0) -> nn.Module:
     """Give ``model`` a loss path that never builds the logits:
 
         model(input_ids=..., position_ids=..., loss_labels=labels)  ->  summed CE (float32 scalar)
 
     ``loss_labels`` are already shifted (labels[t] is the target of input t,
     -100 ignored). Without ``loss_labels`` the model behaves as before (logits).
+    ``chunk_size`` tokens per chunk; 0 = :func:`auto_loss_chunk_size` of the vocabulary.
 
     The loss goes through the top-level call (so FSDP's root hooks run) and
     through a call of the ``lm_head`` module (so FSDP gathers its weight for the
@@ -156,8 +172,11 @@ def enable_chunked_loss(model: nn.Module, chunk_size: int = 4096) -> nn.Module:
     linears = [m for m in causal_lm.get_output_embeddings().modules() if isinstance(m, nn.Linear)]
     if not linears:
         raise ValueError(f"{type(causal_lm).__name__}'s output embeddings contain no nn.Linear")
+    if chunk_size < 0:
+        raise ValueError(f"--loss_chunk_size must be >= 0 (0 = auto), got {chunk_size}")
     for linear in linears:
-        linear.loss_chunk_size, linear.logit_transform = chunk_size, transform
+        linear.loss_chunk_size = chunk_size or auto_loss_chunk_size(linear.out_features)
+        linear.logit_transform = transform
         linear.forward = types.MethodType(_head_forward, linear)
     causal_lm.forward = types.MethodType(_loss_forward(type(causal_lm).forward), causal_lm)
     return model

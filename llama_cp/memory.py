@@ -107,7 +107,8 @@ class MemoryBreakdown:
     ``optimizer``: optimizer state; ``activations``: tensors saved for backward
     (and the batch); ``temporary``: short-lived tensors of backward;
     ``communication``: FSDP all-gather / reduce-scatter buffers. ``total`` is
-    their sum, the tracked peak.
+    their sum, the tracked peak. ``host``: bytes kept in host memory instead
+    (``--offload_checkpoints``), at their own peak; not part of ``total``.
     """
 
     parameters: int
@@ -117,15 +118,17 @@ class MemoryBreakdown:
     temporary: int
     communication: int
     total: int
+    host: int = 0
     tracked: dict[str, int] = dataclasses.field(default_factory=dict, compare=False)
     """FSDPMemTracker's own categories ("Sharded Param", "Unsharded Param", ...) at the peak."""
 
     @classmethod
-    def from_snapshot(cls, snapshot: dict) -> "MemoryBreakdown":
-        """From one device's ``FSDPMemTracker.get_tracker_snapshot("peak")`` entry."""
+    def from_snapshot(cls, snapshot: dict, host: int = 0) -> "MemoryBreakdown":
+        """From one device's ``FSDPMemTracker.get_tracker_snapshot("peak")`` entry (and the
+        peak bytes offloaded to host memory)."""
         by_name = {(k if isinstance(k, str) else k.value): v for k, v in snapshot.items()}
         values = {name: sum(by_name.get(k, 0) for k in keys) for name, keys in _GROUPS.items()}
-        return cls(**values, total=by_name.get("Total", sum(values.values())), tracked=by_name)
+        return cls(**values, total=by_name.get("Total", sum(values.values())), host=host, tracked=by_name)
 
     def extrapolate(self, other: "MemoryBreakdown", steps: int) -> "MemoryBreakdown":
         """``self + steps * (other - self)``, field by field (Note [Planning from a few layers])."""
@@ -135,11 +138,11 @@ class MemoryBreakdown:
         values = {name: line(getattr(self, name), getattr(other, name)) for name in self.to_dict()}
         keys = self.tracked.keys() | other.tracked.keys()
         tracked = {k: line(self.tracked.get(k, 0), other.tracked.get(k, 0)) for k in keys}
-        return MemoryBreakdown(**values, tracked=tracked)
+        return MemoryBreakdown(**values, host=line(self.host, other.host), tracked=tracked)
 
     def to_dict(self) -> dict[str, int]:
-        """The categories and the total (``tracked`` left out)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tracked"}
+        """The device categories and the total (``host`` and ``tracked`` left out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("host", "tracked")}
 
 
 # ----------------------------------------------------------------------------- models
@@ -206,19 +209,43 @@ def measure_step_memory(
     num_tokens: int, *, max_grad_norm: float,
 ) -> dict[str, MemoryBreakdown]:
     """Peak memory of this rank in each phase of one ``Trainer`` optimizer step of a model
-    built by ``parallelize_model`` (its optimizer state already allocated):
-    ``{"forward_backward": ..., "optimizer": ...}`` (Note [Planning from a few layers]).
-    :func:`step_peak` picks the step's peak."""
+    built by ``parallelize_model`` (its optimizer state already allocated), and of an eval
+    forward of one micro-batch: ``{"forward_backward": ..., "optimizer": ..., "eval": ...}``
+    (Note [Planning from a few layers]). :func:`step_peak` picks the step's peak.
+
+    The micro-batches run one ``forward_backward`` call each (the same arithmetic as one call
+    on all of them), so that the tracker's per-module statistics can be reset in between:
+    FSDPMemTracker refuses a second forward of the root module otherwise, and its peak
+    spans the whole block either way."""
     from llama_cp.trainer import apply_gradients, forward_backward
 
     device = micro_batches[0]["input_ids"].device
+    offloader = getattr(model, "checkpoint_offloader", None)
+
+    def host_peak() -> int:
+        return offloader.peak_host_bytes if offloader is not None else 0
+
     phases = {}
     tracker = FSDPMemTracker(model, optimizer)
     tracker.track_inputs(tuple(micro_batches))
     gc.collect()  # no garbage of earlier steps in the tracked peak
     with tracker:
-        forward_backward(model, micro_batches, num_tokens)
-    phases["forward_backward"] = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak").get(device, {}))
+        # One tracker for every forward: torch's FSDPMemTracker does not restore the hooks of a
+        # multi-module FSDP group ([norm, lm_head]) on exit, so a second tracker of forwards on
+        # the same model fails. Eval first: the head group, not resharded after a forward, then
+        # stays gathered into the training forward, as it does in a step that follows an eval.
+        with torch.no_grad():
+            eval_forward(model, micro_batches[0])
+        phases["eval"] = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak").get(device, {}))
+        if offloader is not None:
+            offloader.reset_peak()
+        for batch in micro_batches:
+            tracker.reset_mod_stats()  # the next root forward is a new iteration for the tracker
+            forward_backward(model, [batch], num_tokens)
+    # the block's peak, which covers the eval too (eval's own peak is rarely the higher)
+    phases["forward_backward"] = MemoryBreakdown.from_snapshot(
+        tracker.get_tracker_snapshot("peak").get(device, {}), host=host_peak()
+    )
     tracker = FSDPMemTracker(model, optimizer)  # picks up the sharded gradients and the state
     gc.collect()
     with tracker:
@@ -227,9 +254,17 @@ def measure_step_memory(
     return phases
 
 
+def eval_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The eval forward of ``Trainer.evaluate`` on one micro-batch (under no_grad): the summed
+    loss and the per-token argmax check, from the chunked loss (never the full logits)."""
+    return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"),
+                 loss_labels=batch["labels"], return_correct=True)
+
+
 def step_peak(phases: dict[str, MemoryBreakdown]) -> MemoryBreakdown:
-    """The phase with the highest total: the step's peak."""
-    return max(phases.values(), key=lambda breakdown: breakdown.total)
+    """The phase with the highest total: the step's peak (its ``host``: the largest of any phase)."""
+    peak = max(phases.values(), key=lambda breakdown: breakdown.total)
+    return dataclasses.replace(peak, host=max(breakdown.host for breakdown in phases.values()))
 
 
 # ----------------------------------------------------------------------------- simulating

@@ -512,13 +512,19 @@ def parallelize_model(
 ) -> torch.nn.Module:
     """Turn an HF causal LM (real or on the meta device) into the model the trainer runs, in
     this order: the base Linear layers in 4-bit NF4 (``--quantization 4bit``) -> LoRA adapters
-    (peft, with ``--use_peft``) -> context-parallel attention over ``mesh["cp"]`` -> the chunked
-    loss path -> FSDP2 over ``dp_shard x cp`` (with activation checkpointing when asked).
+    (peft, with ``--use_peft``) -> frozen weights in their storage dtype (``--frozen_dtype``)
+    -> context-parallel attention over ``mesh["cp"]`` -> the chunked loss path -> tiled MLPs
+    and norms (``--mlp_tile_size``, ``--norm_tile_size``) -> FSDP2 over ``dp_shard x cp`` (with
+    activation checkpointing, and its inputs offloaded with ``--offload_checkpoints``).
     Returns the (possibly peft-wrapped) model."""
+    from llama_cp.fsdp_wrap import cast_frozen_parameters, decoder_layers, resolve_param_dtype
+    from llama_cp.tiling import apply_tiled_mlp, apply_tiled_norms
+
     if cfg.peft.quantization == "4bit":
         from llama_cp.quantize import quantize_model
 
         quantize_model(model)  # a meta model gets the shapes; load_full_weights quantizes the checkpoint
+    param_dtype = resolve_param_dtype(param_dtype, mesh)
     if cfg.peft.use_peft:
         from peft import LoraConfig, get_peft_model
 
@@ -529,15 +535,32 @@ def parallelize_model(
         with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = get_peft_model(model, lora)
+    frozen_dtype = resolve_frozen_dtype(cfg, param_dtype)
+    if frozen_dtype is not None and cast_frozen_parameters(model, frozen_dtype) and param_dtype is None:
+        param_dtype = torch.float32  # compute in the trainable dtype: frozen weights are cast when gathered
     apply_context_parallel(
         model, mesh["cp"], strategy=cfg.parallel.cp_strategy, max_seq_len=cfg.data.context_length,
         document_mask=cfg.data.document_mask,
     )
     enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
+    if cfg.model.mlp_tile_size:
+        apply_tiled_mlp(decoder_layers(model), cfg.model.mlp_tile_size)
+    if cfg.model.norm_tile_size:
+        apply_tiled_norms(model, decoder_layers(model), cfg.model.norm_tile_size)
     shard_model(
-        model, mesh, param_dtype=param_dtype, activation_checkpointing=cfg.model.activation_checkpointing
+        model, mesh, param_dtype=param_dtype, activation_checkpointing=cfg.model.activation_checkpointing,
+        offload_checkpoints=cfg.model.offload_checkpoints,
     )
     return model
+
+
+def resolve_frozen_dtype(cfg: TrainConfig, compute_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The storage dtype of frozen weights (``--frozen_dtype``), None to keep float32: "auto" is
+    bfloat16 for LoRA when the compute dtype is bf16."""
+    choice = cfg.model.frozen_dtype
+    if choice == "auto":
+        return torch.bfloat16 if cfg.peft.use_peft and compute_dtype == torch.bfloat16 else None
+    return {"float32": None, "bfloat16": torch.bfloat16}[choice]
 
 
 def forward_backward(

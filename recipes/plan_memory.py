@@ -12,6 +12,7 @@ tensors (``llama_cp.memory``), in seconds on a CPU. Training flags are the train
     --gpu_memory_gb     memory of one GPU in GiB (default 80)
     --headroom          fraction of it kept free for the CUDA context, NCCL and fragmentation (0.1)
     --find_max_context  also search the largest context that fits (a multiple of 2 x cp)
+    --context_step N    search the context in steps of N tokens (a multiple of 2 x cp; default 2 x cp)
     --plot PATH         PNG: max context vs number of GPUs (1..32), FSDP only vs FSDP + CP,
                         each rounded down to a multiple of 1024 tokens
     --json              print one JSON object as the last line
@@ -37,9 +38,11 @@ PLOT_GRANULARITY = 1024
 
 
 def build_config(config: str | None, num_gpus: int, flags: dict) -> TrainConfig:
-    """The TrainConfig of the planned job; its degrees checked against ``--num_gpus``."""
-    if config is None:
-        flags = {**PLAN_DEFAULTS, **flags}
+    """The TrainConfig of the planned job; its degrees checked against ``--num_gpus``.
+    PLAN_DEFAULTS fill what neither the preset nor the flags set (a preset for a real
+    checkpoint usually leaves --model_name to the command line)."""
+    preset = preset_flag_names(config) if config is not None else set()
+    flags = {**{k: v for k, v in PLAN_DEFAULTS.items() if k not in preset}, **flags}
     cfg = TrainConfig.from_flags(config, **flags)
     p = cfg.parallel
     try:
@@ -47,6 +50,18 @@ def build_config(config: str | None, num_gpus: int, flags: dict) -> TrainConfig:
     except ValueError as error:
         raise ValueError(f"--num_gpus {num_gpus} does not match the parallel degrees: {error}") from None
     return cfg
+
+
+def preset_flag_names(path: str) -> set[str]:
+    """The flags a YAML preset sets (flat or nested by section)."""
+    import yaml
+
+    with open(path) as f:
+        preset = yaml.safe_load(f) or {}
+    names = set()
+    for key, value in preset.items():
+        names |= set(value) if key in TrainConfig.SECTIONS and isinstance(value, dict) else {key}
+    return names
 
 
 def describe(cfg: TrainConfig, num_gpus: int) -> str:
@@ -59,8 +74,22 @@ def describe(cfg: TrainConfig, num_gpus: int) -> str:
         f"{m.model_name}, {tuning}, {cfg.data.context_length} tokens x batch {cfg.data.batch_size}, "
         f"{num_gpus} GPUs = dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} "
         f"({p.cp_strategy}), dtype {m.dtype}, activation checkpointing {'on' if m.activation_checkpointing else 'off'}, "
-        f"{cfg.optim.optimizer}"
+        f"{cfg.optim.optimizer}{levers(cfg)}"
     )
+
+
+def levers(cfg: TrainConfig) -> str:
+    """The long-context levers that are on, for the description line."""
+    m = cfg.model
+    on = [f"{flag} {value}" for flag, value in (
+        ("frozen_dtype", m.frozen_dtype if m.frozen_dtype != "auto" else None),
+        ("offload_checkpoints", "on" if m.offload_checkpoints else None),
+        ("mlp_tile_size", m.mlp_tile_size or None), ("norm_tile_size", m.norm_tile_size or None),
+        ("loss_chunk_size", m.loss_chunk_size or None),
+        ("gradient_accumulation_steps", cfg.optim.gradient_accumulation_steps
+         if cfg.optim.gradient_accumulation_steps > 1 else None),
+    ) if value is not None]
+    return f", {', '.join(on)}" if on else ""
 
 
 def table(plan: MemoryBreakdown, budget: int, gpu_memory_gb: float, headroom: float) -> str:
@@ -68,6 +97,9 @@ def table(plan: MemoryBreakdown, budget: int, gpu_memory_gb: float, headroom: fl
     lines = [f"  {name:<14}{value / GiB:>10.2f} GiB" for name, value in rows]
     verdict = "fits" if plan.total <= budget else "does NOT fit"
     lines.append(f"  {'total':<14}{plan.total / GiB:>10.2f} GiB  per rank (peak)")
+    if plan.host:
+        lines.append(f"  {'host memory':<14}{plan.host / GiB:>10.2f} GiB  per rank, pinned, for the offloaded "
+                     "checkpoints (not GPU memory)")
     lines.append(
         f"  {verdict} in {budget / GiB:.2f} GiB ({gpu_memory_gb:g} GiB GPU, {headroom:.0%} kept for "
         "CUDA context, NCCL and fragmentation)"
@@ -128,6 +160,7 @@ def main(
     gpu_memory_gb: float = 80.0,
     headroom: float = 0.1,
     find_max_context: bool = False,
+    context_step: int | None = None,
     plot: str | None = None,
     json: bool = False,
     **flags,
@@ -141,17 +174,21 @@ def main(
     print(table(plan, budget, gpu_memory_gb, headroom))
     result = {
         "per_rank_bytes": plan.to_dict(),
+        "host_bytes_per_rank": plan.host,
         "fits": plan.total <= budget,
         "gpu_memory_bytes": int(gpu_memory_gb * GiB),
         "usable_bytes": budget,
     }
     if find_max_context:
-        length, at_max = search_max_context(cfg, num_gpus, budget, model_config=config_hf)
+        length, at_max = search_max_context(cfg, num_gpus, budget, model_config=config_hf, granularity=context_step)
         result["max_context_length"] = length
         if at_max is None:
             print("max context: not even the shortest context fits")
         else:
-            print(f"max context: {length:,} tokens ({at_max.total / GiB:.2f} GiB per rank)")
+            host = f", {at_max.host / GiB:.2f} GiB host memory per rank" if at_max.host else ""
+            print(f"max context: {length:,} tokens ({at_max.total / GiB:.2f} GiB per rank{host})")
+            result["max_context_per_rank_bytes"] = at_max.to_dict()
+            result["max_context_host_bytes_per_rank"] = at_max.host
     if plot:
         print(f"max context vs GPUs ({'LoRA' if cfg.peft.use_peft else 'full'}):")
         result["plot"] = plot_max_context(cfg, config_hf, budget, plot, gpu_memory_gb)

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from llama_cp.memory import plan_step_memory, simulate_step_memory, step_peak
+from llama_cp.config import TrainConfig
+from llama_cp.memory import plan_step_memory, simulate_step_memory, simulate_step_phases, step_peak
 from memory_matrix import CASES, case_config, case_name, load_baselines, mid_size_config, run_case
 
 MiB = 1 << 20
@@ -77,8 +78,10 @@ def test_activations_split_by_cp(planned, cp):
 
 
 def _shard_bytes(config, tuning: str, world: int) -> tuple[int, int]:
-    """(all parameters, trainable parameters) bytes of rank 0's FSDP shards, fp32 storage:
-    dim 0 of every tensor is split in ``world`` pieces of ceil(dim0 / world) rows (rank 0 is never short)."""
+    """(all parameters, trainable parameters) bytes of rank 0's FSDP shards: fp32 storage, except
+    LoRA's frozen weights, stored in bf16 (``--frozen_dtype auto`` with bf16 compute, as in the
+    matrix); dim 0 of every tensor is split in ``world`` pieces of ceil(dim0 / world) rows (rank
+    0 is never short)."""
     cfg = case_config(1, 1, tuning, False, 2048)
     with torch.device("meta"):
         from transformers import LlamaForCausalLM
@@ -94,7 +97,7 @@ def _shard_bytes(config, tuning: str, world: int) -> tuple[int, int]:
     everything = trainable = 0
     for param in model.parameters():
         rows = math.ceil(param.shape[0] / world)
-        nbytes = rows * (param.numel() // param.shape[0]) * 4
+        nbytes = rows * (param.numel() // param.shape[0]) * (4 if param.requires_grad else 2)
         everything += nbytes
         trainable += nbytes if param.requires_grad else 0
     return everything, trainable
@@ -127,3 +130,31 @@ def test_layer_extrapolation_is_exact():
         assert plan_step_memory(cfg, world, model_config=config) == simulate_step_memory(
             cfg, world, model_config=config
         ), case
+
+
+def test_each_lever_cuts_the_planned_peak():
+    """The long-context levers against the same LoRA + checkpointing plan without them (bf16
+    compute, 2048 tokens, one rank, loss chunks small enough that a layer's backward is the
+    peak): each cuts the peak by what it is for. (bf16 frozen weights: the exact shard sizes
+    of test_state_is_sharded_over_dp_shard_x_cp.)"""
+    from memory_matrix import MID_SIZE
+
+    tokens, hidden, layers = 2048, MID_SIZE["hidden_size"], MID_SIZE["num_hidden_layers"]
+
+    def plan(**flags):
+        cfg = TrainConfig.from_flags(context_length=tokens, use_peft=True, activation_checkpointing=True,
+                                     dtype="bfloat16", loss_chunk_size=256, **flags)
+        return step_peak(simulate_step_phases(cfg, 1, model_config=mid_size_config()))
+
+    base = plan()
+    # checkpoint inputs in host memory: all but the two on the device (the one recomputed and
+    # the one prefetched) leave the device at the backward peak
+    offload = plan(offload_checkpoints=True)
+    per_layer = tokens * hidden * 2
+    assert base.host == 0 and offload.host == layers * per_layer
+    assert base.total - offload.total >= (layers - 2) * per_layer
+    # tiled MLP and norms: the MLP intermediates (gate, up, their product: 3 x 1536 bf16 per
+    # token) and the fp32 norm intermediates (several x 4 bytes x hidden per token) go
+    tiled = plan(mlp_tile_size=512, norm_tile_size=512)
+    intermediates = tokens * MID_SIZE["intermediate_size"] * 2
+    assert base.total - tiled.total >= 2 * intermediates + 2 * tokens * hidden * 4

@@ -30,11 +30,21 @@ CASES = {
     # QLoRA: the NF4 codes sharded, each Linear's weight dequantized in forward and backward
     "cp2-ring-qlora": dict(cp=2, cp_strategy="ring", use_peft=True, quantization="4bit"),
     "dp_shard2-qlora-ckpt": dict(dp_shard=2, use_peft=True, quantization="4bit", activation_checkpointing=True),
+    # the long-context levers (llama_cp/config.py): each one, then all with gradient accumulation
+    "cp2-lora-ckpt-frozen_bf16-offload": dict(cp=2, use_peft=True, activation_checkpointing=True,
+                                              frozen_dtype="bfloat16", offload_checkpoints=True),
+    "dp_shard2-full-ckpt-tiled": dict(dp_shard=2, activation_checkpointing=True, mlp_tile_size=256,
+                                      norm_tile_size=256),
+    "cp2-lora-all_levers-accum2": dict(
+        cp=2, use_peft=True, lora_target_modules="q_proj,v_proj,gate_proj,down_proj", activation_checkpointing=True,
+        frozen_dtype="bfloat16", offload_checkpoints=True, mlp_tile_size=256, norm_tile_size=256,
+        loss_chunk_size=0, gradient_accumulation_steps=2, context_length=1024,
+    ),
 }
 
 
 def case_config(name: str) -> TrainConfig:
-    return TrainConfig.from_flags(context_length=2048, dtype="float32", **CASES[name])
+    return TrainConfig.from_flags(**{"context_length": 2048, "dtype": "float32", **CASES[name]})
 
 
 def measure_real_peak(name: str) -> int:
@@ -52,13 +62,16 @@ def measure_real_peak(name: str) -> int:
     model = parallelize_model(LlamaForCausalLM(embedded_llama_config()), cfg, mesh, param_dtype=None)
     optimizer = build_optimizer("adamw", model.parameters(), lr=1e-4, weight_decay=0.0)
     create_optimizer_state(model, optimizer, max_grad_norm=cfg.optim.max_grad_norm)
-    ids = torch.randint(0, 256, (1, cfg.data.context_length), generator=torch.Generator().manual_seed(dist.get_rank()))
-    batch = shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh["cp"])
-    num_tokens = cfg.data.context_length * mesh["dp"].size()
-    peak = step_peak(measure_step_memory(model, optimizer, [batch], num_tokens, max_grad_norm=cfg.optim.max_grad_norm))
-    total = torch.tensor([peak.total], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    micro = []
+    for _ in range(cfg.optim.gradient_accumulation_steps):
+        ids = torch.randint(0, 256, (1, cfg.data.context_length), generator=generator)
+        micro.append(shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh["cp"]))
+    num_tokens = cfg.data.context_length * mesh["dp"].size() * len(micro)
+    peak = step_peak(measure_step_memory(model, optimizer, micro, num_tokens, max_grad_norm=cfg.optim.max_grad_norm))
+    total = torch.tensor([peak.total, peak.host], dtype=torch.float64)
     dist.all_reduce(total, op=dist.ReduceOp.MAX)
-    return int(total.item())
+    return int(total[0].item()), int(total[1].item())
 
 
 checks = Checks()
@@ -67,10 +80,13 @@ checks = Checks()
 def _add_case(name: str) -> None:
     def check() -> None:
         with open(os.environ[PLANS_ENV]) as f:
-            planned = json.load(f)[name]
-        real = measure_real_peak(name)
-        print(f"{name}: planned {planned} B, measured {real} B ({(planned - real) / real:+.2%})")
+            planned, planned_host = json.load(f)[name]
+        real, real_host = measure_real_peak(name)
+        print(f"{name}: planned {planned} B, measured {real} B ({(planned - real) / real:+.2%}); "
+              f"host: planned {planned_host} B, measured {real_host} B")
         assert abs(planned - real) <= 0.05 * real, f"{name}: planned {planned} B, measured {real} B"
+        # offloaded checkpoint inputs: exactly the bytes the real run kept in host memory
+        assert planned_host == real_host and (real_host > 0) == CASES[name].get("offload_checkpoints", False), name
 
     checks.add(check, name)
 
@@ -82,8 +98,10 @@ for _name in CASES:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     path = tmp_path_factory.mktemp("memory_plans") / "plans.json"
-    plans = {name: plan_step_memory(case_config(name), WORLD_SIZE, model_config=embedded_llama_config()).total
-             for name in CASES}
+    plans = {}
+    for name in CASES:
+        plan = plan_step_memory(case_config(name), WORLD_SIZE, model_config=embedded_llama_config())
+        plans[name] = (plan.total, plan.host)
     path.write_text(json.dumps(plans))
     os.environ[PLANS_ENV] = str(path)  # spawned ranks inherit the environment
     try:

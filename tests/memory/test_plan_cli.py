@@ -3,7 +3,9 @@ Llama-3-8B shape, the max-context search, and its errors."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 
 import pytest
 from transformers import LlamaForCausalLM
@@ -91,3 +93,36 @@ def test_bf16_checkpoint_is_planned_with_float32_shards(tmp_path):
     assert bf16 == fp32
     params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
     assert bf16["optimizer"].tracked["Sharded Param"] == 4 * params
+
+
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
+def test_every_shipped_config_plans(capsys, path):
+    """Each preset in configs/ goes through the planner CLI with its own flags (gradient
+    accumulation, levers, parallel degrees) on the Llama-3-8B shape; only the context is
+    shortened, to keep the suite fast (the full-length figures: docs/memory.md)."""
+    cfg = TrainConfig.from_flags(path, model_name="llama3-8b")
+    p = cfg.parallel
+    num_gpus = p.cp * max(p.dp_shard, 1) * p.dp_replicate
+    result = run_json(capsys, config=path, num_gpus=num_gpus, context_length=1024 * p.cp)
+    assert result["per_rank_bytes"]["total"] > 0
+    assert (result["host_bytes_per_rank"] > 0) == cfg.model.offload_checkpoints
+    # a preset that names no model is planned as the planner's default model, not the tiny embedded one
+    assert result["per_rank_bytes"]["parameters"] > GiB / num_gpus
+
+
+def test_gradient_accumulation_keeps_the_sharded_gradients_between_micro_batches():
+    """--gradient_accumulation_steps 2 plans (FSDPMemTracker refused a second forward before):
+    the second micro-batch's peak holds the sharded gradients of the first."""
+    from llama_cp.memory import simulate_step_phases
+
+    config = embedded_llama_config(num_hidden_layers=2)
+    phases = {steps: simulate_step_phases(TrainConfig.from_flags(context_length=512, gradient_accumulation_steps=steps),
+                                          1, model_config=config) for steps in (1, 2)}
+    trainable = phases[1]["optimizer"].tracked["Sharded Grad"]
+    assert trainable > 0
+    assert phases[2]["forward_backward"].tracked.get("Sharded Grad", 0) == trainable
+    assert phases[1]["forward_backward"].tracked.get("Sharded Grad", 0) < trainable
+    assert phases[2]["forward_backward"].total > phases[1]["forward_backward"].total
