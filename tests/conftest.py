@@ -19,19 +19,24 @@ import pytest
 # Spawned ranks import the test modules by name, so tests/ must be importable.
 sys.path.insert(0, os.path.dirname(__file__))
 
-#: Modules whose tests are multi-rank checks.
-MULTIRANK = {
-    "test_checkpoint", "test_cp_attention", "test_documents", "test_documents_cp3", "test_families", "test_fsdp",
-    "test_fsdp_world2", "test_memory_validation", "test_memory_regression", "test_qlora", "test_levers",
-}
 #: Modules whose tests run the recipes end to end.
 E2E = {"test_recipe", "test_reliability", "test_notebook"}
+#: Single-process modules that plan many configurations (tens of seconds).
+SLOW_UNIT = {"test_memory_regression"}
+
+
+def _tier(module) -> str:
+    name = module.__name__.rsplit(".", 1)[-1]
+    if name in E2E:
+        return "e2e"
+    if getattr(module, "checks", None) is not None:  # a dist_harness.Checks module: one process group
+        return "multirank"
+    return "unit"
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        tier = "multirank" if module in MULTIRANK else "e2e" if module in E2E else "unit"
+        tier = _tier(item.module)
         item.add_marker(getattr(pytest.mark, tier))
-        if tier != "unit":
+        if tier != "unit" or item.module.__name__.rsplit(".", 1)[-1] in SLOW_UNIT:
             item.add_marker(pytest.mark.slow)

@@ -55,6 +55,7 @@ class LargestIntermediate(TorchDispatchMode):
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32), (torch.float64, FP64)])
 @pytest.mark.parametrize("tuning", ["full", "lora"])
 def test_tiled_mlp_and_norms_give_the_untiled_gradients(dtype, tol, tuning):

@@ -98,6 +98,7 @@ def test_bf16_checkpoint_is_planned_with_float32_shards(tmp_path):
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "*.yaml")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
 def test_every_shipped_config_plans(capsys, path):
     """Each preset in configs/ goes through the planner CLI with its own flags (gradient
