@@ -28,8 +28,8 @@ import torch.multiprocessing as mp
 from transformers import LlamaForCausalLM
 
 from llama_cp import (
-    ParallelDims, apply_context_parallel, causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss,
-    shard_batch, shard_model,
+    ParallelDims, apply_context_parallel, count_valid_tokens, enable_chunked_loss, optimizer_step, shard_batch,
+    shard_model,
 )
 from llama_cp.memory import track_peak_memory
 from llama_cp.mesh import free_port
@@ -47,10 +47,7 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 
 
 def _step(model, optimizer, batch):
-    loss = causal_lm_loss_sum(model, batch) / count_valid_tokens([batch["labels"]])
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    optimizer_step(model, optimizer, [batch], count_valid_tokens([batch["labels"]]), max_grad_norm=0.0)
 
 
 def _worker(rank: int, port: int, seq_lens: list[int], activation_checkpointing: bool) -> None:

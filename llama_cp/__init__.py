@@ -25,7 +25,9 @@ from llama_cp.mesh import ParallelDims, init_distributed
 from llama_cp.models import build_causal_lm
 from llama_cp.optim import build_optimizer
 from llama_cp.sharding import shard_batch
-from llama_cp.trainer import Trainer, forward_backward, optimizer_step, parallelize_model
+from llama_cp.build import build_model, parallelize_model
+from llama_cp.step import forward_backward, optimizer_step
+from llama_cp.trainer import Trainer
 
 __all__ = [
     "DistributedRowLoader",
@@ -35,6 +37,7 @@ __all__ = [
     "activation_offload",
     "apply_context_parallel",
     "build_causal_lm",
+    "build_model",
     "build_optimizer",
     "build_rows",
     "causal_lm_loss_sum",

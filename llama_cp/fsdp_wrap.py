@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from llama_cp.mesh import submesh
-from llama_cp.models import base_causal_lm
+from llama_cp.models import base_causal_lm, compute_dtype
 from llama_cp.quantize import quantize_checkpoint, quantized_linears
 
 
@@ -154,13 +154,6 @@ def apply_fsdp(
             module.set_force_sum_reduction_for_comms(True)
 
 
-def resolve_param_dtype(param_dtype: torch.dtype | None | str, mesh: DeviceMesh) -> torch.dtype | None:
-    """``"auto"``: bf16 on CUDA, None (the stored dtype) on CPU; anything else as given."""
-    if param_dtype == "auto":
-        return torch.bfloat16 if fsdp_mesh(mesh).device_type == "cuda" else None
-    return param_dtype
-
-
 def shard_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -182,7 +175,7 @@ def shard_model(
     checkpointed layer inputs in host memory (:func:`apply_checkpoint_offload`). Returns
     the same module.
     """
-    param_dtype = resolve_param_dtype(param_dtype, mesh)
+    param_dtype = compute_dtype(param_dtype, fsdp_mesh(mesh).device_type)
     # 1. LoRA: inject adapters with peft *before* this call; the frozen base weights
     #    are sharded like everything else and simply get no gradient.
     # 2. Activation checkpointing per decoder layer.

@@ -53,7 +53,9 @@ from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from llama_cp.build import parallelize_model
 from llama_cp.config import TrainConfig
+from llama_cp.step import apply_gradients, forward_backward
 
 GiB = 1 << 30
 
@@ -196,7 +198,6 @@ def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *
     the optimizer allocates its state as its first step would, and DTensor's sharding
     propagation for clipping and the step is cached, so that its first-call bookkeeping
     (which runs under a fake mode of its own) is not mistaken for memory of a tracked step."""
-    from llama_cp.trainer import apply_gradients
 
     for param in model.parameters():
         if param.requires_grad:
@@ -217,7 +218,6 @@ def measure_step_memory(
     on all of them), so that the tracker's per-module statistics can be reset in between:
     FSDPMemTracker refuses a second forward of the root module otherwise, and its peak
     spans the whole block either way."""
-    from llama_cp.trainer import apply_gradients, forward_backward
 
     device = micro_batches[0]["input_ids"].device
     offloader = getattr(model, "checkpoint_offloader", None)
@@ -286,11 +286,6 @@ def _fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def plan_param_dtype(cfg: TrainConfig) -> torch.dtype | None:
-    """The compute dtype of a GPU run of ``cfg``: "auto" is bf16 there (``shard_model``)."""
-    return {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": None}[cfg.model.dtype]
-
-
 def simulate_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None) -> MemoryBreakdown:
     """The step's peak of :func:`simulate_step_phases`."""
     return step_peak(simulate_step_phases(cfg, world_size, model_config=model_config))
@@ -310,11 +305,9 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from llama_cp.fsdp_wrap import _reinit_rotary_buffers
-    from llama_cp.mesh import ParallelDims
     from llama_cp.models import build_causal_lm
     from llama_cp.optim import build_optimizer
     from llama_cp.sharding import shard_batch
-    from llama_cp.trainer import parallelize_model
 
     config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
     p, o = cfg.parallel, cfg.optim
@@ -326,7 +319,7 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
             "fake tensors do not have; plan with --optimizer adamw (its 8 bytes of state per trainable "
             "parameter bound adamw8bit's ~2 from above)"
         )
-    dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, world_size=world_size)
+    dims = p.dims(world_size)
     cpu = torch.device("cpu")
     # The planned rows are one document each: plain causal attention, which document masks only
     # skip work of. Finding documents reads position values, which fake tensors do not have.
@@ -334,7 +327,7 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
     with _fake_world(world_size):
         mesh = dims.build_mesh("cpu")  # outside the fake mode: the mesh reads real rank tensors
         model = build_causal_lm(config, device="meta")  # the trainer's build: float32 sharded state
-        model = parallelize_model(model, cfg, mesh, param_dtype=plan_param_dtype(cfg))
+        model = parallelize_model(model, cfg, mesh, device_type="cuda")  # planned for GPUs: "auto" is bf16
         # meta -> fake: the sharded parameters get fake storage of their real size
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=cpu)

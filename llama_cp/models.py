@@ -28,6 +28,18 @@ def embedded_llama_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**{**EMBEDDED_LLAMA, **overrides})
 
 
+def compute_dtype(choice: str | torch.dtype | None, device_type: str) -> torch.dtype | None:
+    """The one rule for the compute dtype of the gathered parameters (``--dtype``): "auto" is
+    bfloat16 on CUDA and the stored float32 elsewhere; "bfloat16" is bfloat16; "float32" or
+    None keep the stored float32; a torch dtype is taken as it is. The planner asks for
+    ``device_type="cuda"`` (it plans GPU runs)."""
+    if choice == "auto":
+        return torch.bfloat16 if device_type == "cuda" else None
+    if isinstance(choice, str):
+        return {"bfloat16": torch.bfloat16, "float32": None}[choice]
+    return choice
+
+
 def base_causal_lm(model: nn.Module) -> nn.Module:
     """The HF causal LM itself: ``model``, or the model a peft wrapper holds."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -19,20 +19,23 @@ import resource
 import signal
 import threading
 import time
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from llama_cp.build import model_path
 from llama_cp.config import TrainConfig
-from llama_cp.cp_attention import apply_context_parallel
-from llama_cp.fsdp_wrap import activation_offload, export_pretrained, load_full_weights, shard_model
-from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
+from llama_cp.fsdp_wrap import export_pretrained
+from llama_cp.loss import count_valid_tokens
 from llama_cp.mesh import init_distributed, submesh
 from llama_cp.optim import build_optimizer
+from llama_cp.run_dir import (
+    changed_settings, lock_output_dir, plot_losses, truncate_metrics, write_atomically, yaml_dump,
+)
 from llama_cp.sharding import shard_batch
+from llama_cp.step import clip_gradients, forward_backward
 
 
 #: Signals that stop training gracefully: finish the step, save, exit (Note [Stopping on a signal]).
@@ -86,7 +89,7 @@ class Trainer:
         )
         self.dims = cfg.parallel.dims()
         self.mesh = self.dims.build_mesh(self.device_type)
-        self.model_path = _model_path(cfg.model.model_name)
+        self.model_path = model_path(cfg.model.model_name)
         self.tokenizer = self._build_tokenizer()
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
@@ -106,26 +109,10 @@ class Trainer:
         check_tokenizer_files(self.model_path)
         return AutoTokenizer.from_pretrained(self.model_path)
 
-    def _param_dtype(self) -> torch.dtype | None | str:
-        return {"auto": "auto", "float32": None, "bfloat16": torch.bfloat16}[self.cfg.model.dtype]
-
     def _build_model(self):
-        from transformers import AutoConfig
+        from llama_cp.build import build_model
 
-        from llama_cp.models import build_causal_lm, embedded_llama_config
-
-        cfg = self.cfg
-        torch.manual_seed(cfg.seed)
-        path = self.model_path
-        if path is None:
-            # small enough to build on every rank; identical there thanks to the seed
-            model = build_causal_lm(embedded_llama_config()).to(self.device)
-        else:
-            model = build_causal_lm(AutoConfig.from_pretrained(path), device="meta")  # no rank holds it all
-        model = parallelize_model(model, cfg, self.mesh, param_dtype=self._param_dtype())
-        if path is not None:
-            load_full_weights(model, path, device=self.device)
-        return model
+        return build_model(self.cfg, self.mesh, self.device, self.model_path)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
@@ -369,7 +356,7 @@ class Trainer:
         if rank == 0:
             try:
                 os.makedirs(out, exist_ok=True)
-                self._lock = _lock_output_dir(out)
+                self._lock = lock_output_dir(out)
             except OSError as error:  # read-only filesystem, no permission: found now, not at the first save
                 raise PermissionError(
                     f"--output_dir {out} is not writable ({error.strerror or error}); choose another --output_dir"
@@ -395,9 +382,9 @@ class Trainer:
         if rank == 0:
             saved = os.path.join(out, "config.yaml")
             if cfg.resume != "false" and os.path.exists(saved):
-                for line in _changed_settings(saved, cfg):
+                for line in changed_settings(saved, cfg):
                     self._say(f"warning: --resume with a changed setting: {line}")
-            _write_atomically(saved, yaml_dump(cfg.to_dict()))
+            write_atomically(saved, yaml_dump(cfg.to_dict()))
 
     def _resume(self) -> int:
         """Load the newest intact checkpoint when --resume asks for it; returns the step to go on from."""
@@ -484,7 +471,7 @@ class Trainer:
                         dims={"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
                               "cp": self.dims.cp}, resumed_from_step=step)
         if self.rank == 0:
-            _write_atomically(os.path.join(self.cfg.output_dir, "run_info.json"), json.dumps(info, indent=1))
+            write_atomically(os.path.join(self.cfg.output_dir, "run_info.json"), json.dumps(info, indent=1))
         report_to = [name for name in self.cfg.report_to if name != "none"]
         return Reporter(self.cfg.output_dir, report_to, run_info=info, start_step=step, enabled=self.rank == 0)
 
@@ -507,113 +494,6 @@ class Trainer:
             self.tokenizer.save_pretrained(path)
 
 
-def parallelize_model(
-    model: torch.nn.Module, cfg: TrainConfig, mesh, *, param_dtype: torch.dtype | None | str = "auto"
-) -> torch.nn.Module:
-    """Turn an HF causal LM (real or on the meta device) into the model the trainer runs, in
-    this order: the base Linear layers in 4-bit NF4 (``--quantization 4bit``) -> LoRA adapters
-    (peft, with ``--use_peft``) -> frozen weights in their storage dtype (``--frozen_dtype``)
-    -> context-parallel attention over ``mesh["cp"]`` -> the chunked loss path -> tiled MLPs
-    and norms (``--mlp_tile_size``, ``--norm_tile_size``) -> FSDP2 over ``dp_shard x cp`` (with
-    activation checkpointing, and its inputs offloaded with ``--offload_checkpoints``).
-    Returns the (possibly peft-wrapped) model."""
-    from llama_cp.fsdp_wrap import cast_frozen_parameters, decoder_layers, resolve_param_dtype
-    from llama_cp.tiling import apply_tiled_mlp, apply_tiled_norms
-
-    if cfg.peft.quantization == "4bit":
-        from llama_cp.quantize import quantize_model
-
-        quantize_model(model)  # a meta model gets the shapes; load_full_weights quantizes the checkpoint
-    param_dtype = resolve_param_dtype(param_dtype, mesh)
-    if cfg.peft.use_peft:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=cfg.peft.lora_r, lora_alpha=cfg.peft.lora_alpha, lora_dropout=cfg.peft.lora_dropout,
-            target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
-        )
-        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            model = get_peft_model(model, lora)
-    frozen_dtype = resolve_frozen_dtype(cfg, param_dtype)
-    if frozen_dtype is not None and cast_frozen_parameters(model, frozen_dtype) and param_dtype is None:
-        param_dtype = torch.float32  # compute in the trainable dtype: frozen weights are cast when gathered
-    apply_context_parallel(
-        model, mesh["cp"], strategy=cfg.parallel.cp_strategy, max_seq_len=cfg.data.context_length,
-        document_mask=cfg.data.document_mask,
-    )
-    enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
-    if cfg.model.mlp_tile_size:
-        apply_tiled_mlp(decoder_layers(model), cfg.model.mlp_tile_size)
-    if cfg.model.norm_tile_size:
-        apply_tiled_norms(model, decoder_layers(model), cfg.model.norm_tile_size)
-    shard_model(
-        model, mesh, param_dtype=param_dtype, activation_checkpointing=cfg.model.activation_checkpointing,
-        offload_checkpoints=cfg.model.offload_checkpoints,
-    )
-    return model
-
-
-def resolve_frozen_dtype(cfg: TrainConfig, compute_dtype: torch.dtype | None) -> torch.dtype | None:
-    """The storage dtype of frozen weights (``--frozen_dtype``), None to keep float32: "auto" is
-    bfloat16 for LoRA when the compute dtype is bf16."""
-    choice = cfg.model.frozen_dtype
-    if choice == "auto":
-        return torch.bfloat16 if cfg.peft.use_peft and compute_dtype == torch.bfloat16 else None
-    return {"float32": None, "bfloat16": torch.bfloat16}[choice]
-
-
-def forward_backward(
-    model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], num_tokens: int, *, offload: bool = False
-) -> torch.Tensor:
-    """Forward+backward of each (cp-sharded) micro-batch, its summed loss divided by
-    ``num_tokens`` (the valid tokens of the whole step, all ranks). Returns this rank's share
-    of the mean loss; gradients are accumulated (and reduce-scattered by FSDP)."""
-    total = torch.zeros((), device=micro_batches[0]["input_ids"].device)
-    for batch in micro_batches:
-        with activation_offload(offload):
-            loss = causal_lm_loss_sum(model, batch) / max(num_tokens, 1)
-            loss.backward()
-        total += loss.detach()
-    return total
-
-
-def clip_gradients(model: torch.nn.Module, *, max_grad_norm: float) -> torch.Tensor:
-    """Clip the gradients to ``max_grad_norm`` (when > 0). Returns the global gradient norm
-    before clipping (the same on every rank)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if max_grad_norm > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    else:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-
-
-def apply_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> torch.Tensor:
-    """Clip (when ``max_grad_norm`` > 0), step, zero the gradients. Returns the global gradient
-    norm before clipping."""
-    grad_norm = clip_gradients(model, max_grad_norm=max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
-def optimizer_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    micro_batches: list[dict[str, torch.Tensor]],
-    num_tokens: int,
-    *,
-    max_grad_norm: float,
-    offload: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step of this rank: :func:`forward_backward` then :func:`apply_gradients`.
-    Returns (this rank's share of the mean loss, the gradient norm). The memory planner
-    simulates exactly these two functions."""
-    total = forward_backward(model, micro_batches, num_tokens, offload=offload)
-    return total, apply_gradients(model, optimizer, max_grad_norm=max_grad_norm)
-
-
 def _is_collective_failure(error: BaseException) -> bool:
     """Whether ``error`` is a collective that timed out or lost its peer (gloo raises
     RuntimeError, NCCL DistBackendError)."""
@@ -628,122 +508,3 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-#: Settings that may change between a run and its --resume without a warning.
-_RUN_CONTROL = {"resume", "overwrite", "max_steps", "num_epochs", "eval_every", "save_every", "keep_last",
-                "log_every", "max_nonfinite_steps", "output_dir"}
-
-
-def yaml_dump(values: dict[str, Any]) -> str:
-    import yaml
-
-    return yaml.safe_dump(json.loads(json.dumps(values)), sort_keys=False)  # tuples -> lists
-
-
-def _changed_settings(saved_path: str, cfg: TrainConfig) -> list[str]:
-    """``name: old -> new`` for every setting (outside ``_RUN_CONTROL``) that differs from the saved config."""
-    import yaml
-
-    with open(saved_path) as f:
-        saved = yaml.safe_load(f) or {}
-    now = yaml.safe_load(yaml_dump(cfg.to_dict()))
-    flat = lambda d: {k: v for key, value in d.items() for k, v in (value.items() if isinstance(value, dict) else [(key, value)])}  # noqa: E731
-    old, new = flat(saved), flat(now)
-    return [f"{name}: {old.get(name)!r} -> {new[name]!r}" for name in new
-            if name not in _RUN_CONTROL and old.get(name) != new[name]]
-
-
-def _write_atomically(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
-def _lock_output_dir(path: str):
-    """An exclusive lock on ``path/.lock`` held for the life of the returned file; ValueError
-    naming the holder when another run has it."""
-    import fcntl
-    import socket
-
-    lock = open(os.path.join(path, ".lock"), "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        raise RuntimeError(
-            f"--output_dir {path} is in use by another run ({holder}); wait for it to finish or choose "
-            "another --output_dir"
-        ) from None
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-    lock.flush()
-    return lock
-
-
-def truncate_metrics(path: str, step: int) -> None:
-    """Keep only the rows of ``path`` (metrics.jsonl) up to ``step``: a run resumed from the
-    checkpoint of step N rewrites the rows the crashed run logged after N (0: remove the file).
-    Written to a temporary file and renamed, so a crash here never leaves a half file."""
-    if not os.path.exists(path):
-        return
-    if step == 0:
-        os.remove(path)
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    _write_atomically(path, "".join(kept))
-
-
-def plot_losses(metrics_path: str, png_path: str) -> dict[str, list]:
-    """Training (and eval) loss against step, from metrics.jsonl; skipped (non-finite) steps
-    are marked with a red x on the bottom edge and break the line. Returns what was drawn:
-    ``{"train": [(step, loss)], "eval": [(step, loss)], "skipped": [step]}``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f]
-    finite = lambda r: not r.get("skipped") and math.isfinite(r["loss"])  # noqa: E731
-    drawn = {
-        "train": [(r["step"], r["loss"]) for r in rows if finite(r)],
-        "eval": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r],
-        "skipped": [r["step"] for r in rows if not finite(r)],
-    }
-    fig, ax = plt.subplots(figsize=(6, 4))
-    # NaN where a step was skipped: the line breaks there instead of bridging the gap
-    ax.plot([r["step"] for r in rows], [r["loss"] if finite(r) else math.nan for r in rows], label="train loss")
-    if drawn["eval"]:
-        ax.plot(*zip(*drawn["eval"]), "o-", label="eval loss")
-    if drawn["skipped"]:
-        ax.plot(drawn["skipped"], [0] * len(drawn["skipped"]), "x", color="red", markersize=8, clip_on=False,
-                transform=ax.get_xaxis_transform(), label="skipped step (NaN/inf)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return drawn
-
-
-def _model_path(name: str) -> str | None:
-    """The local directory of ``--model_name`` (None for "embedded"): the directory itself, or
-    the hub snapshot of a hub id (downloaded when online, else from the local cache)."""
-    if name == "embedded":
-        return None
-    if os.path.isdir(os.path.expanduser(name)):
-        return os.path.expanduser(name)
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
-    except Exception as error:  # noqa: BLE001 - offline, unknown id, gated repo: one message for all
-        raise FileNotFoundError(
-            f"--model_name {name!r} is not a local directory, and as a hub id it could not be fetched "
-            f"({type(error).__name__}: {' '.join(str(error).split())[:300]}); pass the path of a local HF "
-            "model directory"
-        ) from error

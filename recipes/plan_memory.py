@@ -27,7 +27,6 @@ from llama_cp.cli import run_cli
 from llama_cp.config import TrainConfig
 from llama_cp.memory import GiB, MemoryBreakdown, load_model_config, plan_step_memory, usable_bytes, with_context
 from llama_cp.memory import find_max_context as search_max_context  # main's flag has the same name
-from llama_cp.mesh import ParallelDims
 
 #: Planner defaults where they differ from the trainer's (flags and --config override them).
 PLAN_DEFAULTS = {"model_name": "llama3-8b", "context_length": 131072}
@@ -44,9 +43,8 @@ def build_config(config: str | None, num_gpus: int, flags: dict) -> TrainConfig:
     preset = preset_flag_names(config) if config is not None else set()
     flags = {**{k: v for k, v in PLAN_DEFAULTS.items() if k not in preset}, **flags}
     cfg = TrainConfig.from_flags(config, **flags)
-    p = cfg.parallel
     try:
-        ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, world_size=num_gpus)
+        cfg.parallel.dims(num_gpus)
     except ValueError as error:
         raise ValueError(f"--num_gpus {num_gpus} does not match the parallel degrees: {error}") from None
     return cfg
@@ -66,7 +64,7 @@ def preset_flag_names(path: str) -> set[str]:
 
 def describe(cfg: TrainConfig, num_gpus: int) -> str:
     p, m = cfg.parallel, cfg.model
-    dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, world_size=num_gpus)
+    dims = p.dims(num_gpus)
     tuning = f"LoRA r={cfg.peft.lora_r}" if cfg.peft.use_peft else "full fine-tune"
     if cfg.peft.quantization == "4bit":
         tuning = f"QLoRA (NF4 base) r={cfg.peft.lora_r}"

@@ -15,9 +15,10 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
-from llama_cp.sharding import unshard
-from llama_cp.fsdp_wrap import activation_offload, shard_model
+from llama_cp.fsdp_wrap import shard_model
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
+from llama_cp.sharding import unshard
+from llama_cp.step import forward_backward
 
 VOCAB, SEQ_LEN, GLOBAL_BATCH = 96, 32, 4
 FP32_CLOSE = dict(atol=1e-5, rtol=1e-5)
@@ -74,13 +75,7 @@ def local_batches(batch, mesh, micro_batches: int = 1):
 def sharded_step(model, batch, mesh, micro_batches: int = 1, offload: bool = False) -> torch.Tensor:
     """Forward+backward of one optimizer step; returns the global mean loss (all-reduced)."""
     micro = local_batches(batch, mesh, micro_batches)
-    num_tokens = count_valid_tokens(m["labels"] for m in micro)
-    total = torch.zeros(())
-    for m in micro:
-        with activation_offload(offload):
-            loss = causal_lm_loss_sum(model, m) / num_tokens
-            loss.backward()
-        total += loss.detach()
+    total = forward_backward(model, micro, count_valid_tokens(m["labels"] for m in micro), offload=offload)
     dist.all_reduce(total)
     return total
 

@@ -20,7 +20,7 @@ from dist_harness import Checks
 from fsdp_checks import FP32_CLOSE, global_batch, reference_loss, sharded_step, tiny_model
 from llama_cp import ParallelDims
 from llama_cp.config import TrainConfig
-from llama_cp.trainer import parallelize_model
+from llama_cp.build import parallelize_model
 
 WORLD_SIZE = 2
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -59,7 +59,7 @@ def sharded_like(reference, cfg: TrainConfig):
     """parallelize_model on the reference's base weights, then the reference's adapters loaded in."""
     mesh = ParallelDims(cp=cfg.parallel.cp).build_mesh("cpu")
     torch.manual_seed(1)
-    model = parallelize_model(tiny_model(), cfg, mesh, param_dtype=None)
+    model = parallelize_model(tiny_model(), cfg, mesh)
     adapters = {n: p.detach() for n, p in reference.named_parameters() if p.requires_grad}
     set_model_state_dict(model, adapters, options=StateDictOptions(full_state_dict=True, strict=False))
     return model, mesh
@@ -118,7 +118,7 @@ def offloaded_checkpoints_are_bit_identical_under_fsdp_and_cp():
         cfg = TrainConfig.from_flags(cp=2, context_length=32, dtype="float32", loss_chunk_size=7,
                                      activation_checkpointing=True, offload_checkpoints=offload)
         mesh = ParallelDims(cp=2).build_mesh("cpu")
-        model = parallelize_model(tiny_model(), cfg, mesh, param_dtype=None)
+        model = parallelize_model(tiny_model(), cfg, mesh)
         sharded_step(model, global_batch(), mesh)
         grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
@@ -138,8 +138,7 @@ def frozen_weights_load_from_a_checkpoint_in_their_storage_dtype():
         source.save_pretrained(path[0])
     dist.barrier()
     model = build_causal_lm(source.config, device="meta")
-    model = parallelize_model(model, lora_config(frozen_dtype="bfloat16"), ParallelDims(cp=2).build_mesh("cpu"),
-                              param_dtype=None)
+    model = parallelize_model(model, lora_config(frozen_dtype="bfloat16"), ParallelDims(cp=2).build_mesh("cpu"))
     load_full_weights(model, path[0], device="cpu")
     expected = dict(source.named_parameters())
     checked = 0

@@ -82,11 +82,11 @@ def qlora_config(**flags):
 
 def build_qlora(cfg, model):
     from llama_cp.mesh import ParallelDims
-    from llama_cp.trainer import parallelize_model
+    from llama_cp.build import parallelize_model
 
     p = cfg.parallel
     mesh = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp).build_mesh("cpu")
-    return parallelize_model(model, cfg, mesh, param_dtype=None), mesh
+    return parallelize_model(model, cfg, mesh), mesh
 
 
 def copy_trainable(model, reference) -> None:

@@ -397,7 +397,7 @@ def nonfinite_steps_are_skipped_and_a_run_of_them_stops_training():
         assert not os.path.exists(os.path.join(diverged, "final"))
         assert [r.get("skipped", False) for r in read_metrics(diverged)] == [False, False, True, True, True]
         # loss.png of the stopped run marks the skipped steps, and the line leaves them out
-        from llama_cp.trainer import plot_losses
+        from llama_cp.run_dir import plot_losses
 
         assert os.path.getsize(os.path.join(diverged, "loss.png")) > 0
         drawn = plot_losses(os.path.join(diverged, "metrics.jsonl"), os.path.join(diverged, "again.png"))

@@ -138,13 +138,13 @@ def an_earlier_run_is_refused_unless_resume_or_overwrite():
 @checks.add
 def one_run_per_output_dir():
     from llama_cp import Trainer
-    from llama_cp.trainer import _lock_output_dir
+    from llama_cp.run_dir import lock_output_dir
 
     root = _shared_tmpdir()
     out = os.path.join(root, "run")
     if dist.get_rank() == 0:
         os.makedirs(out)
-        holder = _lock_output_dir(out)  # another run holds the directory
+        holder = lock_output_dir(out)  # another run holds the directory
         with pytest.raises(RuntimeError, match=r"is in use by another run \(pid \d+ on .*, since .*\); wait"):
             Trainer(_config(out, max_steps=2)).fit()
         holder.close()

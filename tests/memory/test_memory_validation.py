@@ -53,13 +53,13 @@ def measure_real_peak(name: str) -> int:
 
     from llama_cp.optim import build_optimizer
     from llama_cp.sharding import shard_batch
-    from llama_cp.trainer import parallelize_model
+    from llama_cp.build import parallelize_model
 
     cfg = case_config(name)
     p = cfg.parallel
-    mesh = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp).build_mesh("cpu")
+    mesh = p.dims().build_mesh("cpu")
     torch.manual_seed(0)
-    model = parallelize_model(LlamaForCausalLM(embedded_llama_config()), cfg, mesh, param_dtype=None)
+    model = parallelize_model(LlamaForCausalLM(embedded_llama_config()), cfg, mesh)
     optimizer = build_optimizer("adamw", model.parameters(), lr=1e-4, weight_decay=0.0)
     create_optimizer_state(model, optimizer, max_grad_norm=cfg.optim.max_grad_norm)
     generator = torch.Generator().manual_seed(dist.get_rank())

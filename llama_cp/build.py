@@ -1,0 +1,116 @@
+"""One place builds the model a run trains: the trainer, the memory planner, the tests and
+the benchmarks all come here.
+
+    path = model_path(cfg.model.model_name)          # None for the embedded model
+    model = build_model(cfg, mesh, device, path)     # built, parallelized, weights loaded
+
+:func:`build_model` builds an HF causal LM in float32 (on the meta device for a real
+checkpoint, so no rank ever holds all of it), applies :func:`parallelize_model` (the
+order of every wrapper: 4-bit base, LoRA, frozen dtype, CP attention, chunked loss,
+tiling, FSDP2 with checkpointing) and loads the checkpoint's shards. The planner runs
+:func:`parallelize_model` on a meta model too, with ``device_type="cuda"``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from llama_cp.config import TrainConfig
+from llama_cp.cp_attention import apply_context_parallel
+from llama_cp.fsdp_wrap import cast_frozen_parameters, decoder_layers, load_full_weights, shard_model
+from llama_cp.loss import enable_chunked_loss
+from llama_cp.models import build_causal_lm, compute_dtype, embedded_llama_config
+from llama_cp.tiling import apply_tiled_mlp, apply_tiled_norms
+
+
+def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) -> nn.Module:
+    """The model of ``cfg`` on ``mesh``: the embedded Llama (``path`` None; small, built on every
+    rank, identical there thanks to the seed) or the HF checkpoint directory ``path`` (built on
+    the meta device, sharded, then loaded: rank 0 reads the files, every rank gets its shards)."""
+    from transformers import AutoConfig
+
+    torch.manual_seed(cfg.seed)
+    if path is None:
+        model = build_causal_lm(embedded_llama_config()).to(device)
+    else:
+        model = build_causal_lm(AutoConfig.from_pretrained(path), device="meta")
+    model = parallelize_model(model, cfg, mesh, device_type=device.type)
+    if path is not None:
+        load_full_weights(model, path, device=device)
+    return model
+
+
+def parallelize_model(model: nn.Module, cfg: TrainConfig, mesh, *, device_type: str | None = None) -> nn.Module:
+    """Turn an HF causal LM (real or on the meta device) into the model the trainer runs, in
+    this order: the base Linear layers in 4-bit NF4 (``--quantization 4bit``) -> LoRA adapters
+    (peft, with ``--use_peft``) -> frozen weights in their storage dtype (``--frozen_dtype``)
+    -> context-parallel attention over ``mesh["cp"]`` -> the chunked loss path -> tiled MLPs
+    and norms (``--mlp_tile_size``, ``--norm_tile_size``) -> FSDP2 over ``dp_shard x cp`` (with
+    activation checkpointing, and its inputs offloaded with ``--offload_checkpoints``).
+    The compute dtype is ``--dtype`` on ``device_type`` (default: the mesh's; the planner
+    passes "cuda"): :func:`llama_cp.models.compute_dtype`. Returns the (possibly
+    peft-wrapped) model."""
+    if cfg.peft.quantization == "4bit":
+        from llama_cp.quantize import quantize_model
+
+        quantize_model(model)  # a meta model gets the shapes; load_full_weights quantizes the checkpoint
+    param_dtype = compute_dtype(cfg.model.dtype, device_type or mesh.device_type)
+    if cfg.peft.use_peft:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=cfg.peft.lora_r, lora_alpha=cfg.peft.lora_alpha, lora_dropout=cfg.peft.lora_dropout,
+            target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
+        )
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = get_peft_model(model, lora)
+    frozen_dtype = resolve_frozen_dtype(cfg, param_dtype)
+    if frozen_dtype is not None and cast_frozen_parameters(model, frozen_dtype) and param_dtype is None:
+        param_dtype = torch.float32  # compute in the trainable dtype: frozen weights are cast when gathered
+    apply_context_parallel(
+        model, mesh["cp"], strategy=cfg.parallel.cp_strategy, max_seq_len=cfg.data.context_length,
+        document_mask=cfg.data.document_mask,
+    )
+    enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
+    if cfg.model.mlp_tile_size:
+        apply_tiled_mlp(decoder_layers(model), cfg.model.mlp_tile_size)
+    if cfg.model.norm_tile_size:
+        apply_tiled_norms(model, decoder_layers(model), cfg.model.norm_tile_size)
+    shard_model(
+        model, mesh, param_dtype=param_dtype, activation_checkpointing=cfg.model.activation_checkpointing,
+        offload_checkpoints=cfg.model.offload_checkpoints,
+    )
+    return model
+
+
+def resolve_frozen_dtype(cfg: TrainConfig, compute: torch.dtype | None) -> torch.dtype | None:
+    """The storage dtype of frozen weights (``--frozen_dtype``), None to keep float32: "auto" is
+    bfloat16 for LoRA when the compute dtype is bf16."""
+    choice = cfg.model.frozen_dtype
+    if choice == "auto":
+        return torch.bfloat16 if cfg.peft.use_peft and compute == torch.bfloat16 else None
+    return {"float32": None, "bfloat16": torch.bfloat16}[choice]
+
+
+def model_path(name: str) -> str | None:
+    """The local directory of ``--model_name`` (None for "embedded"): the directory itself, or
+    the hub snapshot of a hub id (downloaded when online, else from the local cache)."""
+    if name == "embedded":
+        return None
+    if os.path.isdir(os.path.expanduser(name)):
+        return os.path.expanduser(name)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+    except Exception as error:  # noqa: BLE001 - offline, unknown id, gated repo: one message for all
+        raise FileNotFoundError(
+            f"--model_name {name!r} is not a local directory, and as a hub id it could not be fetched "
+            f"({type(error).__name__}: {' '.join(str(error).split())[:300]}); pass the path of a local HF "
+            "model directory"
+        ) from error
