@@ -15,7 +15,6 @@ import math
 import os
 import shutil
 import tempfile
-import warnings
 from typing import Literal
 
 import torch
