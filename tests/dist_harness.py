@@ -21,9 +21,11 @@ fails if it raised on any rank, and the test shows that rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import shutil
 import tempfile
 import traceback
 from datetime import timedelta
@@ -94,3 +96,17 @@ class Checks:
         failures = [r for r in results[name] if r is not None]
         if failures:
             pytest.fail(failures[0], pytrace=False)
+
+
+@contextlib.contextmanager
+def shared_tmpdir(prefix: str | None = None):
+    """One temporary directory for every rank of a check (made by rank 0, its path broadcast),
+    removed by rank 0 once every rank is done with it."""
+    path = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    try:
+        yield path[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path[0])

@@ -1,11 +1,8 @@
 """DCP checkpoints, 2 CPU ranks (gloo): exact resume (full and LoRA), keep-last-K, incomplete ones ignored."""
 
-import contextlib
 import functools
 import os
 import random
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -14,7 +11,7 @@ import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from torch.distributed.checkpoint import FileSystemReader
 
-from dist_harness import Checks
+from dist_harness import Checks, shared_tmpdir
 from fsdp_checks import build, full_param, global_batch, sharded_step, tiny_model
 from llama_cp import ParallelDims
 from llama_cp.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -22,19 +19,6 @@ from llama_cp.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoi
 WORLD_SIZE = 2
 SAVE_AT, TRAIN_AFTER = 2, 2
 checks = Checks()
-
-
-@contextlib.contextmanager
-def shared_tmpdir():
-    """One temporary directory for all ranks, removed by rank 0 at the end."""
-    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path)
-    try:
-        yield path[0]
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(path[0])
 
 
 def lora(model, seed: int):

@@ -3,8 +3,6 @@
 import copy
 import functools
 import os
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM
 
-from dist_harness import Checks
+from dist_harness import Checks, shared_tmpdir
 from fsdp_checks import (
     FP32_CLOSE, assert_grads_equal, build, check_one_step, full_param, global_batch, reference_loss,
     sharded_step, step_both, tiny_config, tiny_model,
@@ -130,17 +128,15 @@ def clipping_uses_the_global_norm():
 @checks.add
 def load_sharded_from_save_pretrained_and_gather_back():
     original = tiny_model(seed=3)
-    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path)
-    if dist.get_rank() == 0:
-        original.save_pretrained(path[0])
-    dist.barrier()
-    try:
+    with shared_tmpdir() as path:
+        if dist.get_rank() == 0:
+            original.save_pretrained(path)
+        dist.barrier()
         with torch.device("meta"):
             model = LlamaForCausalLM(tiny_config())
         mesh = ParallelDims(dp_shard=2, cp=2).build_mesh("cpu")
         shard_model(model, mesh)
-        load_full_weights(model, path[0], device="cpu")
+        load_full_weights(model, path, device="cpu")
         gathered = gather_full_state_dict(model)
         if dist.get_rank() == 0:
             want = original.state_dict()
@@ -155,16 +151,12 @@ def load_sharded_from_save_pretrained_and_gather_back():
             model(input_ids=batch["input_ids"]).logits, original(input_ids=batch["input_ids"]).logits, **FP32_CLOSE
         )
         # and exports back to an HF directory that from_pretrained reads
-        export_dir = os.path.join(path[0], "export")
+        export_dir = os.path.join(path, "export")
         export_pretrained(model, export_dir)
-        assert not [f for f in os.listdir(path[0]) if f.startswith(".tmp-export-")]
+        assert not [f for f in os.listdir(path) if f.startswith(".tmp-export-")]
         reloaded = LlamaForCausalLM.from_pretrained(export_dir)
         for key, value in original.state_dict().items():
             torch.testing.assert_close(reloaded.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(path[0])
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)

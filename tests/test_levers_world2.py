@@ -5,9 +5,6 @@ frozen weights loaded from a checkpoint in their storage dtype."""
 
 from __future__ import annotations
 
-import copy
-import os
-import tempfile
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from dist_harness import Checks
+from dist_harness import Checks, shared_tmpdir
 from fsdp_checks import FP32_CLOSE, global_batch, reference_loss, sharded_step, tiny_model
 from llama_cp import ParallelDims
 from llama_cp.config import TrainConfig
@@ -132,29 +129,23 @@ def frozen_weights_load_from_a_checkpoint_in_their_storage_dtype():
     from llama_cp.models import build_causal_lm
 
     source = tiny_model()
-    path = [tempfile.mkdtemp(prefix="levers-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path)
-    if dist.get_rank() == 0:
-        source.save_pretrained(path[0])
-    dist.barrier()
-    model = build_causal_lm(source.config, device="meta")
-    model = parallelize_model(model, lora_config(frozen_dtype="bfloat16"), ParallelDims(cp=2).build_mesh("cpu"))
-    load_full_weights(model, path[0], device="cpu")
-    expected = dict(source.named_parameters())
-    checked = 0
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            continue
-        key = name.removeprefix("base_model.model.").replace(".base_layer", "")
-        assert param.to_local().dtype == torch.bfloat16, name
-        assert torch.equal(param.full_tensor(), expected[key].detach().to(torch.bfloat16)), name
-        checked += 1
-    assert checked == len(expected)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        import shutil
-
-        shutil.rmtree(path[0])
+    with shared_tmpdir(prefix="levers-") as path:
+        if dist.get_rank() == 0:
+            source.save_pretrained(path)
+        dist.barrier()
+        model = build_causal_lm(source.config, device="meta")
+        model = parallelize_model(model, lora_config(frozen_dtype="bfloat16"), ParallelDims(cp=2).build_mesh("cpu"))
+        load_full_weights(model, path, device="cpu")
+        expected = dict(source.named_parameters())
+        checked = 0
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                continue
+            key = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            assert param.to_local().dtype == torch.bfloat16, name
+            assert torch.equal(param.full_tensor(), expected[key].detach().to(torch.bfloat16)), name
+            checked += 1
+        assert checked == len(expected)
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)

@@ -13,26 +13,18 @@ import contextlib
 import functools
 import os
 import shutil
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
-from dist_harness import Checks
+from dist_harness import Checks, shared_tmpdir
 from fsdp_checks import FP32_CLOSE, SEQ_LEN, full_grad, full_param, global_batch, reference_loss, sharded_step, tiny_model
 
 WORLD_SIZE = 2
 LORA = dict(lora_r=4, lora_alpha=8, lora_target_modules="q_proj,v_proj,down_proj")
 checks = Checks()
-
-
-def shared_tmpdir() -> str:
-    """A temporary directory made by rank 0, its path on every rank."""
-    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path)
-    return path[0]
 
 
 def save_tiny_model(path: str) -> None:
@@ -128,8 +120,7 @@ def check_one_step(export: bool = False, **flags) -> None:
     """Loss and every LoRA gradient of one step equal the bitsandbytes + peft model's; with
     ``export``, an AdamW step on both, then the exported adapter loads into a fresh single-process
     bitsandbytes model and gives the reference's logits."""
-    path = shared_tmpdir()
-    try:
+    with shared_tmpdir() as path:
         save_tiny_model(path)
         reference = bnb_lora_reference(path)
         model, mesh = build_qlora(qlora_config(**flags), tiny_model())
@@ -144,10 +135,6 @@ def check_one_step(export: bool = False, **flags) -> None:
         assert_lora_grads_equal(model, reference)
         if export:
             check_export(model, reference, os.path.join(path, "final"))
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(path)
 
 
 def check_export(model, reference, final: str) -> None:
@@ -191,8 +178,7 @@ def meta_build_loads_and_quantizes_the_checkpoint():
     from llama_cp.sharding import shard_batch, unshard
     from fsdp_checks import tiny_config
 
-    path = shared_tmpdir()
-    try:
+    with shared_tmpdir() as path:
         save_tiny_model(path)
         reference = bnb_model(path)
         model, mesh = build_qlora(qlora_config(cp=2), build_causal_lm(tiny_config(), device="meta"))
@@ -204,10 +190,6 @@ def meta_build_loads_and_quantizes_the_checkpoint():
             logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
             want = reference(input_ids=batch["input_ids"]).logits  # lora_B starts at zero: the base model
         torch.testing.assert_close(unshard(logits, mesh["cp"]), want, **FP32_CLOSE)
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(path)
 
 
 @checks.add
@@ -225,8 +207,7 @@ def trainer_trains_exports_and_resumes():
         with open(os.path.join(output_dir, "metrics.jsonl")) as f:
             return [json.loads(line)["loss"] for line in f]
 
-    path = shared_tmpdir()
-    try:
+    with shared_tmpdir() as path:
         flags = dict(
             use_peft=True, quantization="4bit", cp=2, context_length=256, num_passkey_samples=16, num_eval_samples=2,
             max_steps=8, log_every=1, warmup_steps=1, lr=1e-2, save_every=4, output_dir=os.path.join(path, "run"),
@@ -244,10 +225,6 @@ def trainer_trains_exports_and_resumes():
         dist.barrier()
         Trainer(TrainConfig.from_flags(**flags, resume="true")).fit()
         torch.testing.assert_close(torch.tensor(losses(cfg.output_dir)), torch.tensor(first), rtol=1e-6, atol=1e-7)
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(path)
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)

@@ -9,13 +9,12 @@ an earlier run is refused unless --resume or --overwrite; one run per output_dir
 import json
 import os
 import shutil
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import Checks
+from dist_harness import Checks, shared_tmpdir
 
 WORLD_SIZE = 2
 checks = Checks()
@@ -32,13 +31,6 @@ def _config(output_dir, **flags):
 def _metrics(output_dir):
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def _shared_tmpdir() -> str:
-    """One temporary directory for both ranks (made by rank 0)."""
-    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path)
-    return path[0]
 
 
 def _fit(cfg):
@@ -77,41 +69,41 @@ DAMAGE = {
 def damaged_checkpoints_are_skipped_and_the_trajectory_continues():
     from llama_cp.checkpoint import checkpoint_dir, resumable_checkpoint
 
-    root = _shared_tmpdir()
-    straight = os.path.join(root, "straight")
-    _, want = _fit(_config(straight))
-    for name, (damage, reason) in DAMAGE.items():
-        run = os.path.join(root, name)
-        if dist.get_rank() == 0:
-            shutil.copytree(straight, run)
-            shutil.rmtree(checkpoint_dir(run, 6))  # the run "crashed" after step 5: newest is step 4
-            damage(checkpoint_dir(run, 4))
-        dist.barrier()
-        path, skipped = resumable_checkpoint(run)
-        assert path == checkpoint_dir(run, 2) and len(skipped) == 1, (name, path, skipped)
-        assert skipped[0][0] == checkpoint_dir(run, 4), skipped
-        assert __import__("re").search(reason, skipped[0][1]), (name, skipped)
-        said, got = _fit(_config(run, resume=True))
-        assert said[0].startswith(f"skipped checkpoint {checkpoint_dir(run, 4)}: "), said
-        assert said[1] == f"resumed from step 2 ({checkpoint_dir(run, 2)})", said
-        assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6], (name, got)
-        for g, w in zip(got, want, strict=True):
-            for key in ("loss", "grad_norm"):
-                assert abs(g[key] - w[key]) <= 1e-6 * max(1.0, abs(w[key])), (name, g, w)
+    with shared_tmpdir() as root:
+        straight = os.path.join(root, "straight")
+        _, want = _fit(_config(straight))
+        for name, (damage, reason) in DAMAGE.items():
+            run = os.path.join(root, name)
+            if dist.get_rank() == 0:
+                shutil.copytree(straight, run)
+                shutil.rmtree(checkpoint_dir(run, 6))  # the run "crashed" after step 5: newest is step 4
+                damage(checkpoint_dir(run, 4))
+            dist.barrier()
+            path, skipped = resumable_checkpoint(run)
+            assert path == checkpoint_dir(run, 2) and len(skipped) == 1, (name, path, skipped)
+            assert skipped[0][0] == checkpoint_dir(run, 4), skipped
+            assert __import__("re").search(reason, skipped[0][1]), (name, skipped)
+            said, got = _fit(_config(run, resume=True))
+            assert said[0].startswith(f"skipped checkpoint {checkpoint_dir(run, 4)}: "), said
+            assert said[1] == f"resumed from step 2 ({checkpoint_dir(run, 2)})", said
+            assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6], (name, got)
+            for g, w in zip(got, want, strict=True):
+                for key in ("loss", "grad_norm"):
+                    assert abs(g[key] - w[key]) <= 1e-6 * max(1.0, abs(w[key])), (name, g, w)
 
 
 @checks.add
 def resume_true_needs_a_checkpoint_and_auto_starts_fresh():
     from llama_cp import Trainer
 
-    root = _shared_tmpdir()
-    with pytest.raises(FileNotFoundError, match=r"--resume: no intact checkpoint under .*checkpoints; "
-                                                r"use --resume auto"):
-        Trainer(_config(os.path.join(root, "empty"), resume=True, max_steps=2)).fit()
-    said, rows = _fit(_config(os.path.join(root, "auto"), resume="auto", max_steps=2))
-    assert said == [f"--resume auto: no checkpoint under {os.path.join(root, 'auto', 'checkpoints')}, "
-                    "starting from step 0"], said
-    assert [r["step"] for r in rows] == [1, 2]
+    with shared_tmpdir() as root:
+        with pytest.raises(FileNotFoundError, match=r"--resume: no intact checkpoint under .*checkpoints; "
+                                                    r"use --resume auto"):
+            Trainer(_config(os.path.join(root, "empty"), resume=True, max_steps=2)).fit()
+        said, rows = _fit(_config(os.path.join(root, "auto"), resume="auto", max_steps=2))
+        assert said == [f"--resume auto: no checkpoint under {os.path.join(root, 'auto', 'checkpoints')}, "
+                        "starting from step 0"], said
+        assert [r["step"] for r in rows] == [1, 2]
 
 
 @checks.add
@@ -119,20 +111,20 @@ def an_earlier_run_is_refused_unless_resume_or_overwrite():
     from llama_cp import Trainer
     from llama_cp.checkpoint import complete_checkpoints
 
-    root = _shared_tmpdir()
-    out = os.path.join(root, "run")
-    _fit(_config(out, max_steps=4))
-    with pytest.raises(ValueError, match=r"holds the checkpoints of an earlier run \(newest: step 4\); pass "
-                                         r"--resume to continue it, --overwrite to start over"):
-        Trainer(_config(out, max_steps=2)).fit()
-    assert [s for s, _ in complete_checkpoints(out)] == [2, 4]  # nothing was touched
-    _, rows = _fit(_config(out, max_steps=2, overwrite=True))
-    assert [r["step"] for r in rows] == [1, 2] and [s for s, _ in complete_checkpoints(out)] == [2]
-    # the resolved config is saved; --resume with a changed setting warns about it
-    with open(os.path.join(out, "config.yaml")) as f:
-        assert "context_length: 128" in f.read()
-    said, _ = _fit(_config(out, max_steps=4, resume=True, lr=1e-3))
-    assert "warning: --resume with a changed setting: lr: 0.003 -> 0.001" in "\n".join(said) or dist.get_rank() != 0
+    with shared_tmpdir() as root:
+        out = os.path.join(root, "run")
+        _fit(_config(out, max_steps=4))
+        with pytest.raises(ValueError, match=r"holds the checkpoints of an earlier run \(newest: step 4\); pass "
+                                             r"--resume to continue it, --overwrite to start over"):
+            Trainer(_config(out, max_steps=2)).fit()
+        assert [s for s, _ in complete_checkpoints(out)] == [2, 4]  # nothing was touched
+        _, rows = _fit(_config(out, max_steps=2, overwrite=True))
+        assert [r["step"] for r in rows] == [1, 2] and [s for s, _ in complete_checkpoints(out)] == [2]
+        # the resolved config is saved; --resume with a changed setting warns about it
+        with open(os.path.join(out, "config.yaml")) as f:
+            assert "context_length: 128" in f.read()
+        said, _ = _fit(_config(out, max_steps=4, resume=True, lr=1e-3))
+        assert "warning: --resume with a changed setting: lr: 0.003 -> 0.001" in "\n".join(said) or dist.get_rank() != 0
 
 
 @checks.add
@@ -140,15 +132,15 @@ def one_run_per_output_dir():
     from llama_cp import Trainer
     from llama_cp.run_dir import lock_output_dir
 
-    root = _shared_tmpdir()
-    out = os.path.join(root, "run")
-    if dist.get_rank() == 0:
-        os.makedirs(out)
-        holder = lock_output_dir(out)  # another run holds the directory
-        with pytest.raises(RuntimeError, match=r"is in use by another run \(pid \d+ on .*, since .*\); wait"):
-            Trainer(_config(out, max_steps=2)).fit()
-        holder.close()
-    dist.barrier()
+    with shared_tmpdir() as root:
+        out = os.path.join(root, "run")
+        if dist.get_rank() == 0:
+            os.makedirs(out)
+            holder = lock_output_dir(out)  # another run holds the directory
+            with pytest.raises(RuntimeError, match=r"is in use by another run \(pid \d+ on .*, since .*\); wait"):
+                Trainer(_config(out, max_steps=2)).fit()
+            holder.close()
+        dist.barrier()
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)
