@@ -200,12 +200,16 @@ def _loss_forward(original_forward):
     return forward
 
 
-def causal_lm_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed cross-entropy of the local tokens of ``batch`` (input_ids, position_ids, shifted labels).
+def causal_lm_loss_sum(
+    model: nn.Module, batch: dict[str, torch.Tensor], *, return_correct: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of the local tokens of ``batch`` (input_ids, position_ids, shifted labels);
+    with ``return_correct`` also the per-token "argmax is the label (or ignored)" mask, as eval uses.
 
     ``enable_chunked_loss(model)`` must have been called.
     """
-    return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), loss_labels=batch["labels"])
+    return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), loss_labels=batch["labels"],
+                 return_correct=return_correct)
 
 
 def count_valid_tokens(

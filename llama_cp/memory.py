@@ -55,6 +55,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from llama_cp.build import parallelize_model
 from llama_cp.config import TrainConfig
+from llama_cp.loss import causal_lm_loss_sum
 from llama_cp.step import apply_gradients, forward_backward
 
 GiB = 1 << 30
@@ -235,7 +236,7 @@ def measure_step_memory(
         # the same model fails. Eval first: the head group, not resharded after a forward, then
         # stays gathered into the training forward, as it does in a step that follows an eval.
         with torch.no_grad():
-            eval_forward(model, micro_batches[0])
+            causal_lm_loss_sum(model, micro_batches[0], return_correct=True)  # Trainer.evaluate's forward
         phases["eval"] = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak").get(device, {}))
         if offloader is not None:
             offloader.reset_peak()
@@ -252,13 +253,6 @@ def measure_step_memory(
         apply_gradients(model, optimizer, max_grad_norm=max_grad_norm)
     phases["optimizer"] = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak").get(device, {}))
     return phases
-
-
-def eval_forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The eval forward of ``Trainer.evaluate`` on one micro-batch (under no_grad): the summed
-    loss and the per-token argmax check, from the chunked loss (never the full logits)."""
-    return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"),
-                 loss_labels=batch["labels"], return_correct=True)
 
 
 def step_peak(phases: dict[str, MemoryBreakdown]) -> MemoryBreakdown:

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from llama_cp.build import model_path
 from llama_cp.config import TrainConfig
 from llama_cp.fsdp_wrap import export_pretrained
-from llama_cp.loss import count_valid_tokens
+from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens
 from llama_cp.mesh import init_distributed, submesh
 from llama_cp.optim import build_optimizer
 from llama_cp.run_dir import (
@@ -220,10 +220,7 @@ class Trainer:
         labels = []
         for batch in self.eval_batches:
             local = self._to_device(batch)
-            loss = self.model(
-                input_ids=local["input_ids"], position_ids=local["position_ids"], loss_labels=local["labels"],
-                return_correct=passkey,
-            )
+            loss = causal_lm_loss_sum(self.model, local, return_correct=passkey)
             labels.append(local["labels"])
             if not passkey:
                 loss_sum += loss.double()
