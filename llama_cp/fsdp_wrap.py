@@ -52,8 +52,6 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return submesh(mesh, "dp_shard_cp")
 
 
-
-
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer's activations in backward (non-reentrant checkpointing).
 
