@@ -22,6 +22,7 @@ from torch import nn
 from llama_cp.config import TrainConfig
 from llama_cp.cp_attention import apply_context_parallel
 from llama_cp.fsdp_wrap import cast_frozen_parameters, decoder_layers, load_full_weights, shard_model
+from llama_cp.kernels import check_backend
 from llama_cp.loss import enable_chunked_loss
 from llama_cp.models import build_causal_lm, compute_dtype, embedded_llama_config
 from llama_cp.tiling import apply_tiled_mlp, apply_tiled_norms
@@ -34,10 +35,12 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
     from transformers import AutoConfig
 
     torch.manual_seed(cfg.seed)
+    config = embedded_llama_config() if path is None else AutoConfig.from_pretrained(path)
+    check_attention_backend(cfg, config, device.type)
     if path is None:
-        model = build_causal_lm(embedded_llama_config()).to(device)
+        model = build_causal_lm(config).to(device)
     else:
-        model = build_causal_lm(AutoConfig.from_pretrained(path), device="meta")
+        model = build_causal_lm(config, device="meta")
     model = parallelize_model(model, cfg, mesh, device_type=device.type)
     if path is not None:
         load_full_weights(model, path, device=device)
@@ -72,9 +75,10 @@ def parallelize_model(model: nn.Module, cfg: TrainConfig, mesh, *, device_type: 
     frozen_dtype = resolve_frozen_dtype(cfg, param_dtype)
     if frozen_dtype is not None and cast_frozen_parameters(model, frozen_dtype) and param_dtype is None:
         param_dtype = torch.float32  # compute in the trainable dtype: frozen weights are cast when gathered
+    backend = cfg.model.attention_backend
     apply_context_parallel(
         model, mesh["cp"], strategy=cfg.parallel.cp_strategy, max_seq_len=cfg.data.context_length,
-        document_mask=cfg.data.document_mask,
+        document_mask=cfg.data.document_mask, backend=None if backend == "auto" else backend,
     )
     enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
     if cfg.model.mlp_tile_size:
@@ -86,6 +90,17 @@ def parallelize_model(model: nn.Module, cfg: TrainConfig, mesh, *, device_type: 
         offload_checkpoints=cfg.model.offload_checkpoints,
     )
     return model
+
+
+def check_attention_backend(cfg: TrainConfig, config, device_type: str) -> None:
+    """Refuse an explicit ``--attention_backend`` that cannot run on this machine, before anything
+    is built: one line naming the cause and the backends that would run."""
+    if cfg.model.attention_backend == "auto":
+        return
+    dtype = compute_dtype(cfg.model.dtype, device_type) or torch.float32
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    backend = cfg.model.attention_backend
+    check_backend(backend, device_type, dtype, head_dim, name=f"--attention_backend {backend}")
 
 
 def resolve_frozen_dtype(cfg: TrainConfig, compute: torch.dtype | None) -> torch.dtype | None:

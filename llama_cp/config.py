@@ -43,6 +43,8 @@ class ModelConfig:
     """Compute each decoder MLP in tiles of this many tokens, the backward recomputing one tile at a time (exact); 0 = off."""
     norm_tile_size: int = 0
     """Compute the decoder's RMSNorm/LayerNorms (per layer and final) in tiles of this many tokens, recomputed per tile in backward (exact); 0 = off."""
+    attention_backend: Literal["auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"] = "auto"
+    """Local attention kernel; auto = the fastest that runs (flash_attn > sdpa_flash > sdpa_efficient on CUDA, sdpa_cpu on CPU). A choice that cannot run (device, dtype, head size, flash-attn missing) is refused at start."""
 
 
 @dataclass

@@ -18,8 +18,10 @@ and bottom-right alignments of the mask agree.
 Backends, chosen per call by :func:`select_backend`:
 
 - ``flash_attn``: the flash-attn package (CUDA, fp16/bf16), imported lazily.
-- ``sdpa_cuda``: torch's CUDA flash kernel (fp16/bf16) or memory-efficient
-  kernel (fp32), through the aten ops that return the log-sum-exp.
+- ``sdpa_flash``: torch's CUDA flash kernel (fp16/bf16, sm80+), through the aten
+  op that returns the log-sum-exp.
+- ``sdpa_efficient``: torch's CUDA memory-efficient kernel (fp16/fp32, and bf16
+  on sm80+), likewise.
 - ``sdpa_cpu``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
   backward (tiled: never materialises the score matrix).
 - ``math``: a float32 reference that materialises the (Sq, Sk) scores of the
@@ -34,8 +36,9 @@ from typing import Literal
 
 import torch
 
-Backend = Literal["flash_attn", "sdpa_cuda", "sdpa_cpu", "math"]
-BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_cuda", "sdpa_cpu", "math")
+Backend = Literal["flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"]
+#: Every backend, fastest first: :func:`select_backend` takes the first that can run.
+BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math")
 
 _aten = torch.ops.aten
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -51,20 +54,56 @@ def _flash_attn_interface():
     return flash_attn_interface
 
 
+def backend_problem(
+    backend: str, device_type: str, dtype: torch.dtype, head_dim: int, *, capability: tuple[int, int] | None = None
+) -> str | None:
+    """Why ``backend`` cannot compute attention of ``dtype`` with heads of ``head_dim`` on a
+    ``device_type`` device of compute ``capability`` (default: the current CUDA device's), or
+    None when it can."""
+    if backend not in BACKENDS:
+        return f"unknown attention backend {backend!r}; choose one of {BACKENDS}"
+    if backend == "math":
+        return None
+    if backend == "sdpa_cpu":
+        return None if device_type == "cpu" else f"sdpa_cpu runs on CPU tensors, not {device_type}"
+    if device_type != "cuda":
+        return f"{backend} needs CUDA tensors, not {device_type}"
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"{backend} takes float16/bfloat16/float32, not {dtype}"
+    if head_dim % 8 or head_dim > 256:
+        return f"{backend} takes head sizes 8, 16, ..., 256, not {head_dim}"
+    sm80 = (capability or torch.cuda.get_device_capability()) >= (8, 0)
+    if backend == "sdpa_efficient":
+        return "sdpa_efficient takes bfloat16 only on sm80+ GPUs" if dtype == torch.bfloat16 and not sm80 else None
+    if dtype not in _HALF_DTYPES:
+        return f"{backend} takes float16/bfloat16 only, not {dtype}"
+    if not sm80:
+        return f"{backend} needs an sm80+ (Ampere or newer) GPU"
+    if backend == "flash_attn" and _flash_attn_interface() is None:
+        return "flash-attn is not installed (pip install flash-attn --no-build-isolation)"
+    return None
+
+
+def check_backend(
+    backend: str, device_type: str, dtype: torch.dtype, head_dim: int, *, name: str | None = None, **kwargs
+) -> None:
+    """Refuse, in one line, a ``backend`` that cannot run (see :func:`backend_problem`),
+    naming the backends that would. ``name``: how the message calls the choice (a flag)."""
+    problem = backend_problem(backend, device_type, dtype, head_dim, **kwargs)
+    if problem is not None:
+        usable = [b for b in BACKENDS if backend_problem(b, device_type, dtype, head_dim, **kwargs) is None]
+        raise ValueError(
+            f"{name or f'attention backend {backend!r}'} cannot run here: {problem}; backends that would run "
+            f"({device_type}, {str(dtype).removeprefix('torch.')}, head size {head_dim}): {', '.join(usable)}"
+        )
+
+
 def select_backend(q: torch.Tensor) -> Backend:
     """The fastest backend that supports ``q``'s device, dtype and head size."""
-    if q.device.type == "cuda":
-        if q.dtype == torch.float64 or q.shape[-1] % 8 or q.shape[-1] > 256:
-            return "math"  # the CUDA kernels take fp16/bf16/fp32 and head sizes 8, 16, ..., 256
-        ampere = torch.cuda.get_device_capability(q.device) >= (8, 0)
-        if q.dtype in _HALF_DTYPES and ampere and _flash_attn_interface() is not None:
-            return "flash_attn"
-        if q.dtype == torch.bfloat16 and not ampere:
-            return "math"  # before sm80 neither flash kernel runs, and the efficient one lacks bf16
-        return "sdpa_cuda"
-    if q.device.type == "cpu":
-        return "sdpa_cpu"
-    return "math"
+    for backend in BACKENDS:
+        if backend_problem(backend, q.device.type, q.dtype, q.shape[-1]) is None:
+            return backend
+    raise AssertionError("math runs everywhere")
 
 
 def attention_forward(
@@ -79,19 +118,17 @@ def attention_forward(
     """Attention of one block. Returns ``(out, lse)``; see the module docstring."""
     _check_shapes(q, k, v, causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    backend = backend or select_backend(q)
+    backend = _resolve(backend, q)
     if backend == "sdpa_cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
         )
         return out, lse.to(accumulation_dtype(q))
-    if backend == "sdpa_cuda":
-        return _sdpa_cuda_forward(q, k, v, causal, scale)
+    if backend in ("sdpa_flash", "sdpa_efficient"):
+        return _sdpa_cuda_forward(q, k, v, causal, scale, flash=backend == "sdpa_flash")
     if backend == "flash_attn":
         return _flash_attn_forward(q, k, v, causal, scale)
-    if backend == "math":
-        return _math_forward(q, k, v, causal, scale)
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    return _math_forward(q, k, v, causal, scale)
 
 
 def attention_backward(
@@ -117,19 +154,25 @@ def attention_backward(
     """
     _check_shapes(q, k, v, causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    backend = backend or select_backend(q)
+    backend = _resolve(backend, q)
     out = out.to(q.dtype)
     if backend == "sdpa_cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype).contiguous(), q, k, v, out, lse.to(accumulation_dtype(q)), 0.0, causal, scale=scale
         )
-    if backend == "sdpa_cuda":
-        return _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale)
+    if backend in ("sdpa_flash", "sdpa_efficient"):
+        return _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale, flash=backend == "sdpa_flash")
     if backend == "flash_attn":
         return _flash_attn_backward(dout, q, k, v, out, lse, causal, scale)
-    if backend == "math":
-        return _math_backward(dout, q, k, v, out, lse, causal, scale)
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    return _math_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _resolve(backend: Backend | None, q: torch.Tensor) -> Backend:
+    """``backend``, refused in one line if it cannot run on ``q``; None: :func:`select_backend`."""
+    if backend is None:
+        return select_backend(q)
+    check_backend(backend, q.device.type, q.dtype, q.shape[-1])
+    return backend
 
 
 def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -206,15 +249,10 @@ def _causal_block_mask(s: int, device: torch.device) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- torch CUDA ops
-def _use_cuda_flash(q: torch.Tensor) -> bool:
-    """torch's CUDA flash kernel for fp16/bf16 on sm80+, else the memory-efficient kernel."""
-    return q.dtype in _HALF_DTYPES and torch.cuda.get_device_capability(q.device) >= (8, 0)
-
-
-def _sdpa_cuda_forward(q, k, v, causal, scale):
+def _sdpa_cuda_forward(q, k, v, causal, scale, *, flash: bool):
     n_rep = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
-    if _use_cuda_flash(q):
+    if flash:
         out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     else:
         out, lse, *_ = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
@@ -222,12 +260,12 @@ def _sdpa_cuda_forward(q, k, v, causal, scale):
     return out, lse.float()
 
 
-def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale):
+def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale, *, flash: bool):
     n_rep = q.shape[1] // k.shape[1]
     ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
     dout = dout.to(q.dtype).contiguous()
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
-    if _use_cuda_flash(q):
+    if flash:
         sq, sk = q.shape[2], k.shape[2]
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
             dout, q, ke, ve, out, lse.float().contiguous(), None, None, sq, sk, 0.0, causal,

@@ -37,6 +37,9 @@ def test_help_lists_every_flag_with_its_doc(module, flag, capsys):
     (["--model_name", "/no/such/model"], "--model_name '/no/such/model': no such directory"),
     (["--cp", "2"], "--cp 2 --dp_shard -1 --dp_replicate 1 need 2 processes, and this is one: launch with "
                     "torchrun --nproc_per_node 2 -m recipes.finetune_longctx"),
+    (["--attention_backend", "flash_attn", "--max_steps", "1"],
+     "--attention_backend flash_attn cannot run here: flash_attn needs CUDA tensors, not cpu; backends that "
+     "would run (cpu, float32, head size 32): sdpa_cpu, math"),
     (["--cp", "2", "--dp_shard", "2"], "need 4 processes, and this is one: launch with torchrun --nproc_per_node 4"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(flags, message, capsys, tmp_path):

@@ -109,10 +109,50 @@ def test_cpu_selects_the_sdpa_cpu_op():
     assert kernels.select_backend(torch.zeros(1, 1, 2, 2)) == "sdpa_cpu"
 
 
+H100, T4 = (9, 0), (7, 5)
+
+
+@pytest.mark.parametrize("backend, device, dtype, head_dim, capability, problem", [
+    ("sdpa_flash", "cuda", torch.bfloat16, 128, H100, None),
+    ("sdpa_efficient", "cuda", torch.float32, 128, T4, None),
+    ("sdpa_efficient", "cuda", torch.bfloat16, 128, T4, "sdpa_efficient takes bfloat16 only on sm80+ GPUs"),
+    ("sdpa_flash", "cuda", torch.float16, 128, T4, "sdpa_flash needs an sm80+ (Ampere or newer) GPU"),
+    ("flash_attn", "cuda", torch.float32, 128, H100, "flash_attn takes float16/bfloat16 only, not torch.float32"),
+    ("sdpa_flash", "cuda", torch.bfloat16, 100, H100, "sdpa_flash takes head sizes 8, 16, ..., 256, not 100"),
+    ("sdpa_efficient", "cuda", torch.float64, 128, H100, "takes float16/bfloat16/float32, not torch.float64"),
+    ("flash_attn", "cpu", torch.bfloat16, 128, None, "flash_attn needs CUDA tensors, not cpu"),
+    ("sdpa_cpu", "cuda", torch.bfloat16, 128, H100, "sdpa_cpu runs on CPU tensors, not cuda"),
+    ("math", "cuda", torch.float64, 100, T4, None),
+])
+def test_backend_problem_names_the_cause(backend, device, dtype, head_dim, capability, problem):
+    got = kernels.backend_problem(backend, device, dtype, head_dim, capability=capability)
+    assert got == problem if problem is None else problem in got
+
+
+def test_flash_attn_without_the_package_is_refused(monkeypatch):
+    monkeypatch.setattr(kernels, "_flash_attn_interface", lambda: None)
+    assert kernels.backend_problem("flash_attn", "cuda", torch.bfloat16, 128, capability=H100) == (
+        "flash-attn is not installed (pip install flash-attn --no-build-isolation)"
+    )
+
+
+def test_an_explicit_backend_that_cannot_run_is_refused_in_one_line():
+    q, k, v = _inputs(4, 2, 8, 8, torch.float32)
+    with pytest.raises(ValueError) as error:
+        kernels.attention_forward(q, k, v, causal=True, backend="flash_attn")
+    assert str(error.value) == (
+        "attention backend 'flash_attn' cannot run here: flash_attn needs CUDA tensors, not cpu; "
+        "backends that would run (cpu, float32, head size 16): sdpa_cpu, math"
+    )
+    out, lse = kernels.attention_forward(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="^attention backend 'sdpa_flash' cannot run here"):
+        kernels.attention_backward(torch.ones_like(out), q, k, v, out, lse, causal=True, backend="sdpa_flash")
+
+
 def _cuda_backends():
     if not torch.cuda.is_available():
         return [pytest.param(None, marks=pytest.mark.skip(reason="needs CUDA"))]
-    backends = ["sdpa_cuda"]
+    backends = ["sdpa_flash", "sdpa_efficient"]
     if kernels._flash_attn_interface() is not None:
         backends.append("flash_attn")
     return backends
