@@ -21,10 +21,10 @@ from torch import nn
 
 from llama_cp.config import TrainConfig
 from llama_cp.cp_attention import apply_context_parallel
-from llama_cp.fsdp_wrap import cast_frozen_parameters, decoder_layers, load_full_weights, shard_model
+from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, shard_model
 from llama_cp.kernels import check_backend
 from llama_cp.loss import enable_chunked_loss
-from llama_cp.models import build_causal_lm, compute_dtype, embedded_llama_config
+from llama_cp.models import build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config
 from llama_cp.tiling import apply_tiled_mlp, apply_tiled_norms
 
 

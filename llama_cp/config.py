@@ -101,7 +101,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
-    """adamw (torch) or adamw8bit (bitsandbytes)."""
+    """adamw (torch) or adamw8bit (bitsandbytes' AdamW8bit on each rank's local shards; its step() synchronises the GPU after every parameter, torch.cuda.synchronize() in bitsandbytes 0.50.2, so a step waits on the device once per trainable tensor)."""
     lr: float = 1e-3
     """Peak learning rate."""
     weight_decay: float = 0.0

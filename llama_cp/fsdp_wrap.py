@@ -29,18 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from llama_cp.mesh import submesh
-from llama_cp.models import base_causal_lm, compute_dtype
+from llama_cp.models import base_causal_lm, compute_dtype, decoder_layers
 from llama_cp.quantize import quantize_checkpoint, quantized_linears
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of an HF model (the classes in its ``_no_split_modules``), also under peft."""
-    base = base_causal_lm(model)
-    names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"found no decoder layers ({sorted(names)}) in {type(model).__name__}")
-    return layers
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:

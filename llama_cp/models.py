@@ -45,6 +45,16 @@ def base_causal_lm(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF model (the classes in its ``_no_split_modules``), also under peft."""
+    base = base_causal_lm(model)
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"found no decoder layers ({sorted(names)}) in {type(model).__name__}")
+    return layers
+
+
 def build_causal_lm(config, device: torch.device | str = "cpu") -> nn.Module:
     """The HF causal LM of ``config`` with float32 parameters on ``device`` (``"meta"``: no
     memory, to load sharded weights into or to plan with), whatever dtype the checkpoint's

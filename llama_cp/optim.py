@@ -19,29 +19,41 @@ class ShardLocalOptimizer(torch.optim.Optimizer):
     ``param_groups`` (for LR schedulers) are the inner optimizer's. The state lives on
     each rank in the inner optimizer's own (quantised) layout, so it is checkpointed per
     rank (``per_rank_state``) and a resume needs the same world size and sharding.
+
+    A parameter whose local shard is empty (FSDP2 shards dim 0, so a rank beyond its
+    rows, e.g. LoRA A of rank r on more than r ranks, owns nothing of it) is left out: the
+    inner optimizer never sees it (bitsandbytes' CUDA kernels refuse a launch of zero
+    blocks), and the state's layout is that of the rank's non-empty shards, the same at
+    every start of the same run.
     """
 
     per_rank_state = True
 
     def __init__(self, params, inner_cls: type[torch.optim.Optimizer], **options: Any):
         self.params = [p for p in params]
-        self.shards = [nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for p in self.params]
-        self.inner = inner_cls(self.shards, **options)
-        super().__init__(self.params, self.inner.defaults)
-        self.param_groups = self.inner.param_groups
-        self.state = self.inner.state
+        self.stepped = [p for p in self.params if _local(p).numel() > 0]
+        self.shards = [nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for p in self.stepped]
+        # a rank that owns no element of any trainable parameter keeps the base class's groups (for the
+        # LR scheduler) and an empty state
+        self.inner = inner_cls(self.shards, **options) if self.shards else None
+        super().__init__(self.params, options if self.inner is None else self.inner.defaults)
+        if self.inner is not None:
+            self.param_groups = self.inner.param_groups
+            self.state = self.inner.state
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ShardLocalOptimizer.step takes no closure")
-        for param, shard in zip(self.params, self.shards):
+        for param, shard in zip(self.stepped, self.shards, strict=True):
             shard.grad = None if param.grad is None else _local(param.grad)
-        self.inner.step()
+        if self.inner is not None:
+            self.inner.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for param, shard in zip(self.params, self.shards):
+        for shard in self.shards:
             shard.grad = None
+        for param in self.params:
             if param.grad is not None:
                 if set_to_none:
                     param.grad = None
@@ -49,10 +61,13 @@ class ShardLocalOptimizer(torch.optim.Optimizer):
                     param.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
+        return super().state_dict() if self.inner is None else self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state_dict)
+        if self.inner is None:
+            super().load_state_dict(state_dict)
+        else:
+            self.inner.load_state_dict(state_dict)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

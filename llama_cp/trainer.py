@@ -73,6 +73,53 @@ class CollectiveFailed(RuntimeError):
 # "stopped by SIGTERM after step N: saved ...; resume with --resume".
 
 
+# Note [Peak memory in metrics]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Start-up (building and loading the model, rank 0 quantizing a QLoRA checkpoint, the
+# optimizer, a resume) is reported once, as ``load_peak_memory_bytes`` in run_info.json
+# (and in TensorBoard's / W&B's copy of it). Each training step starts a new window: the
+# peak is reset before the step and read after it, and a metrics row's
+# ``peak_memory_bytes`` is the largest step peak since the previous row that carries one
+# (log_every > 1 covers several steps); eval and checkpoint saving fall between windows.
+# Both are the maximum over ranks. What a peak is depends on the device:
+#
+#   cuda  torch.cuda.max_memory_allocated (tensors only, not the allocator's cache),
+#         reset by torch.cuda.reset_peak_memory_stats
+#   cpu   the process's peak resident set (VmHWM in /proc/self/status), reset by writing
+#         5 to /proc/self/clear_refs (Linux >= 4.0); it counts the weights and everything
+#         else resident during the step. Where that file cannot be written (not Linux, a
+#         locked-down sandbox) it is the peak since the process started, as getrusage says.
+
+
+class PeakMemory:
+    """This process's peak memory since :meth:`reset` (Note [Peak memory in metrics])."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    def reset(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:  # not Linux, or not allowed: the peak stays the process's
+            pass
+
+    def read(self) -> int:
+        if self.device_type == "cuda":
+            return torch.cuda.max_memory_allocated()
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024  # kB
+        except OSError:
+            pass
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class Trainer:
     """Builds everything from a :class:`TrainConfig` and trains with :meth:`fit`."""
 
@@ -83,6 +130,8 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.device_type = init_distributed(timeout_s=cfg.collective_timeout)
+        self.peak_memory = PeakMemory(self.device_type)
+        self.peak_memory.reset()  # start-up's window: not what ran before in this process (a notebook)
         self.rank = dist.get_rank()
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
@@ -200,12 +249,8 @@ class Trainer:
     def _forward_backward(self, micro: list[dict[str, torch.Tensor]], num_tokens: int) -> torch.Tensor:
         return forward_backward(self.model, micro, num_tokens, offload=self.cfg.model.activation_offload)
 
-    def _peak_memory(self) -> int:
-        """Peak memory of the busiest rank: CUDA allocator peak, or process peak RSS on CPU."""
-        if self.device_type == "cuda":
-            value = torch.cuda.max_memory_allocated()
-        else:
-            value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    def _max_over_ranks(self, value: int) -> int:
+        """The busiest rank's ``value`` (a peak from :class:`PeakMemory`); a collective."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
@@ -272,10 +317,13 @@ class Trainer:
             row: dict[str, Any] = {}
             nonfinite: list[int] = []  # the current run of skipped steps
             saved_step = step if step > 0 else None
+            steps_peak = 0  # the largest step peak since the last row that has one
             while step < self.total_steps:
                 self._where = f"in step {step + 1}"
                 self._stop_if_signalled(step, saved_step)
+                self.peak_memory.reset()  # Note [Peak memory in metrics]
                 row = {"step": step + 1, **self.train_step()}
+                steps_peak = max(steps_peak, self.peak_memory.read())
                 step += 1
                 progress.update(1)
                 progress.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_sec']:.0f}")
@@ -289,7 +337,8 @@ class Trainer:
                 if (cfg.eval_every and step % cfg.eval_every == 0) or last:
                     row.update(self.evaluate())
                 if step % cfg.log_every == 0 or last or "eval_loss" in row:
-                    row["peak_memory_bytes"] = self._peak_memory()  # a collective: only for written rows
+                    row["peak_memory_bytes"] = self._max_over_ranks(steps_peak)  # a collective: only for written rows
+                    steps_peak = 0
                     self._log(metrics_path, row)
                 if (cfg.save_every and step % cfg.save_every == 0) or last:
                     self._save(step)
@@ -461,12 +510,13 @@ class Trainer:
 
     def _build_reporter(self, step: int):
         """TensorBoard / W&B (``--report_to``) on rank 0, and ``run_info.json`` (the resolved
-        config, versions and layout of the run) beside ``config.yaml``."""
+        config, versions and layout of the run, and its start-up peak memory) beside ``config.yaml``."""
         from llama_cp.reporting import Reporter, run_info
 
+        load_peak = self._max_over_ranks(self.peak_memory.read())  # Note [Peak memory in metrics]
         info = run_info(self.cfg.to_dict(), world_size=dist.get_world_size(), device_type=self.device_type,
                         dims={"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
-                              "cp": self.dims.cp}, resumed_from_step=step)
+                              "cp": self.dims.cp}, resumed_from_step=step, load_peak_memory_bytes=load_peak)
         if self.rank == 0:
             write_atomically(os.path.join(self.cfg.output_dir, "run_info.json"), json.dumps(info, indent=1))
         report_to = [name for name in self.cfg.report_to if name != "none"]

@@ -1,6 +1,7 @@
 """The public API: what ``llama_cp`` exports, and the README's building-blocks loop run as
 written on 2 ranks, its loss and gradient norm equal to plain single-process transformers."""
 
+import ast
 import os
 import re
 import subprocess
@@ -23,6 +24,54 @@ def test_exports_are_what_a_loop_needs_and_nothing_test_only():
         assert needed in llama_cp.__all__, needed
     for internal in ("ATTENTION_NAME", "ContextParallelAttention", "unshard"):
         assert internal not in llama_cp.__all__ and not hasattr(llama_cp, internal), internal
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Which llama_cp modules each llama_cp module imports, at the top or inside a function."""
+    package = os.path.join(ROOT, "llama_cp")
+    modules = {name[:-3] for name in os.listdir(package) if name.endswith(".py") and name != "__init__.py"}
+    graph = {}
+    for module in modules:
+        with open(os.path.join(package, f"{module}.py")) as f:
+            tree = ast.parse(f.read())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "llama_cp":
+                imported |= {alias.name for alias in node.names}  # from llama_cp import kernels
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("llama_cp."):
+                imported.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("llama_cp.")}
+        graph[module] = (imported & modules) - {module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
+    """The groups of modules that import each other, directly or through others (sorted names)."""
+    def reachable(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    reach = {module: reachable(module) for module in graph}
+    return {tuple(sorted(m for m in graph if m in reach[module] and module in reach[m]))
+            for module in graph if module in reach[module]}
+
+
+#: sharding takes check_attention_mask from cp_attention, which takes unshard from sharding
+#: inside a function; left to the change that next edits cp_attention.py.
+KNOWN_IMPORT_CYCLES = {("cp_attention", "sharding")}
+
+
+def test_llama_cp_modules_do_not_import_each_other_in_a_circle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {("a", "b", "c")}
+    graph = import_graph()
+    # imports at the top (fsdp_wrap) and inside functions (quantize) are both seen
+    assert "quantize" in graph["fsdp_wrap"] and "models" in graph["quantize"], graph
+    assert import_cycles(graph) <= KNOWN_IMPORT_CYCLES, import_cycles(graph)
 
 
 def readme_loop() -> str:

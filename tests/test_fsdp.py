@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
+from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM
 
 from dist_harness import Checks, shared_tmpdir
 from fsdp_checks import (
-    FP32_CLOSE, assert_grads_equal, build, check_one_step, full_param, global_batch, reference_loss,
+    FP32_CLOSE, assert_grads_equal, build, check_one_step, full_grad, full_param, global_batch, reference_loss,
     sharded_step, step_both, tiny_config, tiny_model,
 )
 from llama_cp import ParallelDims
@@ -157,6 +158,55 @@ def load_sharded_from_save_pretrained_and_gather_back():
         reloaded = LlamaForCausalLM.from_pretrained(export_dir)
         for key, value in original.state_dict().items():
             torch.testing.assert_close(reloaded.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+@checks.add
+def adamw8bit_with_empty_local_shards_steps_and_resumes():
+    """LoRA r=2 over 4 ranks: lora_A has 2 rows, so ranks 2 and 3 own empty shards of it, which
+    bitsandbytes is never given. Every LoRA tensor is below bitsandbytes' min_8bit_size (its state
+    is 32-bit, element-wise), so the sharded steps equal AdamW8bit on the whole tensors fed the
+    same gathered gradients, bit for bit; a fresh run resumed from step 2's checkpoint steps the same."""
+    import bitsandbytes as bnb
+
+    from llama_cp.checkpoint import load_checkpoint, save_checkpoint
+    from llama_cp.optim import build_optimizer
+
+    def fresh():
+        model = get_peft_model(tiny_model(), LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                        target_modules=["q_proj", "v_proj"]))
+        torch.manual_seed(7)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # starts at zero: give it values so that lora_A gets gradients
+                torch.nn.init.normal_(param, std=0.02)
+        model, mesh = build(ParallelDims(dp_shard=4, cp=1), model)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        return model, mesh, trained, build_optimizer("adamw8bit", trained, lr=1e-2, weight_decay=0.1)
+
+    model, mesh, trained, optimizer = fresh()
+    empty = [p for p in trained if p.to_local().numel() == 0]
+    assert len(empty) == (4 if dist.get_rank() >= 2 else 0), [p.to_local().shape for p in trained]  # 2 lora_A each
+    assert all(p.numel() > 0 for group in optimizer.inner.param_groups for p in group["params"])
+    assert all(p.numel() < optimizer.inner.args.min_8bit_size for p in trained)  # 32-bit state throughout
+    reference = [nn.Parameter(full_param(p).clone()) for p in trained]
+    ref_optimizer = bnb.optim.AdamW8bit(reference, lr=1e-2, weight_decay=0.1)
+    with shared_tmpdir() as out:
+        for batch_step in range(3):
+            sharded_step(model, global_batch(batch_step), mesh)
+            for ref, param in zip(reference, trained, strict=True):
+                ref.grad = full_grad(param).clone()
+            optimizer.step()
+            optimizer.zero_grad()
+            ref_optimizer.step()
+            if batch_step == 1:
+                saved = save_checkpoint(out, 2, model, optimizer)
+        for ref, param in zip(reference, trained, strict=True):
+            torch.testing.assert_close(full_param(param), ref.detach(), rtol=0, atol=0)
+        resumed, resumed_mesh, resumed_trained, resumed_optimizer = fresh()
+        load_checkpoint(saved, resumed, resumed_optimizer)
+        sharded_step(resumed, global_batch(2), resumed_mesh)
+        resumed_optimizer.step()
+        for got, want in zip(resumed_trained, trained, strict=True):
+            torch.testing.assert_close(full_param(got), full_param(want), rtol=0, atol=0)
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)

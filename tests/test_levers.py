@@ -14,8 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_checks import global_batch, tiny_model
 from llama_cp.config import TrainConfig
-from llama_cp.fsdp_wrap import apply_activation_checkpointing, apply_checkpoint_offload, decoder_layers
+from llama_cp.fsdp_wrap import apply_activation_checkpointing, apply_checkpoint_offload
 from llama_cp.loss import auto_loss_chunk_size, causal_lm_loss_sum, enable_chunked_loss
+from llama_cp.models import decoder_layers
 from llama_cp.tiling import apply_tiled_mlp, apply_tiled_norms, norm_modules
 
 FP32 = dict(atol=1e-5, rtol=1e-5)

@@ -219,6 +219,42 @@ def adamw8bit_runs_on_cpu_and_resumes():
         torch.testing.assert_close(torch.tensor(got), torch.tensor(losses), rtol=1e-6, atol=1e-7)
 
 
+class ScriptedPeakMemory:
+    """Stands in for ``llama_cp.trainer.PeakMemory`` and records its calls: the window before the first
+    reset after start-up (loading) peaks at 10**9 bytes, the window of step k at 1000 k bytes."""
+
+    calls: list[str] = []
+
+    def __init__(self, device_type):
+        self.windows = 0
+
+    def reset(self):
+        self.calls.append("reset")
+        self.windows += 1
+
+    def read(self):
+        self.calls.append("read")
+        return 10**9 if self.windows == 1 else 1000 * (self.windows - 1)
+
+
+@checks.add
+def peak_memory_is_per_step_and_loading_is_reported_apart():
+    import llama_cp.trainer
+    from llama_cp import Trainer
+
+    with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as out:
+        patch.setattr(llama_cp.trainer, "PeakMemory", ScriptedPeakMemory, raising=False)
+        Trainer(_config(out, max_steps=5, log_every=2)).fit()
+        rows = read_metrics(out)
+        with open(os.path.join(out, "run_info.json")) as f:
+            info = json.load(f)
+    # start-up: reset, read; then every step: reset, read
+    assert ScriptedPeakMemory.calls == ["reset", "read"] + ["reset", "read"] * 5, ScriptedPeakMemory.calls
+    assert info["load_peak_memory_bytes"] == 10**9
+    # rows at steps 2, 4 and 5 (the last): the largest step peak since the previous row
+    assert [(r["step"], r["peak_memory_bytes"]) for r in rows] == [(2, 2000), (4, 4000), (5, 5000)], rows
+
+
 @checks.add
 def lora_export_reloads_with_peft_and_reproduces_logits():
     from peft import PeftModel

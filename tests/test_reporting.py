@@ -2,6 +2,7 @@
 one is optional and not installed for the tests; TensorBoard is read back in test_recipe.py)."""
 
 import importlib.machinery
+import os
 import sys
 import types
 
@@ -71,3 +72,32 @@ def test_wandb_without_the_package_names_the_fix(monkeypatch):
     with pytest.raises(ValueError, match="--report_to wandb needs the wandb package: pip install wandb"):
         check_report_to(["wandb"])
     assert TrainConfig.from_flags(report_to="none").report_to == ("none",)
+
+
+def test_peak_memory_on_cuda_resets_and_reads_the_allocator_peak(monkeypatch):
+    from llama_cp.trainer import PeakMemory
+
+    calls = []
+    monkeypatch.setattr("torch.cuda.reset_peak_memory_stats", lambda: calls.append("reset"))
+    monkeypatch.setattr("torch.cuda.max_memory_allocated", lambda: calls.append("read") or 12345)
+    peak = PeakMemory("cuda")
+    peak.reset()
+    assert peak.read() == 12345 and calls == ["reset", "read"]
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="the peak RSS cannot be reset here")
+def test_peak_memory_on_cpu_is_the_peak_resident_set_since_the_reset():
+    import torch
+
+    from llama_cp.trainer import PeakMemory
+
+    peak, size = PeakMemory("cpu"), 256 * 2**20
+    peak.reset()
+    before = peak.read()
+    big = torch.ones(size // 4)  # float32, every page touched
+    during = peak.read()
+    del big
+    peak.reset()
+    after = peak.read()
+    assert during - before >= 0.9 * size, (before, during)
+    assert during - after >= 0.9 * size, (during, after)  # the reset forgot the freed tensor's pages
