@@ -66,6 +66,7 @@ from llama_cp.documents import DocumentLayout, document_attention, document_star
 from llama_cp.families import check_supported
 from llama_cp.kernels import Backend
 from llama_cp.models import base_causal_lm
+from llama_cp.sharding import check_attention_mask, unshard
 
 Strategy = Literal["ring", "ulysses"]
 STRATEGIES: tuple[str, ...] = ("ring", "ulysses")
@@ -351,8 +352,6 @@ class ContextParallelAttention:
     def document_layout(self, position_ids: torch.Tensor) -> DocumentLayout | None:
         """The documents of a batch from its local (B, S/cp) global ``position_ids``; None when
         every row is one document (Note [Document masks under CP]). A collective over the cp group."""
-        from llama_cp.sharding import unshard  # sharding imports this module
-
         starts = document_starts(unshard(position_ids, self.group))
         if not bool(starts.any()):
             return None
@@ -380,23 +379,6 @@ class ContextParallelAttention:
             return _RingAttention.apply(q, k, v, self.group, causal, scale, self.backend, documents)
         return ulysses_attention(
             q, k, v, self.group, causal=causal, scale=scale, backend=self.backend, documents=documents
-        )
-
-
-def check_attention_mask(attention_mask: torch.Tensor | None) -> None:
-    """Raise unless ``attention_mask`` is None or a 2-D mask of ones (which masks nothing).
-
-    llama-cp's attention is causal over the whole sequence and has no mask input; transformers
-    hands an attention function it has no mask builder for ``None`` whatever mask the caller
-    gave, so a padding mask must be refused before it reaches the model, not inside it.
-    """
-    if attention_mask is None:
-        return
-    if attention_mask.dim() != 2 or not bool(attention_mask.all()):
-        raise ValueError(
-            "llama-cp's attention is causal over the whole sequence and takes no attention mask: got a "
-            f"{attention_mask.dim()}-D attention_mask that masks tokens. Drop the mask and give padded positions "
-            "labels=-100 (right padding), so they neither attend nor count"
         )
 
 

@@ -17,8 +17,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from llama_cp.cp_attention import check_attention_mask
-
 CpGroup = DeviceMesh | dist.ProcessGroup | None
 
 
@@ -120,3 +118,20 @@ def unshard(x: torch.Tensor, cp: CpGroup, seq_dim: int = 1) -> torch.Tensor:
     shards = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(shards, x.contiguous(), group=_group(cp))
     return unshard_sequence(shards, seq_dim)
+
+
+def check_attention_mask(attention_mask: torch.Tensor | None) -> None:
+    """Raise unless ``attention_mask`` is None or a 2-D mask of ones (which masks nothing).
+
+    llama-cp's attention is causal over the whole sequence and has no mask input; transformers
+    hands an attention function it has no mask builder for ``None`` whatever mask the caller
+    gave, so a padding mask must be refused before it reaches the model, not inside it.
+    """
+    if attention_mask is None:
+        return
+    if attention_mask.dim() != 2 or not bool(attention_mask.all()):
+        raise ValueError(
+            "llama-cp's attention is causal over the whole sequence and takes no attention mask: got a "
+            f"{attention_mask.dim()}-D attention_mask that masks tokens. Drop the mask and give padded positions "
+            "labels=-100 (right padding), so they neither attend nor count"
+        )

@@ -61,17 +61,12 @@ def import_cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
             for module in graph if module in reach[module]}
 
 
-#: sharding takes check_attention_mask from cp_attention, which takes unshard from sharding
-#: inside a function; left to the change that next edits cp_attention.py.
-KNOWN_IMPORT_CYCLES = {("cp_attention", "sharding")}
-
-
 def test_llama_cp_modules_do_not_import_each_other_in_a_circle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {("a", "b", "c")}
     graph = import_graph()
     # imports at the top (fsdp_wrap) and inside functions (quantize) are both seen
     assert "quantize" in graph["fsdp_wrap"] and "models" in graph["quantize"], graph
-    assert import_cycles(graph) <= KNOWN_IMPORT_CYCLES, import_cycles(graph)
+    assert import_cycles(graph) == set(), import_cycles(graph)
 
 
 def readme_loop() -> str:
