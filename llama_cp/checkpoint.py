@@ -105,14 +105,15 @@ def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
 
 def checkpoint_config(path: str) -> dict[str, Any] | None:
     """The config (nested dict) the run that wrote checkpoint ``path`` had, or None when the
-    checkpoint does not record it (written before checkpoints did)."""
+    checkpoint does not record it (written before checkpoints did) or it is unreadable."""
     import yaml
 
-    file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(file):
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
         return None
-    with open(file) as f:
-        return yaml.safe_load(f) or {}
+    return config if isinstance(config, dict) else None
 
 
 def latest_checkpoint(output_dir: str) -> str | None:

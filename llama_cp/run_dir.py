@@ -63,7 +63,8 @@ RESUME_REFUSES = {
 
 def _flat(config: dict[str, Any]) -> dict[str, Any]:
     """The leaves of a nested config dict, by name (every leaf name is unique)."""
-    return {k: v for key, value in config.items() for k, v in (value.items() if isinstance(value, dict) else [(key, value)])}
+    leaves = (value.items() if isinstance(value, dict) else [(key, value)] for key, value in config.items())
+    return {name: value for section in leaves for name, value in section}
 
 
 def _shown(value: Any) -> str:

@@ -386,9 +386,10 @@ class Trainer:
                 for name in ("metrics.jsonl", "loss.png", "run_info.json", WANDB_ID_FILE):
                     if os.path.exists(os.path.join(out, name)):
                         os.remove(os.path.join(out, name))
-        elif found and (saved := checkpoint_config(found[-1][1])) is not None:
-            # every rank compares (the checkpoint's config never changes), so all refuse together
-            for line in check_resume_settings(saved, cfg, os.path.join(out, CHECKPOINTS_DIR)):
+        else:
+            # the newest recorded config; every rank compares (a checkpoint never changes), so all refuse together
+            saved = next((c for c in (checkpoint_config(path) for _, path in reversed(found)) if c is not None), None)
+            for line in check_resume_settings(saved, cfg, os.path.join(out, CHECKPOINTS_DIR)) if saved else []:
                 self._say(f"--resume with a changed setting, in effect from the resumed step on: {line}")
         if rank == 0:
             write_atomically(os.path.join(out, "config.yaml"), yaml_dump(cfg.to_dict()))
