@@ -6,6 +6,7 @@ One checkpoint per saved step, every rank writing only its own shards::
       step_00000200/            complete: resume from here
         .metadata, __*_*.distcp     DCP: model (adapter only under peft) + optimizer, sharded
         trainer_state.pt            rank 0: step, scheduler state, ``extra`` (data position)
+        config.yaml                 rank 0: the run's resolved config (what --resume compares with)
         rng_rank{r}.pt              rank r: python / numpy / torch (CPU, CUDA) RNG states
         MANIFEST.json               size and sha256 of every file above
         COMPLETE                    written last: the checkpoint is whole
@@ -24,7 +25,13 @@ truncated copy, a deleted file, flipped bits on a disk). Before the marker,
 the ranks hash the files (each a share of them) into ``MANIFEST.json``;
 ``verify_checkpoint`` checks every file's size and sha256 against it (again
 shared over the ranks), and ``resumable_checkpoint`` takes the newest
-checkpoint that verifies, reporting the ones it skipped and why.
+checkpoint that verifies, reporting the ones it skipped and why. A file the
+manifest does not list fails verification too (nothing unverified is read), and
+a checkpoint without a manifest is refused unless the caller allows unverified
+checkpoints (``--allow_unverified_checkpoint``). The manifest detects damage,
+not an attacker: whoever can write a checkpoint can write its manifest, and
+``dcp.load`` unpickles ``.metadata``, so a checkpoint is trusted input (resume
+only from checkpoints you or your jobs wrote).
 
 DCP loads in place into the model's (FSDP2-sharded) state, so a checkpoint can
 be resumed on another sharding of the same model.
@@ -61,6 +68,7 @@ except ImportError:  # numpy is optional: its RNG is saved only when it is insta
 
 CHECKPOINTS_DIR = "checkpoints"
 COMPLETE_MARKER = "COMPLETE"
+CONFIG_FILE = "config.yaml"
 MANIFEST_FILE = "MANIFEST.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 TMP_PREFIX = ".tmp-"
@@ -77,18 +85,35 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMPLETE_MARKER))
 
 
-def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every complete checkpoint under ``output_dir``, oldest first."""
+def step_directories(output_dir: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every ``step_N`` directory under ``output_dir``, complete or not, oldest first."""
     root = os.path.join(output_dir, CHECKPOINTS_DIR)
     if not os.path.isdir(root):
         return []
     found = []
     for name in os.listdir(root):
         match = _STEP_DIR.fullmatch(name)  # ".tmp-step_..." does not match
-        path = os.path.join(root, name)
-        if match and is_complete(path):
-            found.append((int(match.group(1)), path))
+        if match and os.path.isdir(os.path.join(root, name)):
+            found.append((int(match.group(1)), os.path.join(root, name)))
     return sorted(found)
+
+
+def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every complete checkpoint under ``output_dir``, oldest first."""
+    return [(step, path) for step, path in step_directories(output_dir) if is_complete(path)]
+
+
+def checkpoint_config(path: str) -> dict[str, Any] | None:
+    """The config (nested dict) the run that wrote checkpoint ``path`` had, or None when the
+    checkpoint does not record it (written before checkpoints did) or it is unreadable."""
+    import yaml
+
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
@@ -163,6 +188,7 @@ def save_checkpoint(
     *,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     extra: dict | None = None,
+    config: dict | None = None,
     keep_last: int | None = None,
 ) -> str:
     """Save the training state after ``step`` to ``output_dir/checkpoints/step_{step:08d}``.
@@ -171,7 +197,8 @@ def save_checkpoint(
     filesystem across nodes). Saves the model (only the trainable parameters under peft),
     the optimizer, and from rank 0 the step, ``scheduler.state_dict()`` and
     ``extra`` (plain data: dicts, lists, numbers, strings, tensors; e.g. the data
-    loader position); each rank saves its own RNG states. The directory appears
+    loader position) and ``config`` (the run's settings, as ``config.yaml``, read back by
+    ``checkpoint_config``); each rank saves its own RNG states. The directory appears
     only once whole (Note [Atomic checkpoints]); an existing checkpoint of the
     same step is replaced. ``keep_last``: then delete all but the newest
     ``keep_last`` complete checkpoints, never the one just written. Returns its path.
@@ -200,6 +227,11 @@ def save_checkpoint(
                 "extra": extra,
             }
             torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE_FILE))
+            if config is not None:
+                from llama_cp.run_dir import yaml_dump
+
+                with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+                    f.write(yaml_dump(config))
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - a full disk, a lost mount: tell every rank
         failure = error  # (DCP's CheckpointException is a BaseException)
     # every rank's files are written, or the ranks fail together (no rank left in a barrier)
@@ -299,22 +331,30 @@ def _write_manifest(path: str) -> None:
             os.fsync(f.fileno())
 
 
+class UnverifiedCheckpoint(ValueError):
+    """The checkpoint to resume from has no manifest, and unverified checkpoints are not allowed."""
+
+    same_on_every_rank = True
+
+
 def verify_checkpoint(path: str) -> str | None:
     """None if every file of the complete checkpoint ``path`` has the size and sha256 its
-    manifest records, else why not (the same answer on every rank; call on every rank).
-    A checkpoint written before manifests existed passes on its marker alone."""
+    manifest records and no other file is there, else why not (the same answer on every
+    rank; call on every rank). A checkpoint without a manifest passes here (only its marker
+    is checked): ``resumable_checkpoint`` decides whether it may be loaded."""
     problem = None
     if not is_complete(path):
-        problem = f"no {COMPLETE_MARKER} marker (its save was interrupted)"
-    elif not os.path.isfile(os.path.join(path, MANIFEST_FILE)):
-        warnings.warn(f"{path} has no {MANIFEST_FILE} (an older checkpoint): its files are not verified", stacklevel=2)
-    else:
+        problem = f"no {COMPLETE_MARKER} marker (its save was interrupted, or it is being deleted)"
+    elif os.path.isfile(os.path.join(path, MANIFEST_FILE)):
         try:
             with open(os.path.join(path, MANIFEST_FILE)) as f:
                 files = json.load(f)["files"]
         except (OSError, ValueError, KeyError) as error:
             files, problem = {}, f"unreadable {MANIFEST_FILE} ({error})"
-        for name in _share(sorted(files)):
+        unlisted = sorted(set(os.listdir(path)) - set(files) - {MANIFEST_FILE, COMPLETE_MARKER})
+        if unlisted and not problem:
+            problem = f"it holds files its {MANIFEST_FILE} does not list ({', '.join(unlisted[:5])})"
+        for name in _share(sorted(files)) if not problem else []:
             file = os.path.join(path, name)
             if not os.path.isfile(file):
                 problem = f"{name} is missing"
@@ -329,13 +369,23 @@ def verify_checkpoint(path: str) -> str | None:
     return next((p for p in problems if p), None)
 
 
-def resumable_checkpoint(output_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
+def resumable_checkpoint(
+    output_dir: str, *, allow_unverified: bool = False
+) -> tuple[str | None, list[tuple[str, str]]]:
     """The newest checkpoint under ``output_dir`` that verifies (``verify_checkpoint``), and the
-    ``(path, reason)`` of every newer one skipped; call on every rank."""
+    ``(path, reason)`` of every newer ``step_N`` directory skipped (damaged, or without its
+    ``COMPLETE`` marker); call on every rank. The newest whole checkpoint without a manifest
+    raises :class:`UnverifiedCheckpoint` unless ``allow_unverified``."""
     skipped = []
-    for _, path in reversed(complete_checkpoints(output_dir)):
+    for _, path in reversed(step_directories(output_dir)):
         problem = verify_checkpoint(path)
         if problem is None:
+            if not allow_unverified and not os.path.isfile(os.path.join(path, MANIFEST_FILE)):
+                raise UnverifiedCheckpoint(
+                    f"--resume: checkpoint {path} has no {MANIFEST_FILE}, so its files cannot be verified (written "
+                    "before manifests existed, or the manifest was deleted); pass --allow_unverified_checkpoint to "
+                    "load it anyway, or delete it to resume from an older checkpoint"
+                )
             return path, skipped
         skipped.append((path, problem))
     return None, skipped

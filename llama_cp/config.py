@@ -140,7 +140,9 @@ class TrainConfig:
     resume: Literal["false", "true", "auto"] = "false"
     """Continue from the newest intact checkpoint in output_dir (true: one must exist; auto: else start at step 0)."""
     overwrite: bool = False
-    """Start over in an output_dir that holds an earlier run's checkpoints (deletes them, metrics.jsonl and final/)."""
+    """Start over in an output_dir that holds an earlier run (deletes its checkpoints, final/, metrics.jsonl, loss.png and tensorboard/)."""
+    allow_unverified_checkpoint: bool = False
+    """Let --resume load a checkpoint that has no MANIFEST.json (its files cannot be checked for damage)."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only at the end)."""
     log_every: int = 5

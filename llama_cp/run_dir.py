@@ -10,31 +10,87 @@ import os
 import time
 from typing import Any
 
+import yaml
+
 from llama_cp.config import TrainConfig
 
 
 def yaml_dump(values: dict[str, Any]) -> str:
-    import yaml
-
     return yaml.safe_dump(json.loads(json.dumps(values)), sort_keys=False)  # tuples -> lists
 
 
-#: Settings that may change between a run and its --resume without a warning.
-RUN_CONTROL = {"resume", "overwrite", "max_steps", "num_epochs", "eval_every", "save_every", "keep_last",
-               "log_every", "max_nonfinite_steps", "output_dir", "collective_timeout", "report_to"}
+# Note [Changing settings on resume]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every checkpoint records the run's config (checkpoint.CONFIG_FILE). A --resume
+# compares it with its own flags before anything is built, and a setting either
+#
+#   takes effect from the resumed step on   the learning rate is a pure function of
+#                                           (step, --lr, --warmup_steps, --lr_scheduler,
+#                                           --min_lr_ratio, max steps): the trainer rebuilds
+#                                           the schedule at the resumed step instead of
+#                                           restoring the old one, and writes --weight_decay
+#                                           into the loaded optimizer's param groups;
+#                                           --max_grad_norm is read every step; memory levers,
+#                                           dtype and the parallel layout compute the same step;
+#   or is refused, in one line              what a step trains on or what the checkpoint
+#                                           holds would change under the run (RESUME_REFUSES).
+#
+# A setting in neither table is refused too, so a new flag is safe until it is placed.
+
+#: Settings a --resume may change; they take effect from the resumed step on.
+RESUME_MAY_CHANGE = {
+    # driving the run
+    "resume", "overwrite", "allow_unverified_checkpoint", "max_steps", "num_epochs", "eval_every", "save_every",
+    "keep_last", "log_every", "max_nonfinite_steps", "output_dir", "collective_timeout", "report_to",
+    "num_eval_samples",
+    # the update
+    "lr", "warmup_steps", "lr_scheduler", "min_lr_ratio", "weight_decay", "max_grad_norm", "lora_dropout",
+    # how the same step is computed
+    "dtype", "frozen_dtype", "activation_checkpointing", "activation_offload", "offload_checkpoints",
+    "loss_chunk_size", "mlp_tile_size", "norm_tile_size", "dp_replicate", "dp_shard", "cp", "cp_strategy",
+}
+
+_DATA = "the data order and what one step trains on would change mid-run"
+_STATE = "the checkpoint holds another model or optimizer state"
+#: Settings a --resume may not change, and why.
+RESUME_REFUSES = {
+    "dataset": _DATA, "context_length": _DATA, "batch_size": _DATA, "gradient_accumulation_steps": _DATA,
+    "seed": _DATA, "num_passkey_samples": _DATA, "document_mask": _DATA,
+    "model_name": _STATE, "use_peft": _STATE, "lora_r": _STATE, "lora_alpha": _STATE,
+    "lora_target_modules": _STATE, "quantization": _STATE, "optimizer": _STATE,
+}
 
 
-def changed_settings(saved_path: str, cfg: TrainConfig) -> list[str]:
-    """``name: old -> new`` for every setting (outside ``RUN_CONTROL``) that differs from the saved config."""
-    import yaml
+def _flat(config: dict[str, Any]) -> dict[str, Any]:
+    """The leaves of a nested config dict, by name (every leaf name is unique)."""
+    leaves = (value.items() if isinstance(value, dict) else [(key, value)] for key, value in config.items())
+    return {name: value for section in leaves for name, value in section}
 
-    with open(saved_path) as f:
-        saved = yaml.safe_load(f) or {}
-    now = yaml.safe_load(yaml_dump(cfg.to_dict()))
-    flat = lambda d: {k: v for key, value in d.items() for k, v in (value.items() if isinstance(value, dict) else [(key, value)])}  # noqa: E731
-    old, new = flat(saved), flat(now)
-    return [f"{name}: {old.get(name)!r} -> {new[name]!r}" for name in new
-            if name not in RUN_CONTROL and old.get(name) != new[name]]
+
+def _shown(value: Any) -> str:
+    """A value as it is written on the command line."""
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def check_resume_settings(saved: dict[str, Any], cfg: TrainConfig, where: str) -> list[str]:
+    """Compare the config ``saved`` (of the checkpoints in ``where``) with ``cfg`` (Note
+    [Changing settings on resume]): ValueError, one line, when a setting changed that a
+    resume may not change; else ``name: old -> new`` of every setting that changed and
+    takes effect (run control excepted)."""
+    old, new = _flat(saved), _flat(yaml.safe_load(yaml_dump(cfg.to_dict())))
+    changed = [name for name in new if name in old and old[name] != new[name]]
+    refused = [name for name in changed if name not in RESUME_MAY_CHANGE]
+    if refused:
+        reasons = sorted({RESUME_REFUSES.get(name, "it is not one a resume may change") for name in refused})
+        raise ValueError(
+            "--resume cannot change "
+            + ", ".join(f"--{name} ({_shown(old[name])} -> {_shown(new[name])})" for name in refused)
+            + f": {'; '.join(reasons)}. Resume with "
+            + " ".join(f"--{name} {_shown(old[name])}" for name in refused)
+            + f" as the checkpoints in {where} were trained, or start a new run (--overwrite or another --output_dir)"
+        )
+    quiet = {"resume", "overwrite", "allow_unverified_checkpoint", "output_dir"}
+    return [f"{name}: {old[name]!r} -> {new[name]!r}" for name in changed if name not in quiet]
 
 
 def write_atomically(path: str, text: str) -> None:

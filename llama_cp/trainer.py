@@ -32,7 +32,7 @@ from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens
 from llama_cp.mesh import init_distributed, submesh
 from llama_cp.optim import build_optimizer
 from llama_cp.run_dir import (
-    changed_settings, lock_output_dir, plot_losses, truncate_metrics, write_atomically, yaml_dump,
+    check_resume_settings, lock_output_dir, plot_losses, truncate_metrics, write_atomically, yaml_dump,
 )
 from llama_cp.sharding import shard_batch
 from llama_cp.step import clip_gradients, forward_backward
@@ -142,8 +142,8 @@ class Trainer:
         self.tokenizer = self._build_tokenizer()
         self.model = self._build_model()
         self.optimizer = self._build_optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self._build_data()
+        self._build_data()  # the schedule needs total_steps
+        self._start_schedule(0)
         os.makedirs(cfg.output_dir, exist_ok=True)
 
     def _build_tokenizer(self):
@@ -193,6 +193,14 @@ class Trainer:
         micro_per_epoch = self.loader.steps_per_epoch
         steps_per_epoch = max(1, micro_per_epoch // cfg.optim.gradient_accumulation_steps)
         self.total_steps = cfg.max_steps or steps_per_epoch * cfg.num_epochs
+
+    def _start_schedule(self, step: int) -> None:
+        """The lr schedule (and weight decay) of this run's flags, at ``step``: a resumed optimizer
+        keeps its moments but takes --lr and --weight_decay from this run."""
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
+        # LambdaLR steps once on creation: last_epoch becomes `step`, lr = --lr * _lr_factor(step)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor, last_epoch=step - 1)
 
     def _lr_factor(self, step: int) -> float:
         o = self.cfg.optim
@@ -289,9 +297,9 @@ class Trainer:
         """Train to ``max_steps`` (or ``num_epochs``), evaluate, checkpoint and export. Returns the
         last metrics row (with the final eval)."""
         self._check_before_start()
-        self._claim_output_dir()
         self._where = "while setting up"
         try:
+            self._claim_output_dir()  # inside: a refused run releases the output_dir's lock at once
             return self._fit()
         except RuntimeError as error:
             if not getattr(error, "same_on_every_rank", False) and _is_collective_failure(error):
@@ -392,10 +400,12 @@ class Trainer:
         )
 
     def _claim_output_dir(self) -> None:
-        """One run per output_dir: refuse the checkpoints of an earlier run unless --resume or
-        --overwrite, hold a lock for the run (rank 0), save the resolved config (warning on
-        --resume about settings that changed)."""
-        from llama_cp.checkpoint import CHECKPOINTS_DIR, complete_checkpoints
+        """One run per output_dir: refuse an earlier run's artefacts unless --resume or
+        --overwrite, hold a lock for the run (rank 0), compare a --resume's settings with
+        those of the newest checkpoint (Note [Changing settings on resume]), save the
+        resolved config."""
+        from llama_cp.checkpoint import CHECKPOINTS_DIR, checkpoint_config, complete_checkpoints
+        from llama_cp.reporting import TENSORBOARD_DIR, WANDB_ID_FILE
 
         cfg, rank = self.cfg, _global_rank()
         out = cfg.output_dir
@@ -408,30 +418,30 @@ class Trainer:
                     f"--output_dir {out} is not writable ({error.strerror or error}); choose another --output_dir"
                 ) from None
         found = complete_checkpoints(out)
-        if found and cfg.resume == "false":
-            if not cfg.overwrite:
+        if cfg.resume == "false":
+            earlier = [f"checkpoints up to step {found[-1][0]}"] if found else []
+            earlier += [name for name in ("final/", "metrics.jsonl", TENSORBOARD_DIR + "/", "loss.png")
+                        if os.path.exists(os.path.join(out, name))]
+            if earlier and not cfg.overwrite:
                 raise ValueError(
-                    f"--output_dir {out} holds the checkpoints of an earlier run (newest: step {found[-1][0]}); "
-                    "pass --resume to continue it, --overwrite to start over (deletes its checkpoints, "
-                    "metrics.jsonl and final/), or choose another --output_dir"
+                    f"--output_dir {out} holds an earlier run ({', '.join(earlier)}); pass --resume to continue it, "
+                    "--overwrite to start over (deletes them), or choose another --output_dir"
                 )
-            if rank == 0:
+            if earlier and rank == 0:
                 import shutil
-
-                from llama_cp.reporting import TENSORBOARD_DIR, WANDB_ID_FILE
 
                 for name in (CHECKPOINTS_DIR, "final", TENSORBOARD_DIR):
                     shutil.rmtree(os.path.join(out, name), ignore_errors=True)
                 for name in ("metrics.jsonl", "loss.png", "run_info.json", WANDB_ID_FILE):
                     if os.path.exists(os.path.join(out, name)):
                         os.remove(os.path.join(out, name))
+        else:
+            # the newest recorded config; every rank compares (a checkpoint never changes), so all refuse together
+            saved = next((c for c in (checkpoint_config(path) for _, path in reversed(found)) if c is not None), None)
+            for line in check_resume_settings(saved, cfg, os.path.join(out, CHECKPOINTS_DIR)) if saved else []:
+                self._say(f"--resume with a changed setting, in effect from the resumed step on: {line}")
         if rank == 0:
-            saved = os.path.join(out, "config.yaml")
-            if cfg.resume != "false" and os.path.exists(saved):
-                for line in changed_settings(saved, cfg):
-                    self._say(f"warning: --resume with a changed setting: {line}")
-            write_atomically(saved, yaml_dump(cfg.to_dict()))
-
+            write_atomically(os.path.join(out, "config.yaml"), yaml_dump(cfg.to_dict()))
     def _resume(self) -> int:
         """Load the newest intact checkpoint when --resume asks for it; returns the step to go on from."""
         from llama_cp.checkpoint import load_checkpoint, resumable_checkpoint
@@ -439,7 +449,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.resume == "false":
             return 0
-        path, skipped = resumable_checkpoint(cfg.output_dir)
+        path, skipped = resumable_checkpoint(cfg.output_dir, allow_unverified=cfg.allow_unverified_checkpoint)
         for bad, why in skipped:
             self._say(f"skipped checkpoint {bad}: {why}")
         if path is None:
@@ -452,7 +462,9 @@ class Trainer:
                 )
             self._say(f"--resume auto: no checkpoint under {where}, starting from step 0")
             return 0
-        state = load_checkpoint(path, self.model, self.optimizer, scheduler=self.scheduler)
+        # the schedule is not restored: it is rebuilt from this run's flags (Note [Changing settings on resume])
+        state = load_checkpoint(path, self.model, self.optimizer)
+        self._start_schedule(state["step"])
         self.loader.load_state_dict(state["extra"]["loader"])
         self._say(f"resumed from step {state['step']} ({path})")
         return state["step"]
@@ -466,7 +478,7 @@ class Trainer:
 
         return save_checkpoint(
             self.cfg.output_dir, step, self.model, self.optimizer, scheduler=self.scheduler,
-            extra={"loader": self.loader.state_dict()}, keep_last=self.cfg.keep_last,
+            extra={"loader": self.loader.state_dict()}, config=self.cfg.to_dict(), keep_last=self.cfg.keep_last,
         )
 
     def _catch_stop_signals(self) -> dict:

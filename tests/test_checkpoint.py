@@ -1,4 +1,5 @@
-"""DCP checkpoints, 2 CPU ranks (gloo): exact resume (full and LoRA), keep-last-K, incomplete ones ignored."""
+"""DCP checkpoints, 2 CPU ranks (gloo): exact resume (full and LoRA), keep-last-K, incomplete ones
+ignored; on resume, unmarked and unlisted-file checkpoints skipped, manifest-less ones refused."""
 
 import functools
 import os
@@ -139,6 +140,33 @@ def keep_last_and_incomplete_checkpoints_are_ignored():
         with pytest.raises(ValueError, match="keep_last"):
             save(output_dir, 4, keep_last=0)
         dist.barrier()  # every rank has listed before the directory is removed
+
+
+@checks.add
+def resume_skips_unmarked_and_unlisted_and_refuses_unverified_checkpoints():
+    from llama_cp.checkpoint import UnverifiedCheckpoint, resumable_checkpoint
+
+    model, _, optimizer, scheduler = trainer(dict(dp_shard=2), tiny_model())
+    with shared_tmpdir() as output_dir:
+        for step in (1, 2, 3):
+            save_checkpoint(output_dir, step, model, optimizer, scheduler=scheduler)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.remove(os.path.join(checkpoint_dir(output_dir, 3), "COMPLETE"))  # e.g. a deletion under way
+            with open(os.path.join(checkpoint_dir(output_dir, 2), "extra.pt"), "wb") as f:  # not in its manifest
+                f.write(b"not verified")
+            os.remove(os.path.join(checkpoint_dir(output_dir, 1), "MANIFEST.json"))
+        dist.barrier()
+        with pytest.raises(UnverifiedCheckpoint, match=r"^--resume: checkpoint \S+step_00000001 has no MANIFEST\.json, "
+                                                       r"so its files cannot be verified .*--allow_unverified_checkpoint"):
+            resumable_checkpoint(output_dir)
+        path, skipped = resumable_checkpoint(output_dir, allow_unverified=True)
+        assert path == checkpoint_dir(output_dir, 1), path
+        assert skipped == [
+            (checkpoint_dir(output_dir, 3), "no COMPLETE marker (its save was interrupted, or it is being deleted)"),
+            (checkpoint_dir(output_dir, 2), "it holds files its MANIFEST.json does not list (extra.pt)"),
+        ], skipped
+        dist.barrier()
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)

@@ -118,3 +118,27 @@ def test_a_read_only_output_dir_is_refused_before_training(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.startswith(f"error: --output_dir {disk / 'run'} is not writable (Read-only file system); "
                           "choose another --output_dir"), err
+
+
+def test_a_structural_change_on_resume_is_one_line_before_anything_is_built(capsys, tmp_path):
+    """A checkpoint records its run's config; --resume --lora_r 16 on an r=8 run is refused in one line
+    (it used to be a 62-line traceback from the model load). The checkpoint here is only its marker and
+    config: the refusal must come before anything would read more."""
+    from llama_cp.checkpoint import checkpoint_dir
+    from llama_cp.run_dir import yaml_dump
+
+    out = tmp_path / "run"
+    saved = checkpoint_dir(str(out), 2)
+    os.makedirs(saved)
+    open(os.path.join(saved, "COMPLETE"), "w").close()
+    with open(os.path.join(saved, "config.yaml"), "w") as f:
+        f.write(yaml_dump(TrainConfig.from_flags(use_peft=True, output_dir=str(out)).to_dict()))
+    with pytest.raises(SystemExit):
+        run_cli(finetune_longctx.main, usage="x",
+                argv=["--resume", "--use_peft", "--lora_r", "16", "--output_dir", str(out)])
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: --resume cannot change --lora_r (8 -> 16): the checkpoint holds another model or optimizer state. "
+        f"Resume with --lora_r 8 as the checkpoints in {out / 'checkpoints'} were trained, or start a new run "
+        "(--overwrite or another --output_dir) (rerun with --debug for the traceback)\n"
+    ), err

@@ -3,10 +3,13 @@
 Damaged checkpoints (a truncated or bit-flipped shard, a deleted file) are skipped on
 --resume for the newest one that verifies, and the resumed trajectory equals the
 uninterrupted one; --resume true/auto with nothing to resume; an output_dir holding
-an earlier run is refused unless --resume or --overwrite; one run per output_dir.
+an earlier run's artefacts is refused unless --resume or --overwrite; a --resume takes
+the new schedule or refuses a setting in one line; a checkpoint without a manifest needs
+--allow_unverified_checkpoint; one run per output_dir.
 """
 
 import json
+import math
 import os
 import shutil
 
@@ -114,17 +117,107 @@ def an_earlier_run_is_refused_unless_resume_or_overwrite():
     with shared_tmpdir() as root:
         out = os.path.join(root, "run")
         _fit(_config(out, max_steps=4))
-        with pytest.raises(ValueError, match=r"holds the checkpoints of an earlier run \(newest: step 4\); pass "
-                                             r"--resume to continue it, --overwrite to start over"):
+        dist.barrier()  # rank 0 draws loss.png after the others return
+        with pytest.raises(ValueError, match=r"holds an earlier run \(checkpoints up to step 4, final/, metrics\.jsonl, "
+                                             r"tensorboard/, loss\.png\); pass --resume to continue it, --overwrite "
+                                             r"to start over \(deletes them\), or choose another --output_dir$"):
             Trainer(_config(out, max_steps=2)).fit()
         assert [s for s, _ in complete_checkpoints(out)] == [2, 4]  # nothing was touched
+        dist.barrier()
+        if dist.get_rank() == 0:  # a finished run whose checkpoints were deleted (or never saved)
+            shutil.rmtree(os.path.join(out, "checkpoints"))
+        dist.barrier()
+        with pytest.raises(ValueError, match=r"holds an earlier run \(final/, metrics\.jsonl, tensorboard/, loss\.png\)"):
+            Trainer(_config(out, max_steps=2)).fit()
+        assert len(_metrics(out)) == 4
+        dist.barrier()  # every rank has looked before the overwrite below deletes it
         _, rows = _fit(_config(out, max_steps=2, overwrite=True))
         assert [r["step"] for r in rows] == [1, 2] and [s for s, _ in complete_checkpoints(out)] == [2]
-        # the resolved config is saved; --resume with a changed setting warns about it
-        with open(os.path.join(out, "config.yaml")) as f:
+        assert len(os.listdir(os.path.join(out, "tensorboard"))) == 1  # the old run's events are gone
+        with open(os.path.join(out, "config.yaml")) as f:  # the resolved config is saved
             assert "context_length: 128" in f.read()
-        said, _ = _fit(_config(out, max_steps=4, resume=True, lr=1e-3))
-        assert "warning: --resume with a changed setting: lr: 0.003 -> 0.001" in "\n".join(said) or dist.get_rank() != 0
+        dist.barrier()
+
+
+def _lr(step, lr, max_steps, warmup_steps=1, floor=0.1):
+    """The cosine schedule's lr of the step after ``step`` optimizer steps (written out again, as a reference)."""
+    if step < warmup_steps:
+        return lr * (step + 1) / (warmup_steps + 1)
+    progress = (step - warmup_steps) / (max_steps - warmup_steps)
+    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@checks.add
+def resume_takes_the_new_schedule_or_refuses_a_setting_in_one_line():
+    from llama_cp import Trainer
+
+    with shared_tmpdir() as root:
+        out = os.path.join(root, "lora")
+        _fit(_config(out, max_steps=2, use_peft=True))  # lr 3e-3, weight_decay 0
+        # the schedule and the update take the new flags from the resumed step on
+        trainer = Trainer(_config(out, max_steps=4, resume=True, use_peft=True, lr=1e-3, weight_decay=0.1))
+        said = []
+        trainer._say = said.append
+        trainer.fit()
+        rows = _metrics(out)
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        for row in rows[2:]:
+            assert abs(row["lr"] - _lr(row["step"] - 1, 1e-3, 4)) <= 1e-12, row
+        assert abs(rows[1]["lr"] - _lr(1, 3e-3, 2)) <= 1e-12, rows[1]
+        assert all(group["weight_decay"] == 0.1 for group in trainer.optimizer.param_groups)
+        if dist.get_rank() == 0:
+            prefix = "--resume with a changed setting, in effect from the resumed step on: "
+            assert said[:3] == [prefix + "lr: 0.003 -> 0.001", prefix + "weight_decay: 0.0 -> 0.1",
+                                prefix + "max_steps: 2 -> 4"], said
+
+        # what the checkpoint holds, or what a step trains on, cannot change: one line, before any build
+        where = os.path.join(out, "checkpoints")
+        state = "the checkpoint holds another model or optimizer state"
+        data = "the data order and what one step trains on would change mid-run"
+        for flags, changed, reason, fix in [
+            (dict(lora_r=16), "--lora_r (8 -> 16)", state, "--lora_r 8"),
+            (dict(lora_target_modules="q_proj,v_proj"), "--lora_target_modules (q_proj,k_proj,v_proj,o_proj -> "
+             "q_proj,v_proj)", state, "--lora_target_modules q_proj,k_proj,v_proj,o_proj"),
+            (dict(quantization="4bit"), "--quantization (none -> 4bit)", state, "--quantization none"),
+            (dict(gradient_accumulation_steps=2, seed=1), "--gradient_accumulation_steps (1 -> 2), --seed (0 -> 1)",
+             data, "--gradient_accumulation_steps 1 --seed 0"),
+        ]:
+            trainer = Trainer(_config(out, max_steps=4, resume=True, use_peft=True, **flags))
+            trainer.setup = lambda: pytest.fail("built a model for a resume that must be refused")
+            with pytest.raises(ValueError) as refused:
+                trainer.fit()
+            assert str(refused.value) == (
+                f"--resume cannot change {changed}: {reason}. Resume with {fix} as the checkpoints in {where} were "
+                "trained, or start a new run (--overwrite or another --output_dir)"
+            ), str(refused.value)
+        trainer = Trainer(_config(out, max_steps=4, resume=True))  # no --use_peft: a full fine-tune
+        trainer.setup = lambda: pytest.fail("built a model for a resume that must be refused")
+        with pytest.raises(ValueError, match=r"^--resume cannot change --use_peft \(True -> False\): the checkpoint "
+                                             r"holds another model or optimizer state\. Resume with --use_peft True"):
+            trainer.fit()
+        dist.barrier()
+
+
+@checks.add
+def a_checkpoint_without_a_manifest_needs_allow_unverified_checkpoint():
+    from llama_cp import Trainer
+    from llama_cp.checkpoint import checkpoint_dir
+
+    with shared_tmpdir() as root:
+        out = os.path.join(root, "run")
+        _fit(_config(out, max_steps=2))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.remove(os.path.join(checkpoint_dir(out, 2), "MANIFEST.json"))
+        dist.barrier()
+        with pytest.raises(ValueError, match=rf"^--resume: checkpoint {checkpoint_dir(out, 2)} has no MANIFEST\.json, "
+                                             r"so its files cannot be verified .*; pass --allow_unverified_checkpoint "
+                                             r"to load it anyway, or delete it to resume from an older checkpoint$"):
+            Trainer(_config(out, max_steps=2, resume=True)).fit()
+        said, rows = _fit(_config(out, max_steps=2, resume=True, allow_unverified_checkpoint=True))
+        assert said == [f"resumed from step 2 ({checkpoint_dir(out, 2)})"] or dist.get_rank() != 0, said
+        assert [r["step"] for r in rows] == [1, 2]
+        dist.barrier()
 
 
 @checks.add
