@@ -51,8 +51,9 @@ naming the installed and the needed versions) below torch 2.12 or bitsandbytes 0
   ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` of the released wheels:
   torch 2.8.0 and 2.11.0 wrap the sharded parameter as ``nn.Parameter(dtensor)`` (default
   ``requires_grad=True``) and only then call ``requires_grad_(param.requires_grad)``; for the
-  uint8 codes that raises "Only Tensors of floating point and complex dtype can require
-  gradients" inside ``fully_shard``, on CPU too. Their ``init_dtype_attrs`` also sets
+  uint8 codes that raises "only Tensors of floating point dtype can require gradients" inside
+  ``fully_shard``, on CPU too (seen on torch 2.9.0 with bitsandbytes 0.46.0: ``fully_shard``
+  of one :class:`NF4Linear`). Their ``init_dtype_attrs`` also sets
   ``param_dtype`` for every parameter, so on CUDA with bf16 the codes and absmax bits would be
   cast to bf16 and all-gathered as such. torch 2.12.0 (pytorch PR #177948) passes
   ``requires_grad=param.requires_grad`` to ``nn.Parameter`` and clamps ``param_dtype`` to None
@@ -65,6 +66,8 @@ installed versions lack support; ``tests/test_qlora.py`` skips there with the sa
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -231,10 +234,11 @@ QLORA_NEEDS = {"torch": (2, 12), "bitsandbytes": (0, 46)}
 def qlora_refusal(torch_version: str, bitsandbytes_version: str | None) -> str | None:
     """None when these versions (``bitsandbytes_version`` None: not installed) run
     ``--quantization 4bit``, else the one-line reason (Note [QLoRA's version floor])."""
-    from packaging.version import Version
+    def release(version: str) -> tuple[int, ...]:  # "2.12.0a0+git1234" -> (2, 12, 0)
+        return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
 
     installed = {"torch": torch_version, "bitsandbytes": bitsandbytes_version}
-    if all(v is not None and Version(v).release >= QLORA_NEEDS[name] for name, v in installed.items()):
+    if all(v is not None and release(v) >= QLORA_NEEDS[name] for name, v in installed.items()):
         return None
     needed = " and ".join(f"{name} >= {'.'.join(map(str, v))}" for name, v in QLORA_NEEDS.items())
     shown = ", ".join(f"{name} {v or 'not installed'}" for name, v in installed.items())
