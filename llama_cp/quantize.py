@@ -47,7 +47,7 @@ The layout above needs two things that older releases setup.cfg admits do not ha
 ``--quantization 4bit`` is refused at config validation (:func:`check_qlora_support`, one line
 naming the installed and the needed versions) below torch 2.12 or bitsandbytes 0.46:
 
-- FSDP2 must leave integer parameters alone. Read in
+- FSDP2 must leave integer parameters alone (torch 2.10 and 2.11 are admitted and do not). Read in
   ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` of the released wheels:
   torch 2.8.0 and 2.11.0 wrap the sharded parameter as ``nn.Parameter(dtensor)`` (default
   ``requires_grad=True``) and only then call ``requires_grad_(param.requires_grad)``; for the
@@ -234,6 +234,7 @@ QLORA_NEEDS = {"torch": (2, 12), "bitsandbytes": (0, 46)}
 def qlora_refusal(torch_version: str, bitsandbytes_version: str | None) -> str | None:
     """None when these versions (``bitsandbytes_version`` None: not installed) run
     ``--quantization 4bit``, else the one-line reason (Note [QLoRA's version floor])."""
+
     def release(version: str) -> tuple[int, ...]:  # "2.12.0a0+git1234" -> (2, 12, 0)
         return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
 
