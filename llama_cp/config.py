@@ -217,6 +217,10 @@ class TrainConfig:
                 f"--quantization {self.peft.quantization} freezes the base weights, so only LoRA adapters can "
                 "train: add --use_peft, or drop --quantization for a full fine-tune"
             )
+        if self.peft.quantization == "4bit":
+            from llama_cp.quantize import check_qlora_support
+
+            check_qlora_support()
         if self.model.offload_checkpoints and not self.model.activation_checkpointing:
             raise ValueError(
                 "--offload_checkpoints moves the inputs that activation checkpointing keeps to host memory: "

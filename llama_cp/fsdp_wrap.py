@@ -57,7 +57,10 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     # checkpointing needs; with frozen embeddings (LoRA) that output becomes a leaf that
     # autograd keeps on the device through the whole backward, and fills a gradient for
     if hasattr(base, "disable_input_require_grads"):
-        base.disable_input_require_grads()
+        try:
+            base.disable_input_require_grads()
+        except AttributeError:  # transformers 4.x adds the hook only with its own peft integration
+            pass
 
 
 def apply_checkpoint_offload(model: nn.Module):

@@ -133,7 +133,8 @@ class CheckpointOffloader:
                 tensor = handle.host.to(handle.device, non_blocking=True)
                 handle.ready = stream.record_event()
             return tensor
-        if handle.host is None:  # fake: the allocation of the copy, no values
+        if handle.host is None or handle.host.size == 0:  # fake (the allocation of the copy), or empty:
+            # no values (NumPy gives an empty array stride 0, which torch cannot view as another dtype)
             return torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
         return torch.from_numpy(handle.host).view(handle.dtype).view(handle.shape).clone()
 

@@ -39,9 +39,35 @@ weight it allocates per Linear, in forward and again in backward (and in recompu
 
 Memory per rank: (out * in) * (1/2 + 4/64) bytes per Linear, divided by the FSDP shard count:
 0.5625 bytes per weight instead of 4 (fp32) or 2 (bf16).
+
+Note [QLoRA's version floor]
+============================
+
+The layout above needs two things that older releases setup.cfg admits do not have, so
+``--quantization 4bit`` is refused at config validation (:func:`check_qlora_support`, one line
+naming the installed and the needed versions) below torch 2.12 or bitsandbytes 0.46:
+
+- FSDP2 must leave integer parameters alone (torch 2.10 and 2.11 are admitted and do not). Read in
+  ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` of the released wheels:
+  torch 2.8.0 and 2.11.0 wrap the sharded parameter as ``nn.Parameter(dtensor)`` (default
+  ``requires_grad=True``) and only then call ``requires_grad_(param.requires_grad)``; for the
+  uint8 codes that raises "only Tensors of floating point dtype can require gradients" inside
+  ``fully_shard``, on CPU too (seen on torch 2.9.0 with bitsandbytes 0.46.0: ``fully_shard``
+  of one :class:`NF4Linear`). Their ``init_dtype_attrs`` also sets
+  ``param_dtype`` for every parameter, so on CUDA with bf16 the codes and absmax bits would be
+  cast to bf16 and all-gathered as such. torch 2.12.0 (pytorch PR #177948) passes
+  ``requires_grad=param.requires_grad`` to ``nn.Parameter`` and clamps ``param_dtype`` to None
+  when ``not self.orig_dtype.is_floating_point``; 2.13.0 reads the same.
+- ``torch.ops.bitsandbytes.dequantize_4bit`` (with its fake kernel, which the planner needs) is
+  registered from bitsandbytes 0.46.0; 0.45.x has no such op.
+
+``tests/test_config.py`` checks the refusal for given version strings and runs it where the
+installed versions lack support; ``tests/test_qlora.py`` skips there with the same reason.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -165,7 +191,7 @@ def quantize_model(model: nn.Module) -> nn.Module:
         raise ValueError("the model is quantized already")
     if hasattr(model, "peft_config"):
         raise ValueError("quantize the base model before adding LoRA adapters (peft), not after")
-    _check_bitsandbytes()
+    check_qlora_support()
     for layer in decoder_layers(model):
         for name, child in list(layer.named_modules()):
             if type(child) is nn.Linear:
@@ -201,10 +227,40 @@ def quantize_checkpoint(
     return checkpoint
 
 
-def _check_bitsandbytes() -> None:
+#: The first releases that run QLoRA: Note [QLoRA's version floor].
+QLORA_NEEDS = {"torch": (2, 12), "bitsandbytes": (0, 46)}
+
+
+def qlora_refusal(torch_version: str, bitsandbytes_version: str | None) -> str | None:
+    """None when these versions (``bitsandbytes_version`` None: not installed) run
+    ``--quantization 4bit``, else the one-line reason (Note [QLoRA's version floor])."""
+
+    def release(version: str) -> tuple[int, ...]:  # "2.12.0a0+git1234" -> (2, 12, 0)
+        return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
+
+    installed = {"torch": torch_version, "bitsandbytes": bitsandbytes_version}
+    if all(v is not None and release(v) >= QLORA_NEEDS[name] for name, v in installed.items()):
+        return None
+    needed = " and ".join(f"{name} >= {'.'.join(map(str, v))}" for name, v in QLORA_NEEDS.items())
+    shown = ", ".join(f"{name} {v or 'not installed'}" for name, v in installed.items())
+    return f"--quantization 4bit needs {needed} (installed: {shown}); upgrade them or train LoRA without --quantization"
+
+
+def installed_qlora_refusal() -> str | None:
+    """:func:`qlora_refusal` for the installed torch and bitsandbytes."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        import bitsandbytes  # noqa: F401  (registers the torch.ops.bitsandbytes kernels)
-    except ImportError:
-        raise ImportError(
-            "--quantization 4bit needs bitsandbytes: pip install 'llama-cp[quant]', or drop --quantization"
-        ) from None
+        bitsandbytes_version = version("bitsandbytes")
+    except PackageNotFoundError:
+        bitsandbytes_version = None
+    return qlora_refusal(torch.__version__, bitsandbytes_version)
+
+
+def check_qlora_support() -> None:
+    """Refuse ``--quantization 4bit`` when the installed torch or bitsandbytes cannot run it
+    (config validation calls it, before anything is built)."""
+    refusal = installed_qlora_refusal()
+    if refusal is not None:
+        raise ValueError(refusal)
+    import bitsandbytes  # noqa: F401  (registers the torch.ops.bitsandbytes kernels)

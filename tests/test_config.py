@@ -69,3 +69,40 @@ def test_importing_the_library_leaves_the_warning_filters_alone():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "torch_version, bitsandbytes_version, installed",
+    [
+        ("2.8.0+cu128", "0.45.0", "torch 2.8.0+cu128, bitsandbytes 0.45.0"),
+        ("2.11.0", "0.50.2", "torch 2.11.0, bitsandbytes 0.50.2"),
+        ("2.13.0+cpu", "0.45.5", "torch 2.13.0+cpu, bitsandbytes 0.45.5"),
+        ("2.13.0+cpu", None, "torch 2.13.0+cpu, bitsandbytes not installed"),
+        ("2.12.0a0+git1234", "0.46.0", None),  # a 2.12 pre-release carries the FSDP2 fix too
+        ("2.12.0", "0.46.0", None),
+        ("2.13.0+cpu", "0.50.2", None),
+    ],
+)
+def test_qlora_refusal_names_installed_and_needed_versions(torch_version, bitsandbytes_version, installed):
+    from llama_cp.quantize import qlora_refusal
+
+    expected = None if installed is None else (
+        f"--quantization 4bit needs torch >= 2.12 and bitsandbytes >= 0.46 (installed: {installed}); "
+        "upgrade them or train LoRA without --quantization"
+    )
+    assert qlora_refusal(torch_version, bitsandbytes_version) == expected
+
+
+def test_qlora_is_refused_at_validation_where_the_installed_versions_lack_support():
+    from importlib.metadata import version
+
+    import torch
+
+    from llama_cp.quantize import installed_qlora_refusal
+
+    if installed_qlora_refusal() is None:
+        pytest.skip(f"torch {torch.__version__} and bitsandbytes {version('bitsandbytes')} run QLoRA")
+    with pytest.raises(ValueError) as error:
+        TrainConfig.from_flags(use_peft=True, quantization="4bit")
+    assert str(error.value) == installed_qlora_refusal()
+    assert str(error.value).startswith("--quantization 4bit needs torch >= 2.12 and bitsandbytes >= 0.46 (installed: ")

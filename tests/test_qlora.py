@@ -22,6 +22,12 @@ from torch.distributed.tensor import distribute_tensor
 from dist_harness import Checks, shared_tmpdir
 from fsdp_checks import FP32_CLOSE, SEQ_LEN, full_grad, full_param, global_batch, reference_loss, sharded_step, tiny_model
 
+from llama_cp.quantize import installed_qlora_refusal
+
+# Where QLoRA is refused (Note [QLoRA's version floor]; tests/test_config.py tests the refusal),
+# none of these can run.
+pytestmark = pytest.mark.skipif(installed_qlora_refusal() is not None, reason=str(installed_qlora_refusal()))
+
 WORLD_SIZE = 2
 LORA = dict(lora_r=4, lora_alpha=8, lora_target_modules="q_proj,v_proj,down_proj")
 checks = Checks()
