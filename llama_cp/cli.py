@@ -27,12 +27,13 @@ from llama_cp.config import TrainConfig
 INPUT_ERRORS = (ValueError, FileNotFoundError, KeyError, PermissionError)
 
 
-def run_cli(main: Callable, usage: str, argv: list[str] | None = None) -> None:
-    """Run ``main`` with fire on ``argv`` (default ``sys.argv[1:]``); see the module docstring."""
+def run_cli(main: Callable, usage: str, argv: list[str] | None = None, defaults: dict | None = None) -> None:
+    """Run ``main`` with fire on ``argv`` (default ``sys.argv[1:]``); see the module docstring.
+    ``defaults``: the command's own defaults of training flags, which ``--help`` shows."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         doc = inspect.getdoc(sys.modules[main.__module__]) or inspect.getdoc(main) or ""
-        print(f"usage: {usage}\n\n{doc}\n\n{TrainConfig.help()}")
+        print(f"usage: {usage}\n\n{doc}\n\n{TrainConfig.help(defaults)}")
         return
     debug = "--debug" in argv
     argv = [arg for arg in argv if arg != "--debug"]

@@ -246,10 +246,12 @@ class TrainConfig:
         return [(name, flat[name], docs[name]) for name in cls.flag_names()]
 
     @classmethod
-    def help(cls) -> str:
-        """The ``--help`` text: every flag with its default and doc."""
+    def help(cls, defaults: dict[str, Any] | None = None) -> str:
+        """The ``--help`` text: every flag with its default and doc; ``defaults`` are a
+        command's own defaults where they differ from the trainer's (the planner's)."""
         lines = ["flags (--config preset.yaml first, then --flag value; flags override the preset):"]
         for name, default, doc in cls.flag_docs():
+            default = (defaults or {}).get(name, default)
             shown = ",".join(default) if isinstance(default, tuple) else default
             lines.append(f"  --{name} (default {shown}): {doc}")
         return "\n".join(lines)
