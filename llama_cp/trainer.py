@@ -17,6 +17,7 @@ import math
 import os
 import resource
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -29,7 +30,7 @@ from llama_cp.build import model_path
 from llama_cp.config import TrainConfig
 from llama_cp.fsdp_wrap import export_pretrained
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens
-from llama_cp.mesh import init_distributed, submesh
+from llama_cp.mesh import init_distributed, local_peers, submesh
 from llama_cp.optim import build_optimizer
 from llama_cp.run_dir import (
     changed_settings, lock_output_dir, plot_losses, truncate_metrics, write_atomically, yaml_dump,
@@ -51,15 +52,44 @@ class TrainingStopped(RuntimeError):
 class CollectiveFailed(RuntimeError):
     """A collective timed out or lost a peer: another rank is stuck or gone (Note [Stuck ranks])."""
 
+    def __init__(self, message: str, local_peers: list[tuple[int, int, int]] = ()):
+        super().__init__(message)
+        self.local_peers = list(local_peers)
+
+    def end_job(self) -> None:
+        """After the message is out: end the job's other ranks on this machine and this process
+        now, without Python's teardown (see Note [Stuck ranks]). Does not return."""
+        from llama_cp.mesh import end_processes
+
+        end_processes(self.local_peers)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
 
 # Note [Stuck ranks]
 # ~~~~~~~~~~~~~~~~~~
 # A rank that stops answering (SIGSTOP, hung storage, a dead node) leaves the others
 # blocked in their next collective. --collective_timeout bounds that wait (it is the
 # process group's timeout, inherited by the mesh's groups); the rank that gives up
-# raises CollectiveFailed, naming itself and the step it was in, and exits, and
-# torchrun then ends the job. With gloo the failing collective raises; with NCCL its
-# watchdog aborts the process after the same timeout with NCCL's own report.
+# raises CollectiveFailed, naming itself, the step it was in and what the job's other
+# ranks on its machine are doing ("rank 1 is stopped"), and the command line prints it.
+# Then the job must end now, and two things would delay it:
+#
+#   timeout ──> message ──> Python's teardown ──> exit ──> torchrun: SIGTERM to the rest,
+#                           (GC of the model,              30 s for them to exit, SIGKILL
+#                            seconds on a busy CPU)        (a stopped rank ignores SIGTERM)
+#
+# so CollectiveFailed.end_job SIGKILLs the job's other ranks on this machine (pid and
+# start time exchanged at setup, so no other process can be hit; the healthy ones were
+# about to time out too) and leaves with os._exit(1). torchrun finds every worker gone
+# and ends the job at once: timeout + about a second (docs/reliability.md). The message
+# is printed before anything is killed, so when two ranks give up together, the first
+# to kill has already spoken. Other machines' ranks time out on their own and do the
+# same there (srun --kill-on-bad-exit ends a node whose only rank is the stuck one).
+# With gloo the failing collective raises; with NCCL its watchdog aborts the process
+# after the same timeout with NCCL's own report, and torchrun's --shutdown_timeout
+# (default 30 s) bounds the wait for a stopped rank.
 
 
 # Note [Stopping on a signal]
@@ -84,6 +114,7 @@ class Trainer:
         cfg = self.cfg
         self.device_type = init_distributed(timeout_s=cfg.collective_timeout)
         self.rank = dist.get_rank()
+        self._local_peers = local_peers() if dist.get_world_size() > 1 else []  # Note [Stuck ranks]
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
         )
@@ -250,7 +281,8 @@ class Trainer:
             return self._fit()
         except RuntimeError as error:
             if not getattr(error, "same_on_every_rank", False) and _is_collective_failure(error):
-                raise CollectiveFailed(self._collective_failure_message(error)) from error
+                peers = getattr(self, "_local_peers", [])
+                raise CollectiveFailed(self._collective_failure_message(error), peers) from error
             raise
         finally:
             if getattr(self, "_lock", None) is not None:
@@ -331,13 +363,17 @@ class Trainer:
 
     def _collective_failure_message(self, error: BaseException) -> str:
         from llama_cp.checkpoint import latest_checkpoint
+        from llama_cp.mesh import peer_states
 
         saved = latest_checkpoint(self.cfg.output_dir)
         reason = " ".join(str(error).split())
         reason = reason[reason.rfind("] ") + 2:] if "] " in reason else reason  # drop gloo's source location
+        states = peer_states(getattr(self, "_local_peers", []))
+        seen = "".join(f"; on this machine rank {rank} is {state}" for rank, state in sorted(states.items()))
         return (
             f"gave up waiting for a collective {self._where} ({reason[:200]}): another rank is stuck "
-            f"(stopped, hung I/O), died or lost its network; --collective_timeout is {self.cfg.collective_timeout:g} s. "
+            f"(stopped, hung I/O), died or lost its network{seen}; "
+            f"--collective_timeout is {self.cfg.collective_timeout:g} s. "
             + (f"The newest checkpoint is {saved}: resume with --resume once the faulty rank is gone"
                if saved else "No checkpoint was saved yet")
         )

@@ -238,8 +238,9 @@ def _intact(path) -> bool:
 
 def test_a_stopped_rank_ends_the_job_after_the_collective_timeout(tmp_path):
     """SIGSTOP one of two ranks (launched directly, as srun does): after --collective_timeout
-    the other gives up with one line naming itself, the step and the newest checkpoint,
-    which is intact; not gloo's 30-minute hang."""
+    the other gives up with one line naming itself, the step, the stopped rank and the
+    newest checkpoint, which is intact, and ends the stopped rank (Note [Stuck ranks]);
+    not gloo's 30-minute hang."""
     from llama_cp.mesh import free_port
 
     out, port = tmp_path / "run", str(free_port())
@@ -264,18 +265,52 @@ def test_a_stopped_rank_ends_the_job_after_the_collective_timeout(tmp_path):
         stopped = time.time()
         _, err = procs[0].communicate(timeout=120)
         waited = time.time() - stopped
+        procs[1].wait(timeout=5)  # rank 0 ended it
     finally:
         for p in procs:
             p.kill()
             p.communicate()
-    assert procs[0].returncode == 1 and 5 <= waited < 60, (procs[0].returncode, waited)
+    assert procs[0].returncode == 1 and procs[1].returncode == -signal.SIGKILL and 5 <= waited < 60, (
+        procs[0].returncode, procs[1].returncode, waited)
     found = re.findall(
-        r"^error \(rank 0\): gave up waiting for a collective in step (\d+) \(.+\): another rank is stuck .*"
-        r"--collective_timeout is 5 s\. The newest checkpoint is (\S+): resume with --resume", err, re.M,
+        r"^error \(rank 0\): gave up waiting for a collective in step (\d+) \(.+\): another rank is stuck .*; "
+        r"on this machine rank 1 is stopped; --collective_timeout is 5 s\. The newest checkpoint is (\S+): "
+        r"resume with --resume", err, re.M,
     )
     assert len(found) == 1, err[-3000:]
     step, saved = int(found[0][0]), found[0][1]
     assert step >= 4 and saved.endswith(f"step_{(step - 1) // 2 * 2:08d}") and _intact(saved), (step, saved)
+
+
+def test_a_stopped_rank_ends_the_torchrun_job_within_the_collective_timeout(tmp_path):
+    """SIGSTOP one of two torchrun workers with --collective_timeout 10: torchrun exits within
+    the timeout + 10 s (a step in flight, torchrun's own exit). It took the timeout + ~35 s:
+    rank 0's Python teardown, then torchrun's 30 s SIGTERM grace for the stopped rank."""
+    proc = _torchrun(tmp_path / "run", "--max_steps", "1000", "--save_every", "2", "--collective_timeout", "10")
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(tmp_path / "run" / "metrics.jsonl") and len(_metrics(tmp_path / "run")) >= 3:
+                break
+            time.sleep(0.05)
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert proc.poll() is None and len(workers) == 2, workers
+        os.kill(int(workers[-1]), signal.SIGSTOP)
+        stopped = time.time()
+        _, err = proc.communicate(timeout=120)
+        waited = time.time() - stopped
+    finally:
+        proc.kill()
+        for pid in workers:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    print(f"torchrun exited {waited:.1f} s after the SIGSTOP")
+    assert proc.returncode == 1 and 10 <= waited < 20, (proc.returncode, waited, err[-3000:])
+    assert len(re.findall(r"^error \(rank 0\): gave up waiting for a collective in step \d+ .*; on this machine "
+                          r"rank 1 is stopped; --collective_timeout is 10 s\.", err, re.M)) == 1, err[-3000:]
+    assert "forcefully exiting via 9" not in err  # torchrun had nothing left to SIGKILL after its grace period
 
 
 def test_a_full_disk_fails_the_save_and_keeps_the_last_checkpoint(tmp_path):
