@@ -485,14 +485,19 @@ class Trainer:
         from llama_cp.checkpoint import latest_checkpoint
 
         saved = latest_checkpoint(self.cfg.output_dir)
-        where = f"the newest checkpoint, {saved}, holds the last finite weights" if saved else "no checkpoint was saved"
+        if saved:
+            where = f"the newest checkpoint, {saved}, holds the last finite weights"
+            then = "then continue from it with --resume"
+        else:
+            where = "no checkpoint was saved, so there is nothing to resume"
+            then = "then start again (--overwrite, or another --output_dir)"
         if self.rank == 0:  # the plot marks the skipped steps
             plot_losses(os.path.join(self.cfg.output_dir, "metrics.jsonl"), os.path.join(self.cfg.output_dir, "loss.png"))
         raise TrainingStopped(
             f"loss or gradient norm was NaN/inf at steps {steps[0]}-{steps[-1]} ({len(steps)} steps in a row, "
             f"--max_nonfinite_steps {self.cfg.max_nonfinite_steps}); those steps changed no weight, and training "
-            f"stopped without saving or exporting; {where}. Lower --lr or --max_grad_norm, check the data, "
-            "then resume with --resume"
+            f"stopped without saving or exporting; {where}. Lower --lr (now {self.cfg.optim.lr:g}) or "
+            f"--max_grad_norm, or check the data, {then}"
         )
 
     def _build_reporter(self, step: int):
