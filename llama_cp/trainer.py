@@ -339,27 +339,15 @@ class Trainer:
 
     def _check_before_start(self) -> None:
         """What can be checked before any process group or model exists: a local model
-        directory has a tokenizer, and the parallel degrees multiply to the number of
-        processes (a single process, plain ``python -m`` or a notebook, asked for more is
-        told how to launch them)."""
+        directory has a tokenizer, and the parallel rules, every broken one in one message,
+        now that the number of processes is known (``ParallelConfig.check``)."""
         from llama_cp.models import check_tokenizer_files
 
         name = os.path.expanduser(self.cfg.model.model_name)
         if self.cfg.model.model_name != "embedded" and os.path.isdir(name):
             check_tokenizer_files(name)
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        p = self.cfg.parallel
-        try:
-            p.dims(world)
-        except ValueError as error:
-            if world > 1:
-                raise ValueError(f"{error}: choose --dp_replicate, --dp_shard and --cp for {world} processes") from None
-            needed = p.dp_replicate * max(p.dp_shard, 1) * p.cp
-            raise ValueError(
-                f"--cp {p.cp} --dp_shard {p.dp_shard} --dp_replicate {p.dp_replicate} need {needed} processes, "
-                f"and this is one: launch with torchrun --nproc_per_node {needed} -m recipes.finetune_longctx ... "
-                f"(or llama_cp.launcher.launch(cfg, nprocs={needed}) from a notebook)"
-            ) from None
+        self.cfg.parallel.check(self.cfg.data.context_length, world)
 
     def _collective_failure_message(self, error: BaseException) -> str:
         from llama_cp.checkpoint import latest_checkpoint

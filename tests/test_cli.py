@@ -63,6 +63,34 @@ def test_bad_input_is_one_line_before_anything_runs(flags, message, capsys, tmp_
     assert len(err.strip().splitlines()) == 1, err
 
 
+def test_every_broken_parallel_rule_is_in_one_message(monkeypatch, capsys, tmp_path):
+    """--cp 3 on 2 ranks breaks two rules (1024 tokens are not a multiple of 6; 2 ranks are not
+    a multiple of 3): both in the one line, not one after the other is fixed."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun --nproc_per_node 2 sets it
+    with pytest.raises(SystemExit):
+        run_cli(finetune_longctx.main, usage="x", argv=["--cp", "3", "--output_dir", str(tmp_path / "run")])
+    assert capsys.readouterr().err == (
+        "error: --context_length 1024 must be a multiple of 2 x cp = 6 (each row is split into 2 x cp equal "
+        "chunks); the padded length would be 1026: use --context_length 1026; and world_size(2) is not divisible "
+        "by dp_replicate(1) * cp(3), so dp_shard=-1 cannot be inferred: choose --dp_replicate, --dp_shard and --cp "
+        "for 2 processes (rerun with --debug for the traceback)\n")
+    # a single process (a notebook's Trainer, plain python -m): the launch hint joins the context rule
+    from llama_cp import Trainer
+
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    cfg = TrainConfig()
+    cfg.parallel.cp, cfg.output_dir = 3, str(tmp_path / "run")
+    with pytest.raises(ValueError) as error:
+        Trainer(cfg).fit()
+    assert str(error.value).startswith("--context_length 1024 must be a multiple of 2 x cp = 6 ") and str(
+        error.value).endswith("; and --cp 3 --dp_shard -1 --dp_replicate 1 need 3 processes, and this is one: launch "
+                              "with torchrun --nproc_per_node 3 -m recipes.finetune_longctx ... (or "
+                              "llama_cp.launcher.launch(cfg, nprocs=3) from a notebook)"), error.value
+    assert not (tmp_path / "run").exists()
+
+
 def test_model_directories_without_config_or_tokenizer_are_refused(capsys, tmp_path):
     from llama_cp.models import build_causal_lm, embedded_llama_config
 
