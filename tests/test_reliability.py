@@ -334,8 +334,44 @@ def test_a_full_disk_fails_the_save_and_keeps_the_last_checkpoint(tmp_path):
         assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
         assert re.fullmatch(
             rf"error: saving the checkpoint of step 2 in \S+\.tmp-step_00000002 failed: the filesystem is full "
-            rf"\([\d.]+ MiB free; the writer said: .*\)\. Nothing of it was kept; the newest checkpoint, {first}, is "
+            rf"\([\d.]+ MiB free; the writer said: (\[Errno 28\] No space left on device|unexpected pos \d+ vs \d+)\)\. Nothing of it was kept; "
+            rf"the newest checkpoint, {first}, is "
             r"intact\. Free space, lower --keep_last or choose another --output_dir, then --resume "
             r"\(rerun with --debug for the traceback\)", errors[0]), errors[0]
         assert os.listdir(out / "checkpoints") == ["step_00000001"] and _intact(first)
         assert not (out / "final").exists()
+
+
+def test_a_write_failure_is_described_without_traceback_text(tmp_path):
+    """DCP's CheckpointException prints a traceback per rank as its text; the message gives the
+    operating system's error behind it (or else the innermost error), on one line."""
+    import errno
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from llama_cp.checkpoint import describe_write_failure
+
+    def failed_save(system_error):
+        """DCP's exception for a rank whose zip writer failed (while handling ``system_error``)."""
+        try:
+            try:
+                if system_error is not None:
+                    raise system_error
+            finally:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        except RuntimeError as inner:
+            return CheckpointException("save failed", {0: (inner, traceback.extract_tb(inner.__traceback__))})
+
+    full = failed_save(OSError(errno.ENOSPC, "No space left on device"))
+    assert "Traceback" in str(full)  # what the message used to embed
+    message = describe_write_failure(full, "saving the checkpoint of step 2", str(tmp_path / ".tmp"), str(tmp_path))
+    assert re.fullmatch(
+        rf"saving the checkpoint of step 2 in {tmp_path}/\.tmp failed: the filesystem is full \([\d.]+ MiB free; the "
+        r"writer said: \[Errno 28\] No space left on device\)\. Nothing of it was kept; no earlier checkpoint exists\. "
+        r"Free space, lower --keep_last or choose another --output_dir, then --resume", message), message
+    for error, said in ((failed_save(OSError(errno.EIO, "Input/output error")), "[Errno 5] Input/output error"),
+                        (failed_save(None), "unexpected pos 704 vs 598")):
+        message = describe_write_failure(error, "exporting final", str(tmp_path / "final"), str(tmp_path))
+        assert message == (f"exporting final in {tmp_path / 'final'} failed: {said}. Nothing of it was kept; no earlier "
+                           "checkpoint exists. Fix the cause, then --resume"), message
