@@ -275,12 +275,16 @@ class Trainer:
         """Train to ``max_steps`` (or ``num_epochs``), evaluate, checkpoint and export. Returns the
         last metrics row (with the final eval)."""
         self._check_before_start()
-        self._claim_output_dir()
+        found = self._output_dir_before() if _global_rank() == 0 else None
         self._where = "while setting up"
         try:
+            self._claim_output_dir()
             return self._fit()
-        except RuntimeError as error:
-            if not getattr(error, "same_on_every_rank", False) and _is_collective_failure(error):
+        except BaseException as error:
+            if found is not None and self._where == "while setting up":
+                self._leave_output_dir_as_found(found)
+            if isinstance(error, RuntimeError) and not getattr(error, "same_on_every_rank", False) \
+                    and _is_collective_failure(error):
                 peers = getattr(self, "_local_peers", [])
                 raise CollectiveFailed(self._collective_failure_message(error), peers) from error
             raise
@@ -298,7 +302,10 @@ class Trainer:
         if self.rank == 0:
             truncate_metrics(metrics_path, step)
         self.reporter = self._build_reporter(step)
-        progress = tqdm(total=self.total_steps, initial=step, disable=self.rank != 0, desc="train", unit="step")
+        # a bar only on a terminal: in a log file (CI, SLURM, `2> file`) its carriage returns make a partial
+        # line per step; there the metrics row printed every --log_every steps is the progress
+        progress = tqdm(total=self.total_steps, initial=step, desc="train", unit="step",
+                        disable=self.rank != 0 or not sys.stderr.isatty())
         handlers = self._catch_stop_signals()
         try:
             row: dict[str, Any] = {}
@@ -365,6 +372,35 @@ class Trainer:
             + (f"The newest checkpoint is {saved}: resume with --resume once the faulty rank is gone"
                if saved else "No checkpoint was saved yet")
         )
+
+    def _output_dir_before(self) -> dict[str, Any]:
+        """What :meth:`_leave_output_dir_as_found` needs: whether output_dir and its .lock
+        existed, and the text of its config.yaml (None: there was none)."""
+        out = self.cfg.output_dir
+        config = os.path.join(out, "config.yaml")
+        text = None
+        if os.path.isfile(config):
+            with open(config) as f:
+                text = f.read()
+        return {"dir": os.path.isdir(out), "lock": os.path.exists(os.path.join(out, ".lock")), "config": text}
+
+    def _leave_output_dir_as_found(self, found: dict[str, Any]) -> None:
+        """A run that fails before its first step (bad data, model or flags found while setting
+        up) takes back what it wrote into output_dir: config.yaml, .lock, the directory itself."""
+        out = self.cfg.output_dir
+        config = os.path.join(out, "config.yaml")
+        if found["config"] is None:
+            if os.path.exists(config):
+                os.remove(config)
+        elif os.path.isfile(config):
+            write_atomically(config, found["config"])
+        if not found["lock"] and os.path.exists(os.path.join(out, ".lock")):
+            os.remove(os.path.join(out, ".lock"))
+        if not found["dir"]:
+            try:
+                os.rmdir(out)  # only when nothing else is in it
+            except OSError:
+                pass
 
     def _claim_output_dir(self) -> None:
         """One run per output_dir: refuse the checkpoints of an earlier run unless --resume or

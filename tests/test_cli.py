@@ -119,6 +119,24 @@ def test_an_empty_dataset_is_one_line(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert errors == [f"error: --dataset '{tmp_path / 'empty.jsonl'}' is empty: it holds no rows "
                       "(rerun with --debug for the traceback)"], result.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # refused before the run left anything (.lock, config.yaml)
+
+
+@pytest.mark.slow
+def test_a_log_file_gets_a_plain_line_every_log_every_steps(tmp_path):
+    """stdout and stderr not a terminal (CI, SLURM, `> file 2>&1`): no progress bar and its
+    carriage returns, only the metrics row every --log_every steps (tokens/s and memory in it)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "recipes.finetune_longctx", "--context_length", "128", "--max_steps", "4",
+         "--log_every", "2", "--num_passkey_samples", "8", "--num_eval_samples", "1", "--report_to", "none",
+         "--output_dir", str(tmp_path / "run")],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "\r" not in result.stdout + result.stderr and "train:" not in result.stderr, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("step=")]
+    assert [row.split()[0] for row in rows] == ["step=2", "step=4"], result.stdout
+    assert all(re.search(r" tokens_per_sec=[\d.]+ .*peak_memory_bytes=\d+", row) for row in rows), rows
 
 
 def test_debug_shows_the_traceback():
