@@ -282,7 +282,10 @@ class Trainer:
             return self._fit()
         except BaseException as error:
             if found is not None and self._where == "while setting up":
-                self._leave_output_dir_as_found(found)
+                try:
+                    self._leave_output_dir_as_found(found)
+                except OSError:  # the error being raised is the one to report
+                    pass
             if isinstance(error, RuntimeError) and not getattr(error, "same_on_every_rank", False) \
                     and _is_collective_failure(error):
                 peers = getattr(self, "_local_peers", [])
