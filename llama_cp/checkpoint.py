@@ -39,6 +39,7 @@ be resumed on another sharding of the same model.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -273,12 +274,9 @@ def describe_write_failure(error: BaseException | None, what: str, directory: st
         free = shutil.disk_usage(directory if os.path.exists(directory) else output_dir).free
     except OSError:
         free = None
-    reason = " ".join(str(error).split())[:300] if error is not None else "another rank failed to write"
-    chain, causes = [], error
-    while causes is not None:
-        chain.append(causes)
-        causes = causes.__cause__ or causes.__context__
-    full = any(getattr(e, "errno", None) == 28 for e in chain) or "no space left" in reason.lower() or (
+    chain = _errors_behind(error)
+    reason = _root_reason(chain) if chain else "another rank failed to write"
+    full = any(getattr(e, "errno", None) == errno.ENOSPC for e in chain) or "no space left" in reason.lower() or (
         free is not None and free < _NEARLY_FULL
     )
     if full:
@@ -287,6 +285,32 @@ def describe_write_failure(error: BaseException | None, what: str, directory: st
     kept = f"the newest checkpoint, {newest}, is intact" if newest else "no earlier checkpoint exists"
     fix = "free space, lower --keep_last or choose another --output_dir" if full else "fix the cause"
     return f"{what} in {directory} failed: {reason}. Nothing of it was kept; {kept}. {fix.capitalize()}, then --resume"
+
+
+def _errors_behind(error: BaseException | None) -> list[BaseException]:
+    """``error``, then what it wraps: causes, contexts, and the per-rank errors of DCP's
+    CheckpointException (whose own text is a traceback per rank)."""
+    found: list[BaseException] = []
+    todo = [error]
+    while todo:
+        current = todo.pop(0)
+        if current is None or any(current is seen for seen in found):
+            continue
+        found.append(current)
+        wrapped = [f[0] for f in getattr(current, "failures", {}).values() if isinstance(f, tuple) and f]
+        todo += [*wrapped, current.__cause__, current.__context__]
+    return found
+
+
+def _root_reason(chain: list[BaseException]) -> str:
+    """One line saying why a write failed: the operating system's error when there is one
+    ("[Errno 28] No space left on device"), else the innermost error's text without
+    torch's "[enforce fail at file:line]" prefix."""
+    system = [e for e in chain if isinstance(e, OSError) and e.strerror]
+    root = system[0] if system else next((e for e in reversed(chain) if not hasattr(e, "failures")), chain[-1])
+    text = " ".join(str(root).split()) if not hasattr(root, "failures") else ""
+    text = text.split("] . ", 1)[1] if text.startswith("[enforce fail at ") and "] . " in text else text
+    return text[:300] or type(root).__name__
 
 
 def _fail_together(failure: BaseException | None, what: str, tmp: str, output_dir: str) -> None:

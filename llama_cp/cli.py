@@ -9,7 +9,9 @@ status 1 and one line, ``error: <message>``, instead of a traceback; ``--debug``
 shows the traceback. Mistakes in the input (``ValueError``, ``FileNotFoundError``,
 ``KeyError``) and deliberate stops (``TrainingStopped``) happen on every rank
 alike, so only rank 0 prints them; anything else is printed by each rank it
-happens on, with the rank.
+happens on, with the rank. A rank that gave up on a stuck collective then ends the
+job's other ranks on its machine and itself at once (Note [Stuck ranks] in
+``llama_cp/trainer.py``).
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from llama_cp.config import TrainConfig
 INPUT_ERRORS = (ValueError, FileNotFoundError, KeyError, PermissionError)
 
 
-def run_cli(main: Callable, usage: str, argv: list[str] | None = None) -> None:
-    """Run ``main`` with fire on ``argv`` (default ``sys.argv[1:]``); see the module docstring."""
+def run_cli(main: Callable, usage: str, argv: list[str] | None = None, defaults: dict | None = None) -> None:
+    """Run ``main`` with fire on ``argv`` (default ``sys.argv[1:]``); see the module docstring.
+    ``defaults``: the command's own defaults of training flags, which ``--help`` shows."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         doc = inspect.getdoc(sys.modules[main.__module__]) or inspect.getdoc(main) or ""
-        print(f"usage: {usage}\n\n{doc}\n\n{TrainConfig.help()}")
+        print(f"usage: {usage}\n\n{doc}\n\n{TrainConfig.help(defaults)}")
         return
     debug = "--debug" in argv
     argv = [arg for arg in argv if arg != "--debug"]
@@ -48,4 +51,6 @@ def run_cli(main: Callable, usage: str, argv: list[str] | None = None) -> None:
             prefix = f"error (rank {rank})" if many else "error"
             message = " ".join(str(error).split()) or type(error).__name__
             print(f"{prefix}: {message} (rerun with --debug for the traceback)", file=sys.stderr, flush=True)
+        if callable(getattr(error, "end_job", None)):  # a stuck rank: end the whole job now (trainer.CollectiveFailed)
+            error.end_job()
         sys.exit(1)

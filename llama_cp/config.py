@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import os
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -57,6 +58,31 @@ class ParallelConfig:
     """Context-parallel degree: ranks that split one sequence."""
     cp_strategy: Literal["ring", "ulysses"] = "ring"
     """ring (any head count) or ulysses (num_attention_heads % cp == 0)."""
+
+    def check(self, context_length: int, world_size: int | None = None) -> None:
+        """ValueError naming every parallel rule broken, in one message: --context_length a
+        multiple of 2 x cp, and (when ``world_size`` is known) the degrees multiplying to it;
+        a single process asked for more is told how to launch them."""
+        problems = []
+        try:
+            check_context_length(context_length, self.cp)
+        except ValueError as error:
+            problems.append(str(error))
+        if world_size is not None:
+            try:
+                self.dims(world_size)
+            except ValueError as error:
+                if world_size > 1:
+                    problems.append(f"{error}: choose --dp_replicate, --dp_shard and --cp for {world_size} processes")
+                else:
+                    needed = self.dp_replicate * max(self.dp_shard, 1) * self.cp
+                    problems.append(
+                        f"--cp {self.cp} --dp_shard {self.dp_shard} --dp_replicate {self.dp_replicate} need {needed} "
+                        f"processes, and this is one: launch with torchrun --nproc_per_node {needed} -m "
+                        f"recipes.finetune_longctx ... (or llama_cp.launcher.launch(cfg, nprocs={needed}) from a notebook)"
+                    )
+        if problems:
+            raise ValueError("; and ".join(problems))
 
     def dims(self, world_size: int | None = None):
         """The validated :class:`~llama_cp.mesh.ParallelDims` of these degrees on ``world_size``
@@ -231,7 +257,9 @@ class TrainConfig:
                 "--frozen_dtype bfloat16 stores the frozen LoRA base weights in bf16, but without --use_peft "
                 "every weight is trained: add --use_peft or use --frozen_dtype auto"
             )
-        check_context_length(self.data.context_length, self.parallel.cp)
+        # the world size is known here when this process was launched as a rank (torchrun, srun, the launcher)
+        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        self.parallel.check(self.data.context_length, int(os.environ["WORLD_SIZE"]) if launched else None)
         from llama_cp.models import check_model_name
 
         check_model_name(self.model.model_name)
@@ -254,10 +282,12 @@ class TrainConfig:
         return [(name, flat[name], docs[name]) for name in cls.flag_names()]
 
     @classmethod
-    def help(cls) -> str:
-        """The ``--help`` text: every flag with its default and doc."""
+    def help(cls, defaults: dict[str, Any] | None = None) -> str:
+        """The ``--help`` text: every flag with its default and doc; ``defaults`` are a
+        command's own defaults where they differ from the trainer's (the planner's)."""
         lines = ["flags (--config preset.yaml first, then --flag value; flags override the preset):"]
         for name, default, doc in cls.flag_docs():
+            default = (defaults or {}).get(name, default)
             shown = ",".join(default) if isinstance(default, tuple) else default
             lines.append(f"  --{name} (default {shown}): {doc}")
         return "\n".join(lines)

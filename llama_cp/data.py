@@ -23,6 +23,7 @@ what crashed Megatron-LM's loader; documents are told apart by ``position_ids``.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -173,12 +174,30 @@ def _load_local(path: Path) -> datasets.Dataset | datasets.DatasetDict:
         raise ValueError(f"--dataset {str(path)!r} is empty: it holds no rows")
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
-        return datasets.load_dataset(builder, data_files=[str(file) for file in files], **options)
+        with _quiet_datasets():
+            return datasets.load_dataset(builder, data_files=[str(file) for file in files], **options)
     except Exception:
         if builder == "json":
             for file in files:
                 _check_json_file(file)  # names the file and line when that is what failed
         raise
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """datasets' own logging and progress bars off: on a bad file it logs its parser's error
+    (rows counted its own way) and draws bars on every rank; the error we raise says it once."""
+    from datasets.utils import logging as datasets_logging
+
+    verbosity, bars = datasets_logging.get_verbosity(), datasets_logging.is_progress_bar_enabled()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
+    datasets_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        datasets_logging.set_verbosity(verbosity)
+        if bars:
+            datasets_logging.enable_progress_bar()
 
 
 def _is_blank(file: Path) -> bool:

@@ -17,6 +17,7 @@ Flattened views:
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import warnings
 from dataclasses import dataclass
@@ -130,3 +131,74 @@ def init_distributed(timeout_s: float | None = None) -> str:
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
     return device_type
+
+
+# ----------------------------------------------------------------------------- ending a stuck job
+# See Note [Stuck ranks] in llama_cp/trainer.py.
+
+
+def local_peers() -> list[tuple[int, int, int]]:
+    """The job's other ranks on this machine as ``(rank, pid, start time)``; a collective over
+    the default group. Empty off Linux (no ``/proc``) or on a machine of its own.
+
+    Two ranks are on one machine when they share the kernel (its boot id) and the pid
+    namespace, so a pid means the same process to both; the start time (clock ticks since
+    boot) tells that process from a later one that got the same pid."""
+    me = _process_identity()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, me)
+    return [
+        (rank, found[1], found[2])
+        for rank, found in enumerate(everyone)
+        if me is not None and found is not None and found[0] == me[0] and rank != dist.get_rank()
+    ]
+
+
+def peer_states(peers: list[tuple[int, int, int]]) -> dict[int, str]:
+    """What each of ``local_peers()`` is doing now, when that can explain a stuck job:
+    ``"stopped"`` (SIGSTOP, a debugger), ``"in uninterruptible I/O"`` or ``"gone"``."""
+    words = {"T": "stopped", "t": "stopped", "D": "in uninterruptible I/O", "Z": "gone", "X": "gone"}
+    states = {}
+    for rank, pid, start in peers:
+        stat = _read_stat(pid)
+        state = "gone" if stat is None or stat[1] != start else words.get(stat[0])
+        if state is not None:
+            states[rank] = state
+    return states
+
+
+def end_processes(peers: list[tuple[int, int, int]]) -> list[int]:
+    """SIGKILL each ``(rank, pid, start time)`` that is still that process; returns their ranks."""
+    ended = []
+    for rank, pid, start in peers:
+        stat = _read_stat(pid)
+        if stat is None or stat[1] != start:  # gone, or the pid is another process's now
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            ended.append(rank)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return ended
+
+
+def _process_identity() -> tuple[tuple[str, int], int, int] | None:
+    """``((boot id, pid namespace), pid, start time)`` of this process; None without ``/proc``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    stat = _read_stat(os.getpid())
+    return None if stat is None else ((boot, namespace), os.getpid(), stat[1])
+
+
+def _read_stat(pid: int) -> tuple[str, int] | None:
+    """``(state letter, start time in clock ticks since boot)`` from ``/proc/<pid>/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "pid (name)", which may hold spaces
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[19])  # fields 3 and 22 of proc(5)

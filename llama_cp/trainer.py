@@ -17,6 +17,7 @@ import math
 import os
 import resource
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -29,7 +30,7 @@ from llama_cp.build import model_path
 from llama_cp.config import TrainConfig
 from llama_cp.fsdp_wrap import export_pretrained
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens
-from llama_cp.mesh import init_distributed, submesh
+from llama_cp.mesh import init_distributed, local_peers, submesh
 from llama_cp.optim import build_optimizer
 from llama_cp.run_dir import (
     check_resume_settings, lock_output_dir, plot_losses, truncate_metrics, write_atomically, yaml_dump,
@@ -51,15 +52,44 @@ class TrainingStopped(RuntimeError):
 class CollectiveFailed(RuntimeError):
     """A collective timed out or lost a peer: another rank is stuck or gone (Note [Stuck ranks])."""
 
+    def __init__(self, message: str, local_peers: list[tuple[int, int, int]] = ()):
+        super().__init__(message)
+        self.local_peers = list(local_peers)
+
+    def end_job(self) -> None:
+        """After the message is out: end the job's other ranks on this machine and this process
+        now, without Python's teardown (see Note [Stuck ranks]). Does not return."""
+        from llama_cp.mesh import end_processes
+
+        end_processes(self.local_peers)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
 
 # Note [Stuck ranks]
 # ~~~~~~~~~~~~~~~~~~
 # A rank that stops answering (SIGSTOP, hung storage, a dead node) leaves the others
 # blocked in their next collective. --collective_timeout bounds that wait (it is the
 # process group's timeout, inherited by the mesh's groups); the rank that gives up
-# raises CollectiveFailed, naming itself and the step it was in, and exits, and
-# torchrun then ends the job. With gloo the failing collective raises; with NCCL its
-# watchdog aborts the process after the same timeout with NCCL's own report.
+# raises CollectiveFailed, naming itself, the step it was in and what the job's other
+# ranks on its machine are doing ("rank 1 is stopped"), and the command line prints it.
+# Then the job must end now, and two things would delay it:
+#
+#   timeout ──> message ──> Python's teardown ──> exit ──> torchrun: SIGTERM to the rest,
+#                           (GC of the model,              30 s for them to exit, SIGKILL
+#                            seconds on a busy CPU)        (a stopped rank ignores SIGTERM)
+#
+# so CollectiveFailed.end_job SIGKILLs the job's other ranks on this machine (pid and
+# start time exchanged at setup, so no other process can be hit; the healthy ones were
+# about to time out too) and leaves with os._exit(1). torchrun finds every worker gone
+# and ends the job at once: timeout + about a second (docs/reliability.md). The message
+# is printed before anything is killed, so when two ranks give up together, the first
+# to kill has already spoken. Other machines' ranks time out on their own and do the
+# same there (srun --kill-on-bad-exit ends a node whose only rank is the stuck one).
+# With gloo the failing collective raises; with NCCL its watchdog aborts the process
+# after the same timeout with NCCL's own report, and torchrun's --shutdown_timeout
+# (default 30 s) bounds the wait for a stopped rank.
 
 
 # Note [Stopping on a signal]
@@ -133,6 +163,7 @@ class Trainer:
         self.peak_memory = PeakMemory(self.device_type)
         self.peak_memory.reset()  # start-up's window: not what ran before in this process (a notebook)
         self.rank = dist.get_rank()
+        self._local_peers = local_peers() if dist.get_world_size() > 1 else []  # Note [Stuck ranks]
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
         )
@@ -297,13 +328,21 @@ class Trainer:
         """Train to ``max_steps`` (or ``num_epochs``), evaluate, checkpoint and export. Returns the
         last metrics row (with the final eval)."""
         self._check_before_start()
+        found = self._output_dir_before() if _global_rank() == 0 else None
         self._where = "while setting up"
         try:
             self._claim_output_dir()  # inside: a refused run releases the output_dir's lock at once
             return self._fit()
-        except RuntimeError as error:
-            if not getattr(error, "same_on_every_rank", False) and _is_collective_failure(error):
-                raise CollectiveFailed(self._collective_failure_message(error)) from error
+        except BaseException as error:
+            if found is not None and self._where == "while setting up":
+                try:
+                    self._leave_output_dir_as_found(found)
+                except OSError:  # the error being raised is the one to report
+                    pass
+            if isinstance(error, RuntimeError) and not getattr(error, "same_on_every_rank", False) \
+                    and _is_collective_failure(error):
+                peers = getattr(self, "_local_peers", [])
+                raise CollectiveFailed(self._collective_failure_message(error), peers) from error
             raise
         finally:
             if getattr(self, "_lock", None) is not None:
@@ -319,7 +358,10 @@ class Trainer:
         if self.rank == 0:
             truncate_metrics(metrics_path, step)
         self.reporter = self._build_reporter(step)
-        progress = tqdm(total=self.total_steps, initial=step, disable=self.rank != 0, desc="train", unit="step")
+        # a bar only on a terminal: in a log file (CI, SLURM, `2> file`) its carriage returns make a partial
+        # line per step; there the metrics row printed every --log_every steps is the progress
+        progress = tqdm(total=self.total_steps, initial=step, desc="train", unit="step",
+                        disable=self.rank != 0 or not sys.stderr.isatty())
         handlers = self._catch_stop_signals()
         try:
             row: dict[str, Any] = {}
@@ -364,40 +406,61 @@ class Trainer:
 
     def _check_before_start(self) -> None:
         """What can be checked before any process group or model exists: a local model
-        directory has a tokenizer, and the parallel degrees multiply to the number of
-        processes (a single process, plain ``python -m`` or a notebook, asked for more is
-        told how to launch them)."""
+        directory has a tokenizer, and the parallel rules, every broken one in one message,
+        now that the number of processes is known (``ParallelConfig.check``)."""
         from llama_cp.models import check_tokenizer_files
 
         name = os.path.expanduser(self.cfg.model.model_name)
         if self.cfg.model.model_name != "embedded" and os.path.isdir(name):
             check_tokenizer_files(name)
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        p = self.cfg.parallel
-        try:
-            p.dims(world)
-        except ValueError as error:
-            if world > 1:
-                raise ValueError(f"{error}: choose --dp_replicate, --dp_shard and --cp for {world} processes") from None
-            needed = p.dp_replicate * max(p.dp_shard, 1) * p.cp
-            raise ValueError(
-                f"--cp {p.cp} --dp_shard {p.dp_shard} --dp_replicate {p.dp_replicate} need {needed} processes, "
-                f"and this is one: launch with torchrun --nproc_per_node {needed} -m recipes.finetune_longctx ... "
-                f"(or llama_cp.launcher.launch(cfg, nprocs={needed}) from a notebook)"
-            ) from None
+        self.cfg.parallel.check(self.cfg.data.context_length, world)
 
     def _collective_failure_message(self, error: BaseException) -> str:
         from llama_cp.checkpoint import latest_checkpoint
+        from llama_cp.mesh import peer_states
 
         saved = latest_checkpoint(self.cfg.output_dir)
         reason = " ".join(str(error).split())
         reason = reason[reason.rfind("] ") + 2:] if "] " in reason else reason  # drop gloo's source location
+        states = peer_states(getattr(self, "_local_peers", []))
+        seen = "".join(f"; on this machine rank {rank} is {state}" for rank, state in sorted(states.items()))
         return (
             f"gave up waiting for a collective {self._where} ({reason[:200]}): another rank is stuck "
-            f"(stopped, hung I/O), died or lost its network; --collective_timeout is {self.cfg.collective_timeout:g} s. "
+            f"(stopped, hung I/O), died or lost its network{seen}; "
+            f"--collective_timeout is {self.cfg.collective_timeout:g} s. "
             + (f"The newest checkpoint is {saved}: resume with --resume once the faulty rank is gone"
                if saved else "No checkpoint was saved yet")
         )
+
+    def _output_dir_before(self) -> dict[str, Any]:
+        """What :meth:`_leave_output_dir_as_found` needs: whether output_dir and its .lock
+        existed, and the text of its config.yaml (None: there was none)."""
+        out = self.cfg.output_dir
+        config = os.path.join(out, "config.yaml")
+        text = None
+        if os.path.isfile(config):
+            with open(config) as f:
+                text = f.read()
+        return {"dir": os.path.isdir(out), "lock": os.path.exists(os.path.join(out, ".lock")), "config": text}
+
+    def _leave_output_dir_as_found(self, found: dict[str, Any]) -> None:
+        """A run that fails before its first step (bad data, model or flags found while setting
+        up) takes back what it wrote into output_dir: config.yaml, .lock, the directory itself."""
+        out = self.cfg.output_dir
+        config = os.path.join(out, "config.yaml")
+        if found["config"] is None:
+            if os.path.exists(config):
+                os.remove(config)
+        elif os.path.isfile(config):
+            write_atomically(config, found["config"])
+        if not found["lock"] and os.path.exists(os.path.join(out, ".lock")):
+            os.remove(os.path.join(out, ".lock"))
+        if not found["dir"]:
+            try:
+                os.rmdir(out)  # only when nothing else is in it
+            except OSError:
+                pass
 
     def _claim_output_dir(self) -> None:
         """One run per output_dir: refuse an earlier run's artefacts unless --resume or
@@ -510,14 +573,19 @@ class Trainer:
         from llama_cp.checkpoint import latest_checkpoint
 
         saved = latest_checkpoint(self.cfg.output_dir)
-        where = f"the newest checkpoint, {saved}, holds the last finite weights" if saved else "no checkpoint was saved"
+        if saved:
+            where = f"the newest checkpoint, {saved}, holds the last finite weights"
+            then = "then continue from it with --resume"
+        else:
+            where = "no checkpoint was saved, so there is nothing to resume"
+            then = "then start again (--overwrite, or another --output_dir)"
         if self.rank == 0:  # the plot marks the skipped steps
             plot_losses(os.path.join(self.cfg.output_dir, "metrics.jsonl"), os.path.join(self.cfg.output_dir, "loss.png"))
         raise TrainingStopped(
             f"loss or gradient norm was NaN/inf at steps {steps[0]}-{steps[-1]} ({len(steps)} steps in a row, "
             f"--max_nonfinite_steps {self.cfg.max_nonfinite_steps}); those steps changed no weight, and training "
-            f"stopped without saving or exporting; {where}. Lower --lr or --max_grad_norm, check the data, "
-            "then resume with --resume"
+            f"stopped without saving or exporting; {where}. Lower --lr (now {self.cfg.optim.lr:g}) or "
+            f"--max_grad_norm, or check the data, {then}"
         )
 
     def _build_reporter(self, step: int):

@@ -197,4 +197,5 @@ def main(
 
 if __name__ == "__main__":
     run_cli(main, usage="python -m recipes.plan_memory [--config preset.yaml] [--num_gpus N] [--gpu_memory_gb G] "
-                        "[--headroom F] [--find_max_context] [--plot PNG] [--json] [--flag value ...] [--debug]")
+                        "[--headroom F] [--find_max_context] [--plot PNG] [--json] [--flag value ...] [--debug]",
+            defaults=PLAN_DEFAULTS)

@@ -23,6 +23,21 @@ def test_help_lists_every_flag_with_its_doc(module, flag, capsys):
         assert f"--{name} (default " in out and doc in out, name
 
 
+def test_plan_memory_help_shows_what_it_plans():
+    """``python -m recipes.plan_memory --help`` shows the planner's defaults (llama3-8b at
+    131072 tokens), not the trainer's: every flag's shown default is what a plan without
+    flags uses."""
+    result = subprocess.run([sys.executable, "-m", "recipes.plan_memory", "--help"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    planned = plan_memory.build_config(None, 8, {}).to_dict()
+    flat = {k: v for section in TrainConfig.SECTIONS for k, v in planned.pop(section).items()} | planned
+    assert flat["model_name"] == "llama3-8b" and flat["context_length"] == 131072
+    for name, value in flat.items():
+        shown = ",".join(value) if isinstance(value, tuple) else value
+        assert f"\n  --{name} (default {shown}): " in result.stdout, (name, shown)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--keep_last", "0"], "--keep_last must be >= 1, got 0"),
     (["--log_every", "0"], "--log_every must be >= 1, got 0"),
@@ -49,6 +64,34 @@ def test_bad_input_is_one_line_before_anything_runs(flags, message, capsys, tmp_
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_every_broken_parallel_rule_is_in_one_message(monkeypatch, capsys, tmp_path):
+    """--cp 3 on 2 ranks breaks two rules (1024 tokens are not a multiple of 6; 2 ranks are not
+    a multiple of 3): both in the one line, not one after the other is fixed."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun --nproc_per_node 2 sets it
+    with pytest.raises(SystemExit):
+        run_cli(finetune_longctx.main, usage="x", argv=["--cp", "3", "--output_dir", str(tmp_path / "run")])
+    assert capsys.readouterr().err == (
+        "error: --context_length 1024 must be a multiple of 2 x cp = 6 (each row is split into 2 x cp equal "
+        "chunks); the padded length would be 1026: use --context_length 1026; and world_size(2) is not divisible "
+        "by dp_replicate(1) * cp(3), so dp_shard=-1 cannot be inferred: choose --dp_replicate, --dp_shard and --cp "
+        "for 2 processes (rerun with --debug for the traceback)\n")
+    # a single process (a notebook's Trainer, plain python -m): the launch hint joins the context rule
+    from llama_cp import Trainer
+
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    cfg = TrainConfig()
+    cfg.parallel.cp, cfg.output_dir = 3, str(tmp_path / "run")
+    with pytest.raises(ValueError) as error:
+        Trainer(cfg).fit()
+    assert str(error.value).startswith("--context_length 1024 must be a multiple of 2 x cp = 6 ") and str(
+        error.value).endswith("; and --cp 3 --dp_shard -1 --dp_replicate 1 need 3 processes, and this is one: launch "
+                              "with torchrun --nproc_per_node 3 -m recipes.finetune_longctx ... (or "
+                              "llama_cp.launcher.launch(cfg, nprocs=3) from a notebook)"), error.value
+    assert not (tmp_path / "run").exists()
 
 
 def test_model_directories_without_config_or_tokenizer_are_refused(capsys, tmp_path):
@@ -79,6 +122,24 @@ def test_an_empty_dataset_is_one_line(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert errors == [f"error: --dataset '{tmp_path / 'empty.jsonl'}' is empty: it holds no rows "
                       "(rerun with --debug for the traceback)"], result.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # refused before the run left anything (.lock, config.yaml)
+
+
+@pytest.mark.slow
+def test_a_log_file_gets_a_plain_line_every_log_every_steps(tmp_path):
+    """stdout and stderr not a terminal (CI, SLURM, `> file 2>&1`): no progress bar and its
+    carriage returns, only the metrics row every --log_every steps (tokens/s and memory in it)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "recipes.finetune_longctx", "--context_length", "128", "--max_steps", "4",
+         "--log_every", "2", "--num_passkey_samples", "8", "--num_eval_samples", "1", "--report_to", "none",
+         "--output_dir", str(tmp_path / "run")],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "\r" not in result.stdout + result.stderr and "train:" not in result.stderr, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("step=")]
+    assert [row.split()[0] for row in rows] == ["step=2", "step=4"], result.stdout
+    assert all(re.search(r" tokens_per_sec=[\d.]+ .*peak_memory_bytes=\d+", row) for row in rows), rows
 
 
 def test_debug_shows_the_traceback():

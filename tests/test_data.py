@@ -294,12 +294,15 @@ def test_an_empty_file_is_refused_by_name(tmp_path, content):
         load_examples(str(tmp_path / "empty.json"))
 
 
-def test_malformed_json_names_the_line(tmp_path):
+def test_malformed_json_names_the_line(tmp_path, capfd):
     lines = ['{"text": "one"}', "", '{"text": "two"}', '{"text": "three"', '{"text": "four"}']
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join(lines) + "\n")
+    capfd.readouterr()
     with pytest.raises(ValueError, match=r"bad\.jsonl': line 4 is not valid JSON \(.*\): '\{\"text\": \"three\"'"):
         load_examples(str(bad))
+    # only our line: not datasets' "Failed to load JSON ... in row 2" (its own count) nor its progress bars
+    assert capfd.readouterr() == ("", "")
     array = tmp_path / "bad.json"
     array.write_text('[\n {"text": "one"},\n {"text": "two" oops}\n]\n')
     with pytest.raises(ValueError, match=r"bad\.json': invalid JSON at line 3, column"):

@@ -427,7 +427,9 @@ def nonfinite_steps_are_skipped_and_a_run_of_them_stops_training():
         # three in a row: stop with the steps named, no export, the saved checkpoint intact and finite
         failing = _nan_at({3, 4, 5})(_config(diverged, max_steps=8, save_every=2, keep_last=1))
         with pytest.raises(RuntimeError, match=r"NaN/inf at steps 3-5 \(3 steps in a row, --max_nonfinite_steps 3\)"
-                                               r".*step_00000002, holds the last finite weights"):
+                                               r".*step_00000002, holds the last finite weights\. Lower --lr \(now "
+                                               r"0\.003\) or --max_grad_norm, or check the data, then continue from "
+                                               r"it with --resume$"):
             failing.fit()
         assert [step for step, _ in complete_checkpoints(diverged)] == [2]
         assert not os.path.exists(os.path.join(diverged, "final"))
@@ -438,6 +440,13 @@ def nonfinite_steps_are_skipped_and_a_run_of_them_stops_training():
         assert os.path.getsize(os.path.join(diverged, "loss.png")) > 0
         drawn = plot_losses(os.path.join(diverged, "metrics.jsonl"), os.path.join(diverged, "again.png"))
         assert drawn["skipped"] == [3, 4, 5] and [step for step, _ in drawn["train"]] == [1, 2], drawn
+        # diverged before any checkpoint: --resume has nothing to start from, so it is not suggested
+        with tempfile.TemporaryDirectory() as unsaved, pytest.raises(RuntimeError) as stop:
+            _nan_at({1, 2, 3})(_config(unsaved, max_steps=8, save_every=4)).fit()
+        assert str(stop.value).endswith(
+            "no checkpoint was saved, so there is nothing to resume. Lower --lr (now 0.003) or --max_grad_norm, or "
+            "check the data, then start again (--overwrite, or another --output_dir)"), stop.value
+        assert "--resume" not in str(stop.value)
         # the skipped steps changed no weight: the model still holds step 2's weights, which equal
         # a clean run's step 2
         reference = Trainer(_config(straight, max_steps=2))

@@ -331,8 +331,9 @@ def _intact(path) -> bool:
 
 def test_a_stopped_rank_ends_the_job_after_the_collective_timeout(tmp_path):
     """SIGSTOP one of two ranks (launched directly, as srun does): after --collective_timeout
-    the other gives up with one line naming itself, the step and the newest checkpoint,
-    which is intact; not gloo's 30-minute hang."""
+    the other gives up with one line naming itself, the step, the stopped rank and the
+    newest checkpoint, which is intact, and ends the stopped rank (Note [Stuck ranks]);
+    not gloo's 30-minute hang."""
     from llama_cp.mesh import free_port
 
     out, port = tmp_path / "run", str(free_port())
@@ -357,18 +358,52 @@ def test_a_stopped_rank_ends_the_job_after_the_collective_timeout(tmp_path):
         stopped = time.time()
         _, err = procs[0].communicate(timeout=120)
         waited = time.time() - stopped
+        procs[1].wait(timeout=5)  # rank 0 ended it
     finally:
         for p in procs:
             p.kill()
             p.communicate()
-    assert procs[0].returncode == 1 and 5 <= waited < 60, (procs[0].returncode, waited)
+    assert procs[0].returncode == 1 and procs[1].returncode == -signal.SIGKILL and 5 <= waited < 60, (
+        procs[0].returncode, procs[1].returncode, waited)
     found = re.findall(
-        r"^error \(rank 0\): gave up waiting for a collective in step (\d+) \(.+\): another rank is stuck .*"
-        r"--collective_timeout is 5 s\. The newest checkpoint is (\S+): resume with --resume", err, re.M,
+        r"^error \(rank 0\): gave up waiting for a collective in step (\d+) \(.+\): another rank is stuck .*; "
+        r"on this machine rank 1 is stopped; --collective_timeout is 5 s\. The newest checkpoint is (\S+): "
+        r"resume with --resume", err, re.M,
     )
     assert len(found) == 1, err[-3000:]
     step, saved = int(found[0][0]), found[0][1]
     assert step >= 4 and saved.endswith(f"step_{(step - 1) // 2 * 2:08d}") and _intact(saved), (step, saved)
+
+
+def test_a_stopped_rank_ends_the_torchrun_job_within_the_collective_timeout(tmp_path):
+    """SIGSTOP one of two torchrun workers with --collective_timeout 10: torchrun exits within
+    the timeout + 10 s (a step in flight, torchrun's own exit). It took the timeout + ~35 s:
+    rank 0's Python teardown, then torchrun's 30 s SIGTERM grace for the stopped rank."""
+    proc = _torchrun(tmp_path / "run", "--max_steps", "1000", "--save_every", "2", "--collective_timeout", "10")
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(tmp_path / "run" / "metrics.jsonl") and len(_metrics(tmp_path / "run")) >= 3:
+                break
+            time.sleep(0.05)
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert proc.poll() is None and len(workers) == 2, workers
+        os.kill(int(workers[-1]), signal.SIGSTOP)
+        stopped = time.time()
+        _, err = proc.communicate(timeout=120)
+        waited = time.time() - stopped
+    finally:
+        proc.kill()
+        for pid in workers:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    print(f"torchrun exited {waited:.1f} s after the SIGSTOP")
+    assert proc.returncode == 1 and 10 <= waited < 20, (proc.returncode, waited, err[-3000:])
+    assert len(re.findall(r"^error \(rank 0\): gave up waiting for a collective in step \d+ .*; on this machine "
+                          r"rank 1 is stopped; --collective_timeout is 10 s\.", err, re.M)) == 1, err[-3000:]
+    assert "forcefully exiting via 9" not in err  # torchrun had nothing left to SIGKILL after its grace period
 
 
 def test_a_full_disk_fails_the_save_and_keeps_the_last_checkpoint(tmp_path):
@@ -392,8 +427,44 @@ def test_a_full_disk_fails_the_save_and_keeps_the_last_checkpoint(tmp_path):
         assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
         assert re.fullmatch(
             rf"error: saving the checkpoint of step 2 in \S+\.tmp-step_00000002 failed: the filesystem is full "
-            rf"\([\d.]+ MiB free; the writer said: .*\)\. Nothing of it was kept; the newest checkpoint, {first}, is "
+            rf"\([\d.]+ MiB free; the writer said: (\[Errno 28\] No space left on device|unexpected pos \d+ vs \d+)\)\. Nothing of it was kept; "
+            rf"the newest checkpoint, {first}, is "
             r"intact\. Free space, lower --keep_last or choose another --output_dir, then --resume "
             r"\(rerun with --debug for the traceback\)", errors[0]), errors[0]
         assert os.listdir(out / "checkpoints") == ["step_00000001"] and _intact(first)
         assert not (out / "final").exists()
+
+
+def test_a_write_failure_is_described_without_traceback_text(tmp_path):
+    """DCP's CheckpointException prints a traceback per rank as its text; the message gives the
+    operating system's error behind it (or else the innermost error), on one line."""
+    import errno
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from llama_cp.checkpoint import describe_write_failure
+
+    def failed_save(system_error):
+        """DCP's exception for a rank whose zip writer failed (while handling ``system_error``)."""
+        try:
+            try:
+                if system_error is not None:
+                    raise system_error
+            finally:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        except RuntimeError as inner:
+            return CheckpointException("save failed", {0: (inner, traceback.extract_tb(inner.__traceback__))})
+
+    full = failed_save(OSError(errno.ENOSPC, "No space left on device"))
+    assert "Traceback" in str(full)  # what the message used to embed
+    message = describe_write_failure(full, "saving the checkpoint of step 2", str(tmp_path / ".tmp"), str(tmp_path))
+    assert re.fullmatch(
+        rf"saving the checkpoint of step 2 in {tmp_path}/\.tmp failed: the filesystem is full \([\d.]+ MiB free; the "
+        r"writer said: \[Errno 28\] No space left on device\)\. Nothing of it was kept; no earlier checkpoint exists\. "
+        r"Free space, lower --keep_last or choose another --output_dir, then --resume", message), message
+    for error, said in ((failed_save(OSError(errno.EIO, "Input/output error")), "[Errno 5] Input/output error"),
+                        (failed_save(None), "unexpected pos 704 vs 598")):
+        message = describe_write_failure(error, "exporting final", str(tmp_path / "final"), str(tmp_path))
+        assert message == (f"exporting final in {tmp_path / 'final'} failed: {said}. Nothing of it was kept; no earlier "
+                           "checkpoint exists. Fix the cause, then --resume"), message
