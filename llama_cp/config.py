@@ -257,9 +257,11 @@ class TrainConfig:
                 "--frozen_dtype bfloat16 stores the frozen LoRA base weights in bf16, but without --use_peft "
                 "every weight is trained: add --use_peft or use --frozen_dtype auto"
             )
-        # the world size is known here when this process was launched as a rank (torchrun, srun, the launcher)
-        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        self.parallel.check(self.data.context_length, int(os.environ["WORLD_SIZE"]) if launched else None)
+        # The world size is known here when this process was launched as one of several ranks (torchrun,
+        # the launcher). WORLD_SIZE=1 says nothing: init_distributed sets it for a single process, and a
+        # notebook that trained in-process may go on to build a config for launch(cfg, nprocs=N).
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.parallel.check(self.data.context_length, world if world > 1 else None)
         from llama_cp.models import check_model_name
 
         check_model_name(self.model.model_name)

@@ -106,3 +106,14 @@ def test_qlora_is_refused_at_validation_where_the_installed_versions_lack_suppor
         TrainConfig.from_flags(use_peft=True, quantization="4bit")
     assert str(error.value) == installed_qlora_refusal()
     assert str(error.value).startswith("--quantization 4bit needs torch >= 2.12 and bitsandbytes >= 0.46 (installed: ")
+
+
+def test_a_config_for_several_ranks_builds_after_a_single_process_run(monkeypatch):
+    """init_distributed leaves RANK=0 WORLD_SIZE=1 in a notebook's environment after an in-process
+    run; a config for launch(cfg, nprocs=2) must still build there (the world is checked at launch)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert TrainConfig.from_flags(cp=2, context_length=64).parallel.cp == 2
+    monkeypatch.setenv("WORLD_SIZE", "2")  # one of two ranks: the world is known, and both rules are checked
+    with pytest.raises(ValueError, match=r"multiple of 2 x cp = 6.*; and world_size\(2\)"):
+        TrainConfig.from_flags(cp=3, context_length=64)
