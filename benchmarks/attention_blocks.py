@@ -2,7 +2,7 @@
 ``llama_cp/documents.py``): time and tracked peak memory of one causal forward+backward of
 the local attention, untiled against tiled, in one CPU process.
 
-    python benchmarks/attention_blocks.py                                  # sdpa_cpu, L = 8192
+    python benchmarks/attention_blocks.py                                  # sdpa_cpu, L = 4096
     python benchmarks/attention_blocks.py --backend math --seq_len 2048 --block_sizes 0,1024,512
 
 Shapes are one row of a small GQA model: 8 query heads, 2 KV heads, head size 64, fp32.
@@ -47,7 +47,7 @@ def measure(q, k, v, dout, *, backend: str, block_size: int, repeats: int) -> tu
     return statistics.median(times), peak["Total"]
 
 
-def main(backend: str = "sdpa_cpu", seq_len: int = 8192, block_sizes: str = "0,4096,2048,1024",
+def main(backend: str = "sdpa_cpu", seq_len: int = 4096, block_sizes: str = "0,2048,1024,512",
          repeats: int = 3, threads: int = 2) -> None:
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
