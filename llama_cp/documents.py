@@ -122,6 +122,11 @@ class Piece(NamedTuple):
     def rows(self) -> slice:
         return slice(None) if self.row is None else slice(self.row, self.row + 1)
 
+    @property
+    def queries(self) -> tuple[int | None, int, int]:
+        """Which queries the piece computes, as a key for grouping: (row, first, end)."""
+        return self.row, self.q.start, self.q.stop
+
 
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, L) position_ids -> (B, L): the row index where each token's document starts
@@ -176,7 +181,7 @@ def tiles(block: list[Piece], block_size: int) -> list[Piece]:
         return block
     result = []
     # pieces of one query slice (a span's full and causal pieces) are consecutive: tile them together
-    for (row, q_start, q_stop), group in itertools.groupby(block, key=lambda p: (p.row, p.q.start, p.q.stop)):
+    for (row, q_start, q_stop), group in itertools.groupby(block, key=lambda p: p.queries):
         group = list(group)
         for q0 in range(q_start, q_stop, block_size):
             q = slice(q0, min(q0 + block_size, q_stop))
@@ -211,7 +216,7 @@ def pieces_forward(
     acc = kernels.accumulation_dtype(q)
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    for _, group in itertools.groupby(block, key=lambda p: (p.row, p.q.start, p.q.stop)):
+    for _, group in itertools.groupby(block, key=lambda p: p.queries):
         group = list(group)
         rows, qs = group[0].rows, group[0].q
         query_out = torch.zeros_like(q[rows, :, qs], dtype=acc)
@@ -240,7 +245,7 @@ def pieces_backward(
     returns dq in q's dtype, accumulated in float32 per query slice (Note [Tiled attention])."""
     acc = kernels.accumulation_dtype(q)
     result = None if dq is not None else torch.zeros_like(q)
-    for _, group in itertools.groupby(block, key=lambda p: (p.row, p.q.start, p.q.stop)):
+    for _, group in itertools.groupby(block, key=lambda p: p.queries):
         group = list(group)
         rows, qs = group[0].rows, group[0].q
         query_dq = dq[rows, :, qs] if dq is not None else torch.zeros_like(q[rows, :, qs], dtype=acc)
