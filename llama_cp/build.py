@@ -51,7 +51,8 @@ def parallelize_model(model: nn.Module, cfg: TrainConfig, mesh, *, device_type: 
     """Turn an HF causal LM (real or on the meta device) into the model the trainer runs, in
     this order: the base Linear layers in 4-bit NF4 (``--quantization 4bit``) -> LoRA adapters
     (peft, with ``--use_peft``) -> frozen weights in their storage dtype (``--frozen_dtype``)
-    -> context-parallel attention over ``mesh["cp"]`` -> the chunked loss path -> tiled MLPs
+    -> context-parallel attention over ``mesh["cp"]`` (kernel calls of ``--attention_block_size``
+    tokens) -> the chunked loss path -> tiled MLPs
     and norms (``--mlp_tile_size``, ``--norm_tile_size``) -> FSDP2 over ``dp_shard x cp`` (with
     activation checkpointing, and its inputs offloaded with ``--offload_checkpoints``).
     The compute dtype is ``--dtype`` on ``device_type`` (default: the mesh's; the planner
@@ -79,6 +80,7 @@ def parallelize_model(model: nn.Module, cfg: TrainConfig, mesh, *, device_type: 
     apply_context_parallel(
         model, mesh["cp"], strategy=cfg.parallel.cp_strategy, max_seq_len=cfg.data.context_length,
         document_mask=cfg.data.document_mask, backend=None if backend == "auto" else backend,
+        block_size=cfg.model.attention_block_size,
     )
     enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
     if cfg.model.mlp_tile_size:

@@ -44,6 +44,8 @@ class ModelConfig:
     """Compute each decoder MLP in tiles of this many tokens, the backward recomputing one tile at a time (exact); 0 = off."""
     norm_tile_size: int = 0
     """Compute the decoder's RMSNorm/LayerNorms (per layer and final) in tiles of this many tokens, recomputed per tile in backward (exact); 0 = off."""
+    attention_block_size: int = 16384
+    """Tokens per query block and per key block of every local attention kernel call (cp 1, each ring step, Ulysses, packed documents), so the kernels' float32 and GQA-expanded workspaces are per block, not per sequence (exact); 0 = one call per block; the default 16384 keeps flash-attn's backward workspace at ~0.5 GiB for Llama-3-8B."""
     attention_backend: Literal["auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"] = "auto"
     """Local attention kernel; auto = the fastest that runs (flash_attn > sdpa_flash > sdpa_efficient on CUDA, sdpa_cpu on CPU). A choice that cannot run (device, dtype, head size, flash-attn missing) is refused at start."""
 
@@ -301,7 +303,7 @@ class TrainConfig:
 #: Lower bounds of the numeric flags, checked before anything is built.
 _MINIMUMS = {
     "context_length": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "loss_chunk_size": 0, "cp": 1,
-    "mlp_tile_size": 0, "norm_tile_size": 0,
+    "mlp_tile_size": 0, "norm_tile_size": 0, "attention_block_size": 0,
     "dp_replicate": 1, "lora_r": 1, "num_passkey_samples": 1, "num_eval_samples": 1, "num_epochs": 1,
     "max_steps": 0, "warmup_steps": 0, "save_every": 0, "eval_every": 0, "keep_last": 1, "log_every": 1,
     "max_nonfinite_steps": 1,

@@ -46,7 +46,9 @@ all-to-all. It needs heads % cp == 0; K/V heads are repeated only as much as
 the split needs (cp / gcd(kv_heads, cp) times).
 
 Packed documents (position_ids that restart) change only which pairs each block
-computes: see Note [Document masks under CP] in ``llama_cp/documents.py``.
+computes: see Note [Document masks under CP] in ``llama_cp/documents.py``. A
+step's block longer than ``block_size`` is computed in tiles: Note [Tiled
+attention] there.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from llama_cp import kernels
-from llama_cp.documents import DocumentLayout, document_attention, document_starts, pieces_backward, pieces_forward
+from llama_cp.documents import (
+    DocumentLayout, Piece, document_starts, pieces_attention, pieces_backward, pieces_forward, tiles,
+)
 from llama_cp.families import check_supported
 from llama_cp.kernels import Backend
 from llama_cp.models import base_causal_lm
@@ -123,12 +127,14 @@ def ring_forward(
     scale: float,
     backend: Backend | None = None,
     documents: DocumentLayout | None = None,
+    block_size: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zigzag ring attention forward; see Note [Zigzag ring attention].
 
     q: (B, H, S, D), k/v: (B, Hkv, S, D), the rank's two zigzag chunks.
     Returns out (B, H, S, D) in q's dtype and lse (B, H, S) in float32.
-    With ``documents`` only the pairs of Note [Document masks under CP] are computed.
+    With ``documents`` only the pairs of Note [Document masks under CP] are computed;
+    ``block_size``: kernel calls of at most that many queries x keys (Note [Tiled attention]).
     """
     half = q.shape[2] // 2
     kv = torch.stack([k, v])  # (2, B, Hkv, S, D): one message per step
@@ -137,9 +143,12 @@ def ring_forward(
         if step + 1 < comm.size:
             next_kv = comm.send_recv(kv)
         k_blk, v_blk = kv[0], kv[1]
-        if documents is not None:
-            block = documents.ring_pieces((comm.rank - step) % comm.size)
-            out, lse = pieces_forward(q, k_blk, v_blk, block, scale=scale, backend=backend, out=out, lse=lse)
+        block = _ring_step_pieces(comm.rank, comm.size, step, q.shape[2], causal, documents, block_size)
+        if block is not None:
+            if out is None:  # rows start empty: merge_block takes a block's values into them
+                out = torch.zeros_like(q, dtype=kernels.accumulation_dtype(q))
+                lse = torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
+            pieces_forward(q, k_blk, v_blk, block, scale=scale, backend=backend, out=out, lse=lse)
         elif step == 0:
             block_out, lse = kernels.attention_forward(q, k_blk, v_blk, causal=causal, scale=scale, backend=backend)
             out = block_out.to(kernels.accumulation_dtype(q))
@@ -176,9 +185,10 @@ def ring_backward(
     scale: float,
     backend: Backend | None = None,
     documents: DocumentLayout | None = None,
+    block_size: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Zigzag ring attention backward; see Note [Zigzag ring attention] (and Note [Document
-    masks under CP] with ``documents``)."""
+    masks under CP] with ``documents``, Note [Tiled attention] with ``block_size``)."""
     size, half = comm_kv.size, q.shape[2] // 2
     acc = kernels.accumulation_dtype(q)
     dq = torch.zeros_like(q, dtype=acc)
@@ -189,8 +199,8 @@ def ring_backward(
             next_kv = comm_kv.send_recv(kv)
         k_blk, v_blk = kv[0], kv[1]
         dkv = torch.zeros_like(kv, dtype=acc)  # this rank's share of the block's dK/dV
-        if documents is not None:
-            block = documents.ring_pieces((comm_kv.rank - step) % size)
+        block = _ring_step_pieces(comm_kv.rank, size, step, q.shape[2], causal, documents, block_size)
+        if block is not None:
             pieces_backward(
                 dout, q, k_blk, v_blk, out, lse, block, scale=scale, backend=backend, dq=dq, dk=dkv[0], dv=dkv[1]
             )
@@ -228,14 +238,35 @@ def ring_backward(
     return dq.to(q.dtype), dkv_in_flight[0].to(k.dtype), dkv_in_flight[1].to(v.dtype)
 
 
+def _ring_step_pieces(
+    rank: int, size: int, step: int, seq_len: int, causal: bool, documents: DocumentLayout | None, block_size: int
+) -> list[Piece] | None:
+    """The kernel calls of ring step ``step`` on ``rank`` of ``size`` as pieces, tiled to
+    ``block_size``; None when the step is one untiled call (the ring's own branches)."""
+    if documents is not None:
+        return tiles(documents.ring_pieces((rank - step) % size), block_size)
+    if not block_size or seq_len <= block_size:
+        return None
+    whole, half = slice(0, seq_len), seq_len // 2
+    if step == 0 or not causal:
+        block = Piece(None, whole, whole, causal and step == 0)
+    elif step <= rank:  # Note [Zigzag ring attention]: from an earlier rank, all q vs its first chunk
+        block = Piece(None, whole, slice(0, half), False)
+    else:  # from a later rank: our late chunk vs all of it
+        block = Piece(None, slice(half, seq_len), whole, False)
+    return tiles([block], block_size)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend, documents):
+    def forward(ctx, q, k, v, group, causal, scale, backend, documents, block_size):
         out, lse = ring_forward(
-            RingComm(group), q, k, v, causal=causal, scale=scale, backend=backend, documents=documents
+            RingComm(group), q, k, v, causal=causal, scale=scale, backend=backend, documents=documents,
+            block_size=block_size,
         )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.documents = group, causal, scale, backend, documents
+        ctx.block_size = block_size
         return out
 
     @staticmethod
@@ -244,11 +275,23 @@ class _RingAttention(torch.autograd.Function):
         dq, dk, dv = ring_backward(
             RingComm(ctx.group, tag=0), RingComm(ctx.group, tag=1), dout, q, k, v, out, lse,
             causal=ctx.causal, scale=ctx.scale, backend=ctx.backend, documents=ctx.documents,
+            block_size=ctx.block_size,
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- local block
+def local_attention(q, k, v, *, causal: bool, scale: float, backend: Backend | None, block_size: int,
+                    block: list[Piece] | None = None):
+    """Attention of one process (cp 1, or Ulysses' local heads): ``block``'s pieces (documents)
+    or the whole (q, k, v), in tiles of ``block_size`` (Note [Tiled attention]). Differentiable."""
+    if block is None:
+        if not block_size or max(q.shape[2], k.shape[2]) <= block_size:
+            return _LocalAttention.apply(q, k, v, causal, scale, backend)
+        block = [Piece(None, slice(0, q.shape[2]), slice(0, k.shape[2]), causal)]
+    return pieces_attention(q, k, v, tiles(block, block_size), scale=scale, backend=backend)
+
+
 class _LocalAttention(torch.autograd.Function):
     """Attention over the whole (local) sequence with the ``kernels`` backend."""
 
@@ -320,18 +363,17 @@ class _AllToAll(torch.autograd.Function):
 
 def ulysses_attention(
     q, k, v, group, *, causal: bool, scale: float, backend: Backend | None = None,
-    documents: DocumentLayout | None = None,
+    documents: DocumentLayout | None = None, block_size: int = 0,
 ):
     """Ulysses attention; q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) zigzag shards. Differentiable.
-    With ``documents``, causal attention within each document of the gathered row."""
+    With ``documents``, causal attention within each document of the gathered row; ``block_size``:
+    Note [Tiled attention]."""
     cp = dist.get_world_size(group)
     kv_repeat = cp // math.gcd(k.shape[1], cp)  # make the KV heads split evenly across cp
     k, v = kernels._expand_kv(k, kv_repeat), kernels._expand_kv(v, kv_repeat)
     q, k, v = (_AllToAll.apply(t, group, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
-    if documents is None:
-        out = _LocalAttention.apply(q, k, v, causal, scale, backend)
-    else:
-        out = document_attention(q, k, v, documents.full_row_pieces(), scale=scale, backend=backend)
+    block = None if documents is None else documents.full_row_pieces()
+    out = local_attention(q, k, v, causal=causal, scale=scale, backend=backend, block_size=block_size, block=block)
     return _AllToAll.apply(out, group, _heads_to_seq, _seq_to_heads)
 
 
@@ -344,6 +386,8 @@ class ContextParallelAttention:
     strategy: Strategy
     backend: Backend | None = None
     document_mask: bool = True
+    #: tokens per query block and per key block of every local kernel call; 0: one call per block
+    block_size: int = 0
 
     @property
     def cp_size(self) -> int:
@@ -367,18 +411,20 @@ class ContextParallelAttention:
         if documents is not None and not causal:
             raise ValueError("document masks are causal; got a non-causal attention call with documents")
         if self.cp_size == 1:
-            if documents is not None:
-                return document_attention(q, k, v, documents.ring_pieces(0), scale=scale, backend=self.backend)
-            return _LocalAttention.apply(q, k, v, causal, scale, self.backend)
+            block = None if documents is None else documents.ring_pieces(0)
+            return local_attention(
+                q, k, v, causal=causal, scale=scale, backend=self.backend, block_size=self.block_size, block=block
+            )
         if self.strategy == "ring":
             if q.shape[2] % 2:
                 raise ValueError(
                     f"ring attention needs an even local sequence length (two zigzag chunks), got {q.shape[2]}; "
                     "shard the batch with llama_cp.shard_batch"
                 )
-            return _RingAttention.apply(q, k, v, self.group, causal, scale, self.backend, documents)
+            return _RingAttention.apply(q, k, v, self.group, causal, scale, self.backend, documents, self.block_size)
         return ulysses_attention(
-            q, k, v, self.group, causal=causal, scale=scale, backend=self.backend, documents=documents
+            q, k, v, self.group, causal=causal, scale=scale, backend=self.backend, documents=documents,
+            block_size=self.block_size,
         )
 
 
@@ -497,6 +543,7 @@ def apply_context_parallel(
     backend: Backend | None = None,
     max_seq_len: int | None = None,
     document_mask: bool = True,
+    block_size: int = 0,
 ) -> nn.Module:
     """Make every attention layer of an HF Llama-family ``model`` context-parallel over ``cp_mesh``.
 
@@ -511,6 +558,10 @@ def apply_context_parallel(
     document, as single-process transformers does (Note [Document masks under CP]).
     ``False``: every token attends to all earlier tokens of the row.
 
+    ``block_size`` (``--attention_block_size``): every local kernel call covers at most that
+    many queries x keys, so its workspace is per block, not per sequence (Note [Tiled
+    attention] in ``llama_cp/documents.py``); 0: one call per block of the strategy.
+
     Models llama-cp cannot compute exactly are refused here (``llama_cp.families``);
     ``max_seq_len``, the longest global sequence to come, lets a sliding window be
     checked now rather than at the first forward. A padding attention mask is refused
@@ -522,6 +573,8 @@ def apply_context_parallel(
         raise ValueError(f"unknown cp strategy {strategy!r}; choose one of {STRATEGIES}")
     if backend is not None and backend not in kernels.BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {kernels.BACKENDS}")
+    if block_size < 0:
+        raise ValueError(f"attention block_size must be >= 0 (0 = untiled), got {block_size}")
     check_supported(model, max_seq_len=max_seq_len)
     group = cp_mesh.get_group() if isinstance(cp_mesh, DeviceMesh) else cp_mesh
     cp = 1 if group is None else dist.get_world_size(group)
@@ -538,7 +591,8 @@ def apply_context_parallel(
         raise ValueError(f"found no attention layers (modules with q_proj and o_proj) in {type(model).__name__}")
 
     attention = ContextParallelAttention(
-        group=group if cp > 1 else None, strategy=strategy, backend=backend, document_mask=document_mask
+        group=group if cp > 1 else None, strategy=strategy, backend=backend, document_mask=document_mask,
+        block_size=block_size,
     )
     decoder = base_causal_lm(model).get_decoder()
     for module in (*layers, decoder):

@@ -33,10 +33,56 @@ documents do far less work than one document of the same length. Each piece
 runs through ``llama_cp.kernels`` and the pieces of a row are merged by their
 log-sum-exp (``kernels.merge_block``), starting from out = 0, lse = -inf. The
 backward of a piece takes the final (out, lse) of its rows, as the ring does.
+Pieces longer than ``--attention_block_size`` are cut into tiles: Note [Tiled
+attention].
+
+Note [Tiled attention]
+======================
+
+A kernel call over Sq queries and Sk keys allocates workspace in proportion to
+them: flash-attn's backward a float32 dq_accum [B, round_up(Sq, 128), H, D] and,
+with GQA, dK/dV expanded to every query head [B, Sk, H, D]; torch's SDPA ops K/V
+expanded to every query head (``kernels._expand_kv``); the math kernel the whole
+(Sq, Sk) score matrix. At cp 1 a call covers the whole sequence, so for
+Llama-3-8B (32 heads of 128, 8 KV heads) at 512K tokens that is 8 GiB of
+dq_accum and 8 GiB of expanded dK/dV. ``tiles`` cuts every piece (a whole
+block is one piece) into kernel calls of at most ``block_size`` queries x
+``block_size`` keys: a full piece into a grid, a causal square into causal
+squares on its diagonal and full tiles below it, the tiles above skipped
+(block_size 3, a causal square of 8 queries x 8 keys; c: causal tile, f: full
+tile):
+
+    keys:    0..2  3..5  6..7
+    q 0..2   [ c ]
+    q 3..5   [ f ] [ c ]
+    q 6..7   [ f ] [ f ] [c]
+
+The tiles are queries-outer: all tiles of one query block follow each other.
+Per block (the kernel's workspace, and the fp32 accumulators of one query
+block): at 16384 tokens for 8B, dq_accum 16384 x 32 x 128 x 4 B = 256 MiB and
+the expanded dK/dV 2 x 16384 x 32 x 128 x 2 B = 256 MiB. Per sequence, as
+without tiles: q, k, v, out (input dtype) and lse, which attention saves for
+backward anyway, and the dK/dV sums in float32 at the KV head count (4 GiB at
+512K for 8B, half the expanded bf16 ones): every query block adds to every
+key, so they cannot be finished block by block. The output and dQ of a query
+block are accumulated in float32 over its tiles and written in the input dtype
+when the block is done, so the fp32 output of the whole sequence (8 GiB at 512K)
+never exists; in the ring, tiles merge straight into the ring's own fp32
+accumulators, which span the local shard anyway (Note [Zigzag ring attention]).
+Exact: the tiles' results merge by log-sum-exp as the pieces do, and each
+tile's backward takes the final (out, lse) of its rows.
+
+The default block, 16384 (``--attention_block_size``), bounds that workspace at
+~0.5 GiB for 8B while costing nothing measurable: blocks up to 16384 local
+tokens take the untiled path unchanged, the FLOPs are the same (causal kernels
+skip the tiles above the diagonal too), and a 16384 x 16384 call is far larger
+than the kernels' own 128-row tiles, so only the merges and the fp32 query-block
+accumulators are extra, ~1/16384 of the attention's work.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -64,12 +110,22 @@ class Chunk(NamedTuple):
 
 
 class Piece(NamedTuple):
-    """One call of the local kernel: queries ``q`` x keys ``k`` (local slices) of batch row ``row``."""
+    """One call of the local kernel: queries ``q`` x keys ``k`` (local slices) of batch row ``row``
+    (None: every row)."""
 
-    row: int
+    row: int | None
     q: slice
     k: slice
     causal: bool
+
+    @property
+    def rows(self) -> slice:
+        return slice(None) if self.row is None else slice(self.row, self.row + 1)
+
+    @property
+    def queries(self) -> tuple[int | None, int, int]:
+        """Which queries the piece computes, as a key for grouping: (row, first, end)."""
+        return self.row, self.q.start, self.q.stop
 
 
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -118,43 +174,93 @@ def pieces(query_spans: list[list[Span]], chunks: list[Chunk]) -> list[Piece]:
     return result
 
 
+def tiles(block: list[Piece], block_size: int) -> list[Piece]:
+    """``block`` cut into kernel calls of at most ``block_size`` queries x ``block_size`` keys,
+    queries-outer (Note [Tiled attention]); ``block`` itself when no piece is longer (or 0)."""
+    if not block_size or all(max(p.q.stop - p.q.start, p.k.stop - p.k.start) <= block_size for p in block):
+        return block
+    result = []
+    # pieces of one query slice (a span's full and causal pieces) are consecutive: tile them together
+    for (row, q_start, q_stop), group in itertools.groupby(block, key=lambda p: p.queries):
+        group = list(group)
+        for q0 in range(q_start, q_stop, block_size):
+            q = slice(q0, min(q0 + block_size, q_stop))
+            for piece in group:
+                if not piece.causal:
+                    result += [Piece(row, q, slice(k0, min(k0 + block_size, piece.k.stop)), False)
+                               for k0 in range(piece.k.start, piece.k.stop, block_size)]
+                    continue
+                shift = piece.k.start - q_start  # a causal piece is square: key q_start + i is query i's own
+                result += [Piece(row, q, slice(k0, k0 + block_size), False)
+                           for k0 in range(piece.k.start, q0 + shift, block_size)]
+                result.append(Piece(row, q, slice(q.start + shift, q.stop + shift), True))
+    return result
+
+
 def pieces_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: list[Piece], *, scale: float,
     backend: Backend | None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of the pieces of one block, merged into the running (out, lse) in place.
+    """Attention of the pieces of one block. q: (B, H, Sq, D), k/v: (B, Hkv, Sk, D).
 
-    q: (B, H, Sq, D), k/v: (B, Hkv, Sk, D). ``out`` (accumulation dtype) and ``lse``
-    start as zeros and -inf when not given; rows that see nothing keep them.
+    With ``out`` (accumulation dtype) and ``lse`` given, merges into them in place (the ring).
+    Without, returns out in q's dtype and lse, each query slice accumulated in float32 over
+    its pieces (consecutive in ``block``) and then written (Note [Tiled attention]); rows
+    that see nothing get out = 0, lse = -inf.
     """
-    if out is None:
-        out = torch.zeros_like(q, dtype=kernels.accumulation_dtype(q))
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
-    for piece in block:
-        r = slice(piece.row, piece.row + 1)
-        block_out, block_lse = kernels.attention_forward(
-            q[r, :, piece.q], k[r, :, piece.k], v[r, :, piece.k], causal=piece.causal, scale=scale, backend=backend
-        )
-        kernels.merge_block(out[r, :, piece.q], lse[r, :, piece.q], block_out, block_lse)
+    if out is not None:
+        for piece in block:
+            block_out, block_lse = _piece_forward(q, k, v, piece, scale, backend)
+            kernels.merge_block(out[piece.rows, :, piece.q], lse[piece.rows, :, piece.q], block_out, block_lse)
+        return out, lse
+    acc = kernels.accumulation_dtype(q)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    for _, group in itertools.groupby(block, key=lambda p: p.queries):
+        group = list(group)
+        rows, qs = group[0].rows, group[0].q
+        query_out = torch.zeros_like(q[rows, :, qs], dtype=acc)
+        query_lse = torch.full(query_out.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        for piece in group:
+            kernels.merge_block(query_out, query_lse, *_piece_forward(q, k, v, piece, scale, backend))
+        out[rows, :, qs] = query_out
+        lse[rows, :, qs] = query_lse
     return out, lse
+
+
+def _piece_forward(q, k, v, piece: Piece, scale, backend):
+    r = piece.rows
+    return kernels.attention_forward(
+        q[r, :, piece.q], k[r, :, piece.k], v[r, :, piece.k], causal=piece.causal, scale=scale, backend=backend
+    )
 
 
 def pieces_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, block: list[Piece], *, scale: float, backend: Backend | None,
-    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-) -> None:
-    """Add the gradients of the pieces of one block to the accumulators dq, dk, dv in place,
-    given the final (out, lse) of every query row."""
-    for piece in block:
-        r, qs, ks = slice(piece.row, piece.row + 1), piece.q, piece.k
-        grads = kernels.attention_backward(
-            dout[r, :, qs], q[r, :, qs], k[r, :, ks], v[r, :, ks], out[r, :, qs], lse[r, :, qs],
-            causal=piece.causal, scale=scale, backend=backend,
-        )
-        dq[r, :, qs] += grads[0]
-        dk[r, :, ks] += grads[1]
-        dv[r, :, ks] += grads[2]
+    dq: torch.Tensor | None, dk: torch.Tensor, dv: torch.Tensor,
+) -> torch.Tensor | None:
+    """Add the gradients of the pieces of one block to the accumulators dk, dv (and dq when
+    given, the ring) in place, given the final (out, lse) of every query row. Without ``dq``,
+    returns dq in q's dtype, accumulated in float32 per query slice (Note [Tiled attention])."""
+    acc = kernels.accumulation_dtype(q)
+    result = None if dq is not None else torch.zeros_like(q)
+    for _, group in itertools.groupby(block, key=lambda p: p.queries):
+        group = list(group)
+        rows, qs = group[0].rows, group[0].q
+        query_dq = dq[rows, :, qs] if dq is not None else torch.zeros_like(q[rows, :, qs], dtype=acc)
+        for piece in group:
+            ks = piece.k
+            grads = kernels.attention_backward(
+                dout[rows, :, qs], q[rows, :, qs], k[rows, :, ks], v[rows, :, ks], out[rows, :, qs],
+                lse[rows, :, qs], causal=piece.causal, scale=scale, backend=backend,
+            )
+            query_dq += grads[0]
+            dk[rows, :, ks] += grads[1]
+            dv[rows, :, ks] += grads[2]
+        if result is not None:
+            result[rows, :, qs] = query_dq
+    return result
 
 
 @dataclass
@@ -216,13 +322,13 @@ class DocumentLayout:
         ])
 
 
-class _DocumentAttention(torch.autograd.Function):
-    """Attention of one process (cp 1, or Ulysses over the gathered row) restricted to documents."""
+class _PiecesAttention(torch.autograd.Function):
+    """Attention of one process (cp 1, or Ulysses over the gathered row) over the pieces of a
+    block: packed documents, tiles (Note [Tiled attention]), or both."""
 
     @staticmethod
     def forward(ctx, q, k, v, block, scale, backend):
         out, lse = pieces_forward(q, k, v, block, scale=scale, backend=backend)
-        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.block, ctx.scale, ctx.backend = block, scale, backend
         return out
@@ -231,11 +337,14 @@ class _DocumentAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         acc = kernels.accumulation_dtype(q)
-        dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
-        pieces_backward(dout, q, k, v, out, lse, ctx.block, scale=ctx.scale, backend=ctx.backend, dq=dq, dk=dk, dv=dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dk, dv = (torch.zeros_like(t, dtype=acc) for t in (k, v))  # every query block adds to every key
+        dq = pieces_backward(
+            dout, q, k, v, out, lse, ctx.block, scale=ctx.scale, backend=ctx.backend, dq=None, dk=dk, dv=dv
+        )
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def document_attention(q, k, v, block: list[Piece], *, scale: float, backend: Backend | None = None):
-    """Differentiable attention of (q, k, v) restricted to ``block``'s pieces."""
-    return _DocumentAttention.apply(q, k, v, block, scale, backend)
+def pieces_attention(q, k, v, block: list[Piece], *, scale: float, backend: Backend | None = None):
+    """Differentiable attention of (q, k, v) restricted to ``block``'s pieces (one query slice's
+    pieces consecutive, as :func:`pieces` and :func:`tiles` make them)."""
+    return _PiecesAttention.apply(q, k, v, block, scale, backend)

@@ -131,6 +131,55 @@ for _strategy in ("ring", "ulysses"):
                 )
 
 
+def check_tiled_kernel(strategy, causal, kv_heads, block_size, documents, dtype):
+    """Tiled CP attention (Note [Tiled attention]) at cp 2 equals the untiled CP attention and the
+    single-process full-sequence attention: out, dq, dk, dv; with packed documents too."""
+    from llama_cp.cp_attention import local_attention
+    from llama_cp.documents import DocumentLayout, document_starts
+
+    cp, seq = 2, 32
+    mesh = cp_mesh(cp)
+    rank = mesh.get_local_rank()
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, seq, 16, generator=g).to(dtype)
+    k, v = (torch.randn(2, kv_heads, seq, 16, generator=g).to(dtype) for _ in range(2))
+    dout = torch.randn(2, 4, seq, 16, generator=g).to(dtype)
+    position_ids = torch.arange(seq).repeat(2, 1)
+    if documents:  # row 0: documents of 5, 1 and 26 tokens; row 1: 20 and 12 (spanning both ranks)
+        position_ids[0, 5:] -= 5
+        position_ids[0, 6:] -= 1
+        position_ids[1, 20:] -= 20
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    layout = DocumentLayout(document_starts(position_ids)) if documents else None
+    ref_out = local_attention(*ref, causal=causal, scale=0.25, backend=None, block_size=0,
+                              block=layout.ring_pieces(0) if documents else None)
+    ref_out.backward(dout)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-10)
+    results = []
+    for size in (0, block_size):
+        attention = ContextParallelAttention(group=mesh.get_group(), strategy=strategy, block_size=size)
+        local_documents = attention.document_layout(shard_sequence(position_ids, cp, rank)) if documents else None
+        local = [shard_sequence(t, cp, rank, seq_dim=2).requires_grad_() for t in (q, k, v)]
+        out = attention(*local, causal=causal, scale=0.25, documents=local_documents)
+        out.backward(shard_sequence(dout, cp, rank, seq_dim=2))
+        results.append([unshard(t, mesh, seq_dim=2) for t in (out.detach(), *(x.grad for x in local))])
+    for name, untiled, tiled, want in zip(("out", "dq", "dk", "dv"), *results, (ref_out.detach(), *(t.grad for t in ref)),
+                                          strict=True):
+        torch.testing.assert_close(tiled, untiled, **tol, msg=lambda m: f"{name} tiled vs untiled: {m}")
+        torch.testing.assert_close(tiled, want, **tol, msg=lambda m: f"{name} tiled vs one process: {m}")
+
+
+for _strategy in ("ring", "ulysses"):
+    for _causal, _documents in ((True, False), (False, False), (True, True)):
+        for _kv, _block in ((4, 8), (2, 5), (1, 3)):
+            for _dtype in (torch.float32, torch.float64):
+                checks.add(
+                    functools.partial(check_tiled_kernel, _strategy, _causal, _kv, _block, _documents, _dtype),
+                    name=f"tiled_{_strategy}_cp2_{'documents' if _documents else 'causal' if _causal else 'full'}"
+                         f"_kv{_kv}_block{_block}_{str(_dtype)[6:]}",
+                )
+
+
 @checks.add
 def cp1_matches_stock_sdpa():
     reference = tiny_llama(8, 2)

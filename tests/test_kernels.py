@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from llama_cp import kernels
 
@@ -171,3 +172,133 @@ def test_cuda_backends_match_math(backend, causal):
     ref_grads = kernels.attention_backward(dout, q, k, v, ref_out, ref_lse, causal=causal, backend="math")
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+
+
+# ---------------------------------------------------------------- tiled attention
+# Note [Tiled attention] (llama_cp/documents.py): every block cut into kernel calls of at most
+# block_size queries x keys, exact against the untiled calls.
+TILE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
+
+
+def _document_block(seq: int, seed: int = 5):
+    """Pieces of 2 rows of ``seq`` tokens packed with documents (one of length 1, one spanning
+    most of the row), as cp 1 computes them."""
+    from llama_cp.documents import DocumentLayout, document_starts
+
+    g = torch.Generator().manual_seed(seed)
+    position_ids = torch.arange(seq).repeat(2, 1)
+    for row, cuts in enumerate(([3, 4], sorted(torch.randperm(seq - 1, generator=g)[:3].add(1).tolist()))):
+        for cut in cuts:
+            position_ids[row, cut:] -= int(position_ids[row, cut])
+    return DocumentLayout(document_starts(position_ids)).ring_pieces(0)
+
+
+def _pairs(block, batch):
+    """{(row, query, key)} of a block's pieces (causal pieces square), and the count of repeats."""
+    seen = []
+    for p in block:
+        rows = range(batch) if p.row is None else [p.row]
+        for r in rows:
+            for i, qi in enumerate(range(p.q.start, p.q.stop)):
+                for j, kj in enumerate(range(p.k.start, p.k.stop)):
+                    if not p.causal or j <= i:
+                        seen.append((r, qi, kj))
+    return set(seen), len(seen) - len(set(seen))
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 5, 8, 24, 100])
+def test_tiles_cover_each_visible_pair_once_in_small_calls(block_size):
+    from llama_cp.documents import Piece, tiles
+
+    seq = 24
+    for block in ([Piece(None, slice(0, seq), slice(0, seq), True)],
+                  [Piece(None, slice(4, 20), slice(0, 40), False)],
+                  _document_block(seq)):
+        tiled = tiles(block, block_size)
+        assert _pairs(tiled, 2) == (_pairs(block, 2)[0], 0)
+        for t in tiled:
+            assert t.q.stop - t.q.start <= block_size and t.k.stop - t.k.start <= block_size
+            assert not t.causal or t.q.stop - t.q.start == t.k.stop - t.k.start
+        if block_size >= 40:
+            assert tiled is block  # nothing to cut: the untiled calls
+    # queries-outer: the tiles of a query block follow each other (Note [Tiled attention])
+    tiled = tiles([Piece(None, slice(0, 8), slice(0, 8), True)], 3)
+    assert [(t.q.start, t.k.start, t.causal) for t in tiled] == [
+        (0, 0, True), (3, 0, False), (3, 3, True), (6, 0, False), (6, 3, False), (6, 6, True)]
+
+
+TILED_CASES = [
+    *itertools.product(["sdpa_cpu"], [1, 5, 8, 16], [True, False, "documents"], [(4, 4), (4, 2), (4, 1)],
+                       [torch.float32, torch.float64]),
+    *itertools.product(["math"], [5], [True, False, "documents"], [(4, 2)], [torch.float32, torch.float64]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,block_size,causal,heads,dtype", TILED_CASES)
+def test_tiled_attention_equals_untiled(backend, block_size, causal, heads, dtype):
+    """out, lse, dq, dk, dv of the tiled local attention equal the untiled calls' (block sizes
+    that divide the 16 queries, that do not, 1, and the whole block)."""
+    from llama_cp.cp_attention import local_attention
+    from llama_cp.documents import Piece, pieces_forward, tiles
+
+    seq = 16
+    sk = seq if causal else 13
+    q, k, v = _inputs(*heads, seq, sk, dtype)
+    if causal == "documents":
+        block = _document_block(seq)
+        ref_out, ref_lse = pieces_forward(q, k, v, block, scale=0.25, backend=backend)
+    else:
+        block = None
+        ref_out, ref_lse = kernels.attention_forward(q, k, v, causal=causal, backend=backend)
+    whole = block or [Piece(None, slice(0, seq), slice(0, sk), causal)]
+    out, lse = pieces_forward(q, k, v, tiles(whole, block_size), scale=0.25, backend=backend)
+    tol = TILE_TOL[dtype]
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(lse, ref_lse, **tol)
+
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    grads = []
+    for size in (0, block_size):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        got = local_attention(*inputs, causal=bool(causal), scale=0.25, backend=backend, block_size=size,
+                              block=block)
+        got.backward(dout)
+        torch.testing.assert_close(got, ref_out.to(dtype), **tol)
+        grads.append([t.grad for t in inputs])
+    for name, got, want in zip(("dq", "dk", "dv"), grads[1], grads[0], strict=True):
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{name}: {m}")
+
+
+class _LargestFloat32(TorchDispatchMode):
+    """The most elements of any float32 tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.numel = max(self.numel, t.numel())
+        return result
+
+
+@pytest.mark.parametrize("backend", ["sdpa_cpu", "math"])
+def test_tiled_bf16_attention_keeps_float32_per_query_block(backend):
+    """bf16 in and out; the float32 tensors are per tile or query block, or the dK/dV sums at the
+    KV head count: never the float32 output or dQ of the whole sequence (Note [Tiled attention])."""
+    from llama_cp.cp_attention import local_attention
+
+    seq, block_size = 64, 8
+    q, k, v = (t.requires_grad_() for t in _inputs(4, 1, seq, seq, torch.bfloat16))
+    with _LargestFloat32() as largest:
+        out = local_attention(q, k, v, causal=True, scale=0.25, backend=backend, block_size=block_size)
+        out.backward(torch.ones_like(out))
+    assert out.dtype == q.grad.dtype == k.grad.dtype == torch.bfloat16
+    # dK and dV in float32 at 1 KV head: (2, 1, 64, 16); a query block's output: (2, 4, 8, 16)
+    assert largest.numel == 2 * 1 * seq * 16, largest.numel
+    ref_out, ref_lse = kernels.attention_forward(q.detach(), k.detach(), v.detach(), causal=True, backend=backend)
+    torch.testing.assert_close(out.detach(), ref_out, atol=2e-2, rtol=2e-2)

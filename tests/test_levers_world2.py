@@ -101,11 +101,13 @@ def frozen_auto_stays_float32_when_computing_in_float32():
 
 
 @checks.add
-def tiled_mlp_norms_and_offload_through_parallelize_model():
+def tiled_mlp_norms_attention_and_offload_through_parallelize_model():
     cfg = lora_config(frozen_dtype="bfloat16", mlp_tile_size=5, norm_tile_size=3, activation_checkpointing=True,
-                      offload_checkpoints=True)
+                      offload_checkpoints=True, attention_block_size=5)
     model = run_and_compare(cfg, rounded=True)
     assert model.checkpoint_offloader.peak_host_bytes > 0
+    # 16 local tokens per rank: every ring step in tiles of 5 (Note [Tiled attention])
+    assert {m.cp_attention.block_size for m in model.modules() if hasattr(m, "cp_attention")} == {5}
 
 
 @checks.add
