@@ -67,7 +67,8 @@ flash_attn (flash-attn 2.8.3: flash_attn/flash_attn_interface.py, csrc/flash_att
 
 sdpa_flash (torch's CUDA flash: aten/src/ATen/native/transformers/cuda/attention.cu,
 attention_backward.cu, flash_attn/flash_api.cpp, which is flash-attn 2.x's mha_fwd/mha_bwd;
-torch/_meta_registrations.py for the outputs; read at torch 2.13 / pytorch main)
+torch/_meta_registrations.py of torch 2.13 for the outputs; the .cu/.cpp files read at
+pytorch main: attention_backward.cu 00afd8f2, flash_api.cpp 03b7c19d)
   ours: K and V expanded to H heads (B, H, Sk, D) e each, in forward and again in
   backward; dK/dV summed back to Hkv heads.
   forward   out like q (empty_like of the (B, S, H, D) view), logsumexp (B, H, Sq) fp32,
@@ -79,7 +80,8 @@ torch/_meta_registrations.py for the outputs; read at torch 2.13 / pytorch main)
 
 sdpa_efficient (torch's CUDA memory-efficient kernel: attention.cu
 _efficient_attention_forward, attention_backward.cu _efficient_attention_backward,
-mem_eff_attention/kernel_backward.h, kernels/cutlassB.h)
+mem_eff_attention/kernel_backward.h, kernels/cutlassB.h, at pytorch main; the kernel choice
+and the gradQ tile shape (block_i x block_j) are read from those files, not measured)
   ours: K and V expanded as for sdpa_flash; the backward pads our lse back to r(Sq, 32)
   rows (a new (B, H, r(Sq, 32)) fp32 tensor).
   forward   out (B, Sq, H, D) e, logsumexp (B, H, r(Sq, 32)) fp32. The fp32 output

@@ -147,3 +147,15 @@ def test_planner_includes_flash_attn_workspace():
              for b in ("sdpa_cpu", "flash_attn")}
     dq_accum = _round_up(tokens, 128) * heads * _round_up(head_dim, 32) * 4
     assert peaks["flash_attn"] - peaks["sdpa_cpu"] >= dq_accum
+
+
+def test_plan_memory_says_which_backend_it_models(capsys):
+    import json
+
+    from recipes.plan_memory import main
+
+    for flags, backend in (({}, "flash_attn"), ({"attention_backend": "sdpa_efficient"}, "sdpa_efficient")):
+        main(model_name="embedded", num_gpus=1, context_length=256, json=True, **flags)
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert f", attention {backend}" in lines[0]
+        assert json.loads(lines[-1])["attention_backend"] == backend
