@@ -47,7 +47,9 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
     return model
 
 
-def parallelize_model(model: nn.Module, cfg: TrainConfig, mesh, *, device_type: str | None = None) -> nn.Module:
+def parallelize_model(
+    model: nn.Module, cfg: TrainConfig, mesh, *, device_type: str | None = None, attention_backend: str | None = None
+) -> nn.Module:
     """Turn an HF causal LM (real or on the meta device) into the model the trainer runs, in
     this order: the base Linear layers in 4-bit NF4 (``--quantization 4bit``) -> LoRA adapters
     (peft, with ``--use_peft``) -> frozen weights in their storage dtype (``--frozen_dtype``)
@@ -56,7 +58,9 @@ def parallelize_model(model: nn.Module, cfg: TrainConfig, mesh, *, device_type: 
     and norms (``--mlp_tile_size``, ``--norm_tile_size``) -> FSDP2 over ``dp_shard x cp`` (with
     activation checkpointing, and its inputs offloaded with ``--offload_checkpoints``).
     The compute dtype is ``--dtype`` on ``device_type`` (default: the mesh's; the planner
-    passes "cuda"): :func:`llama_cp.models.compute_dtype`. Returns the (possibly
+    passes "cuda"): :func:`llama_cp.models.compute_dtype`. ``attention_backend``: the attention
+    kernels' backend instead of ``--attention_backend`` (the planner passes a modelled CUDA
+    backend, ``llama_cp.kernel_workspace.ModelledBackend``). Returns the (possibly
     peft-wrapped) model."""
     if cfg.peft.quantization == "4bit":
         from llama_cp.quantize import quantize_model
@@ -76,7 +80,7 @@ def parallelize_model(model: nn.Module, cfg: TrainConfig, mesh, *, device_type: 
     frozen_dtype = resolve_frozen_dtype(cfg, param_dtype)
     if frozen_dtype is not None and cast_frozen_parameters(model, frozen_dtype) and param_dtype is None:
         param_dtype = torch.float32  # compute in the trainable dtype: frozen weights are cast when gathered
-    backend = cfg.model.attention_backend
+    backend = attention_backend or cfg.model.attention_backend
     apply_context_parallel(
         model, mesh["cp"], strategy=cfg.parallel.cp_strategy, max_seq_len=cfg.data.context_length,
         document_mask=cfg.data.document_mask, backend=None if backend == "auto" else backend,

@@ -26,6 +26,9 @@ Backends, chosen per call by :func:`select_backend`:
   backward (tiled: never materialises the score matrix).
 - ``math``: a float32 reference that materialises the (Sq, Sk) scores of the
   block; used on other devices and as the reference in tests.
+
+A :class:`llama_cp.kernel_workspace.ModelledBackend` (what the memory planner passes) runs a
+CUDA backend's CPU stand-in in place of the library call, through the same code around it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import inspect
 from typing import Literal
 
 import torch
+
+from llama_cp.kernel_workspace import FLASH_ATTN, SDPA_OPS, ModelledBackend
 
 Backend = Literal["flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"]
 #: Every backend, fastest first: :func:`select_backend` takes the first that can run.
@@ -55,11 +60,12 @@ def _flash_attn_interface():
 
 
 def backend_problem(
-    backend: str, device_type: str, dtype: torch.dtype, head_dim: int, *, capability: tuple[int, int] | None = None
+    backend: str, device_type: str, dtype: torch.dtype, head_dim: int, *, capability: tuple[int, int] | None = None,
+    flash_attn_installed: bool | None = None,
 ) -> str | None:
     """Why ``backend`` cannot compute attention of ``dtype`` with heads of ``head_dim`` on a
     ``device_type`` device of compute ``capability`` (default: the current CUDA device's), or
-    None when it can."""
+    None when it can. ``flash_attn_installed``: default, whether it is installed here."""
     if backend not in BACKENDS:
         return f"unknown attention backend {backend!r}; choose one of {BACKENDS}"
     if backend == "math":
@@ -79,7 +85,9 @@ def backend_problem(
         return f"{backend} takes float16/bfloat16 only, not {dtype}"
     if not sm80:
         return f"{backend} needs an sm80+ (Ampere or newer) GPU"
-    if backend == "flash_attn" and _flash_attn_interface() is None:
+    if flash_attn_installed is None:
+        flash_attn_installed = _flash_attn_interface() is not None
+    if backend == "flash_attn" and not flash_attn_installed:
         return "flash-attn is not installed (pip install flash-attn --no-build-isolation)"
     return None
 
@@ -125,9 +133,9 @@ def attention_forward(
         )
         return out, lse.to(accumulation_dtype(q))
     if backend in ("sdpa_flash", "sdpa_efficient"):
-        return _sdpa_cuda_forward(q, k, v, causal, scale, flash=backend == "sdpa_flash")
+        return _sdpa_cuda_forward(q, k, v, causal, scale, flash=backend == "sdpa_flash", ops=_sdpa_ops(backend))
     if backend == "flash_attn":
-        return _flash_attn_forward(q, k, v, causal, scale)
+        return _flash_attn_forward(q, k, v, causal, scale, fa=_flash_attn_module(backend))
     return _math_forward(q, k, v, causal, scale)
 
 
@@ -161,9 +169,11 @@ def attention_backward(
             dout.to(q.dtype).contiguous(), q, k, v, out, lse.to(accumulation_dtype(q)), 0.0, causal, scale=scale
         )
     if backend in ("sdpa_flash", "sdpa_efficient"):
-        return _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale, flash=backend == "sdpa_flash")
+        return _sdpa_cuda_backward(
+            dout, q, k, v, out, lse, causal, scale, flash=backend == "sdpa_flash", ops=_sdpa_ops(backend)
+        )
     if backend == "flash_attn":
-        return _flash_attn_backward(dout, q, k, v, out, lse, causal, scale)
+        return _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, fa=_flash_attn_module(backend))
     return _math_backward(dout, q, k, v, out, lse, causal, scale)
 
 
@@ -171,8 +181,20 @@ def _resolve(backend: Backend | None, q: torch.Tensor) -> Backend:
     """``backend``, refused in one line if it cannot run on ``q``; None: :func:`select_backend`."""
     if backend is None:
         return select_backend(q)
+    if isinstance(backend, ModelledBackend):  # a CPU stand-in: runs wherever the planner runs
+        return backend
     check_backend(backend, q.device.type, q.dtype, q.shape[-1])
     return backend
+
+
+def _sdpa_ops(backend: Backend):
+    """torch's ops, or their CPU stand-ins for a modelled backend."""
+    return SDPA_OPS if isinstance(backend, ModelledBackend) else _aten
+
+
+def _flash_attn_module(backend: Backend):
+    """flash-attn's interface module, or its CPU stand-in for a modelled backend."""
+    return FLASH_ATTN if isinstance(backend, ModelledBackend) else _flash_attn_interface()
 
 
 def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -249,25 +271,25 @@ def _causal_block_mask(s: int, device: torch.device) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- torch CUDA ops
-def _sdpa_cuda_forward(q, k, v, causal, scale, *, flash: bool):
+def _sdpa_cuda_forward(q, k, v, causal, scale, *, flash: bool, ops=_aten):
     n_rep = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
     if flash:
-        out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        out, lse, *_ = ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     else:
-        out, lse, *_ = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        out, lse, *_ = ops._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
         lse = lse[..., : q.shape[2]]  # the efficient kernel pads the lse rows to a multiple of 32
     return out, lse.float()
 
 
-def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale, *, flash: bool):
+def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale, *, flash: bool, ops=_aten):
     n_rep = q.shape[1] // k.shape[1]
     ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
     dout = dout.to(q.dtype).contiguous()
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     if flash:
         sq, sk = q.shape[2], k.shape[2]
-        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+        dq, dk, dv = ops._scaled_dot_product_flash_attention_backward(
             dout, q, ke, ve, out, lse.float().contiguous(), None, None, sq, sk, 0.0, causal,
             zero, zero, scale=scale,
         )
@@ -276,7 +298,7 @@ def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale, *, flash: bool):
         # forward (pytorch mem_eff_attention kernel_backward.h); ROCm's kernel takes them unpadded.
         pad = 0 if torch.version.hip else -q.shape[2] % 32
         lse = torch.nn.functional.pad(lse.float(), (0, pad), value=float("inf")).contiguous()
-        dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        dq, dk, dv, _ = ops._scaled_dot_product_efficient_attention_backward(
             dout, q, ke, ve, None, out, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale,
         )
     return dq, _reduce_kv_grad(dk, n_rep), _reduce_kv_grad(dv, n_rep)
@@ -295,8 +317,7 @@ def _call_by_keyword(fn, **kwargs):
     return fn(**{name: value for name, value in kwargs.items() if name in params})
 
 
-def _flash_attn_forward(q, k, v, causal, scale):
-    fa = _flash_attn_interface()
+def _flash_attn_forward(q, k, v, causal, scale, *, fa):
     q_, k_, v_ = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     result = _call_by_keyword(
         fa._flash_attn_forward, q=q_, k=k_, v=v_, dropout_p=0.0, softmax_scale=scale,
@@ -307,8 +328,7 @@ def _flash_attn_forward(q, k, v, causal, scale):
     return out.transpose(1, 2), lse.float()
 
 
-def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
-    fa = _flash_attn_interface()
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, *, fa):
     dout_, q_, k_, v_, out_ = (t.transpose(1, 2).contiguous() for t in (dout.to(q.dtype), q, k, v, out))
     dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
     _call_by_keyword(

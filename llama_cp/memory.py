@@ -31,10 +31,78 @@ tracked and extrapolated apart (``measure_step_memory``) and compared after.
 :func:`plan_step_memory` simulates 2 and 3 layers; ``tests/memory`` checks
 the extrapolation against full simulations.
 
+The attention kernels are those of the planned GPU, modelled on CPU: Note [GPU attention
+kernels' workspace].
+
 Simulated rank 0 holds the largest FSDP shards (torch pads the last ranks'
 shards, never the first), so it is the busiest rank. Not in the tracked
 numbers: the CUDA context, NCCL's and cuBLAS's workspaces and the caching
 allocator's fragmentation; the planner keeps ``headroom`` of the GPU for them.
+
+Note [GPU attention kernels' workspace]
+=======================================
+
+The CUDA attention kernels allocate tensors of their own, which the CPU kernel does not: a
+plan that ran torch's CPU attention would leave them out of every GPU figure. The planner
+runs each attention call through a CPU stand-in of the planned backend
+(``llama_cp/kernel_workspace.py``, selected by passing a ``ModelledBackend`` down to
+``llama_cp.kernels``): it allocates the tensors below, with their shapes, dtypes and
+layouts, and computes the values with torch's CPU kernel. The code around the library call
+(``kernels``' layout copies, GQA expansion, lse padding) is the trainer's own and runs as is.
+B batch, H query heads, Hkv key/value heads, Sq/Sk query/key rows, D head size, e the
+input dtype's bytes, r(x, m) = x rounded up to a multiple of m.
+
+flash_attn (flash-attn 2.8.3: flash_attn/flash_attn_interface.py, csrc/flash_attn/flash_api.cpp)
+  forward   ours: contiguous (B, S, H, D) copies of q, k, v (a copy only where the input
+            is not laid out so already);  mha_fwd: out (B, Sq, H, D) e,
+            softmax_lse (B, H, Sq) fp32, rng_state 2 x int64.
+  backward  ours: contiguous (B, S, H, D) copies of dout, q, k, v, out (same rule), dq, dk,
+            dv like them;  mha_bwd: softmax_d (B, H, r(Sq, 128)) fp32,
+            dq_accum (B, r(Sq, 128), H, r(D, 32 if D <= 128 else 64)) fp32 (the
+            non-deterministic path), and with GQA (Hkv < H) dk_expanded and dv_expanded
+            (B, Sk, H, D) e each, summed into dk/dv over each group (at::sum_out, no copy).
+  Not modelled: the split-KV forward's out_accum/lse_accum, allocated only when
+  B x H x ceil(Sq / 64) < 0.8 x 2 x SMs (fewer than ~6 query blocks per head on an H100):
+  never at the context lengths this planner is for.
+
+sdpa_flash (torch's CUDA flash: aten/src/ATen/native/transformers/cuda/attention.cu,
+attention_backward.cu, flash_attn/flash_api.cpp, which is flash-attn 2.x's mha_fwd/mha_bwd;
+torch/_meta_registrations.py of torch 2.13 for the outputs; the .cu/.cpp files read at
+pytorch main: attention_backward.cu 00afd8f2, flash_api.cpp 03b7c19d)
+  ours: K and V expanded to H heads (B, H, Sk, D) e each, in forward and again in
+  backward; dK/dV summed back to Hkv heads.
+  forward   out like q (empty_like of the (B, S, H, D) view), logsumexp (B, H, Sq) fp32,
+            philox seed and offset.
+  backward  _flash_attention_backward: dout and out made contiguous in (B, S, H, D) (a
+            copy unless they are laid out so); mha_bwd: dq, dk, dv like q and the expanded
+            k, v, softmax_d and dq_accum as flash_attn's (no dk_expanded: K/V arrive with
+            H heads).
+
+sdpa_efficient (torch's CUDA memory-efficient kernel: attention.cu
+_efficient_attention_forward, attention_backward.cu _efficient_attention_backward,
+mem_eff_attention/kernel_backward.h, kernels/cutlassB.h, at pytorch main; the kernel choice
+and the gradQ tile shape (block_i x block_j) are read from those files, not measured)
+  ours: K and V expanded as for sdpa_flash; the backward pads our lse back to r(Sq, 32)
+  rows (a new (B, H, r(Sq, 32)) fp32 tensor).
+  forward   out (B, Sq, H, D) e, logsumexp (B, H, r(Sq, 32)) fp32. The fp32 output
+            accumulator is needed only for head sizes above 128 (kernels whose kMaxK
+            exceeds their key block), which the planner refuses for this backend.
+  backward  dout made contiguous in (B, S, H, D); grad q, k, v (B, S, H, D) e; delta
+            (B, H, Sq) fp32 (computed by the kernel in half precision); the workspace of
+            AttentionBackwardKernel::workspace_size: per (batch, head), for each of
+            ceil(Sq / b) x ceil(D / b) tiles, a 16-byte lock header and a b x b fp32 dq
+            accumulator (GradQTempStorage), rounded to 16 bytes; b = 64 for D <= 64 and
+            128 for D <= 128 (the sm80 bf16/fp16 kernels cutlassB dispatches first for
+            those head sizes; their dK/dV stay in registers, kOutputInRF, so no dK/dV
+            workspace). Half precision only: the planner refuses float32 for it.
+
+The stand-ins compute the values one query head (forward) or one key/value head group
+(backward) at a time, into the kernel's own tensors, and the backward does so before
+allocating the workspace: the slice they hold on top is freed before the workspace
+exists, and is smaller than it, so the backward's peak is the kernel's exactly; the forward
+holds one head's out and lse (1/H of them) on top of the kernel's, less than the backward
+that follows it adds (dq_accum alone is twice out in half precision). tests/test_kernel_workspace.py
+checks each formula against the tracked peak.
 """
 
 from __future__ import annotations
@@ -55,6 +123,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from llama_cp.build import parallelize_model
 from llama_cp.config import TrainConfig
+from llama_cp.kernel_workspace import MODELLED, ModelledBackend
+from llama_cp.kernels import BACKENDS, backend_problem, check_backend
 from llama_cp.loss import causal_lm_loss_sum
 from llama_cp.step import apply_gradients, forward_backward
 
@@ -321,7 +391,11 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
     with _fake_world(world_size):
         mesh = dims.build_mesh("cpu")  # outside the fake mode: the mesh reads real rank tensors
         model = build_causal_lm(config, device="meta")  # the trainer's build: float32 sharded state
-        model = parallelize_model(model, cfg, mesh, device_type="cuda")  # planned for GPUs: "auto" is bf16
+        backend = planned_attention_backend(cfg, config)
+        model = parallelize_model(  # planned for GPUs: "auto" is bf16; attention: Note [GPU attention kernels' workspace]
+            model, cfg, mesh, device_type="cuda",
+            attention_backend=ModelledBackend(backend) if backend in MODELLED else backend,
+        )
         # meta -> fake: the sharded parameters get fake storage of their real size
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=cpu)
@@ -335,6 +409,34 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
                 micro.append(shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh["cp"]))
             num_tokens = cfg.data.batch_size * cfg.data.context_length * o.gradient_accumulation_steps * dims.dp
             return measure_step_memory(model, optimizer, micro, num_tokens, max_grad_norm=o.max_grad_norm)
+
+
+#: The GPU the planner plans for when it picks a backend: an sm80+ one with flash-attn installed.
+_PLANNED_GPU = dict(capability=(8, 0), flash_attn_installed=True)
+
+
+def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
+    """The attention backend the plan models: ``--attention_backend``, where "auto" is what
+    the trainer picks on an sm80+ GPU with flash-attn installed (flash_attn for bf16/fp16).
+    A CUDA backend that could not run there, or that the planner cannot model, is refused in
+    one line; sdpa_cpu and math are planned as they run on CPU (the planner's own checks)."""
+    from llama_cp.models import compute_dtype
+
+    dtype = compute_dtype(cfg.model.dtype, "cuda") or torch.float32
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    choice = cfg.model.attention_backend
+    if choice == "auto":
+        choice = next(b for b in BACKENDS if b in MODELLED + ("math",) and
+                      backend_problem(b, "cuda", dtype, head_dim, **_PLANNED_GPU) is None)
+    if choice in MODELLED:
+        check_backend(choice, "cuda", dtype, head_dim, name=f"--attention_backend {choice}", **_PLANNED_GPU)
+        if choice == "sdpa_efficient" and (dtype not in (torch.float16, torch.bfloat16) or head_dim > 128):
+            raise ValueError(
+                f"--attention_backend sdpa_efficient: the planner models its workspace for float16/bfloat16 and head "
+                f"sizes up to 128, not {str(dtype).removeprefix('torch.')} with head size {head_dim}; plan with "
+                "--dtype bfloat16 or another backend"
+            )
+    return choice
 
 
 #: Layer counts simulated for the extrapolation (Note [Planning from a few layers]).

@@ -16,6 +16,10 @@ tensors (``llama_cp.memory``), in seconds on a CPU. Training flags are the train
     --plot PATH         PNG: max context vs number of GPUs (1..32), FSDP only vs FSDP + CP,
                         each rounded down to a multiple of 1024 tokens
     --json              print one JSON object as the last line
+
+--attention_backend names the GPU attention kernel whose workspace the plan includes; "auto"
+(default) plans what an sm80+ GPU with flash-attn installed runs: flash_attn in bf16/fp16
+(Note [GPU attention kernels' workspace] in llama_cp/memory.py). sdpa_cpu plans the CPU kernel.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import json as json_lib
 
 from llama_cp.cli import run_cli
 from llama_cp.config import TrainConfig
-from llama_cp.memory import GiB, MemoryBreakdown, load_model_config, plan_step_memory, usable_bytes, with_context
+from llama_cp.memory import (
+    GiB, MemoryBreakdown, load_model_config, plan_step_memory, planned_attention_backend, usable_bytes, with_context,
+)
 from llama_cp.memory import find_max_context as search_max_context  # main's flag has the same name
 
 #: Planner defaults where they differ from the trainer's (flags and --config override them).
@@ -62,7 +68,7 @@ def preset_flag_names(path: str) -> set[str]:
     return names
 
 
-def describe(cfg: TrainConfig, num_gpus: int) -> str:
+def describe(cfg: TrainConfig, num_gpus: int, attention_backend: str) -> str:
     p, m = cfg.parallel, cfg.model
     dims = p.dims(num_gpus)
     tuning = f"LoRA r={cfg.peft.lora_r}" if cfg.peft.use_peft else "full fine-tune"
@@ -72,7 +78,7 @@ def describe(cfg: TrainConfig, num_gpus: int) -> str:
         f"{m.model_name}, {tuning}, {cfg.data.context_length} tokens x batch {cfg.data.batch_size}, "
         f"{num_gpus} GPUs = dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} "
         f"({p.cp_strategy}), dtype {m.dtype}, activation checkpointing {'on' if m.activation_checkpointing else 'off'}, "
-        f"{cfg.optim.optimizer}{levers(cfg)}"
+        f"{cfg.optim.optimizer}, attention {attention_backend}{levers(cfg)}"
     )
 
 
@@ -167,8 +173,9 @@ def main(
     cfg = build_config(config, num_gpus, flags)
     budget = usable_bytes(gpu_memory_gb, headroom)
     config_hf = load_model_config(cfg.model.model_name)
+    backend = planned_attention_backend(cfg, config_hf)  # refused here in one line if it cannot be planned
     plan = plan_step_memory(cfg, num_gpus, model_config=config_hf)
-    print(describe(cfg, num_gpus))
+    print(describe(cfg, num_gpus, backend))
     print(table(plan, budget, gpu_memory_gb, headroom))
     result = {
         "per_rank_bytes": plan.to_dict(),
@@ -176,6 +183,7 @@ def main(
         "fits": plan.total <= budget,
         "gpu_memory_bytes": int(gpu_memory_gb * GiB),
         "usable_bytes": budget,
+        "attention_backend": backend,
     }
     if find_max_context:
         length, at_max = search_max_context(cfg, num_gpus, budget, model_config=config_hf, granularity=context_step)

@@ -48,6 +48,7 @@ def case_config(cp: int, dp_shard: int, tuning: str, checkpointing: bool, seq_le
     return TrainConfig.from_flags(
         context_length=seq_len, cp=cp, dp_shard=dp_shard, use_peft=tuning == "lora",
         activation_checkpointing=checkpointing, dtype="bfloat16",
+        attention_backend="sdpa_cpu",  # FSDP/CP accounting; the GPU kernels' workspace: tests/test_kernel_workspace.py
     )
 
 

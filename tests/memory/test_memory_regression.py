@@ -165,7 +165,7 @@ def test_each_lever_cuts_the_planned_peak():
 
     def plan(**flags):
         cfg = TrainConfig.from_flags(context_length=tokens, use_peft=True, activation_checkpointing=True,
-                                     dtype="bfloat16", loss_chunk_size=256, **flags)
+                                     dtype="bfloat16", loss_chunk_size=256, attention_backend="sdpa_cpu", **flags)
         return step_peak(simulate_step_phases(cfg, 1, model_config=mid_size_config()))
 
     base = plan()

@@ -1,0 +1,236 @@
+"""CPU stand-ins for the CUDA attention kernels: how the memory planner sees their workspace.
+
+The planner (``llama_cp.memory``) runs on CPU fake tensors, where the CUDA kernels cannot
+run. A :class:`ModelledBackend` passed as ``backend`` to :mod:`llama_cp.kernels` makes every
+attention call of a model run the stand-in of that CUDA backend instead: a function with the
+signature of the library call ``kernels`` makes (flash-attn's ``_flash_attn_forward`` /
+``_flash_attn_backward``, torch's ``_scaled_dot_product_{flash,efficient}_attention`` and
+their backward ops) that allocates the tensors the CUDA code allocates, with their shapes,
+dtypes and layouts, and computes the values with torch's CPU attention kernel, so it is exact
+on real CPU tensors as well (tests compare it with the math backend). Everything ``kernels``
+does around the call (layout copies, GQA expansion, lse padding) is the same code for the
+stand-in and the real kernel. What each term is and where it comes from: Note [GPU attention
+kernels' workspace] in ``llama_cp/memory.py``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+_aten = torch.ops.aten
+
+#: The CUDA backends the planner can model.
+MODELLED: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_efficient")
+
+
+class ModelledBackend(str):
+    """The name of a CUDA backend (one of ``MODELLED``) whose calls run its CPU stand-in.
+
+    A ``str`` so that it travels wherever a backend name does (it equals the name), and a
+    type of its own so that :mod:`llama_cp.kernels` tells it from the real backend."""
+
+    def __new__(cls, name: str) -> "ModelledBackend":
+        if name not in MODELLED:
+            raise ValueError(f"the planner models the CUDA attention backends {MODELLED}, not {name!r}")
+        return super().__new__(cls, name)
+
+    def __repr__(self) -> str:
+        return f"ModelledBackend({str(self)!r})"
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+# ---------------------------------------------------------------- values
+# Torch's CPU flash kernel computes the values; under fake tensors it allocates only its
+# outputs, on real tensors its internal buffers are not tensors the tracker sees. Its outputs
+# are one query head (forward) or one key/value head group (backward) at a time, copied into
+# the CUDA kernel's own tensors: the stand-in then holds at most that slice on top of what the
+# CUDA kernel holds (Note [GPU attention kernels' workspace]).
+def _fill_forward(q, k, v, causal, scale, out, lse) -> None:
+    """out (B, H, Sq, D) and lse (B, H, Sq) of q (B, H, Sq, D), k/v (B, Hkv, Sk, D), any strides."""
+    n_rep = q.shape[1] // k.shape[1]
+    for h in range(q.shape[1]):
+        g = h // n_rep
+        o, l = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q[:, h : h + 1], k[:, g : g + 1], v[:, g : g + 1], 0.0, causal, scale=scale
+        )
+        out[:, h : h + 1].copy_(o)
+        lse[:, h : h + 1].copy_(l)
+        del o, l
+
+
+def _fill_backward(dout, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:
+    """dq, dk, dv in the (B, H, S, D) views given, one key/value head group at a time."""
+    n_rep = q.shape[1] // k.shape[1]
+    for g in range(k.shape[1]):
+        heads = slice(g * n_rep, (g + 1) * n_rep)
+        gq, gk, gv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout[:, heads], q[:, heads], k[:, g : g + 1], v[:, g : g + 1], out[:, heads],
+            lse[:, heads], 0.0, causal, scale=scale,
+        )
+        dq[:, heads].copy_(gq)
+        dk[:, g : g + 1].copy_(gk)
+        dv[:, g : g + 1].copy_(gv)
+        del gq, gk, gv
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) <-> (B, H, S, D), a view."""
+    return x.transpose(1, 2)
+
+
+# ---------------------------------------------------------------- flash-attn 2.x
+def _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, scale) -> torch.Tensor:
+    """flash-attn's ``mha_bwd`` (and torch's copy of it) on (B, S, H, D) tensors with the last
+    dimension contiguous, writing dq, dk, dv; returns ``softmax_d``."""
+    batch, seqlen_q, heads, head_size = q.shape
+    seqlen_k, heads_k = k.shape[1], k.shape[2]
+    _fill_backward(_t(dout), _t(q), _t(k), _t(v), _t(out), softmax_lse, causal, scale, _t(dq), _t(dk), _t(dv))
+    seqlen_q_rounded = _round_up(seqlen_q, 128)
+    head_size_rounded = _round_up(head_size, 32 if head_size <= 128 else 64)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    softmax_d = torch.empty((batch, heads, seqlen_q_rounded), **f32)
+    dq_accum = torch.empty((batch, seqlen_q_rounded, heads, head_size_rounded), **f32)
+    if heads_k != heads:  # GQA: dK/dV of every query head, summed over each group into dk/dv
+        dk_expanded = torch.empty((batch, seqlen_k, heads, head_size), dtype=q.dtype, device=q.device)
+        dv_expanded = torch.empty((batch, seqlen_k, heads, head_size), dtype=q.dtype, device=q.device)
+        del dk_expanded, dv_expanded
+    del dq_accum
+    return softmax_d
+
+
+def flash_attn_forward(
+    q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+    return_softmax,
+):
+    """flash-attn 2.8's ``_flash_attn_forward`` on (B, S, H, D) tensors: ``(out, softmax_lse,
+    S_dmask, rng_state)``."""
+    _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    batch, seqlen_q, heads, _ = q.shape
+    out = torch.empty_like(q)
+    softmax_lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    p = torch.empty(0, dtype=q.dtype, device=q.device)
+    _fill_forward(_t(q), _t(k), _t(v), causal, softmax_scale, _t(out), softmax_lse)
+    rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
+    return out, softmax_lse, p, rng_state
+
+
+def flash_attn_backward(
+    dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
+    window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+):
+    """flash-attn 2.8's ``_flash_attn_backward``: writes dq, dk, dv; returns ``softmax_d``."""
+    _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    if deterministic:
+        raise ValueError("the flash-attn stand-in models the default non-deterministic backward only")
+    dout, q, k, v, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (dout, q, k, v, out))
+    return _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, softmax_scale)
+
+
+def _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes) -> None:
+    if dropout_p or softcap or alibi_slopes is not None or (window_size_left, window_size_right) != (-1, -1):
+        raise ValueError("the flash-attn stand-in models plain attention: no dropout, window, softcap or ALiBi")
+
+
+#: Stands in for ``flash_attn.flash_attn_interface`` in ``kernels._flash_attn_forward/backward``.
+FLASH_ATTN = types.SimpleNamespace(_flash_attn_forward=flash_attn_forward, _flash_attn_backward=flash_attn_backward)
+
+
+# ---------------------------------------------------------------- torch's CUDA SDPA ops
+def sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    """``aten._scaled_dot_product_flash_attention`` on CUDA (attention.cu: the (B, S, H, D)
+    views of (B, H, S, D) inputs into torch's ``mha_fwd``)."""
+    batch, heads, seqlen_q, _ = query.shape
+    attention = _t(torch.empty_like(_t(query)))  # mha_fwd: out = empty_like(q), q the transposed view
+    logsumexp = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=query.device)
+    _fill_forward(query, key, value, is_causal, scale, attention, logsumexp)
+    seed = torch.empty(2, dtype=torch.int64, device=query.device)  # rng_state: 2 x uint64
+    offset = torch.empty((), dtype=torch.int64, device=query.device)
+    debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
+    return attention, logsumexp, None, None, seqlen_q, key.shape[2], seed, offset, debug_mask
+
+
+def sdpa_flash_backward(
+    grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+    philox_seed, philox_offset, *, scale=None,
+):
+    """``aten._scaled_dot_product_flash_attention_backward`` on CUDA (attention_backward.cu:
+    ``_flash_attention_backward`` makes dout and out contiguous in (B, S, H, D), then torch's
+    ``mha_bwd`` allocates dq, dk, dv like q, k, v and the same workspace as flash-attn's)."""
+    grad_out_t, out_t = _t(grad_out).contiguous(), _t(out).contiguous()
+    q_t, k_t, v_t = _t(query), _t(key), _t(value)
+    dq, dk, dv = torch.empty_like(q_t), torch.empty_like(k_t), torch.empty_like(v_t)
+    softmax_d = _mha_bwd(grad_out_t, q_t, k_t, v_t, out_t, logsumexp, dq, dk, dv, is_causal, scale)
+    del softmax_d, grad_out_t, out_t
+    return _t(dq), _t(dk), _t(dv)
+
+
+def sdpa_efficient_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
+                           scale=None):
+    """``aten._scaled_dot_product_efficient_attention`` on CUDA (attention.cu
+    ``_efficient_attention_forward``): out (B, S, H, D), lse rows padded to a multiple of 32."""
+    batch, heads, seqlen_q, head_dim = query.shape
+    _check_efficient(head_dim, attn_bias, dropout_p)
+    res = torch.empty((batch, seqlen_q, heads, value.shape[-1]), dtype=query.dtype, device=query.device)
+    lse_rows = _round_up(seqlen_q, 32) if compute_log_sumexp else 0
+    logsumexp = torch.empty((batch, heads, lse_rows), dtype=torch.float32, device=query.device)
+    _fill_forward(query, key, value, is_causal, scale, _t(res), logsumexp[..., :seqlen_q])
+    logsumexp[..., seqlen_q:].fill_(float("inf"))
+    seed = torch.empty((), dtype=torch.int64, device=query.device)
+    offset = torch.empty((), dtype=torch.int64, device=query.device)
+    return _t(res), logsumexp, seed, offset
+
+
+def sdpa_efficient_backward(
+    grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p,
+    grad_input_mask, is_causal=False, *, scale=None,
+):
+    """``aten._scaled_dot_product_efficient_attention_backward`` on CUDA (attention_backward.cu
+    ``_efficient_attention_backward``): dout made contiguous in (B, S, H, D), dq/dk/dv in
+    (B, S, H, D), delta float32 (B, H, Sq) and the kernel's workspace (the float32 dq
+    accumulator tiles of mem_eff_attention/kernel_backward.h)."""
+    batch, heads, seqlen_q, head_dim = query.shape
+    _check_efficient(head_dim, attn_bias, dropout_p)
+    grad_out_t = _t(grad_out).contiguous()
+    grad_q = torch.empty(_t(query).shape, dtype=query.dtype, device=query.device)
+    grad_k = torch.empty(_t(key).shape, dtype=key.dtype, device=key.device)
+    grad_v = torch.empty(_t(value).shape, dtype=value.dtype, device=value.device)
+    _fill_backward(grad_out, query, key, value, out, logsumexp[..., :seqlen_q], is_causal, scale,
+                   _t(grad_q), _t(grad_k), _t(grad_v))
+    delta = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=query.device)
+    workspace = torch.empty(efficient_backward_workspace_bytes(batch, heads, seqlen_q, head_dim),
+                            dtype=torch.uint8, device=query.device)
+    del delta, workspace, grad_out_t
+    return _t(grad_q), _t(grad_k), _t(grad_v), None
+
+
+def efficient_backward_workspace_bytes(batch: int, heads: int, seqlen_q: int, head_dim: int) -> int:
+    """Bytes of the memory-efficient backward's workspace on an sm80+ GPU in half precision:
+    per (batch, head), one float32 dq accumulator tile of block_i x block_j, plus a 16-byte
+    lock header, for every (query block, head-dim block); rounded to 16 bytes. The kernel for
+    head sizes up to 64 has 64 x 64 blocks, up to 128: 128 x 128, and keeps dK/dV in registers
+    (no dK/dV workspace). Note [GPU attention kernels' workspace]."""
+    block = 64 if head_dim <= 64 else 128
+    tiles = -(-seqlen_q // block) * -(-head_dim // block)
+    floats_per_head = _round_up(tiles * (4 + block * block), 4)
+    return batch * heads * floats_per_head * 4
+
+
+def _check_efficient(head_dim, attn_bias, dropout_p) -> None:
+    if head_dim > 128:
+        raise ValueError(f"the planner models sdpa_efficient for head sizes up to 128, not {head_dim}")
+    if attn_bias is not None or dropout_p:
+        raise ValueError("the sdpa_efficient stand-in models plain attention: no bias or dropout")
+
+
+#: Stands in for ``torch.ops.aten`` in ``kernels._sdpa_cuda_forward/backward``.
+SDPA_OPS = types.SimpleNamespace(
+    _scaled_dot_product_flash_attention=sdpa_flash_forward,
+    _scaled_dot_product_flash_attention_backward=sdpa_flash_backward,
+    _scaled_dot_product_efficient_attention=sdpa_efficient_forward,
+    _scaled_dot_product_efficient_attention_backward=sdpa_efficient_backward,
+)
