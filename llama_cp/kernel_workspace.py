@@ -18,6 +18,7 @@ from __future__ import annotations
 import types
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 _aten = torch.ops.aten
 
@@ -49,9 +50,12 @@ def _round_up(x: int, multiple: int) -> int:
 # outputs, on real tensors its internal buffers are not tensors the tracker sees. Its outputs
 # are one query head (forward) or one key/value head group (backward) at a time, copied into
 # the CUDA kernel's own tensors: the stand-in then holds at most that slice on top of what the
-# CUDA kernel holds (Note [GPU attention kernels' workspace]).
+# CUDA kernel holds; under fake tensors nothing is computed (Note [GPU attention kernels' workspace]).
 def _fill_forward(q, k, v, causal, scale, out, lse) -> None:
-    """out (B, H, Sq, D) and lse (B, H, Sq) of q (B, H, Sq, D), k/v (B, Hkv, Sk, D), any strides."""
+    """out (B, H, Sq, D) and lse (B, H, Sq) of q (B, H, Sq, D), k/v (B, Hkv, Sk, D), any strides.
+    Fake tensors (the planner) have no values to compute: nothing is done, nothing allocated."""
+    if is_fake(q):
+        return
     n_rep = q.shape[1] // k.shape[1]
     for h in range(q.shape[1]):
         g = h // n_rep
@@ -64,7 +68,10 @@ def _fill_forward(q, k, v, causal, scale, out, lse) -> None:
 
 
 def _fill_backward(dout, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:
-    """dq, dk, dv in the (B, H, S, D) views given, one key/value head group at a time."""
+    """dq, dk, dv in the (B, H, S, D) views given, one key/value head group at a time (nothing
+    for fake tensors, as in :func:`_fill_forward`)."""
+    if is_fake(q):
+        return
     n_rep = q.shape[1] // k.shape[1]
     for g in range(k.shape[1]):
         heads = slice(g * n_rep, (g + 1) * n_rep)

@@ -96,12 +96,11 @@ and the gradQ tile shape (block_i x block_j) are read from those files, not meas
             those head sizes; their dK/dV stay in registers, kOutputInRF, so no dK/dV
             workspace). Half precision only: the planner refuses float32 for it.
 
-The stand-ins compute the values one query head (forward) or one key/value head group
-(backward) at a time, into the kernel's own tensors, and the backward does so before
-allocating the workspace: the slice they hold on top is freed before the workspace
-exists, and is smaller than it, so the backward's peak is the kernel's exactly; the forward
-holds one head's out and lse (1/H of them) on top of the kernel's, less than the backward
-that follows it adds (dq_accum alone is twice out in half precision). tests/test_kernel_workspace.py
+On real CPU tensors the stand-ins compute the values one query head (forward) or one
+key/value head group (backward) at a time, into the kernel's own tensors, so they hold at
+most that slice on top of the kernel's allocations. Under fake tensors (the planner) there
+are no values and nothing is computed: the tracked peak is the kernel's exactly (and the
+planner's many tile calls cost no per-head loop). tests/test_kernel_workspace.py
 checks each formula against the tracked peak.
 """
 

@@ -49,25 +49,24 @@ def _expected_peaks(backend):
     workspace], the inputs q, k, v (and dout) included; all (B, H, S, D) contiguous."""
     q_bytes, kv_bytes = B * S * H * D * E, B * S * HKV * D * E
     lse = B * H * S * 4
-    head = (q_bytes + lse) // H  # the forward's one head of out and lse, computed before copying in
     inputs_fwd, inputs_bwd = q_bytes + 2 * kv_bytes, 2 * q_bytes + 2 * kv_bytes  # q, k, v (+ dout)
     softmax_d = B * H * _round_up(S, 128) * 4
     dq_accum = B * _round_up(S, 128) * H * _round_up(D, 32) * 4
     if backend == "flash_attn":
-        # forward: (B, S, H, D) copies of q, k, v; out; lse; rng_state
-        fwd = q_bytes + 2 * kv_bytes + q_bytes + lse + head
+        # forward: (B, S, H, D) copies of q, k, v; out; lse; rng_state (2 x int64)
+        fwd = q_bytes + 2 * kv_bytes + q_bytes + lse + 16
         # backward: out and lse kept; copies of dout, q, k, v (out is laid out (B, S, H, D) already);
         # dq, dk, dv; softmax_d, dq_accum, dk/dv expanded to H heads
         bwd = q_bytes + lse + 2 * q_bytes + 2 * kv_bytes + q_bytes + 2 * kv_bytes + softmax_d + dq_accum + 2 * q_bytes
     elif backend == "sdpa_flash":
-        # forward: K/V expanded to H heads; out; lse (seed/offset: 24 bytes, freed before the peak)
-        fwd = 2 * q_bytes + q_bytes + lse + head
+        # forward: K/V expanded to H heads; out; lse; the returned philox seed/offset and debug mask (24 bytes)
+        fwd = 2 * q_bytes + q_bytes + lse + 24
         # backward: out, lse; K/V expanded; the zero philox scalar; dout and out copied to (B, S, H, D);
         # dq, dk, dv with H heads; softmax_d, dq_accum
         bwd = q_bytes + lse + 2 * q_bytes + 8 + 2 * q_bytes + 3 * q_bytes + softmax_d + dq_accum
     else:
         lse32 = B * H * _round_up(S, 32) * 4
-        fwd = 2 * q_bytes + q_bytes + lse32 + head
+        fwd = 2 * q_bytes + q_bytes + lse32 + 16  # + the returned philox seed and offset
         # backward: out, padded lse; K/V expanded; zero scalar; our lse padded again; dout copied;
         # grad q, k, v with H heads; delta; the dq accumulator workspace
         workspace = B * H * _round_up(_round_up(S, 128) // 128 * 1 * (4 + 128 * 128), 4) * 4
