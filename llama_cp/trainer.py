@@ -406,13 +406,21 @@ class Trainer:
 
     def _check_before_start(self) -> None:
         """What can be checked before any process group or model exists: a local model
-        directory has a tokenizer, and the parallel rules, every broken one in one message,
-        now that the number of processes is known (``ParallelConfig.check``)."""
-        from llama_cp.models import check_tokenizer_files
+        directory has a tokenizer, an explicit --attention_backend can run here, and the
+        parallel rules, every broken one in one message, now that the number of processes is
+        known (``ParallelConfig.check``)."""
+        from transformers import AutoConfig
+
+        from llama_cp.build import check_attention_backend
+        from llama_cp.models import check_tokenizer_files, embedded_llama_config
 
         name = os.path.expanduser(self.cfg.model.model_name)
-        if self.cfg.model.model_name != "embedded" and os.path.isdir(name):
+        local = self.cfg.model.model_name != "embedded" and os.path.isdir(name)
+        if local:
             check_tokenizer_files(name)
+        if self.cfg.model.model_name == "embedded" or local:  # a hub id's config comes with its download
+            config = AutoConfig.from_pretrained(name) if local else embedded_llama_config()
+            check_attention_backend(self.cfg, config, "cuda" if torch.cuda.is_available() else "cpu")
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.cfg.parallel.check(self.cfg.data.context_length, world)
 

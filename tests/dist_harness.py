@@ -49,6 +49,8 @@ def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: st
     module = importlib.import_module(module_name)
     results: dict[str, str | None] = {}
     for name, fn in module.checks.items:
+        if name in module.checks.skips:
+            continue
         try:
             fn()
             results[name] = None
@@ -62,14 +64,19 @@ def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: st
 class Checks:
     def __init__(self) -> None:
         self.items: list[tuple[str, callable]] = []
+        self.skips: dict[str, str] = {}  # name -> why it does not run here
 
     @property
     def names(self) -> list[str]:
         return [name for name, _ in self.items]
 
-    def add(self, fn, name: str | None = None):
-        """Register ``fn`` (no arguments) under ``name`` (default: its __name__); usable as a decorator."""
-        self.items.append((name or fn.__name__, fn))
+    def add(self, fn, name: str | None = None, *, skip: str | None = None):
+        """Register ``fn`` (no arguments) under ``name`` (default: its __name__); usable as a decorator.
+        ``skip``: why it cannot run here (it is then not run, and reported as skipped)."""
+        name = name or fn.__name__
+        self.items.append((name, fn))
+        if skip:
+            self.skips[name] = skip
         return fn
 
     def run(self, module_name: str, world_size: int) -> dict[str, list[str | None]]:
@@ -82,7 +89,7 @@ class Checks:
             for rank in range(world_size):
                 with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
                     per_rank.append(json.load(f))
-        return {name: [r.get(name, "not run") for r in per_rank] for name in self.names}
+        return {name: [r.get(name, None if name in self.skips else "not run") for r in per_rank] for name in self.names}
 
     def module_fixture(self, module_name: str, world_size: int):
         @pytest.fixture(scope="module")
@@ -91,8 +98,9 @@ class Checks:
 
         return results
 
-    @staticmethod
-    def assert_passed(results: dict[str, list[str | None]], name: str) -> None:
+    def assert_passed(self, results: dict[str, list[str | None]], name: str) -> None:
+        if name in self.skips:
+            pytest.skip(self.skips[name])
         failures = [r for r in results[name] if r is not None]
         if failures:
             pytest.fail(failures[0], pytrace=False)

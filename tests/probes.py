@@ -1,6 +1,7 @@
 """Probes shared by the tests: tensor sizes, small filesystems."""
 
 import contextlib
+import functools
 import subprocess
 
 import pytest
@@ -34,3 +35,18 @@ def tmpfs(path, options: str):
         yield path
     finally:
         subprocess.run(["umount", str(path)], check=True)
+
+
+@functools.cache
+def bnb_cpu_optimizer_problem() -> str | None:
+    """Why bitsandbytes' AdamW8bit cannot step a CPU tensor here (not installed, or a release
+    whose CPU library does not load: 0.45.1 needs a newer libstdc++ than this machine's), or None."""
+    try:
+        import bitsandbytes as bnb
+
+        param = torch.nn.Parameter(torch.ones(8))
+        param.grad = torch.ones(8)
+        bnb.optim.AdamW8bit([param], lr=0.1).step()
+    except Exception as error:  # noqa: BLE001 - any failure means: no CPU optimizer here
+        return f"bitsandbytes' optimizer does not run on CPU here ({type(error).__name__}: {error})"
+    return None

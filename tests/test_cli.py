@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from llama_cp.cli import run_cli
 from llama_cp.config import TrainConfig
@@ -64,6 +65,7 @@ def test_bad_input_is_one_line_before_anything_runs(flags, message, capsys, tmp_
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
+    assert not torch.distributed.is_initialized(), "refused after the process group was started"
 
 
 def test_every_broken_parallel_rule_is_in_one_message(monkeypatch, capsys, tmp_path):

@@ -7,7 +7,11 @@ from torch import nn
 
 from llama_cp.optim import ShardLocalOptimizer
 
+from probes import bnb_cpu_optimizer_problem
+
 bnb = pytest.importorskip("bitsandbytes")
+if bnb_cpu_optimizer_problem():
+    pytest.skip(bnb_cpu_optimizer_problem(), allow_module_level=True)
 
 
 def test_empty_shards_never_reach_bitsandbytes():
