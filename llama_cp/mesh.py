@@ -113,6 +113,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def machine_device_type() -> str:
+    """The device type this machine trains on: "cuda" when CUDA is available, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def init_distributed(timeout_s: float | None = None) -> str:
     """Initialise the default process group from torchrun's environment (or as a single
     process) and return the device type: cuda + nccl when CUDA is available, else cpu + gloo.
@@ -120,7 +125,7 @@ def init_distributed(timeout_s: float | None = None) -> str:
     ``timeout_s``: how long a collective (of this group and of every group made from it,
     the mesh's included) waits for the other ranks before it fails; None keeps the
     backend's default. An already initialised group is left as it is."""
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = machine_device_type()
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

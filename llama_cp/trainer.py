@@ -30,7 +30,7 @@ from llama_cp.build import model_path
 from llama_cp.config import TrainConfig
 from llama_cp.fsdp_wrap import export_pretrained
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens
-from llama_cp.mesh import init_distributed, local_peers, submesh
+from llama_cp.mesh import init_distributed, local_peers, machine_device_type, submesh
 from llama_cp.optim import build_optimizer
 from llama_cp.run_dir import (
     check_resume_settings, lock_output_dir, plot_losses, truncate_metrics, write_atomically, yaml_dump,
@@ -420,7 +420,7 @@ class Trainer:
             check_tokenizer_files(name)
         if self.cfg.model.model_name == "embedded" or local:  # a hub id's config comes with its download
             config = AutoConfig.from_pretrained(name) if local else embedded_llama_config()
-            check_attention_backend(self.cfg, config, "cuda" if torch.cuda.is_available() else "cpu")
+            check_attention_backend(self.cfg, config, machine_device_type())
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.cfg.parallel.check(self.cfg.data.context_length, world)
 
