@@ -78,6 +78,24 @@ tokens take the untiled path unchanged, the FLOPs are the same (causal kernels
 skip the tiles above the diagonal too), and a 16384 x 16384 call is far larger
 than the kernels' own 128-row tiles, so only the merges and the fp32 query-block
 accumulators are extra, ~1/16384 of the attention's work.
+
+Note [Planning tiled attention]
+===============================
+
+The memory planner runs the trainer's code under fake tensors (Note [Planning from a few
+layers] in memory.py), where a tile costs the dispatch of its ops and computes nothing: a
+524,288-token sequence in 16384-token blocks is 528 tiles per layer in forward and as many in
+backward, and a 4M-token ring step at cp 8 about 1,000, which made one plan take an hour.
+Under fake tensors ``planned_tiles`` keeps, of each query slice, the first tile of each shape
+(keys, causal), and of the query slices, the first of each kind (its length and the shapes of
+its tiles). The tracked peak is unchanged: a tile's tensors (the kernel's outputs and
+workspace, the merge's temporaries) are freed before the next tile, the accumulators they
+merge into (the query slice's out/lse/dQ, the whole out, lse, dK, dV) are allocated once
+whatever the count, and tiles or slices of one shape allocate the same bytes. So the peak over
+a query slice is its accumulators plus its largest tile, and the same for every slice of one
+kind. tests/test_kernel_workspace.py checks that a plan with every tile
+(``PLAN_EVERY_TILE``) and the plan with one of each are equal, category by category, at cp 1,
+in a ring and with Ulysses. Real tensors always run every tile.
 """
 
 from __future__ import annotations
@@ -87,6 +105,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from llama_cp import kernels
 from llama_cp.kernels import Backend
@@ -197,6 +216,28 @@ def tiles(block: list[Piece], block_size: int) -> list[Piece]:
     return result
 
 
+#: Whether a plan under fake tensors runs every tile (tests compare) or one of each kind
+#: (Note [Planning tiled attention]).
+PLAN_EVERY_TILE = False
+
+
+def planned_tiles(block: list[Piece], q: torch.Tensor) -> list[Piece]:
+    """``block`` itself on real tensors; under fake tensors (the memory planner), one tile of
+    each shape per query slice and one query slice of each kind (Note [Planning tiled attention])."""
+    if PLAN_EVERY_TILE or not isinstance(q, FakeTensor):
+        return block
+    kept, kinds = [], set()
+    for (_, q_start, q_stop), group in itertools.groupby(block, key=lambda p: p.queries):
+        shapes = {}
+        for piece in group:  # first of each shape, in order
+            shapes.setdefault((piece.k.stop - piece.k.start, piece.causal), piece)
+        kind = (q_stop - q_start, tuple(shapes))
+        if kind not in kinds:
+            kinds.add(kind)
+            kept += shapes.values()
+    return kept
+
+
 def pieces_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: list[Piece], *, scale: float,
     backend: Backend | None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
@@ -208,6 +249,7 @@ def pieces_forward(
     its pieces (consecutive in ``block``) and then written (Note [Tiled attention]); rows
     that see nothing get out = 0, lse = -inf.
     """
+    block = planned_tiles(block, q)
     if out is not None:
         for piece in block:
             block_out, block_lse = _piece_forward(q, k, v, piece, scale, backend)
@@ -243,6 +285,7 @@ def pieces_backward(
     """Add the gradients of the pieces of one block to the accumulators dk, dv (and dq when
     given, the ring) in place, given the final (out, lse) of every query row. Without ``dq``,
     returns dq in q's dtype, accumulated in float32 per query slice (Note [Tiled attention])."""
+    block = planned_tiles(block, q)
     acc = kernels.accumulation_dtype(q)
     result = None if dq is not None else torch.zeros_like(q)
     for _, group in itertools.groupby(block, key=lambda p: p.queries):

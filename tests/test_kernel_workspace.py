@@ -158,3 +158,40 @@ def test_plan_memory_says_which_backend_it_models(capsys):
         lines = capsys.readouterr().out.strip().splitlines()
         assert f", attention {backend}" in lines[0]
         assert json.loads(lines[-1])["attention_backend"] == backend
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [dict(), dict(cp=2), dict(cp=2, cp_strategy="ulysses")],
+                         ids=["cp1", "ring", "ulysses"])
+def test_plan_of_one_tile_per_shape_equals_every_tile(parallel, monkeypatch):
+    """Note [Planning tiled attention]: under fake tensors the planner runs one tile of each
+    shape per query slice and one query slice of each kind; the tracked peak, phase by phase
+    and category by category, equals that of running every tile: 640 tokens per attention
+    call in 128-token blocks, with a ragged last block in the ring (its zigzag halves)."""
+    from transformers import LlamaConfig
+
+    from llama_cp import documents
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, max_position_embeddings=1 << 16,
+    )
+    world = parallel.get("cp", 1)
+    cfg = TrainConfig.from_flags(context_length=1280 if world == 2 else 640, use_peft=True, dtype="bfloat16",
+                                 activation_checkpointing=True, attention_block_size=128, **parallel)
+    calls = []
+    real = kernels.attention_forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "attention_forward", counted)
+    phases = {}
+    for every in (True, False):
+        monkeypatch.setattr(documents, "PLAN_EVERY_TILE", every)
+        calls.clear()
+        phases[every] = simulate_step_phases(cfg, world, model_config=config)
+        phases[every, "calls"] = len(calls)
+    assert phases[True] == phases[False]
+    assert phases[False, "calls"] * 4 < phases[True, "calls"]  # the shortcut really skipped tiles
