@@ -78,24 +78,6 @@ tokens take the untiled path unchanged, the FLOPs are the same (causal kernels
 skip the tiles above the diagonal too), and a 16384 x 16384 call is far larger
 than the kernels' own 128-row tiles, so only the merges and the fp32 query-block
 accumulators are extra, ~1/16384 of the attention's work.
-
-Note [Planning tiled attention]
-===============================
-
-The memory planner runs the trainer's code under fake tensors (Note [Planning from a few
-layers] in memory.py), where a tile costs the dispatch of its ops and computes nothing: a
-524,288-token sequence in 16384-token blocks is 528 tiles per layer in forward and as many in
-backward, and a 4M-token ring step at cp 8 about 1,000, which made one plan take an hour.
-Under fake tensors ``planned_tiles`` keeps, of each query slice, the first tile of each shape
-(keys, causal), and of the query slices, the first of each kind (its length and the shapes of
-its tiles). The tracked peak is unchanged: a tile's tensors (the kernel's outputs and
-workspace, the merge's temporaries) are freed before the next tile, the accumulators they
-merge into (the query slice's out/lse/dQ, the whole out, lse, dK, dV) are allocated once
-whatever the count, and tiles or slices of one shape allocate the same bytes. So the peak over
-a query slice is its accumulators plus its largest tile, and the same for every slice of one
-kind. tests/test_kernel_workspace.py checks that a plan with every tile
-(``PLAN_EVERY_TILE``) and the plan with one of each are equal, category by category, at cp 1,
-in a ring and with Ulysses. Real tensors always run every tile.
 """
 
 from __future__ import annotations
@@ -105,10 +87,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from llama_cp import kernels
 from llama_cp.kernels import Backend
+from llama_cp.tiling import planning
 
 
 class Span(NamedTuple):
@@ -216,15 +198,10 @@ def tiles(block: list[Piece], block_size: int) -> list[Piece]:
     return result
 
 
-#: Whether a plan under fake tensors runs every tile (tests compare) or one of each kind
-#: (Note [Planning tiled attention]).
-PLAN_EVERY_TILE = False
-
-
 def planned_tiles(block: list[Piece], q: torch.Tensor) -> list[Piece]:
     """``block`` itself on real tensors; under fake tensors (the memory planner), one tile of
-    each shape per query slice and one query slice of each kind (Note [Planning tiled attention])."""
-    if PLAN_EVERY_TILE or not isinstance(q, FakeTensor):
+    each shape per query slice and one query slice of each kind (Note [Planning tiles])."""
+    if not planning(q):
         return block
     kept, kinds = [], set()
     for (_, q_start, q_stop), group in itertools.groupby(block, key=lambda p: p.queries):

@@ -26,6 +26,7 @@ from torch import nn
 from llama_cp.families import LogitTransform, check_supported
 from llama_cp.kernels import accumulation_dtype
 from llama_cp.models import base_causal_lm
+from llama_cp.tiling import tile_starts
 
 IGNORE_INDEX = -100
 
@@ -51,7 +52,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=acc, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         correct = torch.ones(hidden.shape[0] if return_correct else 0, dtype=torch.bool, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_size):
+        for start in tile_starts(hidden.shape[0], chunk_size, hidden):  # Note [Planning tiles]
             rows = slice(start, start + chunk_size)
             logits, _ = _chunk_logits(hidden[rows], weight, transform, acc)  # (chunk, V)
             lse[rows] = torch.logsumexp(logits, dim=-1)
@@ -72,7 +73,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         acc = lse.dtype
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
+        for start in tile_starts(hidden.shape[0], ctx.chunk_size, hidden):
             rows = slice(start, start + ctx.chunk_size)
             valid = labels[rows] != ctx.ignore_index
             # d(lse - logit[label]) / d logits = softmax - onehot(label), zero on ignored rows;

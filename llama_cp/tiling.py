@@ -20,6 +20,31 @@ layer's FSDP unit). Parameters that need a gradient are inputs of the autograd F
 so their gradients reach FSDP's reduce-scatter like any other; per-tile parameter
 gradients are summed in fp32 when the parameters are lower precision. The result is the
 untiled gradient up to summation order (fp32 1e-5, fp64 1e-10 in the tests).
+
+Note [Planning tiles]
+====================
+
+The memory planner runs the trainer's code under fake tensors (Note [Planning from a few
+layers] in memory.py), where a tile costs the dispatch of its ops and computes nothing. At
+524,288 tokens that is 528 attention tiles of 16384 tokens per layer in forward and as many in
+backward (about 1,000 per ring step for 4M tokens at cp 8), 128 MLP tiles of 4096 tokens and
+1,024 loss chunks of 512: an hour for one plan. Under fake tensors the loops run fewer tiles
+(``planning``):
+
+- tiled MLP/norms and the loss (``tile_starts``): the first tile, the second and the last;
+- attention (``documents.planned_tiles``): of each query slice the first tile of each shape
+  (keys, causal), and of the query slices the first of each kind (its length and the shapes
+  of its tiles).
+
+The tracked peak is unchanged. A tile's own tensors (kernel outputs and workspace, a tile's
+activations, a chunk's logits, merge temporaries) are freed before the next tile; what the
+tiles write or add into (out/lse/dQ of a query slice, the whole output, dK/dV, the summed
+weight gradients, the loss) is allocated once, whatever the number of tiles, by the first
+tile or before the loop; and tiles of one shape allocate the same bytes. So the peak over a
+loop is that of its first tile (which allocates the sums), of a later one (which adds into
+them), or of the ragged last one. tests/test_kernel_workspace.py checks plans with every tile
+(``PLAN_EVERY_TILE``) and with the shortcut equal, phase by phase and category by category.
+Real tensors always run every tile.
 """
 
 from __future__ import annotations
@@ -29,6 +54,23 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+#: Whether a plan under fake tensors runs every tile (the tests compare) or a few (Note [Planning tiles]).
+PLAN_EVERY_TILE = False
+
+
+def planning(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a fake tensor of the memory planner, whose tile loops may run a few
+    tiles of each shape (Note [Planning tiles])."""
+    return not PLAN_EVERY_TILE and isinstance(x, FakeTensor)
+
+
+def tile_starts(length: int, size: int, x: torch.Tensor):
+    """The starts of the ``size``-long tiles of ``length`` rows: all of them, or under the
+    planner's fake ``x`` the first, second and last (Note [Planning tiles])."""
+    starts = range(0, length, size)
+    return starts if len(starts) <= 3 or not planning(x) else [starts[0], starts[1], starts[-1]]
 
 
 class _TiledTokens(torch.autograd.Function):
@@ -38,7 +80,7 @@ class _TiledTokens(torch.autograd.Function):
         rows = x.detach().reshape(-1, x.shape[-1])  # (N, d); the graph comes from the backward
         out = out_rows = None  # allocated in the output's shape (a view would confuse FSDP's output hooks)
         with torch.no_grad():
-            for start in range(0, rows.shape[0], tile_size):
+            for start in tile_starts(rows.shape[0], tile_size, rows):
                 tile = fn(rows[start:start + tile_size])
                 if out is None:
                     out = tile.new_empty((*x.shape[:-1], tile.shape[-1]))
@@ -64,7 +106,7 @@ class _TiledTokens(torch.autograd.Function):
         grad_x_rows = grad_x.view(-1, x.shape[-1]) if needs_x else None
         wanted = [p for p, needed in zip(params, ctx.needs_input_grad[4:]) if needed]
         sums: list[torch.Tensor | None] = [None] * len(wanted)
-        for start in range(0, rows.shape[0], ctx.tile_size):
+        for start in tile_starts(rows.shape[0], ctx.tile_size, rows):
             tile = rows[start:start + ctx.tile_size].detach().requires_grad_(needs_x)
             with torch.enable_grad():
                 out = ctx.fn(tile)

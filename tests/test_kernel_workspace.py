@@ -164,13 +164,14 @@ def test_plan_memory_says_which_backend_it_models(capsys):
 @pytest.mark.parametrize("parallel", [dict(), dict(cp=2), dict(cp=2, cp_strategy="ulysses")],
                          ids=["cp1", "ring", "ulysses"])
 def test_plan_of_one_tile_per_shape_equals_every_tile(parallel, monkeypatch):
-    """Note [Planning tiled attention]: under fake tensors the planner runs one tile of each
-    shape per query slice and one query slice of each kind; the tracked peak, phase by phase
-    and category by category, equals that of running every tile: 640 tokens per attention
-    call in 128-token blocks, with a ragged last block in the ring (its zigzag halves)."""
+    """Note [Planning tiles]: under fake tensors the planner runs a few attention tiles, MLP
+    and norm tiles and loss chunks of each shape; the tracked peak, phase by phase and
+    category by category, equals that of running every tile: 640 tokens per attention call
+    in 128-token blocks (ragged in the ring: its zigzag halves are 320), MLP/norm tiles of
+    96 (a ragged last one) and loss chunks of 128."""
     from transformers import LlamaConfig
 
-    from llama_cp import documents
+    from llama_cp import tiling
 
     config = LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -178,7 +179,8 @@ def test_plan_of_one_tile_per_shape_equals_every_tile(parallel, monkeypatch):
     )
     world = parallel.get("cp", 1)
     cfg = TrainConfig.from_flags(context_length=1280 if world == 2 else 640, use_peft=True, dtype="bfloat16",
-                                 activation_checkpointing=True, attention_block_size=128, **parallel)
+                                 activation_checkpointing=True, attention_block_size=128, mlp_tile_size=96,
+                                 norm_tile_size=96, loss_chunk_size=128, **parallel)
     calls = []
     real = kernels.attention_forward
 
@@ -189,7 +191,7 @@ def test_plan_of_one_tile_per_shape_equals_every_tile(parallel, monkeypatch):
     monkeypatch.setattr(kernels, "attention_forward", counted)
     phases = {}
     for every in (True, False):
-        monkeypatch.setattr(documents, "PLAN_EVERY_TILE", every)
+        monkeypatch.setattr(tiling, "PLAN_EVERY_TILE", every)
         calls.clear()
         phases[every] = simulate_step_phases(cfg, world, model_config=config)
         phases[every, "calls"] = len(calls)
