@@ -148,9 +148,24 @@ def _check_split(split: str) -> str:
 
 def _load_local(path: Path) -> datasets.Dataset | datasets.DatasetDict:
     """Read a local file or directory with the ``datasets`` builder its extension names."""
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        return datasets.load_from_disk(str(path))
+    builder, files = local_files(path)
+    options = {"sample_by": "document"} if builder == "text" else {}
+    try:
+        with _quiet_datasets():
+            return datasets.load_dataset(builder, data_files=[str(file) for file in files], **options)
+    except Exception:
+        if builder == "json":
+            for file in files:
+                _check_json_file(file)  # names the file and line when that is what failed
+        raise
+
+
+def local_files(path: Path) -> tuple[str, list[Path]]:
+    """(``datasets`` builder, the files) of a local file or directory of data files;
+    ValueError when there are none, they mix types, or all are blank."""
     if path.is_dir():
-        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
-            return datasets.load_from_disk(str(path))
         files = sorted(
             file
             for file in path.rglob("*")
@@ -172,15 +187,7 @@ def _load_local(path: Path) -> datasets.Dataset | datasets.DatasetDict:
     builder = builders.pop()
     if all(_is_blank(file) for file in files):
         raise ValueError(f"--dataset {str(path)!r} is empty: it holds no rows")
-    options = {"sample_by": "document"} if builder == "text" else {}
-    try:
-        with _quiet_datasets():
-            return datasets.load_dataset(builder, data_files=[str(file) for file in files], **options)
-    except Exception:
-        if builder == "json":
-            for file in files:
-                _check_json_file(file)  # names the file and line when that is what failed
-        raise
+    return builder, files
 
 
 @contextlib.contextmanager
@@ -479,6 +486,82 @@ def _pack(documents: Iterable[Document], context_length: int, pad_id: int) -> li
     ]
 
 
+class RowPacker:
+    """Packs documents one at a time into the rows ``_pack`` makes from all of them at once.
+
+    The same rows as ``pack_documents`` (Note [Packed rows]), for data that does not fit
+    in memory: ``add`` takes one document and returns the rows it completed, ``finish``
+    pads and returns the last one. Each returned row comes with the stream position
+    *after* it, ``(document, offset)``: the document (counted from 0 over every ``add``,
+    empty ones too) holding the row's next token and how many of its tokens are already
+    in rows, so a reader can resume exactly there (``add(..., offset=...)``).
+    """
+
+    def __init__(self, context_length: int, pad_id: int):
+        self.context_length = context_length
+        self.pad_id = pad_id
+        # [document, offset, input_ids, labels, position_ids, first offset], oldest first
+        self.pieces: list[list] = []
+        self.size = 0  # tokens waiting in pieces
+        self.next_document = 0
+        self.documents = self.tokens = self.split_documents = 0
+        self.trainable = False  # some token so far has a label
+
+    def add(self, document: Document, offset: int = 0) -> list[tuple[Row, tuple[int, int]]]:
+        """Rows completed by the next document, of which the first ``offset`` tokens are
+        already in earlier rows (a resumed stream)."""
+        ids, mask = document
+        if len(ids) != len(mask):
+            raise ValueError(f"document {self.next_document}: {len(ids)} input_ids but {len(mask)} label_mask entries")
+        index, self.next_document = self.next_document, self.next_document + 1
+        if not len(ids):
+            return []
+        self.documents += 1
+        document_ids = torch.as_tensor(ids, dtype=torch.long)  # (n,)
+        mask = torch.as_tensor(mask, dtype=torch.bool)
+        document_labels = torch.full_like(document_ids, IGNORE_INDEX)
+        document_labels[:-1] = document_ids[1:].masked_fill(~mask[1:], IGNORE_INDEX)  # as _pack
+        self.trainable = self.trainable or bool((document_labels != IGNORE_INDEX).any())
+        positions = torch.arange(len(document_ids))
+        piece = [index, offset, document_ids[offset:], document_labels[offset:], positions[offset:], offset]
+        self.pieces.append(piece)
+        self.size += len(document_ids) - offset
+        self.tokens += len(document_ids) - offset
+        rows = []
+        while self.size >= self.context_length:
+            rows.append(self._take(self.context_length))
+        return rows
+
+    def finish(self) -> list[tuple[Row, tuple[int, int]]]:
+        """The last, padded row (none when the tokens filled whole rows); then the packer is empty."""
+        if not self.size:
+            return []
+        padding = self.context_length - self.size
+        last = self.pieces[-1][4][-1]
+        self.pieces.append([self.next_document, 0, torch.full((padding,), self.pad_id, dtype=torch.long),
+                            torch.full((padding,), IGNORE_INDEX, dtype=torch.long), last + 1 + torch.arange(padding), 0])
+        self.size += padding
+        return [self._take(self.context_length)]
+
+    def _take(self, count: int) -> tuple[Row, tuple[int, int]]:
+        parts = []
+        while count:
+            piece = self.pieces[0]
+            taken = min(count, len(piece[2]))
+            parts.append([tensor[:taken] for tensor in piece[2:5]])
+            if taken == len(piece[2]):
+                self.pieces.pop(0)
+            else:  # the row ends inside this document: it goes on in the next row
+                self.split_documents += piece[1] == piece[5]  # counted at its first cut
+                piece[1] += taken
+                piece[2:5] = [tensor[taken:] for tensor in piece[2:5]]
+            count -= taken
+            self.size -= taken
+        row = {key: torch.cat([part[k] for part in parts]) for k, key in enumerate(("input_ids", "labels", "position_ids"))}
+        after = (self.pieces[0][0], self.pieces[0][1]) if self.pieces else (self.next_document, 0)
+        return row, after
+
+
 # ----------------------------------------------------------------------------- passkey
 
 # Note [Passkey rows]
@@ -681,6 +764,10 @@ class DistributedRowLoader:
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Resume at ``state`` (from :meth:`state_dict`)."""
+        if "batch_index" not in state:
+            raise ValueError(
+                "the checkpoint's data position was saved by a --streaming run: resume with --streaming"
+            )
         epoch, batch_index = int(state["epoch"]), int(state["batch_index"])
         if epoch < 0 or not 0 <= batch_index < self.steps_per_epoch:
             raise ValueError(
