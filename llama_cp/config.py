@@ -125,7 +125,7 @@ class DataConfig:
     document_mask: bool = True
     """Packed documents (position_ids restart) attend only within themselves, as in transformers; false: across the row."""
     streaming: bool = False
-    """Read --dataset as a stream (datasets' streaming=True): documents split over dp ranks, packed as they arrive, never all on disk or in memory; needs --max_steps."""
+    """Read --dataset with datasets' streaming=True (hub datasets too large to download): documents split over dp ranks, packed as they arrive, nothing prepared; needs --max_steps."""
     data_cache_dir: str = ""
     """Where tokenized, packed rows of a file or hub --dataset are kept and reused (python -m recipes.prepare_data); "" = HF_DATASETS_CACHE/llama_cp."""
     data_cache_shared: bool = False

@@ -1,0 +1,110 @@
+"""Prepared rows at corpus scale (issue 22): start-up with a ready cache, host memory while the
+loader reads every batch, and the loss trajectory against the in-memory rows.
+
+    python benchmarks/data_loading.py loader --dataset big.jsonl --context_length 8192 --data_cache_dir DIR
+    python benchmarks/data_loading.py in_memory --dataset big.jsonl --context_length 8192
+    python benchmarks/data_loading.py losses --dataset small.jsonl --context_length 256 --steps 8
+
+Memory is read from /proc/self/status: RssAnon (the process's own memory) and RssFile
+(mapped files), before the data is opened and the largest seen while iterating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+START = time.perf_counter()
+
+import torch  # noqa: E402
+
+from llama_cp.data import DistributedRowLoader, build_rows  # noqa: E402
+from llama_cp.tokenizer import byte_tokenizer  # noqa: E402
+
+
+def memory_mib() -> dict[str, float]:
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "RssAnon", "RssFile")}
+
+
+def iterate(loader: DistributedRowLoader) -> dict[str, float]:
+    """Read every batch of one epoch; the largest memory seen and the batches per second."""
+    peak, count, began = memory_mib(), 0, time.perf_counter()
+    for batch in loader:
+        count += 1
+        if count % 50 == 0:
+            peak = {key: max(value, memory_mib()[key]) for key, value in peak.items()}
+        assert batch["input_ids"].shape[1] > 0
+    peak = {key: max(value, memory_mib()[key]) for key, value in peak.items()}
+    return {"batches": count, "batches_per_s": count / (time.perf_counter() - began), "peak_mib": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["loader", "in_memory", "losses"])
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--context_length", type=int, default=8192)
+    parser.add_argument("--data_cache_dir", default="")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    imported = time.perf_counter() - START
+    if args.mode == "losses":
+        print(json.dumps(losses(args)))
+        return
+    tokenizer = byte_tokenizer()
+    before = memory_mib()
+    began = time.perf_counter()
+    if args.mode == "loader":
+        from llama_cp.prepared import load_prepared_rows
+
+        rows, _ = load_prepared_rows(args.dataset, tokenizer, args.context_length, 1, args.data_cache_dir,
+                                     say=lambda _: None)
+    else:
+        rows = build_rows(args.dataset, tokenizer, args.context_length)
+    opened = time.perf_counter() - began
+    after_open = memory_mib()
+    result = iterate(DistributedRowLoader(rows, batch_size=1, seed=0))
+    print(json.dumps({"mode": args.mode, "rows": len(rows), "imports_s": round(imported, 2),
+                      "open_s": round(opened, 2), "before_mib": before, "after_open_mib": after_open, **result}))
+
+
+def losses(args) -> dict[str, list[float]]:
+    """Losses of ``--steps`` steps of the embedded model from the prepared rows and from
+    ``build_rows`` (the trainer's data path before issue 22), everything else equal."""
+    import os
+    import tempfile
+
+    from llama_cp import prepared
+    from llama_cp.config import TrainConfig
+    from llama_cp.trainer import Trainer
+
+    def in_memory(dataset, tokenizer, context_length, cp, *rest, **options):
+        return (build_rows(dataset, tokenizer, context_length, cp), build_rows(dataset, tokenizer, context_length, cp,
+                                                                                split="eval"))
+
+    results = {}
+    with tempfile.TemporaryDirectory() as root:
+        for name in ("prepared", "in_memory"):
+            original = prepared.load_prepared_rows
+            if name == "in_memory":
+                prepared.load_prepared_rows = in_memory
+            try:
+                cfg = TrainConfig.from_flags(
+                    dataset=args.dataset, context_length=args.context_length, max_steps=args.steps, log_every=1,
+                    warmup_steps=2, report_to="none", output_dir=os.path.join(root, name),
+                    data_cache_dir=os.path.join(root, "cache"),
+                )
+                Trainer(cfg).fit()
+            finally:
+                prepared.load_prepared_rows = original
+            with open(os.path.join(root, name, "metrics.jsonl")) as f:
+                results[name] = [row["loss"] for row in map(json.loads, f) if "loss" in row and "step" in row]
+    results["identical"] = results["prepared"] == results["in_memory"]
+    return results
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
