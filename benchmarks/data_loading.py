@@ -4,6 +4,7 @@ loader reads every batch, and the loss trajectory against the in-memory rows.
     python benchmarks/data_loading.py loader --dataset big.jsonl --context_length 8192 --data_cache_dir DIR
     python benchmarks/data_loading.py in_memory --dataset big.jsonl --context_length 8192
     python benchmarks/data_loading.py losses --dataset small.jsonl --context_length 256 --steps 8
+    python benchmarks/data_loading.py prepare --dataset big.jsonl --context_length 8192 --num_proc 2
 
 Memory is read from /proc/self/status: RssAnon (the process's own memory) and RssFile
 (mapped files), before the data is opened and the largest seen while iterating.
@@ -43,17 +44,34 @@ def iterate(loader: DistributedRowLoader) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["loader", "in_memory", "losses"])
+    parser.add_argument("mode", choices=["loader", "in_memory", "losses", "prepare"])
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--context_length", type=int, default=8192)
     parser.add_argument("--data_cache_dir", default="")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--num_proc", type=int, default=1)
     args = parser.parse_args()
     imported = time.perf_counter() - START
     if args.mode == "losses":
         print(json.dumps(losses(args)))
         return
     tokenizer = byte_tokenizer()
+    if args.mode == "prepare":  # into a new cache directory; the dataset's own Arrow conversion done beforehand
+        import tempfile
+
+        from llama_cp.data import load_examples
+        from llama_cp.prepared import prepare_dataset
+
+        load_examples(args.dataset)
+        with tempfile.TemporaryDirectory(dir=args.data_cache_dir or None) as cache:
+            began = time.perf_counter()
+            _, summary = prepare_dataset(args.dataset, tokenizer, args.context_length, cache_dir=cache,
+                                         num_proc=args.num_proc)
+            seconds = time.perf_counter() - began
+        tokens = summary["train"]["tokens"] + summary["eval"]["tokens"]
+        print(json.dumps({"mode": "prepare", "num_proc": args.num_proc, "tokens": tokens, "seconds": round(seconds, 1),
+                          "tokens_per_s": round(tokens / seconds)}))
+        return
     before = memory_mib()
     began = time.perf_counter()
     if args.mode == "loader":

@@ -71,7 +71,7 @@ EVAL_EVERY = 20
 #   segment_starts     int32[S]   where position_ids jump: 0 and every document start
 #   segment_positions  int32[S]   position_ids at those indices
 #
-# ~4.1 bytes per token instead of 24, and the three tensors of Note [Packed rows]
+# ~4.2 bytes per token instead of 24, and the three tensors of Note [Packed rows]
 # come back exactly: labels = where(target, input_ids shifted left by one with
 # next_id appended, -100), since a trained label is always the next token of the
 # same document, which may start the next row; position_ids go up by one from
