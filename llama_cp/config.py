@@ -124,6 +124,8 @@ class DataConfig:
     """Held-out rows evaluated at each eval."""
     document_mask: bool = True
     """Packed documents (position_ids restart) attend only within themselves, as in transformers; false: across the row."""
+    truncate_documents: bool = False
+    """A document longer than --context_length keeps only its first context_length tokens; false: it goes on in the next row, its positions continuing."""
     streaming: bool = False
     """Read --dataset with datasets' streaming=True (hub datasets too large to download): documents split over dp ranks, packed as they arrive, nothing prepared; needs --max_steps."""
     data_cache_dir: str = ""

@@ -108,25 +108,27 @@ def load_examples(
         return datasets.Dataset.from_dict({"passkey": list(keys), "depth": list(depths)})
     check_dataset_path(dataset)
     path = Path(dataset).expanduser()
-    if path.exists():
-        loaded = _load_local(path)
-    else:
-        try:
-            loaded = datasets.load_dataset(dataset)
-        except Exception as error:
-            note = (
-                f"--dataset {dataset!r} is not a local path (no such file or directory), "
-                "so it was treated as a HuggingFace hub dataset id"
-            )
-            if not hasattr(error, "add_note"):  # Python 3.10
-                raise RuntimeError(f"{note}: {error}") from error
-            error.add_note(note)
-            raise
+    loaded = _load_local(path) if path.exists() else load_hub_dataset(dataset)
     for part in loaded.values() if isinstance(loaded, datasets.DatasetDict) else [loaded]:
         if len(part) == 0:
             raise ValueError(f"--dataset {dataset!r} is empty: it holds no rows")
         check_required_values(part, dataset)  # also fails on unusable columns, before any tokenization
     return _select_split(loaded, split)
+
+
+def load_hub_dataset(dataset: str) -> datasets.Dataset | datasets.DatasetDict:
+    """``datasets.load_dataset(dataset)``; its error says that the name was taken for a hub id."""
+    try:
+        return datasets.load_dataset(dataset)
+    except Exception as error:
+        note = (
+            f"--dataset {dataset!r} is not a local path (no such file or directory), "
+            "so it was treated as a HuggingFace hub dataset id"
+        )
+        if not hasattr(error, "add_note"):  # Python 3.10
+            raise RuntimeError(f"{note}: {error}") from error
+        error.add_note(note)
+        raise
 
 
 def check_dataset_path(dataset: str) -> None:
@@ -486,6 +488,13 @@ def _pack(documents: Iterable[Document], context_length: int, pad_id: int) -> li
     ]
 
 
+def truncate_document(document: Document, context_length: int) -> Document:
+    """The first ``context_length`` tokens of a document (``--truncate_documents``): the rest,
+    and its eos, are dropped, so it fits one row when it starts one."""
+    input_ids, label_mask = document
+    return input_ids[:context_length], label_mask[:context_length]
+
+
 class RowPacker:
     """Packs documents one at a time into the rows ``_pack`` makes from all of them at once.
 
@@ -653,6 +662,7 @@ def build_rows(
     split: str = "train",
     seed: int = 0,
     num_samples: int | None = None,
+    truncate: bool = False,
 ) -> list[Row]:
     """The packed rows of one split of ``--dataset``: what the trainer feeds the loader.
 
@@ -660,12 +670,16 @@ def build_rows(
     same as ``passkey_rows(num_samples, ..., seed)`` for train, with seed +
     ``PASSKEY_EVAL_SEED_OFFSET`` for eval. Files and hub ids: every packed row of
     the split (``num_samples`` does not apply); eval holds out the last ~5% of
-    the documents, which always gives at least one row.
+    the documents, which always gives at least one row. A document longer than
+    ``context_length`` goes on in the next row, or with ``truncate`` keeps only its first
+    ``context_length`` tokens (``truncate_document``).
     """
     check_context_length(context_length, cp)
     num_passkey = DEFAULT_PASSKEY_SAMPLES if num_samples is None else num_samples
     examples = load_examples(dataset, split, seed, num_passkey=num_passkey)
     documents = (tokenize_example(example, tokenizer, context_length) for example in examples)
+    if truncate:
+        documents = (truncate_document(document, context_length) for document in documents)
     try:
         return _pack(documents, context_length, _pad_id(tokenizer))
     except ValueError as error:

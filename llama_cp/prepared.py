@@ -41,8 +41,10 @@ from llama_cp.data import (
     _quiet_datasets,
     detect_format,
     load_examples,
+    load_hub_dataset,
     local_files,
     tokenize_example,
+    truncate_document,
 )
 from llama_cp.loss import IGNORE_INDEX
 from llama_cp.sharding import check_context_length
@@ -89,7 +91,7 @@ def dataset_fingerprint(dataset: str) -> dict[str, Any]:
         else:
             files = local_files(path)[1]
         return {"files": [[str(file.absolute()), file.stat().st_size, file.stat().st_mtime_ns] for file in files]}
-    loaded = datasets.load_dataset(dataset)
+    loaded = load_hub_dataset(dataset)
     parts = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [("train", loaded)]
     return {"hub": dataset, "splits": {name: part._fingerprint for name, part in parts}}
 
@@ -104,7 +106,9 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256((definition + json.dumps(extra, default=str)).encode()).hexdigest()
 
 
-def cache_key(dataset: str, tokenizer: PreTrainedTokenizerBase, context_length: int, cp: int) -> dict[str, Any]:
+def cache_key(
+    dataset: str, tokenizer: PreTrainedTokenizerBase, context_length: int, cp: int, truncate: bool = False
+) -> dict[str, Any]:
     """Everything the prepared rows depend on; ``key_hash`` of it names their directory. The
     example format (text / instruction / chat) is read from the files, so it changes with them."""
     return {
@@ -113,7 +117,8 @@ def cache_key(dataset: str, tokenizer: PreTrainedTokenizerBase, context_length: 
         "tokenizer": {"name": getattr(tokenizer, "name_or_path", ""), "sha256": tokenizer_fingerprint(tokenizer)},
         "context_length": context_length,
         "cp": cp,
-        "long_documents": "split",  # Note [Packed rows]: continued in the next row, positions going on
+        # Note [Packed rows]: continued in the next row, positions going on; or cut at context_length
+        "long_documents": "truncate" if truncate else "split",
     }
 
 
@@ -137,17 +142,18 @@ def prepare_dataset(
     cache_dir: str = "",
     num_proc: int = 1,
     progress: bool = False,
+    truncate: bool = False,
 ) -> tuple[Path, dict[str, Any]]:
     """Tokenize and pack both splits of ``dataset`` into ``cache_dir`` unless they are there.
 
     Returns (the directory, its summary: per split documents, rows, tokens, padding
     fraction, documents split over rows; ``"reused": True`` when nothing was done).
-    The rows are those of ``build_rows(dataset, ..., split=...)``, in the same order.
+    The rows are those of ``build_rows(dataset, ..., split=..., truncate=...)``, in the same order.
     """
     if dataset == PASSKEY:
         raise ValueError("--dataset passkey is generated from the seed at start (fast): there is nothing to prepare")
     check_context_length(context_length, cp)
-    key = cache_key(dataset, tokenizer, context_length, cp)
+    key = cache_key(dataset, tokenizer, context_length, cp, truncate)
     root = Path(cache_dir or default_cache_dir()).expanduser()
     final = root / key_hash(key)
     if (final / "summary.json").exists():
@@ -157,7 +163,8 @@ def prepare_dataset(
     try:
         summary = {"dataset": dataset, "key": key}
         for split in SPLITS:
-            summary[split] = _prepare_split(dataset, split, tokenizer, context_length, work, num_proc, progress)
+            summary[split] = _prepare_split(dataset, split, tokenizer, context_length, work, num_proc, progress,
+                                            truncate)
         (work / "summary.json").write_text(json.dumps(summary, indent=1))
         try:
             os.rename(work, final)
@@ -173,7 +180,7 @@ def prepare_dataset(
 
 def _prepare_split(
     dataset: str, split: str, tokenizer: PreTrainedTokenizerBase, context_length: int, work: Path, num_proc: int,
-    progress: bool,
+    progress: bool, truncate: bool,
 ) -> dict[str, Any]:
     examples = load_examples(dataset, split)
     with contextlib.nullcontext() if progress else _quiet_datasets():
@@ -189,7 +196,7 @@ def _prepare_split(
             desc=f"tokenizing {split}",
         )
     packer = RowPacker(context_length, _pad_id(tokenizer))
-    rows = 0
+    rows = truncated = 0
     bar = _progress_bar(progress, len(documents), f"packing {split}")
     with pa.OSFile(str(work / f"{split}.arrow.tmp"), "wb") as sink, \
             pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
@@ -207,6 +214,8 @@ def _prepare_split(
             ids, masks = batch.column("input_ids"), batch.column("label_mask")
             for index in range(batch.num_rows):
                 document = (ids[index].values.to_numpy().astype(np.int64), masks[index].values.to_numpy(zero_copy_only=False))
+                if truncate and len(document[0]) > context_length:
+                    document, truncated = truncate_document(document, context_length), truncated + 1
                 for row, _ in packer.add(document):
                     write(row)
             bar.update(batch.num_rows)
@@ -228,7 +237,7 @@ def _prepare_split(
     return {
         "documents": len(examples), "rows": rows, "tokens": packer.tokens,
         "padding_fraction": round(padding / max(1, rows * context_length), 6),
-        "split_documents": packer.split_documents, "truncated_documents": 0,
+        "split_documents": packer.split_documents, "truncated_documents": truncated,
     }
 
 
@@ -330,6 +339,7 @@ def load_prepared_rows(
     shared: bool = False,
     num_proc: int = 1,
     say=print,
+    truncate: bool = False,
 ) -> tuple[PreparedRows, PreparedRows]:
     """(train, eval) rows of ``dataset``, prepared on first use: by local rank 0 of each node,
     or by global rank 0 alone when ``shared`` (one cache directory every node sees), while
@@ -342,7 +352,7 @@ def load_prepared_rows(
     if preparer:
         try:
             directory, summary = prepare_dataset(dataset, tokenizer, context_length, cp, cache_dir, num_proc,
-                                                 progress=rank == 0)
+                                                 progress=rank == 0, truncate=truncate)
             if rank == 0:
                 say(f"{'prepared rows reused' if summary['reused'] else 'prepared'}: {directory}")
         except Exception as error:  # told to the other ranks before it is raised here
@@ -359,7 +369,7 @@ def load_prepared_rows(
         raise ValueError(told)
     if directory is None:
         root = Path(cache_dir or default_cache_dir()).expanduser()
-        directory = root / key_hash(cache_key(dataset, tokenizer, context_length, cp))
+        directory = root / key_hash(cache_key(dataset, tokenizer, context_length, cp, truncate))
     return open_prepared(directory, "train"), open_prepared(directory, "eval")
 
 
@@ -432,7 +442,7 @@ def _stream_documents(dataset: str, eval_part: bool, dp_rank: int = 0, dp_size: 
 
 
 def streaming_eval_rows(
-    dataset: str, tokenizer: PreTrainedTokenizerBase, context_length: int, num_rows: int
+    dataset: str, tokenizer: PreTrainedTokenizerBase, context_length: int, num_rows: int, truncate: bool = False
 ) -> list[Row]:
     """The first ``num_rows`` packed rows of the stream's eval documents (every 20th); a stream
     of fewer than 20 documents has none, and its eval reads the first documents instead."""
@@ -440,7 +450,8 @@ def streaming_eval_rows(
     for eval_part in (True, False):
         packer = RowPacker(context_length, _pad_id(tokenizer))
         for example in _stream_documents(dataset, eval_part):
-            rows += [row for row, _ in packer.add(tokenize_example(example, tokenizer))]
+            document = tokenize_example(example, tokenizer)
+            rows += [row for row, _ in packer.add(truncate_document(document, context_length) if truncate else document)]
             if len(rows) >= num_rows:
                 return rows[:num_rows]
         rows += [row for row, _ in packer.finish()]
@@ -459,13 +470,13 @@ class StreamingRowLoader:
     """
 
     def __init__(self, dataset: str, tokenizer: PreTrainedTokenizerBase, context_length: int, batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1):
+                 dp_rank: int = 0, dp_size: int = 1, truncate: bool = False):
         if batch_size < 1:
             raise ValueError(f"--batch_size must be at least 1, got {batch_size}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside 0..dp_size-1 = 0..{dp_size - 1}")
         self.dataset, self.tokenizer, self.context_length = dataset, tokenizer, context_length
-        self.batch_size, self.dp_rank, self.dp_size = batch_size, dp_rank, dp_size
+        self.batch_size, self.dp_rank, self.dp_size, self.truncate = batch_size, dp_rank, dp_size, truncate
         self.epoch = self.document = self.offset = 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -479,6 +490,8 @@ class StreamingRowLoader:
                 if index < start[0]:
                     continue  # before the resumed position: read, not tokenized
                 document = tokenize_example(example, self.tokenizer)
+                if self.truncate:
+                    document = truncate_document(document, self.context_length)
                 rows += packer.add(document, start[1] if index == start[0] else 0)
                 while len(rows) >= self.batch_size:
                     batch, rows = rows[: self.batch_size], rows[self.batch_size :]

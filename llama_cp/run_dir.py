@@ -56,6 +56,7 @@ _STATE = "the checkpoint holds another model or optimizer state"
 RESUME_REFUSES = {
     "dataset": _DATA, "context_length": _DATA, "batch_size": _DATA, "gradient_accumulation_steps": _DATA,
     "seed": _DATA, "num_passkey_samples": _DATA, "document_mask": _DATA, "streaming": _DATA,
+    "truncate_documents": _DATA,
     "model_name": _STATE, "use_peft": _STATE, "lora_r": _STATE, "lora_alpha": _STATE,
     "lora_target_modules": _STATE, "quantization": _STATE, "optimizer": _STATE,
 }

@@ -211,8 +211,10 @@ class Trainer:
         dp = submesh(self.mesh, "dp")
         dp_rank, dp_size = dp.get_local_rank(), dp.size()
         if d.streaming:  # Note [Streaming rows]
-            self.loader = StreamingRowLoader(d.dataset, self.tokenizer, d.context_length, d.batch_size, dp_rank, dp_size)
-            eval_rows = streaming_eval_rows(d.dataset, self.tokenizer, d.context_length, d.num_eval_samples)
+            self.loader = StreamingRowLoader(d.dataset, self.tokenizer, d.context_length, d.batch_size, dp_rank, dp_size,
+                                             truncate=d.truncate_documents)
+            eval_rows = streaming_eval_rows(d.dataset, self.tokenizer, d.context_length, d.num_eval_samples,
+                                            truncate=d.truncate_documents)
         elif d.dataset == PASSKEY:  # generated from the seed: nothing to keep on disk
             common = dict(tokenizer=self.tokenizer, context_length=d.context_length, cp=dims.cp, seed=cfg.seed)
             train_rows = build_rows(d.dataset, split="train", num_samples=d.num_passkey_samples, **common)
@@ -221,7 +223,7 @@ class Trainer:
         else:  # tokenized and packed once, read from disk (Note [Prepared rows])
             train_rows, eval_rows = load_prepared_rows(
                 d.dataset, self.tokenizer, d.context_length, dims.cp, d.data_cache_dir, d.data_cache_shared,
-                d.num_proc, say=self._say,
+                d.num_proc, say=self._say, truncate=d.truncate_documents,
             )
             self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed)
         # every rank must run the same number of eval forwards (FSDP collectives): whole global batches only

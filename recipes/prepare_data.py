@@ -4,7 +4,7 @@
         --model_name /path/to/Llama-3.1-8B --num_proc 16
 
 Takes the training recipe's flags (the same --config preset works); what the rows depend
-on is --dataset, --model_name (its tokenizer), --context_length and --cp, and they are
+on is --dataset, --model_name (its tokenizer), --context_length, --cp and --truncate_documents; they are
 written under --data_cache_dir, where a training run with the same flags finds and reuses
 them (Note [Prepared rows] in llama_cp/prepared.py). Prints a summary per split.
 """
@@ -24,7 +24,8 @@ def main(config: str | None = None, **flags) -> None:
     d = cfg.data
     tokenizer = build_tokenizer(model_path(cfg.model.model_name))
     directory, summary = prepare_dataset(
-        d.dataset, tokenizer, d.context_length, cfg.parallel.cp, d.data_cache_dir, d.num_proc, progress=True
+        d.dataset, tokenizer, d.context_length, cfg.parallel.cp, d.data_cache_dir, d.num_proc, progress=True,
+        truncate=d.truncate_documents,
     )
     print(f"{'already prepared, reused' if summary['reused'] else 'prepared'}: {directory}")
     for split in ("train", "eval"):

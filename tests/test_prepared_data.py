@@ -86,6 +86,15 @@ def test_summary_counts_documents_tokens_padding_and_splits(tokenizer, tmp_path)
                                 "split_documents": 1, "truncated_documents": 0}
     assert summary["eval"] == {"documents": 1, "rows": 1, "tokens": 3, "padding_fraction": round(61 / 64, 6),
                                "split_documents": 0, "truncated_documents": 0}
+    # --truncate_documents: the first document keeps its first 64 tokens, the second starts the next row
+    directory, summary = prepare_dataset(str(dataset), tokenizer, 64, cache_dir=str(tmp_path / "cache"), truncate=True)
+    assert summary["train"] == {"documents": 2, "rows": 2, "tokens": 76, "padding_fraction": round(52 / 128, 6),
+                                "split_documents": 0, "truncated_documents": 1}
+    rows = PreparedRows(directory / "train.arrow")
+    assert_rows_equal(build_rows(str(dataset), tokenizer, 64, truncate=True), rows)
+    assert rows[0]["input_ids"].tolist() == [tokenizer.bos_token_id] + [ord("a")] * 63
+    assert rows[0]["labels"].tolist() == [ord("a")] * 63 + [-100]  # its eos is gone: the last token has no target
+    assert rows[1]["input_ids"][:13].tolist() == [tokenizer.bos_token_id] + [ord("b")] * 10 + [tokenizer.eos_token_id, 256]
 
 
 def test_two_tokenizing_processes_give_the_same_rows(tokenizer, tmp_path):
@@ -106,6 +115,7 @@ def test_cache_key_changes_with_tokenizer_format_context_and_cp_and_rebuilds(tok
     assert key_hash(cache_key(str(dataset), other_tokenizer, 64, 1)) != base
     assert key_hash(cache_key(str(dataset), tokenizer, 128, 1)) != base
     assert key_hash(cache_key(str(dataset), tokenizer, 64, 2)) != base
+    assert key_hash(cache_key(str(dataset), tokenizer, 64, 1, truncate=True)) != base
     assert key_hash(cache_key(str(dataset), byte_tokenizer(), 64, 1)) == base  # the same definition, the same key
     cache = str(tmp_path / "cache")
     first, summary = prepare_dataset(str(dataset), tokenizer, 64, cache_dir=cache)
