@@ -5,6 +5,7 @@ loader reads every batch, and the loss trajectory against the in-memory rows.
     python benchmarks/data_loading.py in_memory --dataset big.jsonl --context_length 8192
     python benchmarks/data_loading.py losses --dataset small.jsonl --context_length 256 --steps 8
     python benchmarks/data_loading.py prepare --dataset big.jsonl --context_length 8192 --num_proc 2
+    python benchmarks/data_loading.py stream_resume --dataset small.jsonl --context_length 256 --steps 6
 
 Memory is read from /proc/self/status: RssAnon (the process's own memory) and RssFile
 (mapped files), before the data is opened and the largest seen while iterating.
@@ -44,7 +45,7 @@ def iterate(loader: DistributedRowLoader) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["loader", "in_memory", "losses", "prepare"])
+    parser.add_argument("mode", choices=["loader", "in_memory", "losses", "prepare", "stream_resume"])
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--context_length", type=int, default=8192)
     parser.add_argument("--data_cache_dir", default="")
@@ -52,8 +53,8 @@ def main() -> None:
     parser.add_argument("--num_proc", type=int, default=1)
     args = parser.parse_args()
     imported = time.perf_counter() - START
-    if args.mode == "losses":
-        print(json.dumps(losses(args)))
+    if args.mode in ("losses", "stream_resume"):
+        print(json.dumps((losses if args.mode == "losses" else stream_resume)(args)))
         return
     tokenizer = byte_tokenizer()
     if args.mode == "prepare":  # into a new cache directory; the dataset's own Arrow conversion done beforehand
@@ -120,6 +121,34 @@ def losses(args) -> dict[str, list[float]]:
             with open(os.path.join(root, name, "metrics.jsonl")) as f:
                 results[name] = [row["loss"] for row in map(json.loads, f) if "loss" in row and "step" in row]
     results["identical"] = results["prepared"] == results["in_memory"]
+    return results
+
+
+def stream_resume(args) -> dict:
+    """--streaming: ``--steps`` steps saving every steps/2, then the same run resumed from
+    its middle checkpoint; the losses after the resume must be the uninterrupted ones."""
+    import os
+    import shutil
+    import tempfile
+
+    from llama_cp.config import TrainConfig
+    from llama_cp.trainer import Trainer
+
+    def read(out):
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return [row["loss"] for row in map(json.loads, f) if "loss" in row and "step" in row]
+
+    flags = dict(dataset=args.dataset, streaming=True, context_length=args.context_length, max_steps=args.steps,
+                 save_every=args.steps // 2, log_every=1, warmup_steps=2, report_to="none")
+    with tempfile.TemporaryDirectory() as root:
+        first, second = os.path.join(root, "first"), os.path.join(root, "second")
+        Trainer(TrainConfig.from_flags(output_dir=first, **flags)).fit()
+        shutil.copytree(first, second)
+        newest = sorted(os.listdir(os.path.join(second, "checkpoints")))[-1]
+        shutil.rmtree(os.path.join(second, "checkpoints", newest))  # as if the run had stopped halfway
+        Trainer(TrainConfig.from_flags(output_dir=second, resume="true", **flags)).fit()
+        results = {"uninterrupted": read(first), "resumed": read(second)}
+    results["identical"] = results["uninterrupted"] == results["resumed"]
     return results
 
 
