@@ -193,6 +193,7 @@ def _prepare_split(
             ),
             num_proc=num_proc if num_proc > 1 else None,
             cache_file_name=str(work / f"{split}-documents.arrow"),
+            new_fingerprint=f"{work.name}-{split}",  # the key is ours: datasets need not hash the tokenizer
             desc=f"tokenizing {split}",
         )
     packer = RowPacker(context_length, _pad_id(tokenizer))
@@ -229,7 +230,6 @@ def _prepare_split(
             "(every label would be -100)"
         )
     os.rename(work / f"{split}.arrow.tmp", work / f"{split}.arrow")
-    documents.cleanup_cache_files()
     del documents
     for leftover in work.glob(f"{split}-documents*"):
         leftover.unlink()
