@@ -124,6 +124,16 @@ class DataConfig:
     """Held-out rows evaluated at each eval."""
     document_mask: bool = True
     """Packed documents (position_ids restart) attend only within themselves, as in transformers; false: across the row."""
+    truncate_documents: bool = False
+    """A document longer than --context_length keeps only its first context_length tokens; false: it goes on in the next row, its positions continuing."""
+    streaming: bool = False
+    """Read --dataset with datasets' streaming=True (hub datasets too large to download): documents split over dp ranks, packed as they arrive, nothing prepared; needs --max_steps."""
+    data_cache_dir: str = ""
+    """Where tokenized, packed rows of a file or hub --dataset are kept and reused (python -m recipes.prepare_data); "" = HF_DATASETS_CACHE/llama_cp."""
+    data_cache_shared: bool = False
+    """--data_cache_dir is one filesystem every node sees: global rank 0 prepares, not local rank 0 of each node."""
+    num_proc: int = 1
+    """Processes that tokenize a dataset when preparing it (datasets' map num_proc)."""
 
 
 @dataclass
@@ -267,6 +277,10 @@ class TrainConfig:
         from llama_cp.models import check_model_name
 
         check_model_name(self.model.model_name)
+        if self.data.streaming and (self.data.dataset == "passkey" or self.max_steps == 0):
+            raise ValueError(
+                "--streaming reads a file or hub --dataset of unknown length: give such a --dataset and --max_steps > 0"
+            )
         from llama_cp.data import check_dataset_path  # imports datasets: only when validating
 
         check_dataset_path(self.data.dataset)
@@ -304,7 +318,7 @@ class TrainConfig:
 _MINIMUMS = {
     "context_length": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "loss_chunk_size": 0, "cp": 1,
     "mlp_tile_size": 0, "norm_tile_size": 0, "attention_block_size": 0,
-    "dp_replicate": 1, "lora_r": 1, "num_passkey_samples": 1, "num_eval_samples": 1, "num_epochs": 1,
+    "dp_replicate": 1, "lora_r": 1, "num_proc": 1, "num_passkey_samples": 1, "num_eval_samples": 1, "num_epochs": 1,
     "max_steps": 0, "warmup_steps": 0, "save_every": 0, "eval_every": 0, "keep_last": 1, "log_every": 1,
     "max_nonfinite_steps": 1,
     "collective_timeout": 1.0, "min_lr_ratio": 0.0, "lr": 0.0, "weight_decay": 0.0, "max_grad_norm": 0.0, "lora_dropout": 0.0,

@@ -108,25 +108,27 @@ def load_examples(
         return datasets.Dataset.from_dict({"passkey": list(keys), "depth": list(depths)})
     check_dataset_path(dataset)
     path = Path(dataset).expanduser()
-    if path.exists():
-        loaded = _load_local(path)
-    else:
-        try:
-            loaded = datasets.load_dataset(dataset)
-        except Exception as error:
-            note = (
-                f"--dataset {dataset!r} is not a local path (no such file or directory), "
-                "so it was treated as a HuggingFace hub dataset id"
-            )
-            if not hasattr(error, "add_note"):  # Python 3.10
-                raise RuntimeError(f"{note}: {error}") from error
-            error.add_note(note)
-            raise
+    loaded = _load_local(path) if path.exists() else load_hub_dataset(dataset)
     for part in loaded.values() if isinstance(loaded, datasets.DatasetDict) else [loaded]:
         if len(part) == 0:
             raise ValueError(f"--dataset {dataset!r} is empty: it holds no rows")
         check_required_values(part, dataset)  # also fails on unusable columns, before any tokenization
     return _select_split(loaded, split)
+
+
+def load_hub_dataset(dataset: str) -> datasets.Dataset | datasets.DatasetDict:
+    """``datasets.load_dataset(dataset)``; its error says that the name was taken for a hub id."""
+    try:
+        return datasets.load_dataset(dataset)
+    except Exception as error:
+        note = (
+            f"--dataset {dataset!r} is not a local path (no such file or directory), "
+            "so it was treated as a HuggingFace hub dataset id"
+        )
+        if not hasattr(error, "add_note"):  # Python 3.10
+            raise RuntimeError(f"{note}: {error}") from error
+        error.add_note(note)
+        raise
 
 
 def check_dataset_path(dataset: str) -> None:
@@ -148,9 +150,24 @@ def _check_split(split: str) -> str:
 
 def _load_local(path: Path) -> datasets.Dataset | datasets.DatasetDict:
     """Read a local file or directory with the ``datasets`` builder its extension names."""
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        return datasets.load_from_disk(str(path))
+    builder, files = local_files(path)
+    options = {"sample_by": "document"} if builder == "text" else {}
+    try:
+        with _quiet_datasets():
+            return datasets.load_dataset(builder, data_files=[str(file) for file in files], **options)
+    except Exception:
+        if builder == "json":
+            for file in files:
+                _check_json_file(file)  # names the file and line when that is what failed
+        raise
+
+
+def local_files(path: Path) -> tuple[str, list[Path]]:
+    """(``datasets`` builder, the files) of a local file or directory of data files;
+    ValueError when there are none, they mix types, or all are blank."""
     if path.is_dir():
-        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
-            return datasets.load_from_disk(str(path))
         files = sorted(
             file
             for file in path.rglob("*")
@@ -172,15 +189,7 @@ def _load_local(path: Path) -> datasets.Dataset | datasets.DatasetDict:
     builder = builders.pop()
     if all(_is_blank(file) for file in files):
         raise ValueError(f"--dataset {str(path)!r} is empty: it holds no rows")
-    options = {"sample_by": "document"} if builder == "text" else {}
-    try:
-        with _quiet_datasets():
-            return datasets.load_dataset(builder, data_files=[str(file) for file in files], **options)
-    except Exception:
-        if builder == "json":
-            for file in files:
-                _check_json_file(file)  # names the file and line when that is what failed
-        raise
+    return builder, files
 
 
 @contextlib.contextmanager
@@ -479,6 +488,89 @@ def _pack(documents: Iterable[Document], context_length: int, pad_id: int) -> li
     ]
 
 
+def truncate_document(document: Document, context_length: int) -> Document:
+    """The first ``context_length`` tokens of a document (``--truncate_documents``): the rest,
+    and its eos, are dropped, so it fits one row when it starts one."""
+    input_ids, label_mask = document
+    return input_ids[:context_length], label_mask[:context_length]
+
+
+class RowPacker:
+    """Packs documents one at a time into the rows ``_pack`` makes from all of them at once.
+
+    The same rows as ``pack_documents`` (Note [Packed rows]), for data that does not fit
+    in memory: ``add`` takes one document and returns the rows it completed, ``finish``
+    pads and returns the last one. Each returned row comes with the stream position
+    *after* it, ``(document, offset)``: the document (counted from 0 over every ``add``,
+    empty ones too) holding the row's next token and how many of its tokens are already
+    in rows, so a reader can resume exactly there (``add(..., offset=...)``).
+    """
+
+    def __init__(self, context_length: int, pad_id: int):
+        self.context_length = context_length
+        self.pad_id = pad_id
+        # [document, offset, input_ids, labels, position_ids, first offset], oldest first
+        self.pieces: list[list] = []
+        self.size = 0  # tokens waiting in pieces
+        self.next_document = 0
+        self.documents = self.tokens = self.split_documents = 0
+        self.trainable = False  # some token so far has a label
+
+    def add(self, document: Document, offset: int = 0) -> list[tuple[Row, tuple[int, int]]]:
+        """Rows completed by the next document, of which the first ``offset`` tokens are
+        already in earlier rows (a resumed stream)."""
+        ids, mask = document
+        if len(ids) != len(mask):
+            raise ValueError(f"document {self.next_document}: {len(ids)} input_ids but {len(mask)} label_mask entries")
+        index, self.next_document = self.next_document, self.next_document + 1
+        if not len(ids):
+            return []
+        self.documents += 1
+        document_ids = torch.as_tensor(ids, dtype=torch.long)  # (n,)
+        mask = torch.as_tensor(mask, dtype=torch.bool)
+        document_labels = torch.full_like(document_ids, IGNORE_INDEX)
+        document_labels[:-1] = document_ids[1:].masked_fill(~mask[1:], IGNORE_INDEX)  # as _pack
+        self.trainable = self.trainable or bool((document_labels != IGNORE_INDEX).any())
+        positions = torch.arange(len(document_ids))
+        piece = [index, offset, document_ids[offset:], document_labels[offset:], positions[offset:], offset]
+        self.pieces.append(piece)
+        self.size += len(document_ids) - offset
+        self.tokens += len(document_ids) - offset
+        rows = []
+        while self.size >= self.context_length:
+            rows.append(self._take(self.context_length))
+        return rows
+
+    def finish(self) -> list[tuple[Row, tuple[int, int]]]:
+        """The last, padded row (none when the tokens filled whole rows); then the packer is empty."""
+        if not self.size:
+            return []
+        padding = self.context_length - self.size
+        last = self.pieces[-1][4][-1]
+        self.pieces.append([self.next_document, 0, torch.full((padding,), self.pad_id, dtype=torch.long),
+                            torch.full((padding,), IGNORE_INDEX, dtype=torch.long), last + 1 + torch.arange(padding), 0])
+        self.size += padding
+        return [self._take(self.context_length)]
+
+    def _take(self, count: int) -> tuple[Row, tuple[int, int]]:
+        parts = []
+        while count:
+            piece = self.pieces[0]
+            taken = min(count, len(piece[2]))
+            parts.append([tensor[:taken] for tensor in piece[2:5]])
+            if taken == len(piece[2]):
+                self.pieces.pop(0)
+            else:  # the row ends inside this document: it goes on in the next row
+                self.split_documents += piece[1] == piece[5]  # counted at its first cut
+                piece[1] += taken
+                piece[2:5] = [tensor[taken:] for tensor in piece[2:5]]
+            count -= taken
+            self.size -= taken
+        row = {key: torch.cat([part[k] for part in parts]) for k, key in enumerate(("input_ids", "labels", "position_ids"))}
+        after = (self.pieces[0][0], self.pieces[0][1]) if self.pieces else (self.next_document, 0)
+        return row, after
+
+
 # ----------------------------------------------------------------------------- passkey
 
 # Note [Passkey rows]
@@ -570,6 +662,7 @@ def build_rows(
     split: str = "train",
     seed: int = 0,
     num_samples: int | None = None,
+    truncate: bool = False,
 ) -> list[Row]:
     """The packed rows of one split of ``--dataset``: what the trainer feeds the loader.
 
@@ -577,12 +670,16 @@ def build_rows(
     same as ``passkey_rows(num_samples, ..., seed)`` for train, with seed +
     ``PASSKEY_EVAL_SEED_OFFSET`` for eval. Files and hub ids: every packed row of
     the split (``num_samples`` does not apply); eval holds out the last ~5% of
-    the documents, which always gives at least one row.
+    the documents, which always gives at least one row. A document longer than
+    ``context_length`` goes on in the next row, or with ``truncate`` keeps only its first
+    ``context_length`` tokens (``truncate_document``).
     """
     check_context_length(context_length, cp)
     num_passkey = DEFAULT_PASSKEY_SAMPLES if num_samples is None else num_samples
     examples = load_examples(dataset, split, seed, num_passkey=num_passkey)
     documents = (tokenize_example(example, tokenizer, context_length) for example in examples)
+    if truncate:
+        documents = (truncate_document(document, context_length) for document in documents)
     try:
         return _pack(documents, context_length, _pad_id(tokenizer))
     except ValueError as error:
@@ -681,6 +778,10 @@ class DistributedRowLoader:
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Resume at ``state`` (from :meth:`state_dict`)."""
+        if "batch_index" not in state:
+            raise ValueError(
+                "the checkpoint's data position was saved by a --streaming run: resume with --streaming"
+            )
         epoch, batch_index = int(state["epoch"]), int(state["batch_index"])
         if epoch < 0 or not 0 <= batch_index < self.steps_per_epoch:
             raise ValueError(

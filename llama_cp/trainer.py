@@ -150,6 +150,20 @@ class PeakMemory:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def build_tokenizer(path: str | None):
+    """The tokenizer of the model directory ``path`` (``build.model_path``), the embedded byte
+    tokenizer for None."""
+    from transformers import AutoTokenizer
+
+    from llama_cp.models import check_tokenizer_files
+    from llama_cp.tokenizer import byte_tokenizer
+
+    if path is None:
+        return byte_tokenizer()
+    check_tokenizer_files(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 class Trainer:
     """Builds everything from a :class:`TrainConfig` and trains with :meth:`fit`."""
 
@@ -178,16 +192,7 @@ class Trainer:
         os.makedirs(cfg.output_dir, exist_ok=True)
 
     def _build_tokenizer(self):
-        from transformers import AutoTokenizer
-
-        from llama_cp.tokenizer import byte_tokenizer
-
-        from llama_cp.models import check_tokenizer_files
-
-        if self.model_path is None:
-            return byte_tokenizer()
-        check_tokenizer_files(self.model_path)
-        return AutoTokenizer.from_pretrained(self.model_path)
+        return build_tokenizer(self.model_path)
 
     def _build_model(self):
         from llama_cp.build import build_model
@@ -199,15 +204,28 @@ class Trainer:
         return build_optimizer(o.optimizer, self.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
     def _build_data(self) -> None:
-        from llama_cp.data import DistributedRowLoader, build_rows
+        from llama_cp.data import PASSKEY, DistributedRowLoader, build_rows
+        from llama_cp.prepared import RowBatches, StreamingRowLoader, load_prepared_rows, streaming_eval_rows
 
-        cfg, dims = self.cfg, self.dims
-        common = dict(tokenizer=self.tokenizer, context_length=cfg.data.context_length, cp=dims.cp, seed=cfg.seed)
-        train_rows = build_rows(cfg.data.dataset, split="train", num_samples=cfg.data.num_passkey_samples, **common)
-        eval_rows = build_rows(cfg.data.dataset, split="eval", num_samples=cfg.data.num_eval_samples, **common)
+        cfg, d, dims = self.cfg, self.cfg.data, self.dims
         dp = submesh(self.mesh, "dp")
         dp_rank, dp_size = dp.get_local_rank(), dp.size()
-        self.loader = DistributedRowLoader(train_rows, cfg.data.batch_size, dp_rank, dp_size, seed=cfg.seed)
+        if d.streaming:  # Note [Streaming rows]
+            self.loader = StreamingRowLoader(d.dataset, self.tokenizer, d.context_length, d.batch_size, dp_rank, dp_size,
+                                             truncate=d.truncate_documents)
+            eval_rows = streaming_eval_rows(d.dataset, self.tokenizer, d.context_length, d.num_eval_samples,
+                                            truncate=d.truncate_documents)
+        elif d.dataset == PASSKEY:  # generated from the seed: nothing to keep on disk
+            common = dict(tokenizer=self.tokenizer, context_length=d.context_length, cp=dims.cp, seed=cfg.seed)
+            train_rows = build_rows(d.dataset, split="train", num_samples=d.num_passkey_samples, **common)
+            eval_rows = build_rows(d.dataset, split="eval", num_samples=d.num_eval_samples, **common)
+            self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed)
+        else:  # tokenized and packed once, read from disk (Note [Prepared rows])
+            train_rows, eval_rows = load_prepared_rows(
+                d.dataset, self.tokenizer, d.context_length, dims.cp, d.data_cache_dir, d.data_cache_shared,
+                d.num_proc, say=self._say, truncate=d.truncate_documents,
+            )
+            self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed)
         # every rank must run the same number of eval forwards (FSDP collectives): whole global batches only
         per_step = cfg.data.batch_size * dp_size
         usable = len(eval_rows) // per_step * per_step
@@ -216,11 +234,10 @@ class Trainer:
                 f"{len(eval_rows)} eval rows are fewer than one global batch ({per_step}); "
                 "raise --num_eval_samples or lower --batch_size"
             )
-        mine = eval_rows[:usable][dp_rank::dp_size]
-        self.eval_batches = [
-            {k: torch.stack([row[k] for row in mine[i : i + cfg.data.batch_size]]) for k in mine[0]}
-            for i in range(0, len(mine), cfg.data.batch_size)
-        ]
+        self.eval_batches = RowBatches(eval_rows, range(dp_rank, usable, dp_size), cfg.data.batch_size)
+        if d.streaming:  # a stream's length is unknown: --max_steps is required (config.validate)
+            self.total_steps = cfg.max_steps
+            return
         micro_per_epoch = self.loader.steps_per_epoch
         steps_per_epoch = max(1, micro_per_epoch // cfg.optim.gradient_accumulation_steps)
         self.total_steps = cfg.max_steps or steps_per_epoch * cfg.num_epochs

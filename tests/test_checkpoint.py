@@ -169,6 +169,67 @@ def resume_skips_unmarked_and_unlisted_and_refuses_unverified_checkpoints():
         dist.barrier()
 
 
+def _write_texts(root: str, name: str, texts: list[str]) -> str:
+    """A jsonl file written by rank 0 and seen by every rank."""
+    import json
+
+    path = os.path.join(root, name)
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            f.write("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    dist.barrier()
+    return path
+
+
+@checks.add
+def prepared_rows_are_made_once_while_the_other_rank_waits():
+    from llama_cp.data import build_rows
+    from llama_cp.prepared import load_prepared_rows
+    from llama_cp.tokenizer import byte_tokenizer
+
+    tokenizer, rng = byte_tokenizer(), random.Random(0)
+    with shared_tmpdir() as root:
+        dataset = _write_texts(root, "data.jsonl", ["xyz " * rng.randrange(1, 60) for _ in range(30)])
+        cache = os.path.join(root, "cache")
+        train, evaluation = load_prepared_rows(dataset, tokenizer, 64, 2, cache_dir=cache, say=lambda _: None)
+        for split, rows in (("train", train), ("eval", evaluation)):
+            expected = build_rows(dataset, tokenizer, 64, 2, split=split)
+            assert len(rows) == len(expected)
+            assert all(torch.equal(a[k], b[k]) for a, b in zip(expected, rows) for k in a)
+        assert len(os.listdir(cache)) == 1  # local rank 0 prepared, rank 1 waited and read the same files
+        empty = _write_texts(root, "empty.jsonl", [""] * 4)
+        # the preparer's error is raised on every rank, with the same message
+        with pytest.raises(ValueError, match=r"^--dataset '\S+empty\.jsonl' \(train split\): no usable text: "):
+            load_prepared_rows(empty, tokenizer, 64, 2, cache_dir=cache, say=lambda _: None)
+        dist.barrier()
+
+
+@checks.add
+def streaming_position_of_every_dp_rank_resumes_from_a_checkpoint():
+    from llama_cp.prepared import StreamingRowLoader
+    from llama_cp.tokenizer import byte_tokenizer
+
+    model, _, optimizer, scheduler = trainer(dict(dp_shard=2), tiny_model())
+    tokenizer, rng, rank = byte_tokenizer(), random.Random(1), dist.get_rank()
+    with shared_tmpdir() as root:
+        dataset = _write_texts(root, "data.jsonl", ["ab " * rng.randrange(1, 50) for _ in range(40)])
+        loader = StreamingRowLoader(dataset, tokenizer, 64, batch_size=1, dp_rank=rank, dp_size=2)
+        batches = iter(loader)
+        for _ in range(3 + rank):  # the ranks stand at different places of their shares
+            next(batches)
+        save_checkpoint(root, 3, model, optimizer, scheduler=scheduler, extra={"loader": loader.state_dict()})
+        want = [next(batches) for _ in range(5)]
+        state = load_checkpoint(checkpoint_dir(root, 3), model, optimizer)
+        positions = state["extra"]["loader"]["streaming"]
+        assert len(positions) == 2 and positions[0] != positions[1], positions
+        resumed = StreamingRowLoader(dataset, tokenizer, 64, batch_size=1, dp_rank=rank, dp_size=2)
+        resumed.load_state_dict(state["extra"]["loader"])
+        got = iter(resumed)
+        for batch in want:
+            assert all(torch.equal(batch[k], v) for k, v in next(got).items())
+        dist.barrier()
+
+
 results = checks.module_fixture(__name__, WORLD_SIZE)
 
 

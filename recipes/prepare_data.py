@@ -1,0 +1,41 @@
+"""Tokenize and pack a dataset once, ahead of training, on a CPU machine.
+
+    python -m recipes.prepare_data --dataset data.jsonl --context_length 131072 --cp 8 \\
+        --model_name /path/to/Llama-3.1-8B --num_proc 16
+
+Takes the training recipe's flags (the same --config preset works); what the rows depend
+on is --dataset, --model_name (its tokenizer), --context_length, --cp and --truncate_documents; they are
+written under --data_cache_dir, where a training run with the same flags finds and reuses
+them (Note [Prepared rows] in llama_cp/prepared.py). Prints a summary per split.
+"""
+
+from __future__ import annotations
+
+from llama_cp.build import model_path
+from llama_cp.cli import run_cli
+from llama_cp.config import TrainConfig
+from llama_cp.prepared import prepare_dataset
+from llama_cp.trainer import build_tokenizer
+
+
+def main(config: str | None = None, **flags) -> None:
+    """``--config preset.yaml`` then any flag of :class:`llama_cp.config.TrainConfig`."""
+    cfg = TrainConfig.from_flags(config, **flags)
+    d = cfg.data
+    tokenizer = build_tokenizer(model_path(cfg.model.model_name))
+    directory, summary = prepare_dataset(
+        d.dataset, tokenizer, d.context_length, cfg.parallel.cp, d.data_cache_dir, d.num_proc, progress=True,
+        truncate=d.truncate_documents,
+    )
+    print(f"{'already prepared, reused' if summary['reused'] else 'prepared'}: {directory}")
+    for split in ("train", "eval"):
+        s = summary[split]
+        print(
+            f"{split}: {s['documents']} documents -> {s['rows']} rows of {d.context_length} tokens, "
+            f"{s['tokens']} tokens, padding {100 * s['padding_fraction']:.2f}%, "
+            f"{s['split_documents']} documents split over rows, {s['truncated_documents']} truncated"
+        )
+
+
+if __name__ == "__main__":
+    run_cli(main, usage="python -m recipes.prepare_data [--config preset.yaml] [--flag value ...] [--debug]")
