@@ -11,13 +11,22 @@ also ``slow``. ``python -m pytest -m "not slow"`` is the quick answer (under two
 on 2 cores); ``python -m pytest`` runs everything (the README's command, and CI's).
 """
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 # Spawned ranks import the test modules by name, so tests/ must be importable.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# The prepared-data cache (llama_cp/prepared.py, under datasets' cache by default) of the runs the
+# tests start goes to a folder of this session, removed at exit, not to the user's cache.
+_DATASETS_CACHE = tempfile.mkdtemp(prefix="llama_cp_tests_datasets_")
+os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE
+atexit.register(shutil.rmtree, _DATASETS_CACHE, ignore_errors=True)
 
 #: Modules whose tests run the recipes end to end.
 E2E = {"test_recipe", "test_reliability", "test_notebook"}
