@@ -174,11 +174,20 @@ def pieces(query_spans: list[list[Span]], chunks: list[Chunk]) -> list[Piece]:
     return result
 
 
-def tiles(block: list[Piece], block_size: int) -> list[Piece]:
+class Tiles(list):
+    """The pieces of one block as :func:`tiles` cuts them, with the ``block_size`` they were cut
+    to, which also bounds the varlen calls made of them (Note [Varlen document calls])."""
+
+    def __init__(self, pieces=(), block_size: int = 0):
+        super().__init__(pieces)
+        self.block_size = block_size
+
+
+def tiles(block: list[Piece], block_size: int) -> Tiles:
     """``block`` cut into kernel calls of at most ``block_size`` queries x ``block_size`` keys,
-    queries-outer (Note [Tiled attention]); ``block`` itself when no piece is longer (or 0)."""
+    queries-outer (Note [Tiled attention]); ``block``'s pieces unchanged when none is longer (or 0)."""
     if not block_size or all(max(p.q.stop - p.q.start, p.k.stop - p.k.start) <= block_size for p in block):
-        return block
+        return Tiles(block, block_size)
     result = []
     # pieces of one query slice (a span's full and causal pieces) are consecutive: tile them together
     for (row, q_start, q_stop), group in itertools.groupby(block, key=lambda p: p.queries):
@@ -194,7 +203,7 @@ def tiles(block: list[Piece], block_size: int) -> list[Piece]:
                 result += [Piece(row, q, slice(k0, k0 + block_size), False)
                            for k0 in range(piece.k.start, q0 + shift, block_size)]
                 result.append(Piece(row, q, slice(q.start + shift, q.stop + shift), True))
-    return result
+    return Tiles(result, block_size)
 
 
 def pieces_forward(
@@ -208,6 +217,9 @@ def pieces_forward(
     its pieces (consecutive in ``block``) and then written (Note [Tiled attention]); rows
     that see nothing get out = 0, lse = -inf.
     """
+    plan = _varlen_plan(block, q, backend)
+    if plan is not None:
+        return _varlen_forward(q, k, v, plan, scale, backend, out, lse)
     if out is not None:
         for piece in block:
             block_out, block_lse = _piece_forward(q, k, v, piece, scale, backend)
@@ -243,6 +255,9 @@ def pieces_backward(
     """Add the gradients of the pieces of one block to the accumulators dk, dv (and dq when
     given, the ring) in place, given the final (out, lse) of every query row. Without ``dq``,
     returns dq in q's dtype, accumulated in float32 per query slice (Note [Tiled attention])."""
+    plan = _varlen_plan(block, q, backend)
+    if plan is not None:
+        return _varlen_backward(dout, q, k, v, out, lse, plan, scale, backend, dq, dk, dv)
     acc = kernels.accumulation_dtype(q)
     result = None if dq is not None else torch.zeros_like(q)
     for _, group in itertools.groupby(block, key=lambda p: p.queries):
@@ -260,6 +275,171 @@ def pieces_backward(
             dv[rows, :, ks] += grads[2]
         if result is not None:
             result[rows, :, qs] = query_dq
+    return result
+
+
+# ---------------------------------------------------------------- varlen calls
+# Note [Varlen document calls]: the pieces of a block as a few calls of a varlen kernel.
+def varlen_calls(block: list[Piece], block_size: int) -> list[list[list[Piece]]]:
+    """``block`` (pieces of one query slice consecutive) as windows of whole query slices, each
+    a list of varlen calls (causal calls, then full ones), each a list of pieces; a window's
+    query rows, and a call's query and key rows, at most ``block_size`` (0: no bound) unless
+    one query slice or piece alone is longer."""
+    budget = block_size or float("inf")
+    windows, window, rows = [], [], 0
+    for _, group in itertools.groupby(block, key=lambda p: p.queries):
+        group = list(group)
+        length = group[0].q.stop - group[0].q.start
+        if window and rows + length > budget:
+            windows.append(window)
+            window, rows = [], 0
+        window += group
+        rows += length
+    if window:
+        windows.append(window)
+    result = []
+    for window in windows:
+        calls = []
+        for causal in (True, False):
+            call, total_q, total_k = [], 0, 0
+            for piece in (p for p in window if p.causal == causal):
+                n_q, n_k = piece.q.stop - piece.q.start, piece.k.stop - piece.k.start
+                if call and (total_q + n_q > budget or total_k + n_k > budget):
+                    calls.append(call)
+                    call, total_q, total_k = [], 0, 0
+                call.append(piece)
+                total_q, total_k = total_q + n_q, total_k + n_k
+            if call:
+                calls.append(call)
+        result.append(calls)
+    return result
+
+
+class _VarlenCall(NamedTuple):
+    """One varlen kernel call: where its packed rows come from and where its results go."""
+
+    causal: bool
+    q_rows: tuple[torch.Tensor, torch.Tensor]  # (Tq,) batch row and local query of each packed query row
+    k_rows: tuple[torch.Tensor, torch.Tensor]  # (Tk,) likewise for the packed keys
+    slots: torch.Tensor  # (Tq,) the window accumulator's row of each packed query row
+    rounds: list[tuple[torch.Tensor, torch.Tensor]]  # (packed rows, their slots), no slot twice in a round
+    cu_seqlens_q: torch.Tensor  # (n + 1,) int32
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class _VarlenWindow(NamedTuple):
+    rows: tuple[torch.Tensor, torch.Tensor]  # (U,) batch row and local query of each accumulator row
+    calls: list[_VarlenCall]
+
+
+def _varlen_plan(block: list[Piece], q: torch.Tensor, backend: Backend | None) -> list[_VarlenWindow] | None:
+    """The varlen calls of ``block`` as index tensors on q's device, or None where the per-piece
+    calls are taken: a backend without varlen kernel, pieces of every batch row (a block without
+    documents, whose tiles fill their calls already), or no fewer calls than pieces."""
+    if not kernels.has_varlen(kernels.resolve_backend(backend, q)) or any(p.row is None for p in block):
+        return None
+    windows = varlen_calls(block, getattr(block, "block_size", 0))
+    if sum(len(calls) for calls in windows) >= len(block):
+        return None
+
+    def index(values: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(values).to(q.device)
+
+    def rows_of(pieces: list[Piece], part: str) -> tuple[torch.Tensor, torch.Tensor]:
+        ranges = [getattr(p, part) for p in pieces]
+        return (index([torch.full((r.stop - r.start,), p.row) for p, r in zip(pieces, ranges)]),
+                index([torch.arange(r.start, r.stop) for r in ranges]))
+
+    plan = []
+    for calls in windows:
+        first_slot, groups, rows = {}, [], 0  # each query slice of the window: its first accumulator row
+        for piece in itertools.chain.from_iterable(calls):
+            if piece.queries not in first_slot:
+                first_slot[piece.queries] = rows
+                groups.append(piece)
+                rows += piece.q.stop - piece.q.start
+        made = []
+        for call in calls:
+            slots, rounds, seen, packed = [], {}, {}, 0
+            for piece in call:
+                n_q = piece.q.stop - piece.q.start
+                piece_slots = torch.arange(first_slot[piece.queries], first_slot[piece.queries] + n_q)
+                slots.append(piece_slots)
+                turn = seen[piece.queries] = seen.get(piece.queries, -1) + 1  # a query slice's n-th piece here
+                rounds.setdefault(turn, []).append((torch.arange(packed, packed + n_q), piece_slots))
+                packed += n_q
+            lengths_q = [p.q.stop - p.q.start for p in call]
+            lengths_k = [p.k.stop - p.k.start for p in call]
+            made.append(_VarlenCall(
+                call[0].causal, rows_of(call, "q"), rows_of(call, "k"), index(slots),
+                [(index([r for r, _ in parts]), index([s for _, s in parts])) for parts in rounds.values()],
+                _cumulative(lengths_q, q.device), _cumulative(lengths_k, q.device), max(lengths_q), max(lengths_k),
+            ))
+        plan.append(_VarlenWindow(rows_of(groups, "q"), made))
+    return plan
+
+
+def _cumulative(lengths: list[int], device) -> torch.Tensor:
+    """(n + 1,) int32 offsets of n segments: what the varlen kernels take as cu_seqlens."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def _varlen_forward(q, k, v, plan: list[_VarlenWindow], scale, backend, out, lse):
+    """:func:`pieces_forward` as varlen calls: each window's query rows accumulate in float32
+    (gathered from ``out``/``lse`` when given, the ring), merged by lse round by round."""
+    acc = kernels.accumulation_dtype(q)
+    given = out is not None
+    if not given:
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    q_, k_, v_, out_, lse_ = (t.transpose(1, 2) for t in (q, k, v, out, lse))  # (B, S, H, D), lse (B, S, H)
+    for window in plan:
+        if given:
+            window_out, window_lse = out_[window.rows], lse_[window.rows]  # (U, H, D), (U, H)
+        else:
+            rows = window.rows[0].shape[0]
+            window_out = q.new_zeros((rows, *q.shape[1:2], q.shape[3]), dtype=acc)
+            window_lse = torch.full((rows, q.shape[1]), float("-inf"), dtype=acc, device=q.device)
+        for call in window.calls:
+            call_out, call_lse = kernels.varlen_forward(
+                q_[call.q_rows], k_[call.k_rows], v_[call.k_rows], call.cu_seqlens_q, call.cu_seqlens_k,
+                call.max_seqlen_q, call.max_seqlen_k, causal=call.causal, scale=scale, backend=backend,
+            )
+            call_lse = call_lse.t()  # (Tq, H)
+            for packed, slots in call.rounds:
+                slot_out, slot_lse = window_out[slots], window_lse[slots]
+                kernels.merge_block(slot_out, slot_lse, call_out[packed], call_lse[packed])
+                window_out[slots], window_lse[slots] = slot_out, slot_lse
+        out_[window.rows] = window_out.to(out.dtype)
+        lse_[window.rows] = window_lse
+    return out, lse
+
+
+def _varlen_backward(dout, q, k, v, out, lse, plan: list[_VarlenWindow], scale, backend, dq, dk, dv):
+    """:func:`pieces_backward` as varlen calls: dq summed per window in float32 (or straight into
+    ``dq`` when given, the ring), dk/dv into their accumulators; repeated rows add up."""
+    acc = kernels.accumulation_dtype(q)
+    result = None if dq is not None else torch.zeros_like(q)
+    dout_, q_, k_, v_, out_, lse_, dk_, dv_ = (t.transpose(1, 2) for t in (dout, q, k, v, out, lse, dk, dv))
+    for window in plan:
+        if result is not None:
+            window_dq = q.new_zeros((window.rows[0].shape[0], *q.shape[1:2], q.shape[3]), dtype=acc)
+        for call in window.calls:
+            call_dq, call_dk, call_dv = kernels.varlen_backward(
+                dout_[call.q_rows], q_[call.q_rows], k_[call.k_rows], v_[call.k_rows], out_[call.q_rows],
+                lse_[call.q_rows].t(), call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
+                call.max_seqlen_k, causal=call.causal, scale=scale, backend=backend,
+            )
+            if result is not None:
+                window_dq.index_add_(0, call.slots, call_dq.to(acc))
+            else:
+                dq.transpose(1, 2).index_put_(call.q_rows, call_dq.to(dq.dtype), accumulate=True)
+            dk_.index_put_(call.k_rows, call_dk.to(dk.dtype), accumulate=True)
+            dv_.index_put_(call.k_rows, call_dv.to(dv.dtype), accumulate=True)
+        if result is not None:
+            result.transpose(1, 2)[window.rows] = window_dq.to(q.dtype)
     return result
 
 
