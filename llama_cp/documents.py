@@ -34,7 +34,8 @@ runs through ``llama_cp.kernels`` and the pieces of a row are merged by their
 log-sum-exp (``kernels.merge_block``), starting from out = 0, lse = -inf. The
 backward of a piece takes the final (out, lse) of its rows, as the ring does.
 Pieces longer than ``--attention_block_size`` are cut into tiles: Note [Tiled
-attention].
+attention]. On CUDA the pieces of a block go to the kernel together: Note [Varlen
+document calls].
 
 Note [Tiled attention]
 ======================
@@ -78,6 +79,79 @@ tokens take the untiled path unchanged, the FLOPs are the same (causal kernels
 skip the tiles above the diagonal too), and a 16384 x 16384 call is far larger
 than the kernels' own 128-row tiles, so only the merges and the fp32 query-block
 accumulators are extra, ~1/16384 of the attention's work.
+
+Note [Varlen document calls]
+============================
+
+On CUDA a packed row of short documents is hundreds of tiny pieces per block, and
+one kernel launch per piece leaves the GPU idle between launches (the chat mix of
+docs/benchmarks.md: ~264 documents in a 128K row, 528 calls per layer's forward +
+backward at cp 1). flash-attn's and torch's flash kernels have a *varlen* form
+(``kernels.varlen_forward`` / ``varlen_backward``, backends ``kernels.VARLEN``): one
+call computes n independent segments, query rows ``cu_seqlens_q[i] : [i + 1]`` of a
+packed (total_q, H, D) tensor against key rows ``cu_seqlens_k[i] : [i + 1]`` of
+(total_k, Hkv, D) ones, each segment its own softmax. A piece is a segment: its
+query and key rows are gathered into the packed tensors (copies), and the results
+go back to the rows they came from (r0: batch row 0):
+
+    pieces:       (r0, q 0..4, k 0..4, causal)  (r0, q 5..7, k 0..4)  (r0, q 5..7, k 5..7, causal)
+    causal call:  q = [q0..4 | q5..7]   k = [k0..4 | k5..7]   cu_seqlens_q = cu_seqlens_k = [0, 5, 8]
+    full call:    q = [q5..7]           k = [k0..4]           cu_seqlens_q = [0, 3], cu_seqlens_k = [0, 5]
+
+``varlen_calls`` groups the pieces (tiles) of a block:
+
+- into windows of whole query slices (the pieces of one query slice are
+  consecutive): a window's query rows accumulate in float32 and are written when
+  the window is done, as one query slice's are in the per-piece path;
+- in a window, one kind per call, since ``causal`` is a flag of the whole call:
+  the causal pieces (squares, where the top-left and bottom-right masks agree;
+  flash-attn aligns a causal mask bottom-right), then the full ones;
+- a window holds at most ``block_size`` query rows (the ``--attention_block_size``
+  that ``tiles`` cut the block to, carried by its ``Tiles``), a call at most
+  ``block_size`` query and key rows, unless one piece alone is longer; 0: no bound.
+  The varlen backward's workspace grows with the rows of the call (mha_varlen_bwd:
+  dq_accum float32 (total_q + 128 n, H, D rounded to 32), softmax_d float32
+  (H, total_q + 128 n), with GQA dK/dV (total_k, H, D)), so the bound keeps Note
+  [Tiled attention]'s per-block workspace, plus 128 rows per segment. At 16384 the
+  chat row takes 18 calls at cp 1 instead of 528.
+
+Two pieces of one call may share query rows (a query tile against several key
+tiles; a ring block's two chunks): their packed rows are separate copies with
+their own outputs and lse, merged into the window's accumulator by
+``kernels.merge_block`` in *rounds*, the i-th piece of each query slice in round i,
+so that no round writes a row twice (an indexed write of repeated rows keeps only
+one of them). In backward, dq of repeated rows adds up (``index_add_``), as do
+dK/dV of keys that several pieces see (``index_put_`` with ``accumulate``). Each
+segment is computed as its per-piece call is, so the two paths agree to rounding
+(tests/test_varlen.py: 1e-5 in float32, 1e-10 in float64, through the CPU stand-ins).
+
+The varlen path is taken when the backend has varlen kernels, every piece belongs
+to one batch row (documents: a block without them is tiles that fill their calls
+already) and it makes fewer calls than pieces (``varlen_windows``); otherwise, and
+on CPU (sdpa_cpu, math), one call per piece.
+
+What the glue relies on, read in the libraries' sources:
+
+- torch (2.13; ``aten::_flash_attention_forward`` / ``_flash_attention_backward``
+  schemas and meta kernels in torch/_meta_registrations.py; CUDA code in
+  aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp, ``mha_varlen_fwd``
+  / ``mha_varlen_bwd``): q/k/v (total, heads, D) with the last dimension
+  contiguous, ``cum_seq_q`` / ``cum_seq_k`` int32 of n + 1 offsets, ``max_q`` /
+  ``max_k`` the longest segments, GQA native (num_heads % num_heads_k == 0, dK/dV
+  expanded and summed inside); it returns (output, logsumexp (H, total_q) float32,
+  rng_state, unused, debug mask); the backward takes philox seed/offset tensors,
+  unread without dropout.
+- flash-attn, flash_attn/flash_attn_interface.py and csrc/flash_attn/flash_api.cpp
+  at tags v2.6.3, v2.7.4 and v2.8.3: ``_flash_attn_varlen_forward(q, k, v,
+  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+  causal, ...)`` and ``_flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse,
+  dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+  softmax_scale, causal, ...)``. 2.6.3 takes ``window_size=(left, right)`` and its
+  forward returns (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state);
+  2.7.4 and 2.8.3 (identical here) are torch custom ops taking
+  ``window_size_left/right`` and ``zero_tensors``, the forward returning (out,
+  softmax_lse, S_dmask, rng_state). ``kernels._call_by_keyword`` passes only the
+  names a release takes. softmax_lse is (H, total_q) float32 in all three.
 """
 
 from __future__ import annotations
@@ -334,14 +408,23 @@ class _VarlenWindow(NamedTuple):
     calls: list[_VarlenCall]
 
 
-def _varlen_plan(block: list[Piece], q: torch.Tensor, backend: Backend | None) -> list[_VarlenWindow] | None:
-    """The varlen calls of ``block`` as index tensors on q's device, or None where the per-piece
-    calls are taken: a backend without varlen kernel, pieces of every batch row (a block without
-    documents, whose tiles fill their calls already), or no fewer calls than pieces."""
-    if not kernels.has_varlen(kernels.resolve_backend(backend, q)) or any(p.row is None for p in block):
+def varlen_windows(block: list[Piece]) -> list[list[list[Piece]]] | None:
+    """:func:`varlen_calls` of ``block`` (bounded by the block size :func:`tiles` cut it to), or
+    None where a varlen backend still makes one call per piece: pieces of every batch row (a block
+    without documents, whose tiles fill their calls already), or no fewer calls than pieces."""
+    if any(p.row is None for p in block):
         return None
     windows = varlen_calls(block, getattr(block, "block_size", 0))
-    if sum(len(calls) for calls in windows) >= len(block):
+    return windows if sum(len(calls) for calls in windows) < len(block) else None
+
+
+def _varlen_plan(block: list[Piece], q: torch.Tensor, backend: Backend | None) -> list[_VarlenWindow] | None:
+    """The varlen calls of ``block`` as index tensors on q's device, or None where the per-piece
+    calls are taken (a backend without varlen kernel, or :func:`varlen_windows` None)."""
+    if not kernels.has_varlen(kernels.resolve_backend(backend, q)):
+        return None
+    windows = varlen_windows(block)
+    if windows is None:
         return None
 
     def index(values: list[torch.Tensor]) -> torch.Tensor:
