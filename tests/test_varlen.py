@@ -355,3 +355,32 @@ def test_varlen_backward_workspace_is_mha_varlen_bwds(backend):
     philox = 8 if backend == "sdpa_flash" else 0  # the zero scalar passed as philox seed and offset
     workspace = heads * rows * 4 + rows * heads * 128 * 4 + 2 * total * heads * head_dim * e
     assert peak["Total"] == inputs + philox + q_bytes + 2 * kv_bytes + workspace
+
+
+def test_model_logits_and_gradients_varlen_equal_per_piece():
+    """The tiny Llama of tests/test_documents.py on its packed rows at cp 1 (16-token attention
+    blocks): logits and every parameter gradient with the flash_attn stand-in (varlen calls)
+    equal those with sdpa_cpu (one call per piece)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from document_checks import HEADS
+    from fsdp_checks import tiny_model
+    from llama_cp import apply_context_parallel
+
+    data, _ = packed_batch()
+    reference = tiny_model(**HEADS)
+    results = []
+    for backend in ("sdpa_cpu", FA):
+        model = apply_context_parallel(copy.deepcopy(reference), None, backend=backend, block_size=16)
+        with _counting_varlen_calls() as counts:
+            logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"]).logits
+            F.cross_entropy(logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100).backward()
+        assert (counts["forward"] > 0) == (backend == FA)
+        results.append((logits, {n: p.grad for n, p in model.named_parameters()}))
+    (want_logits, want_grads), (got_logits, got_grads) = results
+    torch.testing.assert_close(got_logits, want_logits, **TOLERANCE[F32])
+    assert want_grads.keys() == got_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **TOLERANCE[F32], msg=lambda m: f"{name}: {m}")
