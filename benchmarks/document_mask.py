@@ -120,9 +120,9 @@ def calls(mix: str = "chat", seq_len: int = 131072, cps: str | int | tuple = "1,
                     windows = varlen_windows(block)
                     per_piece[row, rank] += 2 * len(block)  # forward and backward
                     varlen[row, rank] += 2 * (len(block) if windows is None else sum(map(len, windows)))
-            busiest = lambda counts: float(counts.max(1).values.mean())  # noqa: E731
-            print(f"| {mix} | {seq_len} | {cp} | {block_size or 'untiled'} | {docs:.1f} | {busiest(per_piece):.0f} "
-                  f"| {busiest(varlen):.1f} | {busiest(per_piece) / busiest(varlen):.0f}x |")
+            before, after = (float(counts.max(1).values.mean()) for counts in (per_piece, varlen))  # busiest rank
+            print(f"| {mix} | {seq_len} | {cp} | {block_size or 'untiled'} | {docs:.1f} | {before:.0f} | {after:.1f} "
+                  f"| {before / after:.0f}x |")
 
 
 def _step(model, batch):

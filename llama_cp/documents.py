@@ -483,7 +483,7 @@ def _varlen_forward(q, k, v, plan: list[_VarlenWindow], scale, backend, out, lse
             window_out, window_lse = out_[window.rows], lse_[window.rows]  # (U, H, D), (U, H)
         else:
             rows = window.rows[0].shape[0]
-            window_out = q.new_zeros((rows, *q.shape[1:2], q.shape[3]), dtype=acc)
+            window_out = torch.zeros((rows, q.shape[1], q.shape[3]), dtype=acc, device=q.device)
             window_lse = torch.full((rows, q.shape[1]), float("-inf"), dtype=acc, device=q.device)
         for call in window.calls:
             call_out, call_lse = kernels.varlen_forward(
@@ -508,7 +508,7 @@ def _varlen_backward(dout, q, k, v, out, lse, plan: list[_VarlenWindow], scale, 
     dout_, q_, k_, v_, out_, lse_, dk_, dv_ = (t.transpose(1, 2) for t in (dout, q, k, v, out, lse, dk, dv))
     for window in plan:
         if result is not None:
-            window_dq = q.new_zeros((window.rows[0].shape[0], *q.shape[1:2], q.shape[3]), dtype=acc)
+            window_dq = torch.zeros((window.rows[0].shape[0], q.shape[1], q.shape[3]), dtype=acc, device=q.device)
         for call in window.calls:
             call_dq, call_dk, call_dv = kernels.varlen_backward(
                 dout_[call.q_rows], q_[call.q_rows], k_[call.k_rows], v_[call.k_rows], out_[call.q_rows],
