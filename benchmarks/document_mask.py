@@ -13,6 +13,11 @@ worst row, and the work of the row relative to one document of the same length; 
 the same imbalance for a whole training step of a Llama-3-8B-shaped model, whose dense
 layers do the same work on every rank (an estimate from FLOP counts, not a measurement).
 
+``calls`` counts the attention kernel calls of one layer's forward + backward on the busiest
+cp rank, summed over the ring's steps, as the per-piece path makes them (CPU backends) and as
+the varlen path does (flash_attn, sdpa_flash; Note [Varlen document calls] in
+``llama_cp/documents.py``), with the default 16384-token attention blocks and untiled.
+
 ``speed`` runs one forward+backward step of the embedded Llama with a cross-entropy
 loss on one row (batch 1, fp32), at cp 1 (each of the 2 ranks holds the whole row)
 and cp 2 (ring and Ulysses), for a one-document row and for a packed row of the
@@ -21,6 +26,7 @@ and cp 2 (ring and Ulysses), for a one-document row and for a packed row of the
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -33,7 +39,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
-from llama_cp.documents import DocumentLayout, document_starts
+from llama_cp.documents import DocumentLayout, document_starts, tiles, varlen_windows
 from llama_cp.mesh import free_port
 from llama_cp.models import embedded_llama_config
 
@@ -97,6 +103,28 @@ def balance(seq_lens: str | int | tuple = "32768,131072", cps: str | int | tuple
                       f"| {imbalance.max():.3f} | {step_imbalance.mean():.3f} | {step_imbalance.max():.3f} |")
 
 
+def calls(mix: str = "chat", seq_len: int = 131072, cps: str | int | tuple = "1,2,4,8", rows: int = 8,
+          block_sizes: str | int | tuple = "16384,0") -> None:
+    """Print kernel calls per layer pass (forward + backward), per piece vs varlen (markdown)."""
+    print("| mix | seq_len | cp | block size | docs per row | calls per piece | varlen calls | fewer |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    starts = document_starts(packed_positions(mix, seq_len, rows))
+    docs = float((starts == torch.arange(seq_len)).sum(1).float().mean())
+    for cp in _ints(cps):
+        for block_size in _ints(block_sizes):
+            per_piece, varlen = torch.zeros(rows, cp), torch.zeros(rows, cp)
+            for row, rank in itertools.product(range(rows), range(cp)):
+                layout = DocumentLayout(starts[row : row + 1], cp_rank=rank, cp_size=cp)
+                for source in range(cp):  # the ring's steps: every rank's K/V block once
+                    block = tiles(layout.ring_pieces(source), block_size)
+                    windows = varlen_windows(block)
+                    per_piece[row, rank] += 2 * len(block)  # forward and backward
+                    varlen[row, rank] += 2 * (len(block) if windows is None else sum(map(len, windows)))
+            before, after = (float(counts.max(1).values.mean()) for counts in (per_piece, varlen))  # busiest rank
+            print(f"| {mix} | {seq_len} | {cp} | {block_size or 'untiled'} | {docs:.1f} | {before:.0f} | {after:.1f} "
+                  f"| {before / after:.0f}x |")
+
+
 def _step(model, batch):
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten()).backward()
@@ -152,4 +180,4 @@ def _ints(value) -> list[int]:
 
 
 if __name__ == "__main__":
-    fire.Fire({"balance": balance, "speed": speed})
+    fire.Fire({"balance": balance, "calls": calls, "speed": speed})

@@ -4,8 +4,9 @@ The planner (``llama_cp.memory``) runs on CPU fake tensors, where the CUDA kerne
 run. A :class:`ModelledBackend` passed as ``backend`` to :mod:`llama_cp.kernels` makes every
 attention call of a model run the stand-in of that CUDA backend instead: a function with the
 signature of the library call ``kernels`` makes (flash-attn's ``_flash_attn_forward`` /
-``_flash_attn_backward``, torch's ``_scaled_dot_product_{flash,efficient}_attention`` and
-their backward ops) that allocates the tensors the CUDA code allocates, with their shapes,
+``_flash_attn_backward`` and their varlen forms, torch's
+``_scaled_dot_product_{flash,efficient}_attention``, ``_flash_attention_forward`` (varlen)
+and their backward ops) that allocates the tensors the CUDA code allocates, with their shapes,
 dtypes and layouts, and computes the values with torch's CPU attention kernel, so it is exact
 on real CPU tensors as well (tests compare it with the math backend). Everything ``kernels``
 does around the call (layout copies, GQA expansion, lse padding) is the same code for the
@@ -143,8 +144,102 @@ def _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_
         raise ValueError("the flash-attn stand-in models plain attention: no dropout, window, softcap or ALiBi")
 
 
-#: Stands in for ``flash_attn.flash_attn_interface`` in ``kernels._flash_attn_forward/backward``.
-FLASH_ATTN = types.SimpleNamespace(_flash_attn_forward=flash_attn_forward, _flash_attn_backward=flash_attn_backward)
+# ---------------------------------------------------------------- varlen (flash-attn 2.x and torch's copy)
+# Packed layout: q (Tq, H, D), k/v (Tk, Hkv, D); segment i is rows cu_seqlens_q[i] : cu_seqlens_q[i + 1]
+# of q against rows cu_seqlens_k[i] : cu_seqlens_k[i + 1] of k/v; lse (H, Tq). Note [Varlen document calls].
+def _segments(cu_seqlens_q, cu_seqlens_k, causal):
+    """(query rows, key rows) slices of every segment; causal segments must be square (flash-attn
+    aligns a causal mask bottom-right, which the stand-in does not model)."""
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    result = []
+    for q0, q1, k0, k1 in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
+        if causal and q1 - q0 != k1 - k0:
+            raise ValueError(f"the varlen stand-in models square causal segments, not {q1 - q0} x {k1 - k0}")
+        result.append((slice(q0, q1), slice(k0, k1)))
+    return result
+
+
+def _as_batch(x: torch.Tensor) -> torch.Tensor:
+    """(S, H, D) rows of one segment -> a (1, H, S, D) view, the layout of ``_fill_*``."""
+    return x.unsqueeze(0).transpose(1, 2)
+
+
+def _varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out, lse) -> None:
+    if is_fake(q):
+        return
+    for qs, ks in _segments(cu_seqlens_q, cu_seqlens_k, causal):
+        _fill_forward(_as_batch(q[qs]), _as_batch(k[ks]), _as_batch(v[ks]), causal, scale, _as_batch(out[qs]),
+                      lse[:, qs].unsqueeze(0))
+
+
+def _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, causal, scale):
+    """``mha_varlen_bwd`` of flash-attn 2.x (and torch's copy) on packed contiguous tensors,
+    writing dq, dk, dv; returns ``softmax_d``. Its workspace: every segment's dQ accumulates in
+    float32 with 128 spare rows after it, so that a segment's last 128-row tile may spill."""
+    total_q, heads, head_size = q.shape
+    total_k, heads_k = k.shape[:2]
+    segments = cu_seqlens_q.shape[0] - 1
+    if not is_fake(q):
+        for qs, ks in _segments(cu_seqlens_q, cu_seqlens_k, causal):
+            _fill_backward(_as_batch(dout[qs]), _as_batch(q[qs]), _as_batch(k[ks]), _as_batch(v[ks]),
+                           _as_batch(out[qs]), softmax_lse[:, qs].unsqueeze(0), causal, scale, _as_batch(dq[qs]),
+                           _as_batch(dk[ks]), _as_batch(dv[ks]))
+    head_size_rounded = _round_up(head_size, 32 if head_size <= 128 else 64)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    softmax_d = torch.empty((heads, total_q + 128 * segments), **f32)
+    dq_accum = torch.empty((total_q + 128 * segments, heads, head_size_rounded), **f32)
+    if heads_k != heads:  # GQA: dK/dV of every query head, summed over each group into dk/dv
+        dk_expanded = torch.empty((total_k, heads, head_size), dtype=q.dtype, device=q.device)
+        dv_expanded = torch.empty((total_k, heads, head_size), dtype=q.dtype, device=q.device)
+        del dk_expanded, dv_expanded
+    del dq_accum
+    return softmax_d
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """float32, what the CUDA kernels return (and take); float64 only for the float64 inputs of
+    exactness tests, which no CUDA kernel takes."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def flash_attn_varlen_forward(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+    window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+    block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False,
+):
+    """flash-attn 2.8's ``_flash_attn_varlen_forward`` (mha_varlen_fwd): ``(out, softmax_lse (H, Tq),
+    S_dmask, rng_state)``."""
+    _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    if block_table is not None or leftpad_k is not None or seqused_k is not None or return_softmax:
+        raise ValueError("the flash-attn varlen stand-in models packed q/k/v: no paged KV, padding or softmax")
+    out = torch.empty_like(q)
+    softmax_lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q), device=q.device)
+    p = torch.empty(0, dtype=q.dtype, device=q.device)
+    _varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, out, softmax_lse)
+    rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
+    return out, softmax_lse, p, rng_state
+
+
+def flash_attn_varlen_backward(
+    dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+    rng_state=None, zero_tensors=False,
+):
+    """flash-attn 2.8's ``_flash_attn_varlen_backward``: writes dq, dk, dv; returns ``softmax_d``."""
+    _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    if deterministic:
+        raise ValueError("the flash-attn stand-in models the default non-deterministic backward only")
+    dout, q, k, v, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (dout, q, k, v, out))
+    return _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, causal,
+                           softmax_scale)
+
+
+#: Stands in for ``flash_attn.flash_attn_interface`` in ``kernels._flash_attn_forward/backward``
+#: and ``kernels.varlen_forward/backward``.
+FLASH_ATTN = types.SimpleNamespace(
+    _flash_attn_forward=flash_attn_forward, _flash_attn_backward=flash_attn_backward,
+    _flash_attn_varlen_forward=flash_attn_varlen_forward, _flash_attn_varlen_backward=flash_attn_varlen_backward,
+)
 
 
 # ---------------------------------------------------------------- torch's CUDA SDPA ops
@@ -234,8 +329,50 @@ def _check_efficient(head_dim, attn_bias, dropout_p) -> None:
         raise ValueError("the sdpa_efficient stand-in models plain attention: no bias or dropout")
 
 
-#: Stands in for ``torch.ops.aten`` in ``kernels._sdpa_cuda_forward/backward``.
+def flash_attention_forward(
+    query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
+    window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
+    num_splits=None,
+):
+    """``aten._flash_attention_forward`` on CUDA with ``cum_seq_q``/``cum_seq_k`` (torch's
+    ``mha_varlen_fwd``): ``(output, logsumexp (H, Tq), rng_state, unused, debug_attn_mask)``, the
+    shapes and dtypes of the op's meta registration (torch/_meta_registrations.py)."""
+    if cum_seq_q is None or cum_seq_k is None:
+        raise ValueError("the _flash_attention_forward stand-in models the varlen call (cum_seq_q/cum_seq_k given)")
+    if dropout_p or return_debug_mask or (window_size_left, window_size_right) not in ((None, None), (-1, -1)) \
+            or seqused_k is not None or alibi_slopes is not None or block_table is not None:
+        raise ValueError("the _flash_attention_forward stand-in models plain attention: no dropout, window, ALiBi, "
+                         "paged KV or debug mask")
+    output = torch.empty_like(query)
+    logsumexp = torch.empty((query.shape[1], query.shape[0]), dtype=_lse_dtype(query), device=query.device)
+    _varlen_fill_forward(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale, output, logsumexp)
+    rng_state = torch.empty(2, dtype=torch.uint64, device=query.device)
+    unused = torch.empty((), dtype=torch.uint64, device=query.device)
+    debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
+    return output, logsumexp, rng_state, unused, debug_mask
+
+
+def flash_attention_backward(
+    grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+    rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None,
+):
+    """``aten._flash_attention_backward`` on CUDA with ``cum_seq_q``/``cum_seq_k``: torch's
+    ``mha_varlen_bwd`` allocates dq, dk, dv like query, key, value, and flash-attn's varlen workspace."""
+    if dropout_p or (window_size_left, window_size_right) not in ((None, None), (-1, -1)):
+        raise ValueError("the _flash_attention_backward stand-in models plain attention: no dropout or window")
+    grad_out, out = grad_out.contiguous(), out.contiguous()
+    dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    softmax_d = _mha_varlen_bwd(grad_out, query, key, value, out, logsumexp, dq, dk, dv, cum_seq_q, cum_seq_k,
+                                is_causal, scale)
+    del softmax_d
+    return dq, dk, dv
+
+
+#: Stands in for ``torch.ops.aten`` in ``kernels._sdpa_cuda_forward/backward`` and
+#: ``kernels.varlen_forward/backward``.
 SDPA_OPS = types.SimpleNamespace(
+    _flash_attention_forward=flash_attention_forward,
+    _flash_attention_backward=flash_attention_backward,
     _scaled_dot_product_flash_attention=sdpa_flash_forward,
     _scaled_dot_product_flash_attention_backward=sdpa_flash_backward,
     _scaled_dot_product_efficient_attention=sdpa_efficient_forward,

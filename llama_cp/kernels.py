@@ -29,6 +29,10 @@ Backends, chosen per call by :func:`select_backend`:
 
 A :class:`llama_cp.kernel_workspace.ModelledBackend` (what the memory planner passes) runs a
 CUDA backend's CPU stand-in in place of the library call, through the same code around it.
+
+The backends in ``VARLEN`` also compute many independent attention segments in one call
+(:func:`varlen_forward` / :func:`varlen_backward`, packed layout ``(total, H, D)``): packed
+documents use them, Note [Varlen document calls] in ``llama_cp/documents.py``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from llama_cp.kernel_workspace import FLASH_ATTN, SDPA_OPS, ModelledBackend
 Backend = Literal["flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"]
 #: Every backend, fastest first: :func:`select_backend` takes the first that can run.
 BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math")
+#: The backends with a varlen kernel: many segments of queries x keys in one call.
+VARLEN: tuple[str, ...] = ("flash_attn", "sdpa_flash")
 
 _aten = torch.ops.aten
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -126,7 +132,7 @@ def attention_forward(
     """Attention of one block. Returns ``(out, lse)``; see the module docstring."""
     _check_shapes(q, k, v, causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    backend = _resolve(backend, q)
+    backend = resolve_backend(backend, q)
     if backend == "sdpa_cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
@@ -162,7 +168,7 @@ def attention_backward(
     """
     _check_shapes(q, k, v, causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    backend = _resolve(backend, q)
+    backend = resolve_backend(backend, q)
     out = out.to(q.dtype)
     if backend == "sdpa_cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -177,7 +183,69 @@ def attention_backward(
     return _math_backward(dout, q, k, v, out, lse, causal, scale)
 
 
-def _resolve(backend: Backend | None, q: torch.Tensor) -> Backend:
+def has_varlen(backend: Backend) -> bool:
+    """Whether ``backend`` (a resolved one: a name or a modelled backend) has a varlen kernel."""
+    return backend in VARLEN
+
+
+def varlen_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, *, causal: bool, scale: float, backend: Backend,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of n independent segments in one call of a ``VARLEN`` backend.
+
+    q: (Tq, H, D), k/v: (Tk, Hkv, D), contiguous; segment i is queries ``cu_seqlens_q[i] :
+    cu_seqlens_q[i + 1]`` x keys ``cu_seqlens_k[i] : cu_seqlens_k[i + 1]`` (int32, (n + 1,),
+    on q's device), causal segments square. Returns out (Tq, H, D) in q's dtype and lse
+    (H, Tq) in the accumulation dtype (Note [Varlen document calls]).
+    """
+    if backend == "sdpa_flash":
+        ops = _sdpa_ops(backend)
+        out, lse, *_ = ops._flash_attention_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale
+        )
+    elif backend == "flash_attn":
+        result = _call_by_keyword(
+            _flash_attn_module(backend)._flash_attn_varlen_forward, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0,
+            softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+            alibi_slopes=None, return_softmax=False,
+        )
+        out, lse = (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
+    else:
+        raise ValueError(f"attention backend {backend!r} has no varlen kernel; varlen backends: {VARLEN}")
+    return out, lse.to(accumulation_dtype(q))
+
+
+def varlen_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+    causal: bool, scale: float, backend: Backend,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq (Tq, H, D), dk, dv (Tk, Hkv, D)) of :func:`varlen_forward`'s segments, given
+    each query row's final ``out`` (Tq, H, D) and ``lse`` (H, Tq), as :func:`attention_backward`."""
+    dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+    lse = lse.to(accumulation_dtype(q)).contiguous()
+    if backend == "sdpa_flash":
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed/offset: unread without dropout
+        return _sdpa_ops(backend)._flash_attention_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal,
+            zero, zero, scale=scale,
+        )
+    if backend == "flash_attn":
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _call_by_keyword(
+            _flash_attn_module(backend)._flash_attn_varlen_backward, dout=dout, q=q, k=k, v=v, out=out,
+            softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
+            causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+            deterministic=False, rng_state=None,
+        )
+        return dq, dk, dv
+    raise ValueError(f"attention backend {backend!r} has no varlen kernel; varlen backends: {VARLEN}")
+
+
+def resolve_backend(backend: Backend | None, q: torch.Tensor) -> Backend:
     """``backend``, refused in one line if it cannot run on ``q``; None: :func:`select_backend`."""
     if backend is None:
         return select_backend(q)

@@ -220,7 +220,7 @@ def test_tiles_cover_each_visible_pair_once_in_small_calls(block_size):
             assert t.q.stop - t.q.start <= block_size and t.k.stop - t.k.start <= block_size
             assert not t.causal or t.q.stop - t.q.start == t.k.stop - t.k.start
         if block_size >= 40:
-            assert tiled is block  # nothing to cut: the untiled calls
+            assert tiled == block  # nothing to cut: the untiled calls
     # queries-outer: the tiles of a query block follow each other (Note [Tiled attention])
     tiled = tiles([Piece(None, slice(0, 8), slice(0, 8), True)], 3)
     assert [(t.q.start, t.k.start, t.causal) for t in tiled] == [
