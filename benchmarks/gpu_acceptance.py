@@ -292,17 +292,29 @@ def _worker(rank: int, port: int, world: int, jobs: list[dict], path: str, setti
 # ----------------------------------------------------------------------------- the driver
 
 
-def run_jobs(jobs: list[dict], settings: Settings) -> dict[str, dict]:
+def run_jobs(jobs: list[dict], settings: Settings, meanwhile=None) -> dict[str, dict]:
     """Run ``jobs`` on ``settings.nproc`` ranks, in one group of processes while they succeed. A
     job that fails gets its error and the rest go on in a fresh group; the longest-context
-    search goes on after the length that ran out of memory, which it counts as not running."""
+    search goes on after the length that ran out of memory, which it counts as not running.
+    ``meanwhile()`` runs here while the first group works."""
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "results.jsonl")
         while remaining := [job for job in jobs if job["id"] not in results]:
             error = None
+            group = mp.start_processes(_worker, args=(free_port(), settings.nproc, remaining, path, settings),
+                                       nprocs=settings.nproc, join=False, start_method="spawn")
+            if meanwhile is not None:
+                meanwhile, work = None, meanwhile
+                try:
+                    work()
+                except BaseException:
+                    for process in group.processes:  # this group's ranks, started above
+                        process.kill()
+                    raise
             try:
-                mp.spawn(_worker, args=(free_port(), settings.nproc, remaining, path, settings), nprocs=settings.nproc)
+                while not group.join():
+                    pass
             except Exception as exc:  # noqa: BLE001 - any rank's failure ends this group
                 error = exc
             trying = None
@@ -371,7 +383,14 @@ def main(dry_run: bool = False, output_dir: str = "gpu_acceptance", nproc: int |
                  "args": dict(context_length=s.speed_len // n, cp=1, flags=speed_flags)})
     if not skip_longest:
         jobs.append({"id": "longest", "kind": "longest", "args": {"tried": {}}})
-    results = run_jobs(jobs, s)
+    planned = {}
+
+    def plan_memory() -> None:  # in this process, while the ranks run
+        for lever, flags in LEVERS.items():
+            for length in s.memory_lens:
+                planned[lever, length] = plan(s, length, flags)
+
+    results = run_jobs(jobs, s, meanwhile=plan_memory)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if s.device_type == "cuda" else "cpu (--dry_run)",
         "gpus": n, "torch": torch.__version__, "dry_run": dry_run, "model": s.model,
@@ -381,11 +400,10 @@ def main(dry_run: bool = False, output_dir: str = "gpu_acceptance", nproc: int |
     for lever, flags in LEVERS.items():
         for length in s.memory_lens:
             measured = results[f"memory/{lever}/{length}"]
-            planned = plan(s, length, flags)
             got = measured.get("measured_peak_bytes")
-            report["memory"].append({"lever": lever, "context_length": length, "planned_bytes": planned,
+            report["memory"].append({"lever": lever, "context_length": length, "planned_bytes": planned[lever, length],
                                      "measured_bytes": got, "error": measured.get("error"),
-                                     "planned_over_measured": planned / got if got else None})
+                                     "planned_over_measured": planned[lever, length] / got if got else None})
     for job in jobs:
         if job["id"].startswith("speed/") and job["id"] != "speed/local":
             _, cp, st, docs = job["id"].split("/")
