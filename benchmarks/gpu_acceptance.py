@@ -38,6 +38,7 @@ same way, its bisection treats lengths over ``DRY_RUN_FITS`` tokens as out of me
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -285,6 +286,9 @@ def _worker(rank: int, port: int, world: int, jobs: list[dict], path: str, setti
             else:
                 result = training_step(settings, **args)
             note({"id": job["id"], "result": result})
+            gc.collect()  # the job's model and optimizer: gone before the next job's peak is measured
+            if settings.device_type == "cuda":
+                torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()
 
