@@ -187,6 +187,8 @@ class TrainConfig:
     """Write a metrics row every N steps."""
     report_to: tuple[str, ...] = ("tensorboard",)
     """Also send the metrics rows to: tensorboard (output_dir/tensorboard), wandb (when installed), or none."""
+    peak_tflops: float = 0.0
+    """Peak dense bf16 TFLOP/s of one GPU, the denominator of the mfu metric; 0 = from the GPU's name (A100, H100, H200, B200); on CPU or another GPU no mfu is reported unless set."""
     max_nonfinite_steps: int = 3
     """A step whose loss or gradient norm is NaN/inf is skipped (no update); stop after this many in a row."""
     collective_timeout: float = 600.0
@@ -320,7 +322,7 @@ _MINIMUMS = {
     "mlp_tile_size": 0, "norm_tile_size": 0, "attention_block_size": 0,
     "dp_replicate": 1, "lora_r": 1, "num_proc": 1, "num_passkey_samples": 1, "num_eval_samples": 1, "num_epochs": 1,
     "max_steps": 0, "warmup_steps": 0, "save_every": 0, "eval_every": 0, "keep_last": 1, "log_every": 1,
-    "max_nonfinite_steps": 1,
+    "max_nonfinite_steps": 1, "peak_tflops": 0.0,
     "collective_timeout": 1.0, "min_lr_ratio": 0.0, "lr": 0.0, "weight_decay": 0.0, "max_grad_norm": 0.0, "lora_dropout": 0.0,
 }
 

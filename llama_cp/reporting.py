@@ -13,7 +13,9 @@ Only rank 0 reports. ``metrics.jsonl`` stays the record the trainer itself reads
 - ``wandb``: ``wandb.init`` with the resolved config and versions; the run id is kept in
   ``output_dir/wandb_run_id`` so that ``--resume`` continues the same W&B run.
 
-Every numeric value of a row is a scalar (``train/loss``, ``eval/eval_loss``, ...);
+Every numeric value of a row is a scalar (``train/loss``, ``eval/eval_loss``, ...; the
+throughput of Note [Model FLOPs], ``train/tokens_per_sec_per_gpu``, ``train/model_tflops_per_gpu``
+and ``train/mfu``, among them);
 the resolved config and the versions go in as text (TensorBoard) or config (W&B).
 """
 

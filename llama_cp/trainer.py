@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from llama_cp.build import model_path
 from llama_cp.config import TrainConfig
+from llama_cp.flops import attention_pairs, model_flops, peak_flops, throughput
 from llama_cp.fsdp_wrap import export_pretrained
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens
 from llama_cp.mesh import init_distributed, local_peers, machine_device_type, submesh
@@ -186,6 +187,7 @@ class Trainer:
         self.model_path = model_path(cfg.model.model_name)
         self.tokenizer = self._build_tokenizer()
         self.model = self._build_model()
+        self._start_flops_count()
         self.optimizer = self._build_optimizer()
         self._build_data()  # the schedule needs total_steps
         self._start_schedule(0)
@@ -198,6 +200,17 @@ class Trainer:
         from llama_cp.build import build_model
 
         return build_model(self.cfg, self.mesh, self.device, self.model_path)
+
+    def _start_flops_count(self) -> None:
+        """The model FLOPs per token and per attention pair, and the GPU's peak (Note [Model FLOPs])."""
+        from llama_cp.models import base_causal_lm
+
+        p = self.cfg.peft
+        self.flops = model_flops(base_causal_lm(self.model).config, lora_r=p.lora_r if p.use_peft else 0,
+                                 lora_targets=p.lora_target_modules)
+        device_name = torch.cuda.get_device_name(self.device) if self.device_type == "cuda" else None
+        self.peak_flops = self.cfg.peak_tflops * 1e12 or peak_flops(device_name)
+        self._run_totals = []  # (seconds, tokens, model FLOPs) of each step of this run: the summary
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
@@ -274,6 +287,7 @@ class Trainer:
                 batches.append(next(self._iterator))
             except StopIteration:  # end of an epoch: the loader moves on to the next one
                 self._iterator = iter(self.loader)
+        self._step_pairs = sum(attention_pairs(b["position_ids"], self.cfg.data.document_mask) for b in batches)
         return [self._to_device(b) for b in batches]
 
     def train_step(self) -> dict[str, float]:
@@ -294,11 +308,19 @@ class Trainer:
         self.scheduler.step()
         seconds = time.perf_counter() - start
         global_tokens = cfg.data.context_length * cfg.data.batch_size * len(micro) * self.dims.dp
+        # this rank's share of its cp group's rows, summed over ranks: the step's model FLOPs (Note [Model FLOPs])
+        step_flops = self.flops.step(global_tokens // self.dims.dp, self._step_pairs) / self.dims.cp
+        step_flops = torch.tensor([step_flops], dtype=torch.float64, device=self.device)
+        dist.all_reduce(step_flops)
+        world = dist.get_world_size()
+        self._run_totals.append((seconds, global_tokens, step_flops.item()))
         row = {
             "loss": total.item(),
             "lr": lr,
             "grad_norm": grad_norm.item(),
             "tokens_per_sec": global_tokens / seconds,
+            **throughput(tokens=global_tokens, flops=step_flops.item(), seconds=seconds, world_size=world,
+                         peak=self.peak_flops),
         }
         return row if finite else {**row, "skipped": True}
 
@@ -393,7 +415,10 @@ class Trainer:
                 steps_peak = max(steps_peak, self.peak_memory.read())
                 step += 1
                 progress.update(1)
-                progress.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_sec']:.0f}")
+                progress.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_sec']:.0f}",
+                                     tok_s_gpu=f"{row['tokens_per_sec_per_gpu']:.0f}",
+                                     tflops_gpu=f"{row['model_tflops_per_gpu']:.3g}",
+                                     **({"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}))
                 nonfinite = nonfinite + [step] if row.get("skipped") else []
                 if nonfinite:  # a skipped step is logged, never evaluated or saved
                     self._log(metrics_path, row)
@@ -415,11 +440,25 @@ class Trainer:
             self.reporter.close()
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
+        self._say_throughput()
         self._where = "while exporting final/"
         self.export(os.path.join(cfg.output_dir, "final"))
         if self.rank == 0:
             plot_losses(metrics_path, os.path.join(cfg.output_dir, "loss.png"))
         return row
+
+    def _say_throughput(self) -> None:
+        """The run's summary line: tokens/s/GPU, model TFLOP/s/GPU and MFU over this run's steps,
+        the first left out when there are more (it warms up kernels and the allocator)."""
+        steps = self._run_totals[1:] or self._run_totals
+        if not steps:
+            return
+        seconds, tokens, flops = (sum(column) for column in zip(*steps))
+        summary = throughput(tokens=tokens, flops=flops, seconds=seconds, world_size=dist.get_world_size(),
+                             peak=self.peak_flops)
+        mfu = f", MFU {summary['mfu']:.1%} of {self.peak_flops / 1e12:g} TFLOP/s" if "mfu" in summary else ""
+        self._say(f"throughput over {len(steps)} steps: {summary['tokens_per_sec_per_gpu']:.1f} tokens/s/GPU, "
+                  f"{summary['model_tflops_per_gpu']:.4g} model TFLOP/s/GPU{mfu}")
 
     def _check_before_start(self) -> None:
         """What can be checked before any process group or model exists: a local model
@@ -621,7 +660,9 @@ class Trainer:
         load_peak = self._max_over_ranks(self.peak_memory.read())  # Note [Peak memory in metrics]
         info = run_info(self.cfg.to_dict(), world_size=dist.get_world_size(), device_type=self.device_type,
                         dims={"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
-                              "cp": self.dims.cp}, resumed_from_step=step, load_peak_memory_bytes=load_peak)
+                              "cp": self.dims.cp}, resumed_from_step=step, load_peak_memory_bytes=load_peak,
+                        model_flops={"per_token": self.flops.per_token, "per_attention_pair": self.flops.per_pair,
+                                     "peak_flops_per_gpu": self.peak_flops})
         if self.rank == 0:
             write_atomically(os.path.join(self.cfg.output_dir, "run_info.json"), json.dumps(info, indent=1))
         report_to = [name for name in self.cfg.report_to if name != "none"]

@@ -50,6 +50,7 @@ def test_plan_memory_help_shows_what_it_plans():
     (["--contex_length", "512"], "unknown flag --contex_length; did you mean --context_length?"),
     (["--dataset", "/no/such/file.jsonl", "--max_steps", "1"], "--dataset '/no/such/file.jsonl': no such file"),
     (["--collective_timeout", "0"], "--collective_timeout must be >= 1.0, got 0.0"),
+    (["--peak_tflops", "-1"], "--peak_tflops must be >= 0.0, got -1.0"),
     (["--model_name", "/no/such/model"], "--model_name '/no/such/model': no such directory"),
     (["--cp", "2"], "--cp 2 --dp_shard -1 --dp_replicate 1 need 2 processes, and this is one: launch with "
                     "torchrun --nproc_per_node 2 -m recipes.finetune_longctx"),

@@ -66,7 +66,9 @@ def single_runs(tmp_path_factory):
     runs = {}
     for batch_size in (1, 2):
         out = tmp_path_factory.mktemp(f"single_b{batch_size}")
-        run_cli(out, "--batch_size", str(batch_size))
+        # --peak_tflops: an mfu on CPU too (Note [Model FLOPs]); it changes no loss
+        result = run_cli(out, "--batch_size", str(batch_size), *(["--peak_tflops", "0.5"] if batch_size == 1 else []))
+        (out / "stdout.txt").write_text(result.stdout)
         runs[batch_size] = out
     return runs
 
@@ -81,8 +83,21 @@ def test_single_process_run_writes_everything(single_runs):
     assert os.path.exists(os.path.join(out, "loss.png"))
     # the rows, read back from TensorBoard's event files; the config and versions beside them
     scalars = tensorboard_scalars(out)
-    for key in ("loss", "lr", "grad_norm", "tokens_per_sec"):
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_gpu", "model_tflops_per_gpu", "mfu"):
         assert_series(scalars[f"train/{key}"], [(r["step"], r[key]) for r in rows])
+    # throughput per GPU (one here): model FLOPs per token of one-document passkey rows of 256 tokens
+    # (256 x 257 / 2 causal pairs), the same whatever the speed; mfu against --peak_tflops 0.5
+    from llama_cp.flops import model_flops
+    from llama_cp.models import embedded_llama_config
+
+    flops = model_flops(embedded_llama_config())
+    for r in rows:
+        assert r["tokens_per_sec_per_gpu"] == pytest.approx(r["tokens_per_sec"])
+        per_token = r["model_tflops_per_gpu"] * 1e12 / r["tokens_per_sec_per_gpu"]
+        assert per_token == pytest.approx(flops.per_token + flops.per_pair * 257 / 2)
+        assert r["mfu"] == pytest.approx(r["model_tflops_per_gpu"] / 0.5)
+    summary = [line for line in (out / "stdout.txt").read_text().splitlines() if line.startswith("throughput")]
+    assert len(summary) == 1 and summary[0].startswith("throughput over 3 steps: ") and " of 0.5 TFLOP/s" in summary[0]
     assert_series(scalars["eval/eval_loss"], [(4, rows[-1]["eval_loss"])])
     with open(os.path.join(out, "run_info.json")) as f:
         info = json.load(f)
@@ -109,6 +124,11 @@ def test_two_processes_match_the_single_process_trajectory(tmp_path, single_runs
             msg=lambda m: f"{key}: {m}",
         )
     torch.testing.assert_close(got[-1]["eval_loss"], want[-1]["eval_loss"], rtol=1e-4, atol=1e-6)
+    # per GPU: half the step's tokens and half its model FLOPs, whichever way the 2 ranks split it
+    for g, w in zip(got, want, strict=True):
+        assert g["tokens_per_sec_per_gpu"] == pytest.approx(g["tokens_per_sec"] / 2)
+        assert g["model_tflops_per_gpu"] / g["tokens_per_sec_per_gpu"] == pytest.approx(
+            w["model_tflops_per_gpu"] / w["tokens_per_sec_per_gpu"])
 
 
 def write_chat_jsonl(path, count: int = 120) -> str:

@@ -1,0 +1,158 @@
+"""Model FLOPs of a training step, the device's peak, and the throughput figures of a metrics row.
+
+    flops = model_flops(config, lora_r=8, lora_targets=("q_proj", "v_proj"))
+    step = flops.step(tokens=8192, pairs=attention_pairs(position_ids))
+    row = throughput(tokens=8192, flops=step, seconds=1.3, world_size=1, peak=peak_flops("NVIDIA H100 80GB HBM3"))
+
+Note [Model FLOPs]
+==================
+
+MFU (model FLOPs utilisation, PaLM, Chowdhery et al. 2022, appendix B) divides the
+FLOPs the *model* needs for a step by what the devices could do in the step's time.
+"Needs" is a convention, and ours is:
+
+- Matrix multiplications only, 2 FLOPs per multiply-add. Norms, RoPE, activations,
+  softmax and the loss are left out (a few percent at most). The embedding is a
+  lookup, not a matmul: 0 FLOPs. The output head (lm_head) is counted, tied or not.
+- Per token and decoder layer, the linear layers: q_proj (hidden -> heads x head_dim),
+  k_proj and v_proj (hidden -> kv_heads x head_dim, so GQA's smaller K/V count as
+  they are), o_proj, and the MLP's gate, up and down projections.
+- Forward and backward of a trained weight: 3 x forward (the backward computes the
+  input's gradient and the weight's, each as large as the forward). A frozen weight
+  (the base of LoRA, QLoRA's NF4 weights) needs no weight gradient: 2 x forward. The
+  LoRA adapters A (in -> r) and B (r -> out) are trained: 3 x. With LoRA we count the
+  input gradient of every frozen layer, as if the embedding's output needed one; in
+  the first layer autograd may skip some of that (nothing before it trains), at most
+  a share of 1 / num_layers of the backward, which we do not chase.
+- Attention: per (query, key) pair and query head, q.k and p.v are 2 x head_dim
+  multiply-adds, 4 x head_dim FLOPs forward, and the backward's four products (dP,
+  dV, dQ, dK) twice that: 12 x head_dim x heads x layers per pair. Counted are the
+  pairs attention really computes: a causal row of L tokens L(L+1)/2 (query t sees
+  keys 0..t), packed documents of lengths d_i sum d_i(d_i+1)/2 (each sees only
+  itself; ``DocumentLayout.visible_pairs``, Note [Document masks under CP] in
+  llama_cp/documents.py), the whole row when --document_mask is off.
+- Recomputation is not model work: activation checkpointing's second forward,
+  flash-attention's recomputed scores in its backward, the chunked loss's recomputed
+  logits all cost time and count nothing. MFU is therefore below the hardware's
+  utilisation (HFU) exactly when a run recomputes.
+
+How this compares with the usual figures. PaLM and torchtitan's
+``get_num_flop_per_token`` use 6 N + 12 x layers x heads x head_dim x L per token,
+N the parameters without the embedding: the same 6 N for a full fine-tune, but
+attention over all L^2 (query, key) pairs, where a causal model computes about half.
+At long context attention dominates, so the same run shows a higher MFU there: for
+Llama-3-8B torchtitan's count is 1.13 x ours at 8192 tokens, 1.70 x at 131072, 1.82 x
+at 262144 (its 548 tokens/s/GPU at 256K on H100 are 25% MFU by its count, 14% by ours). We count the causal
+half (as FlashAttention's benchmarks do for causal attention) so that packed
+documents, whose work is far smaller, are not credited with a full row's. Megatron-LM
+(Narayanan et al. 2021, "Efficient large-scale language model training on GPU
+clusters") counts 4 x forward per weight because it includes the checkpointing
+recompute: that is hardware FLOPs, not model FLOPs.
+
+Per GPU: the step's model FLOPs over all ranks divided by the world size (the
+ranks of a cp group share one sequence), over the step's wall time. The peak is
+the device's dense bf16 tensor-core rate (``PEAK_BF16_FLOPS``, or --peak_tflops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s by a substring of
+#: ``torch.cuda.get_device_name()``, first match wins, from NVIDIA's datasheets: A100 (SXM
+#: and PCIe) 312 T; H100 SXM 989 T, H100 NVL 835 T, H100 PCIe 756 T (the datasheet's
+#: "1979 / 1671 / 1513 with sparsity", halved); H200 (SXM) 989 T; B200 2.25 P (HGX B200 at
+#: 1000 W, "4.5 PFLOPS with sparsity" halved; GB200 parts are faster, set --peak_tflops).
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("A100", 312e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("B200", 2250e12),
+)
+
+#: Per-layer linear layers of the Llama family: name -> (in features, out features) of a config.
+_LAYER_LINEARS = {
+    "q_proj": lambda c: (c["hidden"], c["heads"] * c["head_dim"]),
+    "k_proj": lambda c: (c["hidden"], c["kv_heads"] * c["head_dim"]),
+    "v_proj": lambda c: (c["hidden"], c["kv_heads"] * c["head_dim"]),
+    "o_proj": lambda c: (c["heads"] * c["head_dim"], c["hidden"]),
+    "gate_proj": lambda c: (c["hidden"], c["intermediate"]),
+    "up_proj": lambda c: (c["hidden"], c["intermediate"]),
+    "down_proj": lambda c: (c["intermediate"], c["hidden"]),
+}
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """Forward + backward model FLOPs of one model (Note [Model FLOPs])."""
+
+    per_token: float
+    """of the linear layers (decoder and lm_head, LoRA adapters included), per token."""
+    per_pair: float
+    """of attention, per visible (query, key) pair, all layers."""
+
+    def step(self, tokens: int, pairs: int) -> float:
+        """Model FLOPs of ``tokens`` tokens whose attention sees ``pairs`` (query, key) pairs."""
+        return self.per_token * tokens + self.per_pair * pairs
+
+
+def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] = ()) -> ModelFlops:
+    """The :class:`ModelFlops` of an HF Llama-family ``config``; ``lora_r`` > 0: LoRA of rank
+    ``lora_r`` on the layers named in ``lora_targets`` (base weights frozen, embedding too)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    shape = {
+        "hidden": config.hidden_size, "heads": heads,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "intermediate": config.intermediate_size,
+    }
+    weight_passes = 2 if lora_r else 3  # frozen: forward + input gradient; trained: + weight gradient
+    per_layer = 0
+    for name, features in _LAYER_LINEARS.items():
+        fan_in, fan_out = features(shape)
+        per_layer += 2 * weight_passes * fan_in * fan_out
+        if lora_r and name in lora_targets:
+            per_layer += 2 * 3 * lora_r * (fan_in + fan_out)
+    head_in, head_out = config.hidden_size, config.vocab_size
+    head = 2 * weight_passes * head_in * head_out
+    if lora_r and "lm_head" in lora_targets:
+        head += 2 * 3 * lora_r * (head_in + head_out)
+    layers = config.num_hidden_layers
+    per_pair = 3 * 4 * shape["head_dim"] * heads * layers
+    return ModelFlops(per_token=float(layers * per_layer + head), per_pair=float(per_pair))
+
+
+def attention_pairs(position_ids: torch.Tensor, document_mask: bool = True) -> int:
+    """Visible (query, key) pairs of a batch of whole rows, (B, L) global ``position_ids``:
+    causal within each packed document (``document_mask``), else causal over the row."""
+    from llama_cp.documents import DocumentLayout, document_starts
+
+    position_ids = position_ids.reshape(-1, position_ids.shape[-1])
+    if not document_mask:
+        rows, length = position_ids.shape
+        return rows * length * (length + 1) // 2
+    return int(DocumentLayout(document_starts(position_ids.cpu())).visible_pairs().sum())
+
+
+def peak_flops(device_name: str | None) -> float | None:
+    """Dense bf16 peak FLOP/s of the device called ``device_name`` (``PEAK_BF16_FLOPS``);
+    None for a device not in the table or none (CPU)."""
+    if device_name is None:
+        return None
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in device_name), None)
+
+
+def throughput(*, tokens: int, flops: float, seconds: float, world_size: int, peak: float | None) -> dict[str, float]:
+    """A step's per-GPU figures: ``tokens`` and model ``flops`` of the whole step (all ranks)
+    in ``seconds`` on ``world_size`` GPUs; ``mfu`` (a fraction) only with a ``peak``."""
+    flops_per_gpu = flops / world_size / seconds
+    row = {"tokens_per_sec_per_gpu": tokens / world_size / seconds, "model_tflops_per_gpu": flops_per_gpu / 1e12}
+    if peak:
+        row["mfu"] = flops_per_gpu / peak
+    return row

@@ -1,0 +1,96 @@
+"""Model FLOPs (Note [Model FLOPs] in llama_cp/flops.py) against torch's FlopCounterMode on real
+forward+backward passes of the embedded model, the peak table, and the per-GPU figures."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaForCausalLM
+
+from llama_cp import apply_context_parallel
+from llama_cp.flops import attention_pairs, model_flops, peak_flops, throughput
+from llama_cp.models import embedded_llama_config
+
+
+def _measure(model, **batch) -> dict[str, int]:
+    """FLOPs of one forward+backward by op: aten.mm are the linear layers, aten.bmm attention."""
+    with FlopCounterMode(display=False) as counter:
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+    return {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+
+
+def test_embedded_model_by_hand():
+    """The embedded Llama (hidden 256, 8 heads of 32, 2 KV heads, MLP 688, vocab 1024, 4 layers),
+    written out: every weight 6 FLOPs per token, attention 12 x head_dim x heads x layers per pair."""
+    layer = 256 * 256 + 256 * 64 + 256 * 64 + 256 * 256 + 3 * 256 * 688  # q, k, v (GQA), o, gate/up/down
+    flops = model_flops(embedded_llama_config())
+    assert flops.per_token == 6 * (4 * layer + 256 * 1024)  # + lm_head; the embedding is a lookup
+    assert flops.per_pair == 12 * 32 * 8 * 4
+    lora = model_flops(embedded_llama_config(), lora_r=8, lora_targets=("q_proj", "down_proj"))
+    adapters = 8 * (256 + 256) + 8 * (688 + 256)
+    assert lora.per_token == 4 * (4 * layer + 256 * 1024) + 6 * 4 * adapters  # frozen: no weight gradient
+
+
+def test_full_fine_tune_matches_the_flop_counter():
+    """Eager attention computes all L x L pairs (the causal mask is applied after): the counter's
+    bmm FLOPs are per_pair x L^2 per row, its mm FLOPs per_token x tokens, exactly."""
+    config = embedded_llama_config(num_hidden_layers=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.set_attn_implementation("eager")
+    rows, length = 2, 24
+    measured = _measure(model, input_ids=torch.randint(0, config.vocab_size, (rows, length)))
+    flops = model_flops(config)
+    assert measured == {"aten.mm": flops.per_token * rows * length, "aten.bmm": flops.per_pair * rows * length ** 2}
+
+
+def test_lora_matches_the_flop_counter():
+    """LoRA on some layers: base weights forward + input gradient, adapters 3 x. With the
+    embedding's output requiring a gradient, as Note [Model FLOPs] counts it."""
+    from peft import LoraConfig, get_peft_model
+
+    config = embedded_llama_config(num_hidden_layers=2)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    base.set_attn_implementation("eager")
+    targets = ("q_proj", "v_proj", "down_proj")
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=list(targets), task_type="CAUSAL_LM"))
+    model.enable_input_require_grads()
+    rows, length = 2, 24
+    measured = _measure(model, input_ids=torch.randint(0, config.vocab_size, (rows, length)))
+    flops = model_flops(config, lora_r=4, lora_targets=targets)
+    assert measured == {"aten.mm": flops.per_token * rows * length, "aten.bmm": flops.per_pair * rows * length ** 2}
+
+
+def test_packed_documents_count_the_pairs_attention_computes():
+    """llama-cp's own attention at cp 1 on a row of documents of 4, 2 and 5 tokens, in 1 x 1
+    tiles of the math kernel: it computes exactly the visible pairs, 10 + 3 + 15 = 28 (not
+    11 x 12 / 2 = 66 of one causal row). Its backward recomputes the scores (2 x head_dim per
+    pair and head): hardware work that model FLOPs leave out, so measured = 14/12 x counted."""
+    config = embedded_llama_config(num_hidden_layers=1)
+    torch.manual_seed(0)
+    model = apply_context_parallel(LlamaForCausalLM(config), None, backend="math", block_size=1)
+    position_ids = torch.cat([torch.arange(4), torch.arange(2), torch.arange(5)])[None]
+    assert attention_pairs(position_ids) == 28
+    assert attention_pairs(position_ids, document_mask=False) == 66
+    assert attention_pairs(torch.arange(11).expand(3, 11)) == 3 * 66
+    measured = _measure(model, input_ids=torch.randint(0, config.vocab_size, (1, 11)), position_ids=position_ids)
+    flops = model_flops(config)
+    recompute = 2 * 32 * 8 * 1 * 28  # head_dim x heads x layers x pairs
+    assert measured == {"aten.mm": flops.per_token * 11, "aten.bmm": flops.per_pair * 28 + recompute}
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA B200", 2250e12),
+    ("Tesla V100-SXM2-16GB", None), (None, None),
+])
+def test_peak_flops_by_device_name(name, peak):
+    assert peak_flops(name) == peak
+
+
+def test_throughput_figures():
+    row = throughput(tokens=16384, flops=8e15, seconds=2.0, world_size=4, peak=1000e12)
+    assert row == {"tokens_per_sec_per_gpu": 2048.0, "model_tflops_per_gpu": 1000.0, "mfu": 1.0}
+    assert throughput(tokens=16384, flops=8e15, seconds=2.0, world_size=4, peak=None) == {
+        "tokens_per_sec_per_gpu": 2048.0, "model_tflops_per_gpu": 1000.0}
