@@ -12,6 +12,8 @@ imbalance max/mean over the ranks (1.00 = balanced), averaged over rows and for 
 worst row, and the work of the row relative to one document of the same length; then
 the same imbalance for a whole training step of a Llama-3-8B-shaped model, whose dense
 layers do the same work on every rank (an estimate from FLOP counts, not a measurement).
+Both for the zigzag layout (ring, Ulysses) and for the all-gather strategy's
+document-aware sharding (``shard_batch(layout="documents")``, each row on its own).
 
 ``speed`` runs one forward+backward step of the embedded Llama with a cross-entropy
 loss on one row (batch 1, fp32), at cp 1 (each of the 2 ranks holds the whole row)
@@ -33,7 +35,8 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
-from llama_cp.documents import DocumentLayout, document_starts
+from llama_cp.documents import DocumentLayout, document_starts, visible_pairs_per_token
+from llama_cp.sharding import document_assignment
 from llama_cp.mesh import free_port
 from llama_cp.models import embedded_llama_config
 
@@ -75,11 +78,31 @@ def packed_positions(mix: str, seq_len: int, rows: int, seed: int = 0) -> torch.
     return torch.cat(stream)[: rows * seq_len].view(rows, seq_len)
 
 
+def _imbalances(per_row: torch.Tensor, seq_len: int, cp: int) -> list[float]:
+    """(rows, cp) visible pairs per rank -> attention imbalance (mean, worst row) and the
+    8B step imbalance (mean, worst row), max/mean over the ranks."""
+    attention = per_row.max(1).values / per_row.mean(1)
+    step = seq_len / cp * LINEAR_FLOPS_PER_TOKEN + per_row * ATTENTION_FLOPS_PER_PAIR
+    step = step.max(1).values / step.mean(1)
+    return [float(attention.mean()), float(attention.max()), float(step.mean()), float(step.max())]
+
+
+def _document_sharding_pairs(positions: torch.Tensor, cp: int) -> torch.Tensor:
+    """(cp,) visible pairs per rank of one row under shard_batch(layout="documents")."""
+    seq_len = positions.shape[-1]
+    work = visible_pairs_per_token(document_starts(positions)).double()
+    chunks = document_assignment(positions, cp)
+    size = seq_len // sum(map(len, chunks))
+    return torch.stack([sum(work[j * size : (j + 1) * size].sum() for j in rank) for rank in chunks])
+
+
 def balance(seq_lens: str | int | tuple = "32768,131072", cps: str | int | tuple = "2,4,8", rows: int = 64) -> None:
-    """Print the zigzag imbalance table (markdown)."""
-    print("| mix | seq_len | cp | docs per row | attention work vs 1 doc | attention imbalance mean | worst row "
-          "| 8B step imbalance mean | worst row |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    """Print the imbalance table (markdown): the zigzag (ring, Ulysses), and allgather's
+    document-aware sharding (Note [Document-aware sharding])."""
+    print("| mix | seq_len | cp | docs per row | attention work vs 1 doc | zigzag: attention imbalance mean "
+          "| worst row | 8B step imbalance mean | worst row | allgather + document sharding: attention imbalance "
+          "mean | worst row | 8B step imbalance mean | worst row |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mix in MIXES:
         for seq_len in _ints(seq_lens):
             positions = packed_positions(mix, seq_len, rows)
@@ -87,14 +110,13 @@ def balance(seq_lens: str | int | tuple = "32768,131072", cps: str | int | tuple
             docs = float((starts == torch.arange(seq_len)).sum(1).float().mean())
             one_doc = seq_len * (seq_len + 1) / 2
             for cp in _ints(cps):
-                per_row = torch.stack([DocumentLayout(starts[r : r + 1], cp_size=cp).visible_pairs()
-                                       for r in range(rows)]).double()  # (rows, cp)
-                imbalance = per_row.max(1).values / per_row.mean(1)
-                work = per_row.sum(1).mean() / one_doc
-                step = seq_len / cp * LINEAR_FLOPS_PER_TOKEN + per_row * ATTENTION_FLOPS_PER_PAIR
-                step_imbalance = step.max(1).values / step.mean(1)
-                print(f"| {mix} | {seq_len} | {cp} | {docs:.1f} | {work:.3f} | {imbalance.mean():.3f} "
-                      f"| {imbalance.max():.3f} | {step_imbalance.mean():.3f} | {step_imbalance.max():.3f} |")
+                zigzag = torch.stack([DocumentLayout(starts[r : r + 1], cp_size=cp).visible_pairs()
+                                      for r in range(rows)]).double()  # (rows, cp)
+                documents = torch.stack([_document_sharding_pairs(positions[r : r + 1], cp) for r in range(rows)])
+                work = zigzag.sum(1).mean() / one_doc
+                figures = _imbalances(zigzag, seq_len, cp) + _imbalances(documents, seq_len, cp)
+                print(f"| {mix} | {seq_len} | {cp} | {docs:.1f} | {work:.3f} | "
+                      + " | ".join(f"{x:.3f}" for x in figures) + " |")
 
 
 def _step(model, batch):
