@@ -95,9 +95,10 @@ def shard_randomly(batch, cp_mesh):
 
 
 def check_documents(strategy: str, mesh, sharded: bool, dtype: torch.dtype, use_lora: bool = False, *,
-                    data: dict[str, torch.Tensor] | None = None, shard=None):
+                    data: dict[str, torch.Tensor] | None = None, shard=None, block_size: int = 0):
     """Logits, loss and every gradient of packed rows (or ``data``) under CP equal single-process
-    transformers; ``shard``: how the batch is sharded (default: the strategy's layout)."""
+    transformers; ``shard``: how the batch is sharded (default: the strategy's layout);
+    ``block_size``: the attention's tiles (Note [Tiled attention])."""
     tol = TOLERANCE[dtype]
     reference = tiny_model(**HEADS).to(dtype)
     if use_lora:
@@ -108,7 +109,7 @@ def check_documents(strategy: str, mesh, sharded: bool, dtype: torch.dtype, use_
     ref_loss.backward()
 
     check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mesh, strategy=strategy,
-                               sharded=sharded, tol=tol, max_seq_len=SEQ_LEN, shard=shard)
+                               sharded=sharded, tol=tol, max_seq_len=SEQ_LEN, shard=shard, block_size=block_size)
 
 
 def mesh_for(cp: int, world_size: int):

@@ -120,16 +120,17 @@ def check_one_step(dims_kwargs: dict, strategy: str = "ring", offload: bool = Fa
 
 
 def check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mesh, *, strategy: str, sharded: bool,
-                               tol: dict, max_seq_len: int, shard=None) -> None:
+                               tol: dict, max_seq_len: int, shard=None, block_size: int = 0) -> None:
     """Make ``model`` (a copy of ``reference``, whose gradients of ``ref_loss`` are computed)
     context-parallel over ``mesh`` (and FSDP-sharded when ``sharded``), then check its logits,
     chunked loss and every gradient of the trainable parameters against the reference's;
     frozen parameters must get no gradient. ``shard(batch, cp_mesh)`` makes the local batch;
-    default: ``shard_batch`` with the strategy's layout (allgather: "documents")."""
+    default: ``shard_batch`` with the strategy's layout (allgather: "documents"); ``block_size``:
+    the attention's tiles."""
     if shard is None:
         layout = "documents" if strategy == "allgather" else "zigzag"
         shard = functools.partial(shard_batch, layout=layout)
-    apply_context_parallel(model, mesh["cp"], strategy=strategy, max_seq_len=max_seq_len)
+    apply_context_parallel(model, mesh["cp"], strategy=strategy, max_seq_len=max_seq_len, block_size=block_size)
     enable_chunked_loss(model, chunk_size=7)  # several chunks with a ragged last one
     if sharded:
         shard_model(model, mesh, param_dtype=None, reduce_dtype=None)

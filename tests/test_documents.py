@@ -21,7 +21,7 @@ from document_checks import (
     HEADS, check_documents, mesh_for, one_document_batch, packed_batch, reference_forward, shard_randomly,
 )
 from fsdp_checks import tiny_model
-from llama_cp import apply_context_parallel, shard_batch
+from llama_cp import apply_context_parallel, shard_batch, unshard
 
 WORLD_SIZE = 4
 checks = Checks()
@@ -60,7 +60,9 @@ def allgather_cp2_lora_float32():
 
 @checks.add
 def allgather_cp4_one_document_rows_float64():
-    check_documents("allgather", mesh_for(4, WORLD_SIZE), False, torch.float64, data=one_document_batch())
+    """One document per row, computed in tiles of at most 5 queries x 5 keys (Note [Tiled attention])."""
+    check_documents("allgather", mesh_for(4, WORLD_SIZE), False, torch.float64, data=one_document_batch(),
+                    block_size=5)
 
 
 @checks.add
@@ -100,23 +102,25 @@ def hf_packing_is_per_document():
 @checks.add
 def document_mask_false_attends_across_documents():
     """--document_mask false: the whole row is one causal sequence (transformers with the
-    position_ids of one document), which differs from the packed reference."""
+    position_ids of one document), which differs from the packed reference; ring, and
+    all-gather on its document-aware shards."""
     mesh = mesh_for(2, WORLD_SIZE)
     reference = tiny_model(**HEADS).double()
-    model = apply_context_parallel(copy.deepcopy(reference), mesh["cp"], document_mask=False)
     data, _ = packed_batch()
-    local = shard_batch(data, mesh["cp"])
     with torch.no_grad():
-        got = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
         # same rows, but RoPE positions as packed and attention over the whole row: eager with a plain causal mask
         whole_row = reference(input_ids=data["input_ids"], position_ids=data["position_ids"],
                               attention_mask=torch.ones_like(data["input_ids"]), use_cache=False).logits
         packed, _ = reference_forward(reference, data)
-    from llama_cp.sharding import unshard
-
-    got = unshard(got, mesh["cp"])
-    torch.testing.assert_close(got, whole_row, atol=1e-10, rtol=1e-10)
-    assert (got - packed).abs().max() > 1e-3
+    for strategy, layout in (("ring", "zigzag"), ("allgather", "documents")):
+        model = apply_context_parallel(copy.deepcopy(reference), mesh["cp"], strategy, document_mask=False)
+        local = shard_batch(data, mesh["cp"], layout=layout)
+        extra = {"seq_index": local["seq_index"]} if layout == "documents" else {}
+        with torch.no_grad():
+            got = model(input_ids=local["input_ids"], position_ids=local["position_ids"], **extra).logits
+        got = unshard(got, mesh["cp"], seq_index=local.get("seq_index"))
+        torch.testing.assert_close(got, whole_row, atol=1e-10, rtol=1e-10)
+        assert (got - packed).abs().max() > 1e-3
 
 
 @checks.add
