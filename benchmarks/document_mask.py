@@ -17,7 +17,7 @@ document-aware sharding (``shard_batch(layout="documents")``, each row on its ow
 
 ``speed`` runs one forward+backward step of the embedded Llama with a cross-entropy
 loss on one row (batch 1, fp32), at cp 1 (each of the 2 ranks holds the whole row)
-and cp 2 (ring and Ulysses), for a one-document row and for a packed row of the
+and cp 2 (ring, Ulysses and all-gather on document shards), for a one-document row and for a packed row of the
 "chat" mix, and prints step times and their ratio.
 """
 
@@ -36,7 +36,7 @@ from transformers import LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
 from llama_cp.documents import DocumentLayout, document_starts, visible_pairs_per_token
-from llama_cp.sharding import document_assignment
+from llama_cp.sharding import SEQ_INDEX, document_assignment
 from llama_cp.mesh import free_port
 from llama_cp.models import embedded_llama_config
 
@@ -120,7 +120,8 @@ def balance(seq_lens: str | int | tuple = "32768,131072", cps: str | int | tuple
 
 
 def _step(model, batch):
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    extra = {SEQ_INDEX: batch[SEQ_INDEX]} if SEQ_INDEX in batch else {}
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **extra).logits
     F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten()).backward()
     model.zero_grad(set_to_none=True)
 
@@ -135,13 +136,13 @@ def _worker(rank: int, port: int, seq_lens: list[int], steps: int) -> None:
         g = torch.Generator().manual_seed(seq_len)
         input_ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=g)
         layouts = {"1 document": torch.arange(seq_len)[None], "chat mix": packed_positions("chat", seq_len, 1)}
-        for cp, strategy in ((1, "-"), (2, "ring"), (2, "ulysses")):
+        for cp, strategy in ((1, "-"), (2, "ring"), (2, "ulysses"), (2, "allgather")):
             torch.manual_seed(0)
             model = apply_context_parallel(LlamaForCausalLM(config), meshes[cp], strategy="ring" if cp == 1 else strategy)
             times = {}
             for name, positions in layouts.items():
                 full = {"input_ids": input_ids, "labels": torch.roll(input_ids, -1, 1), "position_ids": positions}
-                batch = shard_batch(full, meshes[cp])
+                batch = shard_batch(full, meshes[cp], layout="documents" if strategy == "allgather" else "zigzag")
                 _step(model, batch)  # warm-up
                 dist.barrier()
                 start = time.perf_counter()

@@ -402,7 +402,7 @@ def scatter_rows(dkv: torch.Tensor, group: dist.ProcessGroup, documents: Documen
     """Inverse of :func:`gather_rows` for gradients: (2, B, Hkv, L, D) per rank -> the sum over
     the ranks of the local tokens' part, (2, B, Hkv, S/cp, D) (a reduce-scatter)."""
     cp = dist.get_world_size(group)
-    by_rank = dkv.index_select(3, documents.gathered_rows.to(dkv.device))  # all-gather order
+    by_rank = dkv.index_select(3, documents.row_order(dkv.device, inverse=True))  # all-gather order
     send = by_rank.unflatten(3, (cp, -1)).movedim(3, 0).contiguous()  # (cp, 2, B, Hkv, S/cp, D)
     local = dkv.new_empty(send.shape[1:])
     dist.reduce_scatter_single(local, send.flatten(0, 1), group=group)
@@ -476,14 +476,18 @@ class ContextParallelAttention:
         """The all-gather strategy's layout of a batch: its documents (one per row without
         ``document_mask``) and which rows every rank holds; ``seq_index`` (S/cp,): this rank's
         rows, None: the zigzag layout. A collective over the cp group."""
-        rank, cp = dist.get_rank(self.group), self.cp_size
-        local_rows = zigzag_index(position_ids.shape[-1] * cp, cp, rank) if seq_index is None else seq_index.cpu()
+        rank, cp, device = dist.get_rank(self.group), self.cp_size, position_ids.device
+        if seq_index is None:
+            local_rows = zigzag_index(position_ids.shape[-1] * cp, cp, rank, device=device)
+        else:
+            local_rows = seq_index.to(device)
         gathered = [torch.empty_like(local_rows) for _ in range(cp)]
-        dist.all_gather(gathered, local_rows, group=self.group)
-        gathered_rows = torch.cat(gathered)
-        positions = unshard(position_ids, self.group, seq_index=local_rows.to(position_ids.device))
+        dist.all_gather(gathered, local_rows, group=self.group)  # on the device: NCCL has no CPU tensors
+        positions = unshard(position_ids, self.group, seq_index=local_rows)
         starts = document_starts(positions) if self.document_mask else torch.zeros_like(positions)
-        return DocumentLayout(starts, cp_rank=rank, cp_size=cp, local_rows=local_rows, gathered_rows=gathered_rows)
+        return DocumentLayout(
+            starts, cp_rank=rank, cp_size=cp, local_rows=local_rows.cpu(), gathered_rows=torch.cat(gathered).cpu()
+        )
 
     def document_layout(self, position_ids: torch.Tensor) -> DocumentLayout | None:
         """The documents of a batch from its local (B, S/cp) global ``position_ids``; None when

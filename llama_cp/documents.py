@@ -320,12 +320,13 @@ class DocumentLayout:
             self._cache["gathered"] = pieces(self.local_spans(), [Chunk(0, 0, self.seq_len)])
         return self._cache["gathered"]
 
-    def row_order(self, device: torch.device) -> torch.Tensor:
+    def row_order(self, device: torch.device, inverse: bool = False) -> torch.Tensor:
         """(L,) index into the all-gathered tokens of the token of each row: gathered[row_order]
-        is the row in order (the inverse permutation of ``gathered_rows``)."""
-        key = ("order", str(device))
+        is the row in order (the inverse permutation of ``gathered_rows``); ``inverse``:
+        ``gathered_rows`` itself, row[gathered_rows] is the all-gather order. On ``device``."""
+        key = ("order", inverse, str(device))
         if key not in self._cache:
-            self._cache[key] = self.gathered_rows.argsort().to(device)
+            self._cache[key] = (self.gathered_rows if inverse else self.gathered_rows.argsort()).to(device)
         return self._cache[key]
 
     def full_row_pieces(self) -> list[Piece]:
