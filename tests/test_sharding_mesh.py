@@ -69,7 +69,13 @@ def test_document_assignment_balances_one_document():
     """Note [Document-aware sharding]'s example: one document, cp 2, 8 chunks of work 1, 3, ..., 15."""
     from llama_cp.sharding import document_assignment
 
+    from llama_cp.sharding import document_chunk_count
+
     assert document_assignment(torch.arange(16)[None], 2, chunks=8) == [[0, 3, 4, 7], [1, 2, 5, 6]]
+    # 16 chunks per rank where the length allows, fewer where it does not (2 x cp always does)
+    assert [document_chunk_count(L, cp) for L, cp in ((131072, 8), (96, 4), (96, 3), (20, 2), (14, 7))] == [
+        128, 48, 48, 20, 14
+    ]
 
 
 def packed_rows(g: torch.Generator, seq_len: int, rows: int) -> torch.Tensor:
