@@ -12,6 +12,8 @@ imbalance max/mean over the ranks (1.00 = balanced), averaged over rows and for 
 worst row, and the work of the row relative to one document of the same length; then
 the same imbalance for a whole training step of a Llama-3-8B-shaped model, whose dense
 layers do the same work on every rank (an estimate from FLOP counts, not a measurement).
+Both for the zigzag layout (ring, Ulysses) and for the all-gather strategy's
+document-aware sharding (``shard_batch(layout="documents")``, each row on its own).
 
 ``calls`` counts the attention kernel calls of one layer's forward + backward on the busiest
 cp rank, summed over the ring's steps, as the per-piece path makes them (CPU backends) and as
@@ -20,7 +22,7 @@ the varlen path does (flash_attn, sdpa_flash; Note [Varlen document calls] in
 
 ``speed`` runs one forward+backward step of the embedded Llama with a cross-entropy
 loss on one row (batch 1, fp32), at cp 1 (each of the 2 ranks holds the whole row)
-and cp 2 (ring and Ulysses), for a one-document row and for a packed row of the
+and cp 2 (ring, Ulysses and all-gather on document shards), for a one-document row and for a packed row of the
 "chat" mix, and prints step times and their ratio.
 """
 
@@ -39,7 +41,8 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
-from llama_cp.documents import DocumentLayout, document_starts, tiles, varlen_windows
+from llama_cp.documents import DocumentLayout, document_starts, tiles, varlen_windows, visible_pairs_per_token
+from llama_cp.sharding import SEQ_INDEX, document_assignment
 from llama_cp.mesh import free_port
 from llama_cp.models import embedded_llama_config
 
@@ -81,11 +84,31 @@ def packed_positions(mix: str, seq_len: int, rows: int, seed: int = 0) -> torch.
     return torch.cat(stream)[: rows * seq_len].view(rows, seq_len)
 
 
+def _imbalances(per_row: torch.Tensor, seq_len: int, cp: int) -> list[float]:
+    """(rows, cp) visible pairs per rank -> attention imbalance (mean, worst row) and the
+    8B step imbalance (mean, worst row), max/mean over the ranks."""
+    attention = per_row.max(1).values / per_row.mean(1)
+    step = seq_len / cp * LINEAR_FLOPS_PER_TOKEN + per_row * ATTENTION_FLOPS_PER_PAIR
+    step = step.max(1).values / step.mean(1)
+    return [float(attention.mean()), float(attention.max()), float(step.mean()), float(step.max())]
+
+
+def _document_sharding_pairs(positions: torch.Tensor, cp: int) -> torch.Tensor:
+    """(cp,) visible pairs per rank of one row under shard_batch(layout="documents")."""
+    seq_len = positions.shape[-1]
+    work = visible_pairs_per_token(document_starts(positions)).double()
+    chunks = document_assignment(positions, cp)
+    size = seq_len // sum(map(len, chunks))
+    return torch.stack([sum(work[j * size : (j + 1) * size].sum() for j in rank) for rank in chunks])
+
+
 def balance(seq_lens: str | int | tuple = "32768,131072", cps: str | int | tuple = "2,4,8", rows: int = 64) -> None:
-    """Print the zigzag imbalance table (markdown)."""
-    print("| mix | seq_len | cp | docs per row | attention work vs 1 doc | attention imbalance mean | worst row "
-          "| 8B step imbalance mean | worst row |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    """Print the imbalance table (markdown): the zigzag (ring, Ulysses), and allgather's
+    document-aware sharding (Note [Document-aware sharding])."""
+    print("| mix | seq_len | cp | docs per row | attention work vs 1 doc | zigzag: attention imbalance mean "
+          "| worst row | 8B step imbalance mean | worst row | allgather + document sharding: attention imbalance "
+          "mean | worst row | 8B step imbalance mean | worst row |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mix in MIXES:
         for seq_len in _ints(seq_lens):
             positions = packed_positions(mix, seq_len, rows)
@@ -93,14 +116,13 @@ def balance(seq_lens: str | int | tuple = "32768,131072", cps: str | int | tuple
             docs = float((starts == torch.arange(seq_len)).sum(1).float().mean())
             one_doc = seq_len * (seq_len + 1) / 2
             for cp in _ints(cps):
-                per_row = torch.stack([DocumentLayout(starts[r : r + 1], cp_size=cp).visible_pairs()
-                                       for r in range(rows)]).double()  # (rows, cp)
-                imbalance = per_row.max(1).values / per_row.mean(1)
-                work = per_row.sum(1).mean() / one_doc
-                step = seq_len / cp * LINEAR_FLOPS_PER_TOKEN + per_row * ATTENTION_FLOPS_PER_PAIR
-                step_imbalance = step.max(1).values / step.mean(1)
-                print(f"| {mix} | {seq_len} | {cp} | {docs:.1f} | {work:.3f} | {imbalance.mean():.3f} "
-                      f"| {imbalance.max():.3f} | {step_imbalance.mean():.3f} | {step_imbalance.max():.3f} |")
+                zigzag = torch.stack([DocumentLayout(starts[r : r + 1], cp_size=cp).visible_pairs()
+                                      for r in range(rows)]).double()  # (rows, cp)
+                documents = torch.stack([_document_sharding_pairs(positions[r : r + 1], cp) for r in range(rows)])
+                work = zigzag.sum(1).mean() / one_doc
+                figures = _imbalances(zigzag, seq_len, cp) + _imbalances(documents, seq_len, cp)
+                print(f"| {mix} | {seq_len} | {cp} | {docs:.1f} | {work:.3f} | "
+                      + " | ".join(f"{x:.3f}" for x in figures) + " |")
 
 
 def calls(mix: str = "chat", seq_len: int = 131072, cps: str | int | tuple = "1,2,4,8", rows: int = 8,
@@ -126,7 +148,8 @@ def calls(mix: str = "chat", seq_len: int = 131072, cps: str | int | tuple = "1,
 
 
 def _step(model, batch):
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    extra = {SEQ_INDEX: batch[SEQ_INDEX]} if SEQ_INDEX in batch else {}
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **extra).logits
     F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten()).backward()
     model.zero_grad(set_to_none=True)
 
@@ -141,13 +164,13 @@ def _worker(rank: int, port: int, seq_lens: list[int], steps: int) -> None:
         g = torch.Generator().manual_seed(seq_len)
         input_ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=g)
         layouts = {"1 document": torch.arange(seq_len)[None], "chat mix": packed_positions("chat", seq_len, 1)}
-        for cp, strategy in ((1, "-"), (2, "ring"), (2, "ulysses")):
+        for cp, strategy in ((1, "-"), (2, "ring"), (2, "ulysses"), (2, "allgather")):
             torch.manual_seed(0)
             model = apply_context_parallel(LlamaForCausalLM(config), meshes[cp], strategy="ring" if cp == 1 else strategy)
             times = {}
             for name, positions in layouts.items():
                 full = {"input_ids": input_ids, "labels": torch.roll(input_ids, -1, 1), "position_ids": positions}
-                batch = shard_batch(full, meshes[cp])
+                batch = shard_batch(full, meshes[cp], layout="documents" if strategy == "allgather" else "zigzag")
                 _step(model, batch)  # warm-up
                 dist.barrier()
                 start = time.perf_counter()

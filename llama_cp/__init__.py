@@ -6,7 +6,8 @@ What a training loop of your own needs (README, "The building blocks"):
 - the model: :func:`build_causal_lm`, :func:`parallelize_model` (all of the below from a
   :class:`TrainConfig`), or piece by piece :func:`apply_context_parallel`,
   :func:`enable_chunked_loss`, :func:`shard_model`, :func:`load_full_weights`;
-- the data: :func:`build_rows`, :class:`DistributedRowLoader`, :func:`shard_batch`;
+- the data: :func:`build_rows`, :class:`DistributedRowLoader`, :func:`shard_batch` (and
+  :func:`unshard`, its inverse, for your own eval or generation);
 - a step: :func:`forward_backward`, :func:`optimizer_step`, :func:`causal_lm_loss_sum`,
   :func:`count_valid_tokens`, :func:`build_optimizer`;
 - state: :func:`save_checkpoint`, :func:`load_checkpoint`, :func:`resumable_checkpoint`,
@@ -24,7 +25,7 @@ from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked
 from llama_cp.mesh import ParallelDims, init_distributed
 from llama_cp.models import build_causal_lm
 from llama_cp.optim import build_optimizer
-from llama_cp.sharding import shard_batch
+from llama_cp.sharding import shard_batch, unshard
 from llama_cp.build import build_model, parallelize_model
 from llama_cp.step import forward_backward, optimizer_step
 from llama_cp.trainer import Trainer
@@ -57,6 +58,7 @@ __all__ = [
     "save_checkpoint",
     "shard_batch",
     "shard_model",
+    "unshard",
 ]
 
 __version__ = "0.1.0"

@@ -58,8 +58,8 @@ class ParallelConfig:
     """FSDP shards per replica; -1 = the rest of the world size."""
     cp: int = 1
     """Context-parallel degree: ranks that split one sequence."""
-    cp_strategy: Literal["ring", "ulysses"] = "ring"
-    """ring (any head count) or ulysses (num_attention_heads % cp == 0)."""
+    cp_strategy: Literal["ring", "ulysses", "allgather"] = "ring"
+    """ring (any head count), ulysses (num_attention_heads % cp == 0), or allgather (K/V gathered, rows sharded by their documents: balanced packed rows)."""
 
     def check(self, context_length: int, world_size: int | None = None) -> None:
         """ValueError naming every parallel rule broken, in one message: --context_length a

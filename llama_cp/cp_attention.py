@@ -1,4 +1,4 @@
-"""Context-parallel attention for HF Llama-family models: ring (zigzag) and Ulysses.
+"""Context-parallel attention for HF Llama-family models: ring (zigzag), Ulysses and all-gather.
 
 Each rank of the cp group holds 2 of the 2 x cp chunks of the sequence (the
 zigzag layout of :mod:`llama_cp.sharding`). Everything in the model except
@@ -45,6 +45,17 @@ attention on its heads over the whole sequence, and returns by the inverse
 all-to-all. It needs heads % cp == 0; K/V heads are repeated only as much as
 the split needs (cp / gcd(kv_heads, cp) times).
 
+All-gather (Llama 3's long-context parallelism) instead gathers the K/V of
+every rank, KV heads only (with GQA a quarter of the queries' size or less), puts
+them in row order, and computes the rank's own queries against the whole row
+with the pieces of Note [Document masks under CP] (its spans vs the row as one
+chunk). The backward gathers K/V again (nothing of the whole row is saved),
+accumulates dK/dV of the whole row in float32 and reduce-scatters them back to
+their owners. Because every rank sees every key, a rank may hold any tokens:
+the batch is sharded by Note [Document-aware sharding] (``sharding.py``) so that
+packed rows are balanced too, and the batch's ``seq_index`` says which rows a
+rank holds (absent: the zigzag layout).
+
 Packed documents (position_ids that restart) change only which pairs each block
 computes: see Note [Document masks under CP] in ``llama_cp/documents.py``. A
 step's block longer than ``block_size`` is computed in tiles: Note [Tiled
@@ -70,10 +81,10 @@ from llama_cp.documents import (
 from llama_cp.families import check_supported
 from llama_cp.kernels import Backend
 from llama_cp.models import base_causal_lm
-from llama_cp.sharding import check_attention_mask, unshard
+from llama_cp.sharding import SEQ_INDEX, check_attention_mask, unshard, zigzag_index
 
-Strategy = Literal["ring", "ulysses"]
-STRATEGIES: tuple[str, ...] = ("ring", "ulysses")
+Strategy = Literal["ring", "ulysses", "allgather"]
+STRATEGIES: tuple[str, ...] = ("ring", "ulysses", "allgather")
 
 #: Name under which the attention function is registered with transformers.
 ATTENTION_NAME = "llama_cp"
@@ -377,6 +388,74 @@ def ulysses_attention(
     return _AllToAll.apply(out, group, _heads_to_seq, _seq_to_heads)
 
 
+# ---------------------------------------------------------------- all-gather
+def gather_rows(kv: torch.Tensor, group: dist.ProcessGroup, documents: DocumentLayout) -> torch.Tensor:
+    """(2, B, Hkv, S/cp, D) local K/V -> (2, B, Hkv, L, D): every rank's, in row order."""
+    cp = dist.get_world_size(group)
+    gathered = kv.new_empty((cp * kv.shape[0], *kv.shape[1:]))
+    dist.all_gather_single(gathered, kv.contiguous(), group=group)
+    gathered = gathered.unflatten(0, (cp, -1)).movedim(0, 3).flatten(3, 4)  # (2, B, Hkv, L, D), rank after rank
+    return gathered.index_select(3, documents.row_order(kv.device))
+
+
+def scatter_rows(dkv: torch.Tensor, group: dist.ProcessGroup, documents: DocumentLayout) -> torch.Tensor:
+    """Inverse of :func:`gather_rows` for gradients: (2, B, Hkv, L, D) per rank -> the sum over
+    the ranks of the local tokens' part, (2, B, Hkv, S/cp, D) (a reduce-scatter)."""
+    cp = dist.get_world_size(group)
+    by_rank = dkv.index_select(3, documents.row_order(dkv.device, inverse=True))  # all-gather order
+    send = by_rank.unflatten(3, (cp, -1)).movedim(3, 0).contiguous()  # (cp, 2, B, Hkv, S/cp, D)
+    local = dkv.new_empty(send.shape[1:])
+    dist.reduce_scatter_single(local, send.flatten(0, 1), group=group)
+    return local
+
+
+def allgather_forward(
+    group: dist.ProcessGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentLayout, *,
+    scale: float, backend: Backend | None = None, block_size: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather attention forward (see the module docstring). q: (B, H, S/cp, D), k/v:
+    (B, Hkv, S/cp, D), the rank's tokens at rows ``documents.local_rows``. Returns out (q's
+    dtype) and lse (float32)."""
+    kv = gather_rows(torch.stack([k, v]), group, documents)
+    block = tiles(documents.gathered_pieces(), block_size)
+    return pieces_forward(q, kv[0], kv[1], block, scale=scale, backend=backend)
+
+
+def allgather_backward(
+    group: dist.ProcessGroup, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor, documents: DocumentLayout, *,
+    scale: float, backend: Backend | None = None, block_size: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All-gather attention backward: K/V gathered again, dK/dV of the row in float32,
+    reduce-scattered to their owners and cast to the input dtype."""
+    kv = gather_rows(torch.stack([k, v]), group, documents)
+    dkv = torch.zeros_like(kv, dtype=kernels.accumulation_dtype(q))
+    block = tiles(documents.gathered_pieces(), block_size)
+    dq = pieces_backward(
+        dout, q, kv[0], kv[1], out, lse, block, scale=scale, backend=backend, dq=None, dk=dkv[0], dv=dkv[1]
+    )
+    dkv = scatter_rows(dkv, group, documents)
+    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale, backend, documents, block_size):
+        out, lse = allgather_forward(group, q, k, v, documents, scale=scale, backend=backend, block_size=block_size)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale, ctx.backend, ctx.documents, ctx.block_size = group, scale, backend, documents, block_size
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = allgather_backward(
+            ctx.group, dout, q, k, v, out, lse, ctx.documents, scale=ctx.scale, backend=ctx.backend,
+            block_size=ctx.block_size,
+        )
+        return *grads, None, None, None, None, None
+
+
 # ---------------------------------------------------------------- HF binding
 @dataclass(frozen=True)
 class ContextParallelAttention:
@@ -392,6 +471,23 @@ class ContextParallelAttention:
     @property
     def cp_size(self) -> int:
         return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def gathered_layout(self, position_ids: torch.Tensor, seq_index: torch.Tensor | None) -> DocumentLayout:
+        """The all-gather strategy's layout of a batch: its documents (one per row without
+        ``document_mask``) and which rows every rank holds; ``seq_index`` (S/cp,): this rank's
+        rows, None: the zigzag layout. A collective over the cp group."""
+        rank, cp, device = dist.get_rank(self.group), self.cp_size, position_ids.device
+        if seq_index is None:
+            local_rows = zigzag_index(position_ids.shape[-1] * cp, cp, rank, device=device)
+        else:
+            local_rows = seq_index.to(device)
+        gathered = [torch.empty_like(local_rows) for _ in range(cp)]
+        dist.all_gather(gathered, local_rows, group=self.group)  # on the device: NCCL has no CPU tensors
+        positions = unshard(position_ids, self.group, seq_index=local_rows)
+        starts = document_starts(positions) if self.document_mask else torch.zeros_like(positions)
+        return DocumentLayout(
+            starts, cp_rank=rank, cp_size=cp, local_rows=local_rows.cpu(), gathered_rows=torch.cat(gathered).cpu()
+        )
 
     def document_layout(self, position_ids: torch.Tensor) -> DocumentLayout | None:
         """The documents of a batch from its local (B, S/cp) global ``position_ids``; None when
@@ -415,6 +511,10 @@ class ContextParallelAttention:
             return local_attention(
                 q, k, v, causal=causal, scale=scale, backend=self.backend, block_size=self.block_size, block=block
             )
+        if self.strategy == "allgather":
+            if documents is None or documents.gathered_rows is None:
+                raise RuntimeError("all-gather attention called without its layout; call the model, not the layer")
+            return _AllGatherAttention.apply(q, k, v, self.group, scale, self.backend, documents, self.block_size)
         if self.strategy == "ring":
             if q.shape[2] % 2:
                 raise ValueError(
@@ -431,9 +531,12 @@ class ContextParallelAttention:
 def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Forward pre-hook of the decoder (``LlamaModel``), where the batch enters the model:
     refuse a padding mask (transformers would hand the attention None), require global
-    ``position_ids`` under CP, and hand every attention layer the batch's documents."""
+    ``position_ids`` under CP, and hand every attention layer the batch's documents (and,
+    all-gather, which rows each rank holds: the batch's ``seq_index``)."""
     check_attention_mask(kwargs.get("attention_mask", args[1] if len(args) > 1 else None))
     attention: ContextParallelAttention = module.cp_attention
+    seq_index = kwargs.get(SEQ_INDEX)
+    kwargs = {key: value for key, value in kwargs.items() if key != SEQ_INDEX}
     position_ids = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
     if position_ids is None:
         if attention.cp_size > 1:
@@ -443,7 +546,17 @@ def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple
                 "which creates them"
             )
         return args, kwargs
-    if attention.document_mask:
+    gathered = attention.strategy == "allgather" and attention.cp_size > 1
+    if seq_index is not None and not gathered:
+        rank = 0 if attention.group is None else dist.get_rank(attention.group)
+        zigzag = zigzag_index(seq_index.shape[0] * attention.cp_size, attention.cp_size, rank)
+        if not torch.equal(seq_index.cpu(), zigzag):
+            raise ValueError(
+                f"this batch was sharded with shard_batch(layout='documents'), which only cp_strategy='allgather' "
+                f"can run (this model uses {attention.strategy!r} at cp {attention.cp_size}); shard it with "
+                "layout='zigzag' or use --cp_strategy allgather"
+            )
+    if attention.document_mask or gathered:
         tokens = kwargs.get("input_ids", args[0] if args else None)
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         if tokens is not None:
@@ -451,7 +564,10 @@ def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple
         else:
             rows = position_ids.shape[0] if position_ids.dim() == 2 else 1
         positions = position_ids.reshape(-1, position_ids.shape[-1]).expand(rows, -1)
-        documents = attention.document_layout(positions)
+        if gathered:
+            documents = attention.gathered_layout(positions, seq_index)
+        else:
+            documents = attention.document_layout(positions)
         if documents is not None:
             kwargs = {**kwargs, DOCUMENTS_KWARG: documents}
     return args, kwargs

@@ -213,6 +213,11 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(new, index, torch.zeros_like(index)).cummax(dim=-1).values
 
 
+def visible_pairs_per_token(starts: torch.Tensor) -> torch.Tensor:
+    """(B, L) document starts -> (L,): the keys each query sees, t - start[t] + 1, summed over the batch."""
+    return (torch.arange(starts.shape[-1], device=starts.device) - starts + 1).sum(0)
+
+
 def spans(starts: torch.Tensor, rows: torch.Tensor) -> list[list[Span]]:
     """Cut queries into spans, per batch row.
 
@@ -552,12 +557,17 @@ class DocumentLayout:
     ``cp_attention`` and handed to every attention layer.
 
     starts: (B, L) document start of every token of the whole row (global rows);
-    cp_rank / cp_size: where this rank's zigzag chunks are.
+    cp_rank / cp_size: where this rank's zigzag chunks are. The all-gather strategy, whose
+    ranks may hold any tokens, gives ``local_rows`` (S,), the rows of this rank's tokens in
+    local order, and ``gathered_rows`` (cp x S,), the rows of every rank's tokens, rank after
+    rank (the order of an all-gather).
     """
 
     starts: torch.Tensor
     cp_rank: int = 0
     cp_size: int = 1
+    local_rows: torch.Tensor | None = None
+    gathered_rows: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -574,7 +584,7 @@ class DocumentLayout:
     def local_spans(self) -> list[list[Span]]:
         """Spans of this rank's queries, in local (zigzag) order."""
         if "local" not in self._cache:
-            rows = torch.cat([
+            rows = self.local_rows.cpu() if self.local_rows is not None else torch.cat([
                 torch.arange(c.first, c.first + c.length) for c in self.zigzag_chunks(self.cp_rank)
             ])
             self._cache["local"] = spans(self.starts.cpu().index_select(1, rows), rows)
@@ -587,6 +597,21 @@ class DocumentLayout:
             self._cache[key] = pieces(self.local_spans(), self.zigzag_chunks(source_rank))
         return self._cache[key]
 
+    def gathered_pieces(self) -> list[Piece]:
+        """Pieces of this rank's queries against the whole row in row order (the all-gather)."""
+        if "gathered" not in self._cache:
+            self._cache["gathered"] = pieces(self.local_spans(), [Chunk(0, 0, self.seq_len)])
+        return self._cache["gathered"]
+
+    def row_order(self, device: torch.device, inverse: bool = False) -> torch.Tensor:
+        """(L,) index into the all-gathered tokens of the token of each row: gathered[row_order]
+        is the row in order (the inverse permutation of ``gathered_rows``); ``inverse``:
+        ``gathered_rows`` itself, row[gathered_rows] is the all-gather order. On ``device``."""
+        key = ("order", inverse, str(device))
+        if key not in self._cache:
+            self._cache[key] = (self.gathered_rows if inverse else self.gathered_rows.argsort()).to(device)
+        return self._cache[key]
+
     def full_row_pieces(self) -> list[Piece]:
         """Pieces of the whole row in natural order against itself (Ulysses): one causal
         square per document of each row."""
@@ -597,8 +622,7 @@ class DocumentLayout:
 
     def visible_pairs(self) -> torch.Tensor:
         """(cp,) number of (query, key) pairs each cp rank's queries see: its attention work."""
-        rows = torch.arange(self.seq_len)
-        per_token = (rows - self.starts.cpu() + 1).sum(0)  # (L,) summed over the batch
+        per_token = visible_pairs_per_token(self.starts.cpu())
         return torch.stack([
             sum(per_token[c.first : c.first + c.length].sum() for c in self.zigzag_chunks(r))
             for r in range(self.cp_size)

@@ -26,6 +26,7 @@ from torch import nn
 from llama_cp.families import LogitTransform, check_supported
 from llama_cp.kernels import accumulation_dtype
 from llama_cp.models import base_causal_lm
+from llama_cp.sharding import SEQ_INDEX
 from llama_cp.tiling import tile_starts
 
 IGNORE_INDEX = -100
@@ -195,6 +196,7 @@ def _loss_forward(original_forward):
             attention_mask=kwargs.get("attention_mask"),
             inputs_embeds=kwargs.get("inputs_embeds"),
             use_cache=False,
+            **{SEQ_INDEX: kwargs[SEQ_INDEX]} if SEQ_INDEX in kwargs else {},
         ).last_hidden_state
         return self.get_output_embeddings()(hidden, labels=loss_labels, return_correct=return_correct)
 
@@ -207,10 +209,12 @@ def causal_lm_loss_sum(
     """Summed cross-entropy of the local tokens of ``batch`` (input_ids, position_ids, shifted labels);
     with ``return_correct`` also the per-token "argmax is the label (or ignored)" mask, as eval uses.
 
-    ``enable_chunked_loss(model)`` must have been called.
+    ``enable_chunked_loss(model)`` must have been called. A batch of ``shard_batch(layout="documents")``
+    hands the model its ``seq_index`` too (which rows the rank holds).
     """
+    extra = {SEQ_INDEX: batch[SEQ_INDEX]} if SEQ_INDEX in batch else {}
     return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), loss_labels=batch["labels"],
-                 return_correct=return_correct)
+                 return_correct=return_correct, **extra)
 
 
 def count_valid_tokens(

@@ -376,6 +376,12 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
     p, o = cfg.parallel, cfg.optim
     if cfg.model.activation_offload:
         raise ValueError("the planner does not model --activation_offload (saved activations in host memory)")
+    if p.cp > 1 and p.cp_strategy == "allgather":
+        raise ValueError(
+            "the planner cannot simulate --cp_strategy allgather: its layout reads which rows each rank holds, "
+            "which fake tensors do not have; plan with --cp_strategy ring and add, per rank, the row's K/V of "
+            "one layer (bf16) and its dK/dV (fp32) in backward"
+        )
     if o.optimizer != "adamw":
         raise ValueError(
             f"the planner cannot simulate --optimizer {o.optimizer}: bitsandbytes reads tensor values, which "

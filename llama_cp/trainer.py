@@ -277,7 +277,8 @@ class Trainer:
 
     # ------------------------------------------------------------ loop
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        local = shard_batch(batch, self.mesh["cp"])
+        layout = "documents" if self.cfg.parallel.cp_strategy == "allgather" else "zigzag"
+        local = shard_batch(batch, self.mesh["cp"], layout=layout)
         return {k: v.to(self.device) for k, v in local.items()}
 
     def _next_micro_batches(self) -> list[dict[str, torch.Tensor]]:

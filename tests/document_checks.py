@@ -16,6 +16,7 @@ from peft import LoraConfig, get_peft_model
 
 from fsdp_checks import check_cp_against_reference, tiny_model
 from llama_cp import ParallelDims
+from llama_cp.sharding import SEQ_INDEX
 
 VOCAB, SEQ_LEN = 96, 96  # 96 is a multiple of 2 x cp for cp 1, 2, 3 and 4
 #: documents per row of the test batch; the 1-document row starts inside a document
@@ -78,19 +79,37 @@ def lora(model):
 HEADS = dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=48)
 
 
-def check_documents(strategy: str, mesh, sharded: bool, dtype: torch.dtype, use_lora: bool = False):
-    """Logits, loss and every gradient of packed rows under CP equal single-process transformers."""
+def one_document_batch() -> dict[str, torch.Tensor]:
+    """The tokens of :func:`packed_batch` as one document per row (labels shifted along the row)."""
+    data, _ = packed_batch()
+    labels = torch.cat([data["input_ids"][:, 1:], torch.full((data["input_ids"].shape[0], 1), -100)], dim=1)
+    return {"input_ids": data["input_ids"], "labels": labels, "position_ids": torch.arange(SEQ_LEN).expand_as(labels)}
+
+
+def shard_randomly(batch, cp_mesh):
+    """Any assignment of tokens to ranks: each rank keeps a random quarter, third, ... of the
+    row's tokens in random order (the same on every rank), named by ``seq_index``."""
+    rank, cp = cp_mesh.get_local_rank(), cp_mesh.size()
+    index = torch.randperm(SEQ_LEN, generator=torch.Generator().manual_seed(7)).view(cp, -1)[rank]
+    return {**{key: value.index_select(1, index) for key, value in batch.items()}, SEQ_INDEX: index}
+
+
+def check_documents(strategy: str, mesh, sharded: bool, dtype: torch.dtype, use_lora: bool = False, *,
+                    data: dict[str, torch.Tensor] | None = None, shard=None, block_size: int = 0):
+    """Logits, loss and every gradient of packed rows (or ``data``) under CP equal single-process
+    transformers; ``shard``: how the batch is sharded (default: the strategy's layout);
+    ``block_size``: the attention's tiles (Note [Tiled attention])."""
     tol = TOLERANCE[dtype]
     reference = tiny_model(**HEADS).to(dtype)
     if use_lora:
         reference = lora(reference)
     model = copy.deepcopy(reference)
-    data, _ = packed_batch()
+    data = packed_batch()[0] if data is None else data
     ref_logits, ref_loss = reference_forward(reference, data)
     ref_loss.backward()
 
     check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mesh, strategy=strategy,
-                               sharded=sharded, tol=tol, max_seq_len=SEQ_LEN)
+                               sharded=sharded, tol=tol, max_seq_len=SEQ_LEN, shard=shard, block_size=block_size)
 
 
 def mesh_for(cp: int, world_size: int):

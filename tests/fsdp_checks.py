@@ -7,6 +7,7 @@ global batch) and compares the sharded run with it.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
 from llama_cp.fsdp_wrap import shard_model
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
-from llama_cp.sharding import unshard
+from llama_cp.sharding import SEQ_INDEX, unshard
 from llama_cp.step import forward_backward
 
 VOCAB, SEQ_LEN, GLOBAL_BATCH = 96, 32, 4
@@ -64,12 +65,12 @@ def build(dims: ParallelDims, model, strategy="ring", **shard_options):
     return model, mesh
 
 
-def local_batches(batch, mesh, micro_batches: int = 1):
-    """This rank's rows (by dp rank), split into micro-batches, each sharded over cp."""
+def local_batches(batch, mesh, micro_batches: int = 1, shard=shard_batch):
+    """This rank's rows (by dp rank), split into micro-batches, each sharded over cp by ``shard``."""
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     rows = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
     micro = [{k: v.chunk(micro_batches)[i] for k, v in rows.items()} for i in range(micro_batches)]
-    return [shard_batch(m, mesh["cp"]) for m in micro]
+    return [shard(m, mesh["cp"]) for m in micro]
 
 
 def sharded_step(model, batch, mesh, micro_batches: int = 1, offload: bool = False) -> torch.Tensor:
@@ -119,25 +120,32 @@ def check_one_step(dims_kwargs: dict, strategy: str = "ring", offload: bool = Fa
 
 
 def check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mesh, *, strategy: str, sharded: bool,
-                               tol: dict, max_seq_len: int) -> None:
+                               tol: dict, max_seq_len: int, shard=None, block_size: int = 0) -> None:
     """Make ``model`` (a copy of ``reference``, whose gradients of ``ref_loss`` are computed)
     context-parallel over ``mesh`` (and FSDP-sharded when ``sharded``), then check its logits,
     chunked loss and every gradient of the trainable parameters against the reference's;
-    frozen parameters must get no gradient."""
-    apply_context_parallel(model, mesh["cp"], strategy=strategy, max_seq_len=max_seq_len)
+    frozen parameters must get no gradient. ``shard(batch, cp_mesh)`` makes the local batch;
+    default: ``shard_batch`` with the strategy's layout (allgather: "documents"); ``block_size``:
+    the attention's tiles."""
+    if shard is None:
+        layout = "documents" if strategy == "allgather" else "zigzag"
+        shard = functools.partial(shard_batch, layout=layout)
+    apply_context_parallel(model, mesh["cp"], strategy=strategy, max_seq_len=max_seq_len, block_size=block_size)
     enable_chunked_loss(model, chunk_size=7)  # several chunks with a ragged last one
     if sharded:
         shard_model(model, mesh, param_dtype=None, reduce_dtype=None)
-        (local,) = local_batches(data, mesh)  # this dp rank's rows, sharded over cp
+        (local,) = local_batches(data, mesh, shard=shard)  # this dp rank's rows, sharded over cp
         per_rank = data["input_ids"].shape[0] // mesh["dp"].size()
         rows = slice(mesh["dp"].get_local_rank() * per_rank, (mesh["dp"].get_local_rank() + 1) * per_rank)
         loss_group = None  # every rank: dp and cp
     else:
-        local, rows, loss_group = shard_batch(data, mesh["cp"]), slice(None), mesh["cp"].get_group()
+        local, rows, loss_group = shard(data, mesh["cp"]), slice(None), mesh["cp"].get_group()
 
+    seq_index = local.get(SEQ_INDEX)
     with torch.no_grad():
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-    torch.testing.assert_close(unshard(logits, mesh["cp"]), ref_logits[rows].detach(), **tol)
+        extra = {} if seq_index is None else {SEQ_INDEX: seq_index}
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], **extra).logits
+    torch.testing.assert_close(unshard(logits, mesh["cp"], seq_index=seq_index), ref_logits[rows].detach(), **tol)
 
     loss = causal_lm_loss_sum(model, local) / count_valid_tokens([local["labels"]], group=loss_group)
     loss.backward()

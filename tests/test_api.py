@@ -20,9 +20,10 @@ def test_exports_are_what_a_loop_needs_and_nothing_test_only():
     for name in llama_cp.__all__:
         assert getattr(llama_cp, name) is not None, name
     for needed in ("init_distributed", "launch", "save_checkpoint", "load_checkpoint", "parallelize_model",
-                   "optimizer_step", "forward_backward", "build_rows", "DistributedRowLoader", "build_causal_lm"):
+                   "optimizer_step", "forward_backward", "build_rows", "DistributedRowLoader", "build_causal_lm",
+                   "shard_batch", "unshard"):
         assert needed in llama_cp.__all__, needed
-    for internal in ("ATTENTION_NAME", "ContextParallelAttention", "unshard"):
+    for internal in ("ATTENTION_NAME", "ContextParallelAttention"):
         assert internal not in llama_cp.__all__ and not hasattr(llama_cp, internal), internal
 
 

@@ -4,19 +4,24 @@ Rows of 1, 2, 7 and 50 documents of random lengths (a document of one token, one
 that spans every cp shard, a row that starts inside a document) give the logits,
 loss and every gradient of single-process transformers, for ring and Ulysses, with
 and without FSDP over dp_shard x cp, full fine-tuning and LoRA, float32 and float64.
+All-gather (its document-aware sharding, and any assignment of tokens to ranks) at
+cp 2 and 4, plain in both dtypes, FSDP and LoRA once each, and one-document rows.
 cp 3 runs in ``test_documents_cp3.py`` (world 3).
 """
 
 import copy
 import functools
+import re
 
 import pytest
 import torch
 
 from dist_harness import Checks
-from document_checks import HEADS, check_documents, mesh_for, packed_batch, reference_forward
+from document_checks import (
+    HEADS, check_documents, mesh_for, one_document_batch, packed_batch, reference_forward, shard_randomly,
+)
 from fsdp_checks import tiny_model
-from llama_cp import apply_context_parallel, shard_batch
+from llama_cp import apply_context_parallel, shard_batch, unshard
 
 WORLD_SIZE = 4
 checks = Checks()
@@ -34,6 +39,48 @@ for _strategy in ("ring", "ulysses"):
                     ),
                     name=f"{_strategy}_cp{_cp}_{_mode}_{str(_dtype)[6:]}",
                 )
+
+for _cp in (2, 4):
+    for _dtype in (torch.float32, torch.float64):
+        checks.add(
+            functools.partial(lambda c, d: check_documents("allgather", mesh_for(c, WORLD_SIZE), False, d), _cp, _dtype),
+            name=f"allgather_cp{_cp}_plain_{str(_dtype)[6:]}",
+        )
+
+
+@checks.add
+def allgather_cp4_fsdp_float32():
+    check_documents("allgather", mesh_for(4, WORLD_SIZE), True, torch.float32)
+
+
+@checks.add
+def allgather_cp2_lora_float32():
+    check_documents("allgather", mesh_for(2, WORLD_SIZE), True, torch.float32, use_lora=True)
+
+
+@checks.add
+def allgather_cp4_one_document_rows_float64():
+    """One document per row, computed in tiles of at most 5 queries x 5 keys (Note [Tiled attention])."""
+    check_documents("allgather", mesh_for(4, WORLD_SIZE), False, torch.float64, data=one_document_batch(),
+                    block_size=5)
+
+
+@checks.add
+def allgather_cp4_any_assignment_float64():
+    """Every rank holds random tokens of the row in random order: still exact."""
+    check_documents("allgather", mesh_for(4, WORLD_SIZE), False, torch.float64, shard=shard_randomly)
+
+
+@checks.add
+def document_sharding_is_refused_by_ring_and_ulysses():
+    mesh = mesh_for(2, WORLD_SIZE)
+    local = shard_batch(packed_batch()[0], mesh["cp"], layout="documents")
+    for strategy in ("ring", "ulysses"):
+        model = apply_context_parallel(tiny_model(**HEADS), mesh["cp"], strategy=strategy)
+        message = re.escape(f"which only cp_strategy='allgather' can run (this model uses '{strategy}' at cp 2); "
+                            "shard it with layout='zigzag' or use --cp_strategy allgather")
+        with pytest.raises(ValueError, match=message):
+            model(input_ids=local["input_ids"], position_ids=local["position_ids"], seq_index=local["seq_index"])
 
 
 @checks.add
@@ -55,23 +102,25 @@ def hf_packing_is_per_document():
 @checks.add
 def document_mask_false_attends_across_documents():
     """--document_mask false: the whole row is one causal sequence (transformers with the
-    position_ids of one document), which differs from the packed reference."""
+    position_ids of one document), which differs from the packed reference; ring, and
+    all-gather on its document-aware shards."""
     mesh = mesh_for(2, WORLD_SIZE)
     reference = tiny_model(**HEADS).double()
-    model = apply_context_parallel(copy.deepcopy(reference), mesh["cp"], document_mask=False)
     data, _ = packed_batch()
-    local = shard_batch(data, mesh["cp"])
     with torch.no_grad():
-        got = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
         # same rows, but RoPE positions as packed and attention over the whole row: eager with a plain causal mask
         whole_row = reference(input_ids=data["input_ids"], position_ids=data["position_ids"],
                               attention_mask=torch.ones_like(data["input_ids"]), use_cache=False).logits
         packed, _ = reference_forward(reference, data)
-    from llama_cp.sharding import unshard
-
-    got = unshard(got, mesh["cp"])
-    torch.testing.assert_close(got, whole_row, atol=1e-10, rtol=1e-10)
-    assert (got - packed).abs().max() > 1e-3
+    for strategy, layout in (("ring", "zigzag"), ("allgather", "documents")):
+        model = apply_context_parallel(copy.deepcopy(reference), mesh["cp"], strategy, document_mask=False)
+        local = shard_batch(data, mesh["cp"], layout=layout)
+        extra = {"seq_index": local["seq_index"]} if layout == "documents" else {}
+        with torch.no_grad():
+            got = model(input_ids=local["input_ids"], position_ids=local["position_ids"], **extra).logits
+        got = unshard(got, mesh["cp"], seq_index=local.get("seq_index"))
+        torch.testing.assert_close(got, whole_row, atol=1e-10, rtol=1e-10)
+        assert (got - packed).abs().max() > 1e-3
 
 
 @checks.add

@@ -21,6 +21,11 @@ for _strategy in ("ring", "ulysses"):
                 ),
                 name=f"{_strategy}_cp3_{_mode}_{str(_dtype)[6:]}",
             )
+for _dtype in (torch.float32, torch.float64):
+    checks.add(
+        functools.partial(lambda d: check_documents("allgather", mesh_for(3, WORLD_SIZE), False, d), _dtype),
+        name=f"allgather_cp3_plain_{str(_dtype)[6:]}",
+    )
 
 results = checks.module_fixture(__name__, WORLD_SIZE)
 

@@ -58,6 +58,8 @@ def test_errors_name_the_flag(capsys):
         main(model_name="embedded", num_gpus=1, context_lenght=4096)
     with pytest.raises(ValueError, match="cannot simulate --optimizer adamw8bit"):
         main(model_name="embedded", num_gpus=1, context_length=1024, optimizer="adamw8bit")
+    with pytest.raises(ValueError, match="cannot simulate --cp_strategy allgather"):
+        main(model_name="embedded", num_gpus=2, cp=2, context_length=1024, cp_strategy="allgather")
     with pytest.raises(ValueError, match="--headroom"):
         main(model_name="embedded", num_gpus=1, context_length=1024, headroom=1.5)
 
