@@ -406,13 +406,13 @@ class Trainer:
 
     def _check_before_start(self) -> None:
         """What can be checked before any process group or model exists: a local model
-        directory has a tokenizer, an explicit --attention_backend can run here, and the
-        parallel rules, every broken one in one message, now that the number of processes is
-        known (``ParallelConfig.check``)."""
+        directory has a tokenizer, --rope_scaling reaches --context_length, an explicit
+        --attention_backend can run here, and the parallel rules, every broken one in one
+        message, now that the number of processes is known (``ParallelConfig.check``)."""
         from transformers import AutoConfig
 
         from llama_cp.build import check_attention_backend
-        from llama_cp.models import check_tokenizer_files, embedded_llama_config
+        from llama_cp.models import apply_rope_settings, check_tokenizer_files, embedded_llama_config
 
         name = os.path.expanduser(self.cfg.model.model_name)
         local = self.cfg.model.model_name != "embedded" and os.path.isdir(name)
@@ -420,6 +420,8 @@ class Trainer:
             check_tokenizer_files(name)
         if self.cfg.model.model_name == "embedded" or local:  # a hub id's config comes with its download
             config = AutoConfig.from_pretrained(name) if local else embedded_llama_config()
+            model = self.cfg.model
+            apply_rope_settings(config, model.rope_theta, model.rope_scaling, self.cfg.data.context_length)
             check_attention_backend(self.cfg, config, machine_device_type())
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.cfg.parallel.check(self.cfg.data.context_length, world)
