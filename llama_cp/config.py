@@ -178,6 +178,8 @@ class TrainConfig:
     """Let --resume load a checkpoint that has no MANIFEST.json (its files cannot be checked for damage)."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only at the end)."""
+    eval_needle: bool = False
+    """After training, passkey accuracy over context lengths (--context_length / 4, / 2, / 1) x needle depths (0 to 1) on the trained model: output_dir/needle.json and needle.png (recipes/eval_longctx.py)."""
     log_every: int = 5
     """Write a metrics row every N steps."""
     report_to: tuple[str, ...] = ("tensorboard",)

@@ -128,6 +128,16 @@ def _head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | 
         return F.linear(hidden, self.weight, self.bias)
     if self.bias is not None:
         raise ValueError("chunked cross-entropy supports an lm_head without bias only")
+    if return_correct and not torch.is_grad_enabled():
+        # evaluation: logits only for the labelled tokens (a passkey row has a handful of them)
+        flat = labels.reshape(-1)
+        kept = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+        total, kept_correct = linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1])[kept], self.weight, flat[kept], chunk_size=self.loss_chunk_size,
+            transform=self.logit_transform, return_correct=True,
+        )
+        correct = torch.ones_like(flat, dtype=torch.bool).index_copy_(0, kept, kept_correct)
+        return total, correct.reshape(labels.shape)
     return linear_cross_entropy(
         hidden, self.weight, labels, chunk_size=self.loss_chunk_size, transform=self.logit_transform,
         return_correct=return_correct,

@@ -358,6 +358,8 @@ class Trainer:
         if self.rank == 0:
             truncate_metrics(metrics_path, step)
         self.reporter = self._build_reporter(step)
+        # the passkey task's accuracy before any training: the baseline of the line printed at the end
+        before = self.evaluate() if cfg.data.dataset == "passkey" and step == 0 else None
         # a bar only on a terminal: in a log file (CI, SLURM, `2> file`) its carriage returns make a partial
         # line per step; there the metrics row printed every --log_every steps is the progress
         progress = tqdm(total=self.total_steps, initial=step, desc="train", unit="step",
@@ -402,6 +404,10 @@ class Trainer:
         self.export(os.path.join(cfg.output_dir, "final"))
         if self.rank == 0:
             plot_losses(metrics_path, os.path.join(cfg.output_dir, "loss.png"))
+        if before is not None and "passkey_acc" in row:
+            rows = sum(b["input_ids"].shape[0] for b in self.eval_batches) * submesh(self.mesh, "dp").size()
+            self._say(f"passkey accuracy on {rows} held-out rows of {cfg.data.context_length} tokens: "
+                      f"{before['passkey_acc']:.2f} before training -> {row['passkey_acc']:.2f} after")
         return row
 
     def _check_before_start(self) -> None:
