@@ -42,7 +42,7 @@ RESUME_MAY_CHANGE = {
     # driving the run
     "resume", "overwrite", "allow_unverified_checkpoint", "max_steps", "num_epochs", "eval_every", "save_every",
     "keep_last", "log_every", "max_nonfinite_steps", "output_dir", "collective_timeout", "report_to",
-    "num_eval_samples",
+    "num_eval_samples", "eval_needle",
     # the update
     "lr", "warmup_steps", "lr_scheduler", "min_lr_ratio", "weight_decay", "max_grad_norm", "lora_dropout",
     # how the same step is computed
@@ -58,6 +58,7 @@ RESUME_REFUSES = {
     "seed": _DATA, "num_passkey_samples": _DATA, "document_mask": _DATA,
     "model_name": _STATE, "use_peft": _STATE, "lora_r": _STATE, "lora_alpha": _STATE,
     "lora_target_modules": _STATE, "quantization": _STATE, "optimizer": _STATE,
+    "rope_theta": _STATE, "rope_scaling": _STATE,
 }
 
 
