@@ -125,8 +125,9 @@ def check_tokenizer_files(path: str) -> None:
 #
 # and max_position_embeddings becomes that length (without scaling it grows to
 # --context_length; dynamic keeps it, as its start), so the exported config says how long
-# the model now reads; a bare --rope_theta leaves a model's own scaling as it is. For yarn and longrope this is also what keeps transformers 4.x exact: it derives
-# the factor from max_position_embeddings / original_max_position_embeddings.
+# the model now reads; a bare --rope_theta leaves a model's own scaling as it is. For yarn
+# and longrope this also keeps transformers 4.x exact: it derives their factor from
+# max_position_embeddings / original_max_position_embeddings.
 
 #: --rope_scaling types -> (required parameters, optional parameters), transformers' names.
 ROPE_SCALING_PARAMETERS = {
@@ -143,9 +144,9 @@ ROPE_SCALING_EXAMPLE = "yarn:factor=8,original_max_position_embeddings=8192"
 
 def parse_rope_scaling(value: str) -> dict | None:
     """``--rope_scaling`` as transformers' dict (``{"rope_type": ..., parameters}``), None for
-    "none" (or empty). ``value`` is ``type:key=value,...`` (numbers, true/false) or a JSON object (needed
-    for longrope's factor lists). ValueError, one line, for anything else (Note [RoPE
-    settings from the command line])."""
+    "none" (or empty). ``value`` is ``type:key=value,...`` (numbers, true/false) or a JSON
+    object (needed for longrope's factor lists). ValueError, one line, for anything else
+    (Note [RoPE settings from the command line])."""
     value = value.strip()
     if value in ("", "none"):
         return None

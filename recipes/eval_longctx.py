@@ -114,7 +114,9 @@ def evaluate_trained(trainer) -> dict:
 
 def parse_grid(lengths, depths, cp: int = 1) -> tuple[list[int], list[float]]:
     """--lengths and --depths as lists (comma-separated strings, or fire's tuples), checked."""
-    def split(value):
+    def split(value):  # fire hands over "256,512" as a tuple, "256" as an int
+        if isinstance(value, (int, float)):
+            return [value]
         return [part for part in value.split(",") if part.strip()] if isinstance(value, str) else list(value)
 
     try:
