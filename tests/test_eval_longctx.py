@@ -1,5 +1,5 @@
 """recipes/eval_longctx.py: the grid's rows, the logits it builds, its JSON and heatmap, and
-the CLI on one process and under torchrun with CP."""
+the CLI under torchrun with CP on a model the training recipe taught the passkey task."""
 
 import json
 import os
@@ -107,8 +107,9 @@ SHORT_RUN = ["--context_length", "128", "--batch_size", "8", "--max_steps", "100
 
 @pytest.mark.slow
 def test_a_short_passkey_run_learns_and_the_eval_sees_it_under_cp(tmp_path):
-    """A shortened default run learns retrieval: its held-out passkey accuracy goes from 0
-    (the untrained model) to above chance (a 5-digit key and eos: 1e-5), printed as one line;
+    """A shortened default run (128-token rows) learns the passkey answer: its held-out
+    accuracy goes from 0 (the untrained model) to above chance (a 5-digit key and eos: 1e-5),
+    printed as one line;
     --eval_needle writes the trained model's grid, and the eval CLI on the exported final/
     under torchrun --cp 2 gives the same grid."""
     out = tmp_path / "run"
