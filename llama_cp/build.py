@@ -24,18 +24,22 @@ from llama_cp.cp_attention import apply_context_parallel
 from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, shard_model
 from llama_cp.kernels import check_backend
 from llama_cp.loss import enable_chunked_loss
-from llama_cp.models import build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config
+from llama_cp.models import (
+    apply_rope_settings, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,
+)
 from llama_cp.tiling import apply_tiled_mlp, apply_tiled_norms
 
 
 def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) -> nn.Module:
     """The model of ``cfg`` on ``mesh``: the embedded Llama (``path`` None; small, built on every
     rank, identical there thanks to the seed) or the HF checkpoint directory ``path`` (built on
-    the meta device, sharded, then loaded: rank 0 reads the files, every rank gets its shards)."""
+    the meta device, sharded, then loaded: rank 0 reads the files, every rank gets its shards),
+    its config first given ``--rope_theta`` / ``--rope_scaling`` (``apply_rope_settings``)."""
     from transformers import AutoConfig
 
     torch.manual_seed(cfg.seed)
     config = embedded_llama_config() if path is None else AutoConfig.from_pretrained(path)
+    apply_rope_settings(config, cfg.model.rope_theta, cfg.model.rope_scaling, cfg.data.context_length)
     check_attention_backend(cfg, config, device.type)
     if path is None:
         model = build_causal_lm(config).to(device)

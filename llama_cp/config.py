@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import os
 import textwrap
 import typing
@@ -28,6 +29,10 @@ from llama_cp.sharding import check_context_length
 class ModelConfig:
     model_name: str = "embedded"
     """Local HF model directory or hub id; "embedded" is the built-in small Llama (no download)."""
+    rope_theta: float = 0.0
+    """RoPE base frequency, set in the model's config before it is built (context extension by a larger base); 0 = the model's own."""
+    rope_scaling: str = "none"
+    """RoPE scaling set in the model's config before it is built, in transformers' names: type:key=value,... (linear, dynamic, yarn, llama3, longrope; e.g. yarn:factor=8,original_max_position_embeddings=8192) or a JSON object; it must reach --context_length; none = the model's own, default = plain RoPE."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of the gathered parameters: auto = bfloat16 on CUDA, float32 on CPU."""
     activation_checkpointing: bool = False
@@ -183,6 +188,8 @@ class TrainConfig:
     """Let --resume load a checkpoint that has no MANIFEST.json (its files cannot be checked for damage)."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only at the end)."""
+    eval_needle: bool = False
+    """After training, passkey accuracy over context lengths (--context_length / 4, / 2, / 1) x needle depths (0 to 1) on the trained model: output_dir/needle.json and needle.png (recipes/eval_longctx.py)."""
     log_every: int = 5
     """Write a metrics row every N steps."""
     report_to: tuple[str, ...] = ("tensorboard",)
@@ -276,13 +283,14 @@ class TrainConfig:
         # notebook that trained in-process may go on to build a config for launch(cfg, nprocs=N).
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.parallel.check(self.data.context_length, world if world > 1 else None)
-        from llama_cp.models import check_model_name
+        from llama_cp.models import check_model_name, parse_rope_scaling
 
         check_model_name(self.model.model_name)
         if self.data.streaming and (self.data.dataset == "passkey" or self.max_steps == 0):
             raise ValueError(
                 "--streaming reads a file or hub --dataset of unknown length: give such a --dataset and --max_steps > 0"
             )
+        parse_rope_scaling(self.model.rope_scaling)  # the form; what it reaches is checked with the model's config
         from llama_cp.data import check_dataset_path  # imports datasets: only when validating
 
         check_dataset_path(self.data.dataset)
@@ -323,7 +331,7 @@ _MINIMUMS = {
     "dp_replicate": 1, "lora_r": 1, "num_proc": 1, "num_passkey_samples": 1, "num_eval_samples": 1, "num_epochs": 1,
     "max_steps": 0, "warmup_steps": 0, "save_every": 0, "eval_every": 0, "keep_last": 1, "log_every": 1,
     "max_nonfinite_steps": 1, "peak_tflops": 0.0,
-    "collective_timeout": 1.0, "min_lr_ratio": 0.0, "lr": 0.0, "weight_decay": 0.0, "max_grad_norm": 0.0, "lora_dropout": 0.0,
+    "collective_timeout": 1.0, "rope_theta": 0.0, "min_lr_ratio": 0.0, "lr": 0.0, "weight_decay": 0.0, "max_grad_norm": 0.0, "lora_dropout": 0.0,
 }
 
 
@@ -351,6 +359,8 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
         if origin is tuple:
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(str(item).strip() for item in items if str(item).strip())
+        if kind is str and isinstance(value, dict):  # a YAML mapping or fire's parse of a JSON object
+            return json.dumps(value)
         if kind is str or origin is Literal:
             if isinstance(value, bool):  # --resume / --resume true / YAML `resume: true`
                 return "true" if value else "false"

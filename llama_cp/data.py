@@ -597,22 +597,39 @@ def _draw_passkey(rng: random.Random) -> tuple[int, float]:
     return rng.randint(10000, 99999), rng.random()
 
 
-def passkey_document(key: int, depth: float, context_length: int, tokenizer: PreTrainedTokenizerBase) -> Document:
-    """The passkey document of exactly ``context_length`` tokens (Note [Passkey rows])."""
+#: The passkey task's needle and question; ``{key}`` is the key.
+PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+PASSKEY_QUESTION = "What is the pass key? The pass key is "
+
+
+def passkey_document(
+    key: int,
+    depth: float,
+    context_length: int,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    needle: str = PASSKEY_NEEDLE,
+    question: str = PASSKEY_QUESTION,
+    filler: Sequence[str] = PASSKEY_FILLER,
+    task: str = "passkey",
+) -> Document:
+    """The passkey document of exactly ``context_length`` tokens (Note [Passkey rows]);
+    ``needle``, ``question`` and the ``filler`` sentences make other needle-in-a-haystack
+    tasks of the same shape (``recipes/eval_longctx.py``), ``task`` names it in errors."""
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    needle = encode(f"The pass key is {key}. Remember it. {key} is the pass key. ")
-    question = encode("What is the pass key? The pass key is ")
+    needle = encode(needle.format(key=key))
+    question = encode(question)
     answer = encode(str(key)) + [_eos_id(tokenizer)]
     budget = context_length - len(bos) - len(needle) - len(question) - len(answer)
     if budget < 0:
         raise ValueError(
-            f"--context_length {context_length} is too short for the passkey task: "
+            f"--context_length {context_length} is too short for the {task} task: "
             f"it needs at least {context_length - budget} tokens"
         )
-    sentences = [encode(sentence) for sentence in PASSKEY_FILLER]
+    sentences = [encode(sentence) for sentence in filler]
     starts, filler = [], []  # starts: offset of each sentence in the filler
     while len(filler) < budget:
         starts.append(len(filler))
@@ -632,15 +649,17 @@ def passkey_example(
     *,
     key: int | None = None,
     depth: float | None = None,
+    **task: Any,
 ) -> Row:
-    """One passkey row of exactly ``context_length`` tokens, key and depth drawn from ``rng`` unless given.
+    """One passkey row of exactly ``context_length`` tokens, key and depth drawn from ``rng`` unless given;
+    ``task``: another needle, question or filler (``passkey_document``'s keywords).
 
     Returns ``{"input_ids", "labels", "position_ids"}`` of (L,) LongTensors; labels
     (shifted) are -100 except on the targets of the answer digits and eos.
     """
     drawn_key, drawn_depth = _draw_passkey(rng)
     document = passkey_document(
-        drawn_key if key is None else key, drawn_depth if depth is None else depth, context_length, tokenizer
+        drawn_key if key is None else key, drawn_depth if depth is None else depth, context_length, tokenizer, **task
     )
     (row,) = _pack([document], context_length, _pad_id(tokenizer))
     return row

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from llama_cp.families import LogitTransform, check_supported
 from llama_cp.kernels import accumulation_dtype
@@ -130,6 +131,17 @@ def _head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | 
         return F.linear(hidden, self.weight, self.bias)
     if self.bias is not None:
         raise ValueError("chunked cross-entropy supports an lm_head without bias only")
+    if return_correct and not torch.is_grad_enabled() and not is_fake(labels):
+        # evaluation: logits only for the labelled tokens (a passkey row has a handful of them); the
+        # planner's fake labels have no values, so it plans the chunked path over all tokens (a bound)
+        flat = labels.reshape(-1)
+        kept = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+        total, kept_correct = linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1])[kept], self.weight, flat[kept], chunk_size=self.loss_chunk_size,
+            transform=self.logit_transform, return_correct=True,
+        )
+        correct = torch.ones_like(flat, dtype=torch.bool).index_copy_(0, kept, kept_correct)
+        return total, correct.reshape(labels.shape)
     return linear_cross_entropy(
         hidden, self.weight, labels, chunk_size=self.loss_chunk_size, transform=self.logit_transform,
         return_correct=return_correct,

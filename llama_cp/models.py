@@ -1,7 +1,10 @@
-"""The embedded default model: a small Llama config, random init, no download."""
+"""The embedded default model: a small Llama config, random init, no download; model
+structure helpers, the compute-dtype rule, and the RoPE settings of the command line."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 
 import torch
@@ -100,3 +103,152 @@ def check_tokenizer_files(path: str) -> None:
             f"--model_name {path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
             "tokenizer files of the original model into it (tokenizer.save_pretrained)"
         )
+
+
+# Note [RoPE settings from the command line]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Context extension changes how RoPE turns positions into angles, in the model's config,
+# before the model (and its rotary module) is built: --rope_theta sets the base frequency
+# (ABF, as Llama 2 Long and Llama 3 raise it), --rope_scaling the scaling type and its
+# parameters, in transformers' own names. transformers >= 5 keeps both in one dict,
+# ``config.rope_parameters`` (with ``rope_theta`` in it); 4.x keeps ``config.rope_theta`` and
+# ``config.rope_scaling`` apart. Both are written, so the exported config.json loads with
+# the same RoPE anywhere.
+#
+# Each scaling type reaches a length, checked against --context_length:
+#
+#   linear    factor x max_position_embeddings       positions divided by factor
+#   yarn      factor x original_max_position_embeddings  (default: the model's max_position_embeddings)
+#   llama3    factor x original_max_position_embeddings
+#   longrope  factor x original_max_position_embeddings  (factor default: max_position_embeddings / original)
+#   dynamic   any length: the base grows with the longest position (max_position_embeddings is its start)
+#
+# and max_position_embeddings becomes that length (without scaling it grows to
+# --context_length; dynamic keeps it, as its start), so the exported config says how long
+# the model now reads; a bare --rope_theta leaves a model's own scaling as it is. For yarn
+# and longrope this also keeps transformers 4.x exact: it derives their factor from
+# max_position_embeddings / original_max_position_embeddings.
+
+#: --rope_scaling types -> (required parameters, optional parameters), transformers' names.
+ROPE_SCALING_PARAMETERS = {
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "dynamic": (("factor",), ()),
+    "yarn": (("factor",), ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                           "mscale", "mscale_all_dim", "truncate")),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor"), ("original_max_position_embeddings",)),
+    "longrope": (("short_factor", "long_factor"), ("factor", "original_max_position_embeddings", "attention_factor")),
+}
+ROPE_SCALING_EXAMPLE = "yarn:factor=8,original_max_position_embeddings=8192"
+
+
+def parse_rope_scaling(value: str) -> dict | None:
+    """``--rope_scaling`` as transformers' dict (``{"rope_type": ..., parameters}``), None for
+    "none" (or empty). ``value`` is ``type:key=value,...`` (numbers, true/false) or a JSON
+    object (needed for longrope's factor lists). ValueError, one line, for anything else
+    (Note [RoPE settings from the command line])."""
+    value = value.strip()
+    if value in ("", "none"):
+        return None
+    fix = f"write it as {ROPE_SCALING_EXAMPLE} or as a JSON object"
+    if value.startswith("{"):
+        try:
+            spec = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--rope_scaling is not valid JSON ({error.msg}, column {error.colno}); {fix}") from None
+        spec = dict(spec)
+    else:
+        rope_type, _, parameters = value.partition(":")
+        spec = {"rope_type": rope_type.strip()}
+        for item in filter(None, (part.strip() for part in parameters.split(","))):
+            key, equals, text = item.partition("=")
+            if not equals:
+                raise ValueError(f"--rope_scaling: {item!r} is not key=value; {fix}")
+            try:
+                spec[key.strip()] = json.loads(text)
+            except json.JSONDecodeError:
+                raise ValueError(f"--rope_scaling: {key.strip()}={text} is not a number; {fix}") from None
+    if "type" in spec:  # the older spelling of rope_type
+        spec.setdefault("rope_type", spec.pop("type"))
+    rope_type = spec.get("rope_type")
+    if rope_type not in ROPE_SCALING_PARAMETERS:
+        raise ValueError(
+            f"--rope_scaling type {rope_type!r} is not one of {', '.join(ROPE_SCALING_PARAMETERS)}; {fix}"
+        )
+    required, optional = ROPE_SCALING_PARAMETERS[rope_type]
+    missing = [key for key in required if key not in spec]
+    unknown = sorted(set(spec) - {"rope_type", "rope_theta", *required, *optional})
+    if missing or unknown:
+        problems = [f"needs {', '.join(missing)}"] * bool(missing) + [f"has no {', '.join(unknown)}"] * bool(unknown)
+        known = ", ".join((*required, *optional)) or "none"
+        raise ValueError(f"--rope_scaling {rope_type} {' and '.join(problems)} (its parameters: {known})")
+    factor = spec.get("factor")
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1):
+        raise ValueError(f"--rope_scaling {rope_type}: factor must be a number >= 1, got {factor!r}")
+    return spec
+
+
+def rope_parameters(config) -> dict:
+    """The RoPE of ``config`` as one dict (``rope_type``, ``rope_theta``, parameters), from
+    either transformers layout."""
+    if hasattr(config, "rope_parameters"):  # transformers >= 5
+        return dict(config.rope_parameters or {})
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    if "type" in scaling:
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    return {"rope_type": "default", **scaling, "rope_theta": config.rope_theta}
+
+
+def apply_rope_settings(
+    config, rope_theta: float = 0.0, rope_scaling: str = "none", context_length: int | None = None
+):
+    """Write ``--rope_theta`` (0: keep the model's) and ``--rope_scaling`` ("none": keep the model's)
+    into the HF ``config`` before its model is built, after checking that the scaling reaches
+    ``context_length`` (Note [RoPE settings from the command line]). Returns ``config``."""
+    spec = parse_rope_scaling(rope_scaling)
+    if not rope_theta and spec is None:
+        return config
+    current = rope_parameters(config)
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types & set(current):
+        raise ValueError(
+            f"--rope_theta / --rope_scaling: {config.model_type} has one RoPE per layer type "
+            f"({', '.join(sorted(layer_types & set(current)))}); edit rope_parameters in its config.json instead"
+        )
+    params = dict(current) if spec is None else {"rope_theta": current.get("rope_theta"), **spec}
+    if rope_theta:
+        params["rope_theta"] = float(rope_theta)
+    rope_type = params.get("rope_type", "default")
+    longest = config.max_position_embeddings
+    if rope_type in ("yarn", "llama3", "longrope"):
+        original = params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+        factor = params.get("factor") or config.max_position_embeddings / original
+        longest = round(factor * original)
+        covers = f"factor {factor:g} x original_max_position_embeddings {original}"
+    elif rope_type == "linear":
+        original, factor = config.max_position_embeddings, params["factor"]
+        longest = round(factor * original)
+        covers = f"factor {factor:g} x max_position_embeddings {original}"
+    if spec is not None and rope_type not in ("default", "dynamic"):
+        if context_length is not None and context_length > longest:
+            raise ValueError(
+                f"--context_length {context_length} is longer than --rope_scaling {rope_type} reaches ({covers} = "
+                f"{longest} tokens): raise factor to {math.ceil(context_length / original)} or lower --context_length"
+            )
+        config.max_position_embeddings = longest
+    elif rope_type == "default" and context_length is not None:
+        config.max_position_embeddings = max(config.max_position_embeddings, context_length)
+    try:
+        if hasattr(config, "rope_parameters"):  # transformers >= 5: one dict
+            config.rope_parameters = params
+            config.standardize_rope_params()
+            config.validate_rope()
+        else:  # transformers 4.x: rope_theta and rope_scaling apart
+            from transformers.modeling_rope_utils import rope_config_validation
+
+            config.rope_theta = params.pop("rope_theta")
+            config.rope_scaling = None if rope_type == "default" else params
+            rope_config_validation(config)
+    except KeyError as error:  # transformers names a missing key
+        raise ValueError(f"--rope_scaling {rope_type}: {error.args[0]}") from None
+    return config

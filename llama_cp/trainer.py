@@ -398,6 +398,8 @@ class Trainer:
         if self.rank == 0:
             truncate_metrics(metrics_path, step)
         self.reporter = self._build_reporter(step)
+        # the passkey task's accuracy before any training: the baseline of the line printed at the end
+        before = self.evaluate() if cfg.data.dataset == "passkey" and step == 0 else None
         # a bar only on a terminal: in a log file (CI, SLURM, `2> file`) its carriage returns make a partial
         # line per step; there the metrics row printed every --log_every steps is the progress
         progress = tqdm(total=self.total_steps, initial=step, desc="train", unit="step",
@@ -446,6 +448,10 @@ class Trainer:
         self.export(os.path.join(cfg.output_dir, "final"))
         if self.rank == 0:
             plot_losses(metrics_path, os.path.join(cfg.output_dir, "loss.png"))
+        if before is not None and "passkey_acc" in row:
+            rows = sum(b["input_ids"].shape[0] for b in self.eval_batches) * submesh(self.mesh, "dp").size()
+            self._say(f"passkey accuracy on {rows} held-out rows of {cfg.data.context_length} tokens: "
+                      f"{before['passkey_acc']:.2f} before training -> {row['passkey_acc']:.2f} after")
         return row
 
     def _say_throughput(self) -> None:
@@ -463,13 +469,13 @@ class Trainer:
 
     def _check_before_start(self) -> None:
         """What can be checked before any process group or model exists: a local model
-        directory has a tokenizer, an explicit --attention_backend can run here, and the
-        parallel rules, every broken one in one message, now that the number of processes is
-        known (``ParallelConfig.check``)."""
+        directory has a tokenizer, --rope_scaling reaches --context_length, an explicit
+        --attention_backend can run here, and the parallel rules, every broken one in one
+        message, now that the number of processes is known (``ParallelConfig.check``)."""
         from transformers import AutoConfig
 
         from llama_cp.build import check_attention_backend
-        from llama_cp.models import check_tokenizer_files, embedded_llama_config
+        from llama_cp.models import apply_rope_settings, check_tokenizer_files, embedded_llama_config
 
         name = os.path.expanduser(self.cfg.model.model_name)
         local = self.cfg.model.model_name != "embedded" and os.path.isdir(name)
@@ -477,6 +483,8 @@ class Trainer:
             check_tokenizer_files(name)
         if self.cfg.model.model_name == "embedded" or local:  # a hub id's config comes with its download
             config = AutoConfig.from_pretrained(name) if local else embedded_llama_config()
+            model = self.cfg.model
+            apply_rope_settings(config, model.rope_theta, model.rope_scaling, self.cfg.data.context_length)
             check_attention_backend(self.cfg, config, machine_device_type())
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.cfg.parallel.check(self.cfg.data.context_length, world)

@@ -1,6 +1,7 @@
 """Long-context fine-tuning of an HF Llama model: context parallelism on FSDP2.
 
     python -m recipes.finetune_longctx                                   # embedded model, passkey task
+    python -m recipes.finetune_longctx --eval_needle                     # ... and the accuracy heatmap
     torchrun --standalone --nproc_per_node 8 -m recipes.finetune_longctx \\
         --model_name /models/Llama-3.1-8B --context_length 131072 --cp 8 --use_peft
 
@@ -14,7 +15,13 @@ from llama_cp.trainer import Trainer
 
 def main(config: str | None = None, **flags) -> None:
     """``--config preset.yaml`` then any flag of :class:`llama_cp.config.TrainConfig`."""
-    Trainer(TrainConfig.from_flags(config, **flags)).fit()
+    cfg = TrainConfig.from_flags(config, **flags)
+    trainer = Trainer(cfg)
+    trainer.fit()
+    if cfg.eval_needle:
+        from recipes.eval_longctx import evaluate_trained
+
+        evaluate_trained(trainer)
 
 
 if __name__ == "__main__":

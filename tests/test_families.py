@@ -6,8 +6,9 @@ those of the unmodified HF model (its own forward and ``labels=`` loss), for rin
 Ulysses, cp 1, 2 and 4, with and without FSDP (``shard_model`` over dp_shard x cp), in
 float32 and float64. The configurations exercise what each family's forward adds
 (Granite's multipliers and logit scaling, Cohere's logit scale, Gemma2's final
-soft-cap, position-dependent RoPE, a sliding window as long as the sequence). What
-llama-cp cannot compute is refused with one clear message.
+soft-cap, position-dependent RoPE, RoPE set by --rope_theta / --rope_scaling, a sliding
+window as long as the sequence). What llama-cp cannot compute is refused with one clear
+message.
 """
 
 import copy
@@ -21,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from dist_harness import Checks
 from fsdp_checks import check_cp_against_reference
 from llama_cp import ParallelDims, apply_context_parallel, enable_chunked_loss, shard_batch
+from llama_cp.models import apply_rope_settings
 from llama_cp.sharding import unshard
 
 WORLD_SIZE = 4
@@ -63,6 +65,22 @@ FAMILIES = {
         attn_implementation="eager",  # transformers has no SDPA path for Gemma2
     )),
 }
+
+def rope_flag_overrides(rope_theta: float, rope_scaling: str) -> dict:
+    """The config fields --rope_theta / --rope_scaling set on a Llama of BASE (in the installed
+    transformers' layout), applied the way the trainer applies them."""
+    config = apply_rope_settings(AutoConfig.for_model("llama", **BASE), rope_theta, rope_scaling, SEQ_LEN)
+    names = ("rope_parameters",) if hasattr(config, "rope_parameters") else ("rope_theta", "rope_scaling")
+    return {name: copy.deepcopy(getattr(config, name)) for name in (*names, "max_position_embeddings")}
+
+
+#: Llamas whose RoPE comes from the command line (checked on fewer layouts: the code is the llama's).
+ROPE_FLAG_FAMILIES = {
+    "llama_rope_flags_yarn": ("llama", rope_flag_overrides(0.0, "yarn:factor=4,original_max_position_embeddings=8,beta_fast=8")),
+    "llama_rope_flags_linear_theta": ("llama", rope_flag_overrides(1000.0, "linear:factor=3")),
+}
+FAMILIES.update(ROPE_FLAG_FAMILIES)
+
 #: Families whose HF code computes its norms in float32 whatever the model's dtype: their
 #: float64 runs can only agree to float32 precision.
 FLOAT32_NORMS = {"gemma", "gemma2", "cohere"}
@@ -113,6 +131,8 @@ def check_family(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.
 
 
 for _name in FAMILIES:
+    if _name in ROPE_FLAG_FAMILIES:
+        continue
     for _strategy in ("ring", "ulysses"):
         for _cp in (1, 2, 4):
             for _sharded in (False, True):
@@ -123,6 +143,12 @@ for _name in FAMILIES:
                         functools.partial(check_family, _name, _strategy, _cp, _sharded, _dtype),
                         name=f"{_name}_{_strategy}_cp{_cp}_{'fsdp' if _sharded else 'plain'}_{str(_dtype)[6:]}",
                     )
+
+for _name in ROPE_FLAG_FAMILIES:
+    for _strategy in ("ring", "ulysses"):
+        for _dtype in (torch.float32, torch.float64):
+            checks.add(functools.partial(check_family, _name, _strategy, 2, True, _dtype),
+                       name=f"{_name}_{_strategy}_cp2_fsdp_{str(_dtype)[6:]}")
 
 
 def check_padding_mask_is_refused_where_it_enters(strategy: str, cp: int):
