@@ -464,7 +464,8 @@ class Trainer:
         summary = throughput(tokens=tokens, flops=flops, seconds=seconds, world_size=dist.get_world_size(),
                              peak=self.peak_flops)
         mfu = f", MFU {summary['mfu']:.1%} of {self.peak_flops / 1e12:g} TFLOP/s" if "mfu" in summary else ""
-        self._say(f"throughput over {len(steps)} steps: {summary['tokens_per_sec_per_gpu']:.1f} tokens/s/GPU, "
+        plural = "s" if len(steps) != 1 else ""
+        self._say(f"throughput over {len(steps)} step{plural}: {summary['tokens_per_sec_per_gpu']:.1f} tokens/s/GPU, "
                   f"{summary['model_tflops_per_gpu']:.4g} model TFLOP/s/GPU{mfu}")
 
     def _check_before_start(self) -> None:

@@ -104,8 +104,9 @@ def resume_true_needs_a_checkpoint_and_auto_starts_fresh():
                                                     r"use --resume auto"):
             Trainer(_config(os.path.join(root, "empty"), resume=True, max_steps=2)).fit()
         said, rows = _fit(_config(os.path.join(root, "auto"), resume="auto", max_steps=2))
-        assert said == [f"--resume auto: no checkpoint under {os.path.join(root, 'auto', 'checkpoints')}, "
-                        "starting from step 0"], said
+        assert said[0] == (f"--resume auto: no checkpoint under {os.path.join(root, 'auto', 'checkpoints')}, "
+                           "starting from step 0"), said
+        assert [line.split(":")[0] for line in said[1:]] == ["throughput over 1 step"], said  # the summary (step 1 left out)
         assert [r["step"] for r in rows] == [1, 2]
 
 
