@@ -228,16 +228,16 @@ class Trainer:
                                              truncate=d.truncate_documents)
             eval_rows = streaming_eval_rows(d.dataset, self.tokenizer, d.context_length, d.num_eval_samples,
                                             truncate=d.truncate_documents)
-        elif d.dataset == PASSKEY:  # generated from the seed: nothing to keep on disk
-            common = dict(tokenizer=self.tokenizer, context_length=d.context_length, cp=dims.cp, seed=cfg.seed)
-            train_rows = build_rows(d.dataset, split="train", num_samples=d.num_passkey_samples, **common)
-            eval_rows = build_rows(d.dataset, split="eval", num_samples=d.num_eval_samples, **common)
-            self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed)
-        else:  # tokenized and packed once, read from disk (Note [Prepared rows])
-            train_rows, eval_rows = load_prepared_rows(
-                d.dataset, self.tokenizer, d.context_length, dims.cp, d.data_cache_dir, d.data_cache_shared,
-                d.num_proc, say=self._say, truncate=d.truncate_documents,
-            )
+        else:
+            if d.dataset == PASSKEY:  # generated from the seed: nothing to keep on disk
+                common = dict(tokenizer=self.tokenizer, context_length=d.context_length, cp=dims.cp, seed=cfg.seed)
+                train_rows = build_rows(d.dataset, split="train", num_samples=d.num_passkey_samples, **common)
+                eval_rows = build_rows(d.dataset, split="eval", num_samples=d.num_eval_samples, **common)
+            else:  # tokenized and packed once, read from disk (Note [Prepared rows])
+                train_rows, eval_rows = load_prepared_rows(
+                    d.dataset, self.tokenizer, d.context_length, dims.cp, d.data_cache_dir, d.data_cache_shared,
+                    d.num_proc, say=self._say, truncate=d.truncate_documents,
+                )
             self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed)
         # every rank must run the same number of eval forwards (FSDP collectives): whole global batches only
         per_step = cfg.data.batch_size * dp_size
@@ -390,6 +390,8 @@ class Trainer:
                 self._lock = None
 
     def _fit(self) -> dict[str, Any]:
+        from llama_cp.data import PASSKEY
+
         self.setup()
         cfg = self.cfg
         step = self._resume()
@@ -399,7 +401,7 @@ class Trainer:
             truncate_metrics(metrics_path, step)
         self.reporter = self._build_reporter(step)
         # the passkey task's accuracy before any training: the baseline of the line printed at the end
-        before = self.evaluate() if cfg.data.dataset == "passkey" and step == 0 else None
+        before = self.evaluate() if cfg.data.dataset == PASSKEY and step == 0 else None
         # a bar only on a terminal: in a log file (CI, SLURM, `2> file`) its carriage returns make a partial
         # line per step; there the metrics row printed every --log_every steps is the progress
         progress = tqdm(total=self.total_steps, initial=step, desc="train", unit="step",
