@@ -39,6 +39,27 @@ travel *with* that block, one hop behind it: a rank adds its contribution to
 the dK/dV it received and passes them on, and after cp hops each block's
 dK/dV arrive back at its owner, summed over all ranks (float32 on the wire).
 
+Note [Ring transfers]
+---------------------
+
+With packed documents (Note [Document masks under CP]) a rank's queries may see
+nothing of another rank's block: short documents that stay inside one chunk
+never reach the others. Such a block is neither sent nor received. Hop by hop
+forwarding cannot skip it (rank r + 1 relays it when r + 2 needs it), so when
+the layout has a block that some rank does not see, the transfers go straight
+from the owner: at step i rank r sends its own K/V to r + i (if r + i sees it)
+and receives the block of r - i (if it sees that), the same block the ring
+would have brought, one step ahead as before. In backward the K/V move the same
+way and each rank sends its share of a block's dK/dV straight back to the owner,
+which sums them in float32 as they arrive (one transfer fewer than the ring's cp
+hops, and one more float32 dK/dV buffer of the local shard: the owner's sum).
+Both ends decide from the layout, which every rank holds whole
+(``DocumentLayout.sees``: the block's piece list for the receiver is not empty),
+so every posted send has its receive. When every rank sees every block (one
+document per row, or documents that cross every chunk) the neighbour ring runs
+unchanged. ``wire_bytes()`` counts what a rank sends (tests/test_documents.py
+checks it against the formula; docs/benchmarks.md has the figures).
+
 Ulysses (all-to-all) instead re-partitions [seq / cp, heads] into
 [seq, heads / cp], puts the zigzag chunks back in order, runs ordinary causal
 attention on its heads over the whole sequence, and returns by the inverse
@@ -64,6 +85,8 @@ attention] there.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 import types
 from dataclasses import dataclass
@@ -92,39 +115,93 @@ ATTENTION_NAME = "llama_cp"
 DOCUMENTS_KWARG = "llama_cp_documents"
 
 
-class RingComm:
-    """Point-to-point exchange with the ring neighbours of one process group.
+class WireMeter:
+    """Bytes this rank sends to other ranks for context-parallel attention, by transfer kind
+    (``sent``: kind -> bytes). The ring's transfers are counted as posted; a collective as the
+    data it must move from this rank: an all-gather its shard to cp - 1 ranks, an all-to-all
+    or reduce-scatter the (cp - 1) / cp of its input meant for others."""
 
-    ``send_recv(x)`` posts "send x to the next rank, receive a tensor like x
-    from the previous rank" and returns the receive buffer; ``wait()`` blocks
-    until both are done. Two RingComm objects with different tags may be in
-    flight at once (the K/V and the dK/dV rings of the backward).
+    def __init__(self):
+        self.sent: collections.Counter[str] = collections.Counter()
+
+
+_METERS: list[WireMeter] = []
+
+
+@contextlib.contextmanager
+def wire_bytes():
+    """Count the bytes sent by the attention calls inside the block: ``with wire_bytes() as meter``."""
+    meter = WireMeter()
+    _METERS.append(meter)
+    try:
+        yield meter
+    finally:
+        _METERS.remove(meter)
+
+
+def _count(kind: str, nbytes: float) -> None:
+    for meter in _METERS:
+        meter.sent[kind] += int(nbytes)
+
+
+class RingComm:
+    """Point-to-point transfers of one process group's ring steps.
+
+    ``exchange(send, to, recv_like, source)`` posts "send ``send`` to group rank ``to``,
+    receive a tensor like ``recv_like`` from group rank ``source``" (either may be None:
+    not posted) and returns the receive buffer; ``wait()`` blocks until both are done. Two
+    RingComm objects with different tags may be in flight at once (the K/V and the dK/dV
+    transfers of the backward). ``kind`` names the transfers for :func:`wire_bytes`.
     """
 
-    def __init__(self, group: dist.ProcessGroup, tag: int = 0):
+    def __init__(self, group: dist.ProcessGroup, tag: int = 0, kind: str = "ring K/V"):
         self.group = group
         self.tag = tag
+        self.kind = kind
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.next_rank = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev_rank = dist.get_global_rank(group, (self.rank - 1) % self.size)
         self._requests: list = []
+        self._buffers: tuple = ()
 
-    def send_recv(self, x: torch.Tensor) -> torch.Tensor:
+    def exchange(
+        self, send: torch.Tensor | None, to: int, recv_like: torch.Tensor | None, source: int
+    ) -> torch.Tensor | None:
         if self._requests:
-            raise RuntimeError("RingComm.send_recv called again before wait()")
-        recv = torch.empty_like(x)
-        ops = [
-            dist.P2POp(dist.isend, x, self.next_rank, self.group, self.tag),
-            dist.P2POp(dist.irecv, recv, self.prev_rank, self.group, self.tag),
-        ]
-        self._requests = dist.batch_isend_irecv(ops)
+            raise RuntimeError("RingComm.exchange called again before wait()")
+        ops, recv = [], None
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send, dist.get_global_rank(self.group, to), self.group, self.tag))
+            _count(self.kind, send.numel() * send.element_size())
+        if recv_like is not None:
+            recv = torch.empty_like(recv_like)
+            ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(self.group, source), self.group, self.tag))
+        if ops:
+            self._requests = dist.batch_isend_irecv(ops)
+        self._buffers = (send, recv)  # alive until the transfer is done
         return recv
+
+    def neighbours(self, x: torch.Tensor) -> torch.Tensor:
+        """Send ``x`` to the next rank and receive its like from the previous one."""
+        return self.exchange(x, (self.rank + 1) % self.size, x, (self.rank - 1) % self.size)
 
     def wait(self) -> None:
         for request in self._requests:
             request.wait()
-        self._requests = []
+        self._requests, self._buffers = [], ()
+
+
+def _kv_transfer(comm: RingComm, step: int, own: torch.Tensor, held: torch.Tensor | None,
+                 documents: DocumentLayout | None) -> torch.Tensor | None:
+    """Post the transfer that brings ring step ``step``'s K/V block (that of rank - step) to this
+    rank, ``held`` being the block of step - 1; returns the receive buffer, None when no query
+    of this rank sees the block (Note [Ring transfers])."""
+    if documents is None or documents.ring_dense():
+        return comm.neighbours(held)
+    rank, size = comm.rank, comm.size
+    to, source = (rank + step) % size, (rank - step) % size
+    return comm.exchange(
+        own if documents.sees(to, rank) else None, to, own if documents.sees(rank, source) else None, source
+    )
 
 
 # ---------------------------------------------------------------- ring
@@ -144,38 +221,18 @@ def ring_forward(
 
     q: (B, H, S, D), k/v: (B, Hkv, S, D), the rank's two zigzag chunks.
     Returns out (B, H, S, D) in q's dtype and lse (B, H, S) in float32.
-    With ``documents`` only the pairs of Note [Document masks under CP] are computed;
+    With ``documents`` only the pairs of Note [Document masks under CP] are computed, and
+    only the blocks some query sees are sent (Note [Ring transfers]);
     ``block_size``: kernel calls of at most that many queries x keys (Note [Tiled attention]).
     """
-    half = q.shape[2] // 2
-    kv = torch.stack([k, v])  # (2, B, Hkv, S, D): one message per step
+    own = kv = torch.stack([k, v])  # (2, B, Hkv, S, D): one message per step
     out = lse = None
     for step in range(comm.size):
         if step + 1 < comm.size:
-            next_kv = comm.send_recv(kv)
-        k_blk, v_blk = kv[0], kv[1]
-        block = _ring_step_pieces(comm.rank, comm.size, step, q.shape[2], causal, documents, block_size)
-        if block is not None:
-            if out is None:  # rows start empty: merge_block takes a block's values into them
-                out = torch.zeros_like(q, dtype=kernels.accumulation_dtype(q))
-                lse = torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
-            pieces_forward(q, k_blk, v_blk, block, scale=scale, backend=backend, out=out, lse=lse)
-        elif step == 0:
-            block_out, lse = kernels.attention_forward(q, k_blk, v_blk, causal=causal, scale=scale, backend=backend)
-            out = block_out.to(kernels.accumulation_dtype(q))
-        elif not causal:
-            block_out, block_lse = kernels.attention_forward(q, k_blk, v_blk, causal=False, scale=scale, backend=backend)
-            kernels.merge_block(out, lse, block_out, block_lse)
-        elif step <= comm.rank:  # block from an earlier rank: all q vs its first chunk
-            block_out, block_lse = kernels.attention_forward(
-                q, k_blk[:, :, :half], v_blk[:, :, :half], causal=False, scale=scale, backend=backend
-            )
-            kernels.merge_block(out, lse, block_out, block_lse)
-        else:  # block from a later rank: our late chunk vs all of it
-            block_out, block_lse = kernels.attention_forward(
-                q[:, :, half:], k_blk, v_blk, causal=False, scale=scale, backend=backend
-            )
-            kernels.merge_block(out[:, :, half:], lse[:, :, half:], block_out, block_lse)
+            next_kv = _kv_transfer(comm, step + 1, own, kv, documents)
+        if kv is not None:  # else no query of this rank sees the block, and it was not sent
+            out, lse = _ring_block_forward(comm.rank, comm.size, step, causal, documents, block_size, q, kv,
+                                           scale, backend, out, lse)
         if step + 1 < comm.size:
             comm.wait()
             kv = next_kv
@@ -199,54 +256,106 @@ def ring_backward(
     block_size: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Zigzag ring attention backward; see Note [Zigzag ring attention] (and Note [Document
-    masks under CP] with ``documents``, Note [Tiled attention] with ``block_size``)."""
-    size, half = comm_kv.size, q.shape[2] // 2
+    masks under CP] and Note [Ring transfers] with ``documents``, Note [Tiled attention] with
+    ``block_size``)."""
+    rank, size, half = comm_kv.rank, comm_kv.size, q.shape[2] // 2
     acc = kernels.accumulation_dtype(q)
+    direct = documents is not None and not documents.ring_dense()
     dq = torch.zeros_like(q, dtype=acc)
-    kv = torch.stack([k, v])
+    own = kv = torch.stack([k, v])
+    own_dkv = torch.zeros_like(own, dtype=acc) if direct else None  # our block's dK/dV, summed here
     dkv_in_flight = None
     for step in range(size):
         if step + 1 < size:
-            next_kv = comm_kv.send_recv(kv)
-        k_blk, v_blk = kv[0], kv[1]
-        dkv = torch.zeros_like(kv, dtype=acc)  # this rank's share of the block's dK/dV
-        block = _ring_step_pieces(comm_kv.rank, size, step, q.shape[2], causal, documents, block_size)
-        if block is not None:
-            pieces_backward(
-                dout, q, k_blk, v_blk, out, lse, block, scale=scale, backend=backend, dq=dq, dk=dkv[0], dv=dkv[1]
-            )
-        elif step == 0 or not causal:
-            grads = kernels.attention_backward(
-                dout, q, k_blk, v_blk, out, lse, causal=causal and step == 0, scale=scale, backend=backend
-            )
-            dq.add_(grads[0])
-            dkv[0].add_(grads[1])
-            dkv[1].add_(grads[2])
-        elif step <= comm_kv.rank:
-            grads = kernels.attention_backward(
-                dout, q, k_blk[:, :, :half], v_blk[:, :, :half], out, lse,
-                causal=False, scale=scale, backend=backend,
-            )
-            dq.add_(grads[0])
-            dkv[0, :, :, :half].add_(grads[1])
-            dkv[1, :, :, :half].add_(grads[2])
-        else:
-            grads = kernels.attention_backward(
-                dout[:, :, half:], q[:, :, half:], k_blk, v_blk, out[:, :, half:], lse[:, :, half:],
-                causal=False, scale=scale, backend=backend,
-            )
-            dq[:, :, half:].add_(grads[0])
-            dkv[0].add_(grads[1])
-            dkv[1].add_(grads[2])
-        if dkv_in_flight is not None:  # the dK/dV the previous ranks accumulated for this block
+            next_kv = _kv_transfer(comm_kv, step + 1, own, kv, documents)
+        dkv = None
+        if kv is not None:
+            dkv = own_dkv if direct and step == 0 else torch.zeros_like(kv, dtype=acc)  # our share of its dK/dV
+            _ring_block_backward(rank, size, step, half, causal, documents, block_size, dout, q, kv, out, lse,
+                                 scale, backend, dq, dkv)
+        if not direct:  # the block's dK/dV travel with it, one hop behind (Note [Zigzag ring attention])
+            if dkv_in_flight is not None:
+                comm_dkv.wait()
+                dkv.add_(dkv_in_flight)
+            dkv_in_flight = comm_dkv.neighbours(dkv)
+        elif step > 0:  # straight back to the block's owner; ours come from the ranks that saw it
             comm_dkv.wait()
-            dkv.add_(dkv_in_flight)
-        dkv_in_flight = comm_dkv.send_recv(dkv)
+            if dkv_in_flight is not None:
+                own_dkv.add_(dkv_in_flight)
+            seen_by = (rank + step) % size
+            dkv_in_flight = comm_dkv.exchange(
+                dkv, (rank - step) % size, own_dkv if documents.sees(seen_by, rank) else None, seen_by
+            )
         if step + 1 < size:
             comm_kv.wait()
             kv = next_kv
-    comm_dkv.wait()  # after the last hop, our own block's dK/dV, summed over the ring
+    comm_dkv.wait()  # the last transfer: our own block's dK/dV (the rest of its sum, when direct)
+    if direct:
+        if dkv_in_flight is not None:
+            own_dkv.add_(dkv_in_flight)
+        dkv_in_flight = own_dkv
     return dq.to(q.dtype), dkv_in_flight[0].to(k.dtype), dkv_in_flight[1].to(v.dtype)
+
+
+def _ring_block_forward(rank, size, step, causal, documents, block_size, q, kv, scale, backend, out, lse):
+    """Merge ring step ``step``'s block into (out, lse), the rank's float32 accumulators (None
+    before the first block)."""
+    half = q.shape[2] // 2
+    block = _ring_step_pieces(rank, size, step, q.shape[2], causal, documents, block_size)
+    if block is not None:
+        if out is None:  # rows start empty: merge_block takes a block's values into them
+            out = torch.zeros_like(q, dtype=kernels.accumulation_dtype(q))
+            lse = torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
+        pieces_forward(q, kv[0], kv[1], block, scale=scale, backend=backend, out=out, lse=lse)
+    elif step == 0:
+        block_out, lse = kernels.attention_forward(q, kv[0], kv[1], causal=causal, scale=scale, backend=backend)
+        out = block_out.to(kernels.accumulation_dtype(q))
+    elif not causal:
+        block_out, block_lse = kernels.attention_forward(q, kv[0], kv[1], causal=False, scale=scale, backend=backend)
+        kernels.merge_block(out, lse, block_out, block_lse)
+    elif step <= rank:  # block from an earlier rank: all q vs its first chunk
+        block_out, block_lse = kernels.attention_forward(
+            q, kv[0, :, :, :half], kv[1, :, :, :half], causal=False, scale=scale, backend=backend
+        )
+        kernels.merge_block(out, lse, block_out, block_lse)
+    else:  # block from a later rank: our late chunk vs all of it
+        block_out, block_lse = kernels.attention_forward(
+            q[:, :, half:], kv[0], kv[1], causal=False, scale=scale, backend=backend
+        )
+        kernels.merge_block(out[:, :, half:], lse[:, :, half:], block_out, block_lse)
+    return out, lse
+
+
+def _ring_block_backward(rank, size, step, half, causal, documents, block_size, dout, q, kv, out, lse, scale,
+                         backend, dq, dkv) -> None:
+    """Add ring step ``step``'s gradients to dq and dkv (the block's dK/dV) in place."""
+    block = _ring_step_pieces(rank, size, step, q.shape[2], causal, documents, block_size)
+    if block is not None:
+        pieces_backward(dout, q, kv[0], kv[1], out, lse, block, scale=scale, backend=backend, dq=dq,
+                        dk=dkv[0], dv=dkv[1])
+        return
+    if step == 0 or not causal:
+        grads = kernels.attention_backward(
+            dout, q, kv[0], kv[1], out, lse, causal=causal and step == 0, scale=scale, backend=backend
+        )
+        dq.add_(grads[0])
+        dkv[0].add_(grads[1])
+        dkv[1].add_(grads[2])
+    elif step <= rank:
+        grads = kernels.attention_backward(
+            dout, q, kv[0, :, :, :half], kv[1, :, :, :half], out, lse, causal=False, scale=scale, backend=backend,
+        )
+        dq.add_(grads[0])
+        dkv[0, :, :, :half].add_(grads[1])
+        dkv[1, :, :, :half].add_(grads[2])
+    else:
+        grads = kernels.attention_backward(
+            dout[:, :, half:], q[:, :, half:], kv[0], kv[1], out[:, :, half:], lse[:, :, half:],
+            causal=False, scale=scale, backend=backend,
+        )
+        dq[:, :, half:].add_(grads[0])
+        dkv[0].add_(grads[1])
+        dkv[1].add_(grads[2])
 
 
 def _ring_step_pieces(
@@ -284,7 +393,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(
-            RingComm(ctx.group, tag=0), RingComm(ctx.group, tag=1), dout, q, k, v, out, lse,
+            RingComm(ctx.group, tag=0), RingComm(ctx.group, tag=1, kind="ring dK/dV"), dout, q, k, v, out, lse,
             causal=ctx.causal, scale=ctx.scale, backend=ctx.backend, documents=ctx.documents,
             block_size=ctx.block_size,
         )
@@ -340,6 +449,7 @@ def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     b, h, s_local, d = x.shape
     send = x.reshape(b, cp, h // cp, s_local, d).transpose(0, 1).contiguous()  # (cp, B, H/cp, S/cp, D)
     recv = torch.empty_like(send)
+    _count("ulysses all-to-all", send.numel() * send.element_size() * (cp - 1) / cp)
     dist.all_to_all_single(recv, send, group=group)  # recv[j]: our heads, rank j's tokens
     chunks = recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, 2 * cp, s_local // 2, d)
     index = torch.tensor(_zigzag_to_natural(2 * cp), device=x.device)
@@ -355,6 +465,7 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     zigzag = chunks.index_select(2, index).reshape(b, h_local, cp, s // cp, d)
     send = zigzag.permute(2, 0, 1, 3, 4).contiguous()  # (cp, B, H/cp, S/cp, D): rank j's tokens
     recv = torch.empty_like(send)
+    _count("ulysses all-to-all", send.numel() * send.element_size() * (cp - 1) / cp)
     dist.all_to_all_single(recv, send, group=group)  # recv[j]: head group j, our tokens
     return recv.transpose(0, 1).reshape(b, cp * h_local, s // cp, d)
 
@@ -393,6 +504,7 @@ def gather_rows(kv: torch.Tensor, group: dist.ProcessGroup, documents: DocumentL
     """(2, B, Hkv, S/cp, D) local K/V -> (2, B, Hkv, L, D): every rank's, in row order."""
     cp = dist.get_world_size(group)
     gathered = kv.new_empty((cp * kv.shape[0], *kv.shape[1:]))
+    _count("allgather K/V", kv.numel() * kv.element_size() * (cp - 1))
     dist.all_gather_single(gathered, kv.contiguous(), group=group)
     gathered = gathered.unflatten(0, (cp, -1)).movedim(0, 3).flatten(3, 4)  # (2, B, Hkv, L, D), rank after rank
     return gathered.index_select(3, documents.row_order(kv.device))
@@ -405,6 +517,7 @@ def scatter_rows(dkv: torch.Tensor, group: dist.ProcessGroup, documents: Documen
     by_rank = dkv.index_select(3, documents.row_order(dkv.device, inverse=True))  # all-gather order
     send = by_rank.unflatten(3, (cp, -1)).movedim(3, 0).contiguous()  # (cp, 2, B, Hkv, S/cp, D)
     local = dkv.new_empty(send.shape[1:])
+    _count("allgather dK/dV", send.numel() * send.element_size() * (cp - 1) / cp)
     dist.reduce_scatter_single(local, send.flatten(0, 1), group=group)
     return local
 

@@ -582,13 +582,21 @@ class DocumentLayout:
         return [Chunk(0, rank * size, size), Chunk(size, (2 * self.cp_size - 1 - rank) * size, size)]
 
     def local_spans(self) -> list[list[Span]]:
-        """Spans of this rank's queries, in local (zigzag) order."""
+        """Spans of this rank's queries, in local order (zigzag, or ``local_rows``)."""
+        if self.local_rows is None:
+            return self.rank_spans(self.cp_rank)
         if "local" not in self._cache:
-            rows = self.local_rows.cpu() if self.local_rows is not None else torch.cat([
-                torch.arange(c.first, c.first + c.length) for c in self.zigzag_chunks(self.cp_rank)
-            ])
+            rows = self.local_rows.cpu()
             self._cache["local"] = spans(self.starts.cpu().index_select(1, rows), rows)
         return self._cache["local"]
+
+    def rank_spans(self, rank: int) -> list[list[Span]]:
+        """Spans of the queries of cp rank ``rank``'s zigzag chunks, in local order."""
+        key = ("spans", rank)
+        if key not in self._cache:
+            rows = torch.cat([torch.arange(c.first, c.first + c.length) for c in self.zigzag_chunks(rank)])
+            self._cache[key] = spans(self.starts.cpu().index_select(1, rows), rows)
+        return self._cache[key]
 
     def ring_pieces(self, source_rank: int) -> list[Piece]:
         """Pieces of this rank's queries against the K/V block of cp rank ``source_rank``."""
@@ -596,6 +604,21 @@ class DocumentLayout:
         if key not in self._cache:
             self._cache[key] = pieces(self.local_spans(), self.zigzag_chunks(source_rank))
         return self._cache[key]
+
+    def sees(self, receiver: int, source: int) -> bool:
+        """Whether a query of cp rank ``receiver`` (zigzag chunks, any batch row) sees a key of
+        rank ``source``'s: the ring sends only such blocks (Note [Ring transfers])."""
+        key = ("sees", receiver, source)
+        if key not in self._cache:
+            self._cache[key] = bool(pieces(self.rank_spans(receiver), self.zigzag_chunks(source)))
+        return self._cache[key]
+
+    def ring_dense(self) -> bool:
+        """Whether every rank sees every other rank's block: the ring then skips nothing."""
+        if "dense" not in self._cache:
+            ranks = range(self.cp_size)
+            self._cache["dense"] = all(self.sees(r, s) for r in ranks for s in ranks)
+        return self._cache["dense"]
 
     def gathered_pieces(self) -> list[Piece]:
         """Pieces of this rank's queries against the whole row in row order (the all-gather)."""

@@ -8,6 +8,7 @@ checks that this reference is indeed every document run on its own.
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import torch
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 from fsdp_checks import check_cp_against_reference, tiny_model
-from llama_cp import ParallelDims
+from llama_cp import ParallelDims, apply_context_parallel, shard_batch
+from llama_cp.cp_attention import wire_bytes
 from llama_cp.sharding import SEQ_INDEX
 
 VOCAB, SEQ_LEN = 96, 96  # 96 is a multiple of 2 x cp for cp 1, 2, 3 and 4
@@ -42,24 +44,29 @@ def packed_batch(seed: int = 3) -> tuple[dict[str, torch.Tensor], list[list[int]
     every document, labels pre-shifted within each document (-100 at its last token) with a
     few more ignored. Returns (batch, document lengths per row)."""
     g = torch.Generator().manual_seed(seed)
-    rows = len(DOCUMENTS_PER_ROW)
-    input_ids = torch.randint(3, VOCAB, (rows, SEQ_LEN), generator=g)
+    input_ids = torch.randint(3, VOCAB, (len(DOCUMENTS_PER_ROW), SEQ_LEN), generator=g)
+    all_lengths = [document_lengths(count, g) for count in DOCUMENTS_PER_ROW]
+    for lengths, count in zip(all_lengths, DOCUMENTS_PER_ROW):
+        assert sum(lengths) == SEQ_LEN and len(lengths) == count, lengths
+    batch = documents_batch(input_ids, all_lengths)
+    batch["labels"][0, :4] = -100
+    batch["labels"][2, 10:13] = -100
+    return batch, all_lengths
+
+
+def documents_batch(input_ids: torch.Tensor, all_lengths: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Rows of ``input_ids`` packed with documents of the given lengths: position_ids restarting
+    at every document (a one-document row continues one, from 3), labels shifted within each."""
     labels = torch.full_like(input_ids, -100)
     position_ids = torch.empty_like(input_ids)
-    all_lengths = []
-    for row, count in enumerate(DOCUMENTS_PER_ROW):
-        lengths = document_lengths(count, g)
-        assert sum(lengths) == SEQ_LEN and len(lengths) == count, lengths
-        all_lengths.append(lengths)
+    for row, lengths in enumerate(all_lengths):
         start = 0
-        for index, length in enumerate(lengths):
-            first = 3 if count == 1 else 0  # the one-document row continues a document
+        for length in lengths:
+            first = 3 if len(lengths) == 1 else 0
             position_ids[row, start : start + length] = torch.arange(first, first + length)
             labels[row, start : start + length - 1] = input_ids[row, start + 1 : start + length]
             start += length
-    labels[0, :4] = -100
-    labels[2, 10:13] = -100
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}, all_lengths
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
 def reference_forward(model, batch):
@@ -114,3 +121,60 @@ def check_documents(strategy: str, mesh, sharded: bool, dtype: torch.dtype, use_
 
 def mesh_for(cp: int, world_size: int):
     return ParallelDims(dp_shard=world_size // cp, cp=cp).build_mesh("cpu")
+
+
+#: short documents that mostly stay inside the zigzag chunks (12 tokens at cp 4, 24 at cp 2),
+#: so a rank's queries see nothing of most other ranks' blocks (Note [Ring transfers])
+SPARSE_LENGTHS = [[12, 18, 6, 12, 24, 12, 12], [24, 12, 36, 24]]
+
+
+def sparse_batch():
+    tokens = torch.randint(3, VOCAB, (len(SPARSE_LENGTHS), SEQ_LEN), generator=torch.Generator().manual_seed(5))
+    return documents_batch(tokens, SPARSE_LENGTHS)
+
+
+def seen_blocks(cp: int) -> torch.Tensor:
+    """(cp, cp) bool, from the dense (L, L) masks of SPARSE_LENGTHS: [t, s] whether a query of
+    zigzag rank t sees a key of rank s in some row."""
+    chunk = torch.arange(SEQ_LEN) // (SEQ_LEN // (2 * cp))
+    owner = torch.where(chunk < cp, chunk, 2 * cp - 1 - chunk)
+    seen = torch.zeros(cp, cp, dtype=torch.bool)
+    for lengths in SPARSE_LENGTHS:
+        document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        mask = (document[:, None] == document[None, :]) & torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril()
+        for t in range(cp):
+            for s in range(cp):
+                seen[t, s] |= bool(mask[owner == t][:, owner == s].any())
+    return seen
+
+
+def one_step_wire_bytes(strategy: str, mesh, dtype: torch.dtype, data):
+    """What this rank sends in one forward + backward of the tiny model, its config and cp rank."""
+    model = apply_context_parallel(tiny_model(**HEADS).to(dtype), mesh["cp"], strategy=strategy)
+    local = shard_batch(data, mesh["cp"], layout="documents" if strategy == "allgather" else "zigzag")
+    extra = {"seq_index": local["seq_index"]} if strategy == "allgather" else {}
+    with wire_bytes() as meter:
+        model(input_ids=local["input_ids"], position_ids=local["position_ids"], **extra).logits.sum().backward()
+    return meter.sent, model.config, mesh["cp"].get_local_rank()
+
+
+def shard_bytes(config, dtype: torch.dtype, heads: int, cp: int) -> int:
+    """Bytes of one (B, heads, L / cp, head_dim) shard of the test batch."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return len(SPARSE_LENGTHS) * heads * (SEQ_LEN // cp) * head_dim * dtype.itemsize
+
+
+def check_ring_skips(cp: int, world_size: int, dtype: torch.dtype):
+    """Exact, and a block goes only to the ranks that see it: K/V in forward and again in
+    backward, and each rank's share of a block's dK/dV (float32, float64 for float64) straight
+    back to its owner; the counts follow the dense masks."""
+    mesh = mesh_for(cp, world_size)
+    check_documents("ring", mesh, False, dtype, data=sparse_batch())
+    sent, config, rank = one_step_wire_bytes("ring", mesh, dtype, sparse_batch())
+    seen = seen_blocks(cp)
+    assert not bool(seen.all())  # some transfers are skipped
+    kv = 2 * shard_bytes(config, dtype, config.num_key_value_heads, cp)
+    sends, receives = int(seen[:, rank].sum()) - 1, int(seen[rank].sum()) - 1
+    layers = config.num_hidden_layers
+    assert sent == collections.Counter({"ring K/V": 2 * layers * sends * kv, "ring dK/dV": layers * receives * kv}), (
+        sent, seen)

@@ -9,6 +9,7 @@ cp 2 and 4, plain in both dtypes, FSDP and LoRA once each, and one-document rows
 cp 3 runs in ``test_documents_cp3.py`` (world 3).
 """
 
+import collections
 import copy
 import functools
 import re
@@ -18,7 +19,8 @@ import torch
 
 from dist_harness import Checks
 from document_checks import (
-    HEADS, check_documents, mesh_for, one_document_batch, packed_batch, reference_forward, shard_randomly,
+    HEADS, check_documents, check_ring_skips, mesh_for, one_document_batch, one_step_wire_bytes, packed_batch,
+    reference_forward, shard_bytes, shard_randomly,
 )
 from fsdp_checks import tiny_model
 from llama_cp import apply_context_parallel, shard_batch, unshard
@@ -130,6 +132,33 @@ def position_ids_are_required_under_cp():
     local = shard_batch(packed_batch()[0], mesh["cp"])
     with pytest.raises(ValueError, match="without position_ids.*llama_cp.shard_batch"):
         model(input_ids=local["input_ids"])
+
+
+for _cp in (2, 4):
+    for _dtype in (torch.float32, torch.float64):
+        checks.add(functools.partial(check_ring_skips, _cp, WORLD_SIZE, _dtype),
+                   name=f"ring_skips_blocks_no_query_sees_cp{_cp}_{str(_dtype)[6:]}")
+
+
+@checks.add
+def wire_bytes_match_the_formulas_cp4():
+    """Dense rows (packed_batch has a one-document row): the ring sends cp - 1 K/V blocks per
+    pass and cp float32 dK/dV hops; Ulysses all-to-alls q, k, v and out (and their gradients)
+    with (cp - 1) / cp leaving the rank; all-gather sends its K/V shard to cp - 1 ranks per pass
+    and reduce-scatters the row's float32 dK/dV."""
+    cp, dtype = 4, torch.float32
+    data = packed_batch()[0]
+    data = {key: value[:2] for key, value in data.items()}  # as many rows as SPARSE_LENGTHS
+    sent, config, _ = one_step_wire_bytes("ring", mesh_for(cp, WORLD_SIZE), dtype, data)
+    layers, heads, kv_heads = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
+    kv = 2 * shard_bytes(config, dtype, kv_heads, cp)
+    assert sent == collections.Counter({"ring K/V": 2 * layers * (cp - 1) * kv, "ring dK/dV": layers * cp * kv})
+    sent, *_ = one_step_wire_bytes("ulysses", mesh_for(cp, WORLD_SIZE), dtype, data)
+    per_pass = shard_bytes(config, dtype, 2 * heads + 2 * kv_heads, cp) * (cp - 1) // cp  # q, out, k, v
+    assert sent == collections.Counter({"ulysses all-to-all": 2 * layers * per_pass})
+    sent, *_ = one_step_wire_bytes("allgather", mesh_for(cp, WORLD_SIZE), dtype, data)
+    assert sent == collections.Counter({"allgather K/V": 2 * layers * (cp - 1) * kv,
+                                        "allgather dK/dV": layers * (cp - 1) * kv})
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)

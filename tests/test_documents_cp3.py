@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist_harness import Checks
-from document_checks import check_documents, mesh_for
+from document_checks import check_documents, check_ring_skips, mesh_for
 
 WORLD_SIZE = 3
 checks = Checks()
@@ -26,6 +26,9 @@ for _dtype in (torch.float32, torch.float64):
         functools.partial(lambda d: check_documents("allgather", mesh_for(3, WORLD_SIZE), False, d), _dtype),
         name=f"allgather_cp3_plain_{str(_dtype)[6:]}",
     )
+for _dtype in (torch.float32, torch.float64):
+    checks.add(functools.partial(check_ring_skips, 3, WORLD_SIZE, _dtype),
+               name=f"ring_skips_blocks_no_query_sees_cp3_{str(_dtype)[6:]}")
 
 results = checks.module_fixture(__name__, WORLD_SIZE)
 
