@@ -20,6 +20,11 @@ cp rank, summed over the ring's steps, as the per-piece path makes them (CPU bac
 the varlen path does (flash_attn, sdpa_flash; Note [Varlen document calls] in
 ``llama_cp/documents.py``), with the default 16384-token attention blocks and untiled.
 
+``bytes`` prints the bytes each cp rank sends per training step (forward + backward of every
+layer) for each strategy on packed rows of each mix, from the formulas of Note [Ring
+transfers] in ``llama_cp/cp_attention.py`` for Llama-3-8B shapes (bf16, float32 dK/dV), and
+checks them on real gloo runs of the embedded Llama (4 ranks, cp 4, ``wire_bytes()``).
+
 ``speed`` runs one forward+backward step of the embedded Llama with a cross-entropy
 loss on one row (batch 1, fp32), at cp 1 (each of the 2 ranks holds the whole row)
 and cp 2 (ring, Ulysses and all-gather on document shards), for a one-document row and for a packed row of the
@@ -147,6 +152,90 @@ def calls(mix: str = "chat", seq_len: int = 131072, cps: str | int | tuple = "1,
                   f"| {before / after:.0f}x |")
 
 
+#: Llama-3-8B attention shapes for the bytes table
+LLAMA3_8B = dict(layers=32, heads=32, kv_heads=8, head_dim=128, itemsize=2)
+STRATEGIES = ("ring, every block", "ring", "ulysses", "allgather")
+
+
+def step_bytes(strategy: str, starts: torch.Tensor, cp: int, *, layers: int, heads: int, kv_heads: int,
+               head_dim: int, itemsize: int, acc_itemsize: int = 4) -> torch.Tensor:
+    """(cp,) bytes each rank sends in one forward + backward of (B, L) rows with document
+    ``starts``; "ring, every block" is the neighbour ring without skipping."""
+    batch, seq_len = starts.shape
+    shard = batch * (seq_len // cp) * head_dim  # elements of one head of a rank's shard
+    kv, dkv = 2 * kv_heads * shard * itemsize, 2 * kv_heads * shard * acc_itemsize
+    ranks = torch.arange(cp)
+    if strategy == "ulysses":
+        repeat = cp // math.gcd(kv_heads, cp)
+        per_rank = 2 * (2 * heads + 2 * kv_heads * repeat) * shard * itemsize * (cp - 1) // cp
+    elif strategy == "allgather":
+        per_rank = (cp - 1) * (2 * kv + dkv)
+    else:
+        layout = DocumentLayout(starts, cp_size=cp)
+        if strategy == "ring, every block" or layout.ring_dense():
+            per_rank = 2 * (cp - 1) * kv + cp * dkv
+        else:
+            sends = torch.tensor([sum(layout.sees(t, r) for t in range(cp) if t != r) for r in range(cp)])
+            receives = torch.tensor([sum(layout.sees(r, s) for s in range(cp) if s != r) for r in range(cp)])
+            return layers * (2 * sends * kv + receives * dkv)
+    return layers * torch.full_like(ranks, per_rank)
+
+
+def bytes(seq_len: int = 131072, cps: str | int | tuple = "2,4,8", rows: int = 16, check_seq_len: int = 4096) -> None:
+    """Print bytes sent per rank per step (markdown), then check the formulas on 4 gloo ranks."""
+    print(f"Llama-3-8B shapes, {seq_len} tokens per row, GiB sent per rank per step (mean over ranks and "
+          f"{rows} rows; busiest rank in brackets):\n")
+    print("| mix | cp | " + " | ".join(STRATEGIES) + " |")
+    print("|---|---:|" + "---:|" * len(STRATEGIES))
+    for mix in MIXES:
+        starts = document_starts(packed_positions(mix, seq_len, rows))
+        for cp in _ints(cps):
+            cells = []
+            for strategy in STRATEGIES:
+                sent = torch.stack([step_bytes(strategy, starts[r : r + 1], cp, **LLAMA3_8B) for r in range(rows)])
+                sent = sent.double() / 2**30
+                cells.append(f"{float(sent.mean()):.2f} ({float(sent.max(1).values.mean()):.2f})")
+            print(f"| {mix} | {cp} | " + " | ".join(cells) + " |")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_bytes_worker, args=(free_port(), check_seq_len), nprocs=4, start_method="spawn")
+
+
+def _bytes_worker(rank: int, port: int, seq_len: int) -> None:
+    from llama_cp.cp_attention import wire_bytes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    mesh = ParallelDims(cp=4).build_mesh("cpu")["cp"]
+    config = embedded_llama_config()
+    shapes = dict(layers=config.num_hidden_layers, heads=config.num_attention_heads,
+                  kv_heads=config.num_key_value_heads, itemsize=4,
+                  head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    lines = []
+    for mix in MIXES:
+        positions = packed_positions(mix, seq_len, 1, seed=1)
+        input_ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+        full = {"input_ids": input_ids, "labels": torch.roll(input_ids, -1, 1), "position_ids": positions}
+        for strategy in STRATEGIES[1:]:
+            torch.manual_seed(0)
+            model = apply_context_parallel(LlamaForCausalLM(config), mesh, strategy=strategy)
+            batch = shard_batch(full, mesh, layout="documents" if strategy == "allgather" else "zigzag")
+            with wire_bytes() as meter:
+                _step(model, batch)
+            measured = torch.tensor([sum(meter.sent.values())], dtype=torch.float64)
+            every = [torch.zeros_like(measured) for _ in range(4)]
+            dist.all_gather(every, measured)
+            formula = step_bytes(strategy, document_starts(positions), 4, **shapes)
+            lines.append(f"| {mix} | {strategy} | {' / '.join(str(int(x)) for x in torch.cat(every))} | "
+                         f"{' / '.join(str(int(x)) for x in formula)} |")
+    if rank == 0:
+        print(f"\nChecked on 4 gloo ranks (cp 4, the embedded Llama in fp32, {seq_len} tokens), bytes per rank "
+              "(ranks 0 / 1 / 2 / 3):\n")
+        print("| mix | strategy | measured | formula |")
+        print("|---|---|---|---|")
+        print("\n".join(lines))
+    dist.destroy_process_group()
+
+
 def _step(model, batch):
     extra = {SEQ_INDEX: batch[SEQ_INDEX]} if SEQ_INDEX in batch else {}
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **extra).logits
@@ -203,4 +292,4 @@ def _ints(value) -> list[int]:
 
 
 if __name__ == "__main__":
-    fire.Fire({"balance": balance, "calls": calls, "speed": speed})
+    fire.Fire({"balance": balance, "calls": calls, "bytes": bytes, "speed": speed})

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from llama_cp.config import TrainConfig
-from llama_cp.cp_attention import apply_context_parallel
+from llama_cp.cp_attention import apply_context_parallel, choose_strategy
+from llama_cp.data import PASSKEY
 from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, shard_model
 from llama_cp.kernels import check_backend
 from llama_cp.loss import enable_chunked_loss
@@ -85,10 +86,11 @@ def parallelize_model(
     if frozen_dtype is not None and cast_frozen_parameters(model, frozen_dtype) and param_dtype is None:
         param_dtype = torch.float32  # compute in the trainable dtype: frozen weights are cast when gathered
     backend = attention_backend or cfg.model.attention_backend
+    strategy, ulysses_degree = cp_strategy(cfg, model.config)
     apply_context_parallel(
-        model, mesh["cp"], strategy=cfg.parallel.cp_strategy, max_seq_len=cfg.data.context_length,
+        model, mesh["cp"], strategy=strategy, max_seq_len=cfg.data.context_length,
         document_mask=cfg.data.document_mask, backend=None if backend == "auto" else backend,
-        block_size=cfg.model.attention_block_size,
+        block_size=cfg.model.attention_block_size, ulysses_degree=ulysses_degree,
     )
     enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
     if cfg.model.mlp_tile_size:
@@ -100,6 +102,16 @@ def parallelize_model(
         offload_checkpoints=cfg.model.offload_checkpoints,
     )
     return model
+
+
+def cp_strategy(cfg: TrainConfig, config) -> tuple[str, int]:
+    """(strategy, ulysses_degree) of a run: --cp_strategy and --ulysses_degree, or what ``auto``
+    picks for ``config``'s heads (Note [Choosing a strategy] in ``llama_cp/cp_attention.py``)."""
+    p = cfg.parallel
+    if p.cp_strategy != "auto":
+        return p.cp_strategy, p.ulysses_degree
+    packed = cfg.data.document_mask and cfg.data.dataset != PASSKEY  # files and hub datasets are packed
+    return choose_strategy(config.num_attention_heads, p.cp, packed)
 
 
 def check_attention_backend(cfg: TrainConfig, config, device_type: str) -> None:

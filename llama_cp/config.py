@@ -63,18 +63,24 @@ class ParallelConfig:
     """FSDP shards per replica; -1 = the rest of the world size."""
     cp: int = 1
     """Context-parallel degree: ranks that split one sequence."""
-    cp_strategy: Literal["ring", "ulysses", "allgather"] = "ring"
-    """ring (any head count), ulysses (num_attention_heads % cp == 0), or allgather (K/V gathered, rows sharded by their documents: balanced packed rows)."""
+    cp_strategy: Literal["ring", "ulysses", "allgather", "hybrid", "auto"] = "ring"
+    """ring (any head count), ulysses (num_attention_heads % cp == 0), allgather (K/V gathered, rows sharded by their documents: balanced packed rows), hybrid (Ulysses inside groups of --ulysses_degree ranks, ring across them: cp beyond the head count), or auto (picked from heads, cp and packing; logged)."""
+    ulysses_degree: int = 0
+    """--cp_strategy hybrid: consecutive cp ranks that split heads (Ulysses; usually the GPUs of a node); must divide --cp and num_attention_heads. 0 = unset."""
 
     def check(self, context_length: int, world_size: int | None = None) -> None:
         """ValueError naming every parallel rule broken, in one message: --context_length a
         multiple of 2 x cp, and (when ``world_size`` is known) the degrees multiplying to it;
         a single process asked for more is told how to launch them."""
+        from llama_cp.cp_attention import check_ulysses_degree
+
         problems = []
-        try:
-            check_context_length(context_length, self.cp)
-        except ValueError as error:
-            problems.append(str(error))
+        for check in (lambda: check_context_length(context_length, self.cp),
+                      lambda: check_ulysses_degree(self.cp_strategy, self.ulysses_degree, self.cp)):
+            try:
+                check()
+            except ValueError as error:
+                problems.append(str(error))
         if world_size is not None:
             try:
                 self.dims(world_size)

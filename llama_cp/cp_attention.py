@@ -77,6 +77,48 @@ the batch is sharded by Note [Document-aware sharding] (``sharding.py``) so that
 packed rows are balanced too, and the batch's ``seq_index`` says which rows a
 rank holds (absent: the zigzag layout).
 
+Note [Hybrid attention]
+-----------------------
+
+Ulysses needs heads % cp == 0, so with 32 heads it stops at cp 32, and its
+all-to-all spans the whole cp group (across nodes, where links are slow). The
+hybrid strategy (USP's idea) splits cp = u x r: Ulysses inside groups of u
+consecutive cp ranks (``--ulysses_degree u``, usually a node), the ring across
+the r groups. No new layout is needed: under the zigzag layout of cp, the u
+ranks of group j hold exactly the two ring chunks j and 2r-1-j of the zigzag of
+r, each rank two of their 2u sub-chunks in the zigzag order of u (cp 4, u 2,
+r 2; 8 sub-chunks, ring chunks of 2):
+
+    sub-chunk:    0    1    2    3    4    5    6    7
+    cp rank:      0    1    2    3    3    2    1    0
+    ring chunk:   0         1         1'        0'        (group 0 = ranks 0, 1 holds 0 and 0')
+
+So Ulysses' own all-to-all (``_seq_to_heads`` over the group of u) leaves each
+rank with heads / u heads of its group's two ring chunks in order, which is the
+ring's local layout for ring rank j of r; the ring runs over the outer group (the
+cp ranks with the same place in their groups) with that layout, documents
+included, and the inverse all-to-all returns the output. u = cp is Ulysses,
+u = 1 the ring. Needs heads % u == 0 (KV heads are repeated as Ulysses does).
+
+Note [Choosing a strategy]
+--------------------------
+
+``--cp_strategy auto`` (``choose_strategy``) decides from the heads, cp and
+whether rows are packed (a file or hub dataset with --document_mask):
+
+- packed rows: allgather. Document-aware sharding makes the ranks' step work
+  equal within 0.2% where the zigzag layout leaves the busiest rank of the
+  worst row up to 59% over the mean at cp 8 (docs/benchmarks.md, balance), and
+  with GQA its bytes per step are below the un-skipped ring's (bytes table).
+- one document per row and heads % cp == 0: Ulysses, the fewest bytes per step
+  (7.5 GiB for Llama-3-8B at 131K tokens and cp 4, against 14 for the ring and
+  12 for allgather; docs/benchmarks.md) in one all-to-all round per tensor.
+- otherwise hybrid with u = gcd(heads, cp) when that is > 1, else the ring.
+
+The basis is the bytes counted and the CPU step times in docs/benchmarks.md; no
+GPU has measured it yet, and a GPU's overlap of the ring's transfers with its
+compute may favour the ring over what bytes alone say.
+
 Packed documents (position_ids that restart) change only which pairs each block
 computes: see Note [Document masks under CP] in ``llama_cp/documents.py``. A
 step's block longer than ``block_size`` is computed in tiles: Note [Tiled
@@ -106,8 +148,8 @@ from llama_cp.kernels import Backend
 from llama_cp.models import base_causal_lm
 from llama_cp.sharding import SEQ_INDEX, check_attention_mask, unshard, zigzag_index
 
-Strategy = Literal["ring", "ulysses", "allgather"]
-STRATEGIES: tuple[str, ...] = ("ring", "ulysses", "allgather")
+Strategy = Literal["ring", "ulysses", "allgather", "hybrid"]
+STRATEGIES: tuple[str, ...] = ("ring", "ulysses", "allgather", "hybrid")
 
 #: Name under which the attention function is registered with transformers.
 ATTENTION_NAME = "llama_cp"
@@ -569,6 +611,75 @@ class _AllGatherAttention(torch.autograd.Function):
         return *grads, None, None, None, None, None
 
 
+# ---------------------------------------------------------------- hybrid
+def check_ulysses_degree(strategy: str, ulysses_degree: int, cp: int, heads: int | None = None) -> None:
+    """One line naming --ulysses_degree and the fix unless it fits ``strategy``, cp and the heads."""
+    if strategy != "hybrid":
+        if ulysses_degree:
+            raise ValueError(f"--ulysses_degree {ulysses_degree} is only read by --cp_strategy hybrid (got "
+                             f"{strategy!r}): add --cp_strategy hybrid or drop --ulysses_degree")
+        return
+    if ulysses_degree < 1 or cp % ulysses_degree:
+        raise ValueError(f"--cp_strategy hybrid needs --ulysses_degree, a divisor of --cp {cp} (the Ulysses ranks "
+                         f"inside each ring rank), got {ulysses_degree}")
+    if heads is not None and heads % ulysses_degree:
+        raise ValueError(f"--ulysses_degree {ulysses_degree} must divide num_attention_heads ({heads}): choose a "
+                         f"common divisor of {heads} and --cp {cp}")
+
+
+_HYBRID_GROUPS: dict = {}
+
+
+def hybrid_groups(group: dist.ProcessGroup, ulysses_degree: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(inner, outer) sub-groups of cp group ``group`` for Note [Hybrid attention]: inner, the
+    ``ulysses_degree`` consecutive cp ranks of this rank; outer, every ``ulysses_degree``-th.
+    Collective over the default group (new groups are made for every cp group), cached."""
+    key = (tuple(dist.get_process_group_ranks(group)), ulysses_degree)
+    if key not in _HYBRID_GROUPS:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, key[0])
+        u, me, found = ulysses_degree, dist.get_rank(), {}
+        for ranks in sorted(set(map(tuple, every))):  # the same new_group calls, in the same order, everywhere
+            for kind, members in [*(("inner", ranks[j : j + u]) for j in range(0, len(ranks), u)),
+                                  *(("outer", ranks[i::u]) for i in range(u))]:
+                new = dist.new_group(list(members))
+                if me in members:
+                    found[kind] = new
+        _HYBRID_GROUPS[key] = (found["inner"], found["outer"])
+    return _HYBRID_GROUPS[key]
+
+
+def hybrid_attention(
+    q, k, v, inner: dist.ProcessGroup, outer: dist.ProcessGroup, *, causal: bool, scale: float,
+    backend: Backend | None = None, documents: DocumentLayout | None = None, block_size: int = 0,
+):
+    """Ulysses over ``inner``, then the ring over ``outer`` (Note [Hybrid attention]); q: (B, H,
+    S/cp, D), k/v: (B, Hkv, S/cp, D) zigzag shards of the cp group. ``documents``: the layout of
+    the outer ring (``cp_size`` its size). Differentiable."""
+    u = dist.get_world_size(inner)
+    kv_repeat = u // math.gcd(k.shape[1], u)
+    k, v = kernels._expand_kv(k, kv_repeat), kernels._expand_kv(v, kv_repeat)
+    q, k, v = (_AllToAll.apply(t, inner, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
+    if dist.get_world_size(outer) == 1:  # u = cp: Ulysses
+        block = None if documents is None else documents.ring_pieces(0)
+        out = local_attention(q, k, v, causal=causal, scale=scale, backend=backend, block_size=block_size, block=block)
+    else:
+        out = _RingAttention.apply(q, k, v, outer, causal, scale, backend, documents, block_size)
+    return _AllToAll.apply(out, inner, _heads_to_seq, _seq_to_heads)
+
+
+def choose_strategy(heads: int, cp: int, packed: bool) -> tuple[Strategy, int]:
+    """``--cp_strategy auto``: (strategy, ulysses_degree) by Note [Choosing a strategy]."""
+    if cp == 1:
+        return "ring", 0
+    if packed:
+        return "allgather", 0
+    if heads % cp == 0:
+        return "ulysses", 0
+    u = math.gcd(heads, cp)
+    return ("hybrid", u) if u > 1 else ("ring", 0)
+
+
 # ---------------------------------------------------------------- HF binding
 @dataclass(frozen=True)
 class ContextParallelAttention:
@@ -580,6 +691,9 @@ class ContextParallelAttention:
     document_mask: bool = True
     #: tokens per query block and per key block of every local kernel call; 0: one call per block
     block_size: int = 0
+    #: hybrid: the Ulysses and the ring sub-groups of ``group`` (Note [Hybrid attention])
+    inner: dist.ProcessGroup | None = None
+    outer: dist.ProcessGroup | None = None
 
     @property
     def cp_size(self) -> int:
@@ -608,8 +722,10 @@ class ContextParallelAttention:
         starts = document_starts(unshard(position_ids, self.group))
         if not bool(starts.any()):
             return None
-        rank = 0 if self.group is None else dist.get_rank(self.group)
-        return DocumentLayout(starts, cp_rank=rank, cp_size=self.cp_size)
+        rank, size = (0, 1) if self.group is None else (dist.get_rank(self.group), self.cp_size)
+        if self.strategy == "hybrid":  # the outer ring's layout: its ranks hold the ring's zigzag chunks
+            rank, size = dist.get_rank(self.outer), dist.get_world_size(self.outer)
+        return DocumentLayout(starts, cp_rank=rank, cp_size=size)
 
     def __call__(
         self, q, k, v, *, causal: bool, scale: float | None, documents: DocumentLayout | None = None
@@ -635,6 +751,11 @@ class ContextParallelAttention:
                     "shard the batch with llama_cp.shard_batch"
                 )
             return _RingAttention.apply(q, k, v, self.group, causal, scale, self.backend, documents, self.block_size)
+        if self.strategy == "hybrid":
+            return hybrid_attention(
+                q, k, v, self.inner, self.outer, causal=causal, scale=scale, backend=self.backend,
+                documents=documents, block_size=self.block_size,
+            )
         return ulysses_attention(
             q, k, v, self.group, causal=causal, scale=scale, backend=self.backend, documents=documents,
             block_size=self.block_size,
@@ -773,6 +894,7 @@ def apply_context_parallel(
     max_seq_len: int | None = None,
     document_mask: bool = True,
     block_size: int = 0,
+    ulysses_degree: int = 0,
 ) -> nn.Module:
     """Make every attention layer of an HF Llama-family ``model`` context-parallel over ``cp_mesh``.
 
@@ -795,6 +917,9 @@ def apply_context_parallel(
     ``max_seq_len``, the longest global sequence to come, lets a sliding window be
     checked now rather than at the first forward. A padding attention mask is refused
     when the model is called.
+
+    ``strategy="hybrid"``: Ulysses inside groups of ``ulysses_degree`` consecutive cp ranks,
+    the ring across them (Note [Hybrid attention]); the batch keeps the zigzag layout.
     """
     from transformers import AttentionInterface
 
@@ -815,13 +940,17 @@ def apply_context_parallel(
             f"cp_strategy='ulysses' needs num_attention_heads ({heads}) divisible by cp ({cp}); "
             f"use cp_strategy='ring' or a cp that divides {heads}"
         )
+    check_ulysses_degree(strategy, ulysses_degree, cp, heads)
     layers = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "o_proj") and hasattr(m, "config")]
     if not layers:
         raise ValueError(f"found no attention layers (modules with q_proj and o_proj) in {type(model).__name__}")
 
+    inner = outer = None
+    if strategy == "hybrid" and cp > 1:
+        inner, outer = hybrid_groups(group, ulysses_degree)
     attention = ContextParallelAttention(
         group=group if cp > 1 else None, strategy=strategy, backend=backend, document_mask=document_mask,
-        block_size=block_size,
+        block_size=block_size, inner=inner, outer=outer,
     )
     decoder = base_causal_lm(model).get_decoder()
     for module in (*layers, decoder):

@@ -120,7 +120,7 @@ from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from llama_cp.build import parallelize_model
+from llama_cp.build import cp_strategy, parallelize_model
 from llama_cp.config import TrainConfig
 from llama_cp.kernel_workspace import MODELLED, ModelledBackend
 from llama_cp.kernels import BACKENDS, backend_problem, check_backend
@@ -376,7 +376,14 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
     p, o = cfg.parallel, cfg.optim
     if cfg.model.activation_offload:
         raise ValueError("the planner does not model --activation_offload (saved activations in host memory)")
-    if p.cp > 1 and p.cp_strategy == "allgather":
+    strategy, _ = cp_strategy(cfg, config)
+    if p.cp > 1 and strategy == "hybrid":
+        raise ValueError(
+            f"the planner does not model --cp_strategy hybrid{' (what auto picks here)' if p.cp_strategy == 'auto' else ''}:"
+            " plan with --cp_strategy ring and --cp_strategy ulysses at the same --cp; hybrid's attention buffers "
+            "lie between them"
+        )
+    if p.cp > 1 and strategy == "allgather":
         raise ValueError(
             "the planner cannot simulate --cp_strategy allgather: its layout reads which rows each rank holds, "
             "which fake tensors do not have; plan with --cp_strategy ring and add, per rank, the row's K/V of "

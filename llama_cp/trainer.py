@@ -187,6 +187,12 @@ class Trainer:
         self.model_path = model_path(cfg.model.model_name)
         self.tokenizer = self._build_tokenizer()
         self.model = self._build_model()
+        from llama_cp.build import cp_strategy
+
+        self.cp_strategy, ulysses_degree = cp_strategy(cfg, self.model.config)
+        if cfg.parallel.cp_strategy == "auto" and cfg.parallel.cp > 1:
+            extra = f" --ulysses_degree {ulysses_degree}" if ulysses_degree else ""
+            self._say(f"--cp_strategy auto: {self.cp_strategy}{extra} (Note [Choosing a strategy])")
         self._start_flops_count()
         self.optimizer = self._build_optimizer()
         self._build_data()  # the schedule needs total_steps
@@ -277,7 +283,7 @@ class Trainer:
 
     # ------------------------------------------------------------ loop
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        layout = "documents" if self.cfg.parallel.cp_strategy == "allgather" else "zigzag"
+        layout = "documents" if self.cp_strategy == "allgather" else "zigzag"
         local = shard_batch(batch, self.mesh["cp"], layout=layout)
         return {k: v.to(self.device) for k, v in local.items()}
 

@@ -102,7 +102,8 @@ def shard_randomly(batch, cp_mesh):
 
 
 def check_documents(strategy: str, mesh, sharded: bool, dtype: torch.dtype, use_lora: bool = False, *,
-                    data: dict[str, torch.Tensor] | None = None, shard=None, block_size: int = 0):
+                    data: dict[str, torch.Tensor] | None = None, shard=None, block_size: int = 0,
+                    ulysses_degree: int = 0):
     """Logits, loss and every gradient of packed rows (or ``data``) under CP equal single-process
     transformers; ``shard``: how the batch is sharded (default: the strategy's layout);
     ``block_size``: the attention's tiles (Note [Tiled attention])."""
@@ -116,7 +117,8 @@ def check_documents(strategy: str, mesh, sharded: bool, dtype: torch.dtype, use_
     ref_loss.backward()
 
     check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mesh, strategy=strategy,
-                               sharded=sharded, tol=tol, max_seq_len=SEQ_LEN, shard=shard, block_size=block_size)
+                               sharded=sharded, tol=tol, max_seq_len=SEQ_LEN, shard=shard, block_size=block_size,
+                               ulysses_degree=ulysses_degree)
 
 
 def mesh_for(cp: int, world_size: int):

@@ -120,7 +120,8 @@ def check_one_step(dims_kwargs: dict, strategy: str = "ring", offload: bool = Fa
 
 
 def check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mesh, *, strategy: str, sharded: bool,
-                               tol: dict, max_seq_len: int, shard=None, block_size: int = 0) -> None:
+                               tol: dict, max_seq_len: int, shard=None, block_size: int = 0,
+                               ulysses_degree: int = 0) -> None:
     """Make ``model`` (a copy of ``reference``, whose gradients of ``ref_loss`` are computed)
     context-parallel over ``mesh`` (and FSDP-sharded when ``sharded``), then check its logits,
     chunked loss and every gradient of the trainable parameters against the reference's;
@@ -130,7 +131,8 @@ def check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mes
     if shard is None:
         layout = "documents" if strategy == "allgather" else "zigzag"
         shard = functools.partial(shard_batch, layout=layout)
-    apply_context_parallel(model, mesh["cp"], strategy=strategy, max_seq_len=max_seq_len, block_size=block_size)
+    apply_context_parallel(model, mesh["cp"], strategy=strategy, max_seq_len=max_seq_len, block_size=block_size,
+                           ulysses_degree=ulysses_degree)
     enable_chunked_loss(model, chunk_size=7)  # several chunks with a ragged last one
     if sharded:
         shard_model(model, mesh, param_dtype=None, reduce_dtype=None)

@@ -72,6 +72,35 @@ def allgather_cp4_any_assignment_float64():
     """Every rank holds random tokens of the row in random order: still exact."""
     check_documents("allgather", mesh_for(4, WORLD_SIZE), False, torch.float64, shard=shard_randomly)
 
+# hybrid (Note [Hybrid attention]): Ulysses over pairs of cp ranks, the ring across the pairs
+for _mode in ("plain", "fsdp", "lora"):
+    for _dtype in (torch.float32, torch.float64):
+        checks.add(
+            functools.partial(lambda m, d: check_documents("hybrid", mesh_for(4, WORLD_SIZE), m != "plain", d,
+                                                           m == "lora", ulysses_degree=2), _mode, _dtype),
+            name=f"hybrid_cp4_u2_{_mode}_{str(_dtype)[6:]}",
+        )
+
+
+@checks.add
+def hybrid_cp4_u2_one_document_rows_tiled_float64():
+    check_documents("hybrid", mesh_for(4, WORLD_SIZE), False, torch.float64, data=one_document_batch(),
+                    block_size=5, ulysses_degree=2)
+
+
+@checks.add
+def hybrid_degenerate_degrees_float64():
+    """u = cp is Ulysses and u = 1 the ring; at cp 2 next to a second cp group (dp 2)."""
+    for cp, u in ((4, 4), (4, 1), (2, 2), (2, 1)):
+        check_documents("hybrid", mesh_for(cp, WORLD_SIZE), False, torch.float64, ulysses_degree=u)
+
+
+@checks.add
+def hybrid_refuses_heads_not_divisible():
+    model = tiny_model(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
+    with pytest.raises(ValueError, match=re.escape("--ulysses_degree 4 must divide num_attention_heads (6)")):
+        apply_context_parallel(model, mesh_for(4, WORLD_SIZE)["cp"], strategy="hybrid", ulysses_degree=4)
+
 
 @checks.add
 def document_sharding_is_refused_by_ring_and_ulysses():

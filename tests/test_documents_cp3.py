@@ -26,6 +26,10 @@ for _dtype in (torch.float32, torch.float64):
         functools.partial(lambda d: check_documents("allgather", mesh_for(3, WORLD_SIZE), False, d), _dtype),
         name=f"allgather_cp3_plain_{str(_dtype)[6:]}",
     )
+for _u in (1, 3):  # cp 3 = 3 x 1 or 1 x 3
+    checks.add(functools.partial(lambda u: check_documents("hybrid", mesh_for(3, WORLD_SIZE), False, torch.float64,
+                                                           ulysses_degree=u), _u),
+               name=f"hybrid_cp3_u{_u}_plain_float64")
 for _dtype in (torch.float32, torch.float64):
     checks.add(functools.partial(check_ring_skips, 3, WORLD_SIZE, _dtype),
                name=f"ring_skips_blocks_no_query_sees_cp3_{str(_dtype)[6:]}")
