@@ -25,6 +25,10 @@ layer) for each strategy on packed rows of each mix, from the formulas of Note [
 transfers] in ``llama_cp/cp_attention.py`` for Llama-3-8B shapes (bf16, float32 dK/dV), and
 checks them on real gloo runs of the embedded Llama (4 ranks, cp 4, ``wire_bytes()``).
 
+``strategies`` times one forward+backward step of the embedded Llama (fp32, batch 1, one
+thread per rank) with each strategy at cp 2 and cp 4 (a world of cp gloo ranks), on a
+one-document row and packed rows of the "chat" and "mixed" mixes.
+
 ``speed`` runs one forward+backward step of the embedded Llama with a cross-entropy
 loss on one row (batch 1, fp32), at cp 1 (each of the 2 ranks holds the whole row)
 and cp 2 (ring, Ulysses and all-gather on document shards), for a one-document row and for a packed row of the
@@ -154,15 +158,23 @@ def calls(mix: str = "chat", seq_len: int = 131072, cps: str | int | tuple = "1,
 
 #: Llama-3-8B attention shapes for the bytes table
 LLAMA3_8B = dict(layers=32, heads=32, kv_heads=8, head_dim=128, itemsize=2)
-STRATEGIES = ("ring, every block", "ring", "ulysses", "allgather")
+STRATEGIES = ("ring, every block", "ring", "ulysses", "allgather", "hybrid u=2")
 
 
 def step_bytes(strategy: str, starts: torch.Tensor, cp: int, *, layers: int, heads: int, kv_heads: int,
                head_dim: int, itemsize: int, acc_itemsize: int = 4) -> torch.Tensor:
     """(cp,) bytes each rank sends in one forward + backward of (B, L) rows with document
-    ``starts``; "ring, every block" is the neighbour ring without skipping."""
+    ``starts``; "ring, every block" is the neighbour ring without skipping; "hybrid u=2":
+    Ulysses over pairs of ranks, the ring of cp / 2 over the pairs."""
     batch, seq_len = starts.shape
     shard = batch * (seq_len // cp) * head_dim  # elements of one head of a rank's shard
+    if strategy.startswith("hybrid"):
+        u = int(strategy.split("=")[1])
+        repeat = u // math.gcd(kv_heads, u)
+        all_to_all = 2 * (2 * heads + 2 * kv_heads * repeat) * shard * itemsize * (u - 1) // u
+        ring = step_bytes("ring", starts, cp // u, layers=1, heads=heads // u, kv_heads=kv_heads * repeat // u,
+                          head_dim=head_dim, itemsize=itemsize, acc_itemsize=acc_itemsize)
+        return layers * (all_to_all + ring.repeat_interleave(u))
     kv, dkv = 2 * kv_heads * shard * itemsize, 2 * kv_heads * shard * acc_itemsize
     ranks = torch.arange(cp)
     if strategy == "ulysses":
@@ -172,7 +184,9 @@ def step_bytes(strategy: str, starts: torch.Tensor, cp: int, *, layers: int, hea
         per_rank = (cp - 1) * (2 * kv + dkv)
     else:
         layout = DocumentLayout(starts, cp_size=cp)
-        if strategy == "ring, every block" or layout.ring_dense():
+        if cp == 1:
+            per_rank = 0
+        elif strategy == "ring, every block" or layout.ring_dense():
             per_rank = 2 * (cp - 1) * kv + cp * dkv
         else:
             sends = torch.tensor([sum(layout.sees(t, r) for t in range(cp) if t != r) for r in range(cp)])
@@ -217,7 +231,8 @@ def _bytes_worker(rank: int, port: int, seq_len: int) -> None:
         full = {"input_ids": input_ids, "labels": torch.roll(input_ids, -1, 1), "position_ids": positions}
         for strategy in STRATEGIES[1:]:
             torch.manual_seed(0)
-            model = apply_context_parallel(LlamaForCausalLM(config), mesh, strategy=strategy)
+            name, _, u = strategy.partition(" u=")
+            model = apply_context_parallel(LlamaForCausalLM(config), mesh, strategy=name, ulysses_degree=int(u or 0))
             batch = shard_batch(full, mesh, layout="documents" if strategy == "allgather" else "zigzag")
             with wire_bytes() as meter:
                 _step(model, batch)
@@ -233,6 +248,46 @@ def _bytes_worker(rank: int, port: int, seq_len: int) -> None:
         print("| mix | strategy | measured | formula |")
         print("|---|---|---|---|")
         print("\n".join(lines))
+    dist.destroy_process_group()
+
+
+def strategies(seq_len: int = 8192, cps: str | int | tuple = "2,4", steps: int = 2) -> None:
+    """Print step times per strategy (markdown), a world of cp gloo ranks per cp."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(f"{seq_len} tokens per row, embedded Llama, fp32, seconds per step (slowest rank):\n")
+    print("| cp | strategy | 1 document | chat mix | mixed mix |")
+    print("|---:|---|---:|---:|---:|")
+    for cp in _ints(cps):
+        mp.start_processes(_strategies_worker, args=(cp, free_port(), seq_len, steps), nprocs=cp, start_method="spawn")
+
+
+def _strategies_worker(rank: int, cp: int, port: int, seq_len: int, steps: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp)
+    mesh = ParallelDims(cp=cp).build_mesh("cpu")["cp"]
+    config = embedded_llama_config()
+    input_ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    layouts = {"1 document": torch.arange(seq_len)[None], "chat": packed_positions("chat", seq_len, 1),
+               "mixed": packed_positions("mixed", seq_len, 1, seed=1)}
+    choices = [("ring", 0), ("ulysses", 0), ("allgather", 0)] + ([("hybrid", 2)] if cp > 2 else [])
+    for strategy, u in choices:
+        torch.manual_seed(0)
+        model = apply_context_parallel(LlamaForCausalLM(config), mesh, strategy=strategy, ulysses_degree=u)
+        times = []
+        for positions in layouts.values():
+            full = {"input_ids": input_ids, "labels": torch.roll(input_ids, -1, 1), "position_ids": positions}
+            batch = shard_batch(full, mesh, layout="documents" if strategy == "allgather" else "zigzag")
+            _step(model, batch)  # warm-up
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                _step(model, batch)
+            t = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times.append(t.item())
+        if rank == 0:
+            name = f"hybrid u={u}" if u else strategy
+            print(f"| {cp} | {name} | " + " | ".join(f"{t:.2f}" for t in times) + " |", flush=True)
     dist.destroy_process_group()
 
 
@@ -292,4 +347,4 @@ def _ints(value) -> list[int]:
 
 
 if __name__ == "__main__":
-    fire.Fire({"balance": balance, "calls": calls, "bytes": bytes, "speed": speed})
+    fire.Fire({"balance": balance, "calls": calls, "bytes": bytes, "strategies": strategies, "speed": speed})

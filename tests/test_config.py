@@ -30,6 +30,9 @@ def test_every_flag_is_unique_and_documented():
         (dict(optimizer="sgd"), r"--optimizer must be one of adamw, adamw8bit"),
         (dict(lr="fast"), r"--lr expects float"),
         (dict(batch_size=0), r"--batch_size must be >= 1"),
+        (dict(cp=4, ulysses_degree=2), r"--ulysses_degree 2 is only read by --cp_strategy hybrid \(got 'ring'\)"),
+        (dict(cp=4, cp_strategy="hybrid"), r"--cp_strategy hybrid needs --ulysses_degree, a divisor of --cp 4 .*got 0"),
+        (dict(cp=4, cp_strategy="hybrid", ulysses_degree=3), r"a divisor of --cp 4 .*got 3"),
     ],
 )
 def test_bad_flags_are_clear_errors(flags, message):
@@ -117,3 +120,28 @@ def test_a_config_for_several_ranks_builds_after_a_single_process_run(monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "2")  # one of two ranks: the world is known, and both rules are checked
     with pytest.raises(ValueError, match=r"multiple of 2 x cp = 6.*; and world_size\(2\)"):
         TrainConfig.from_flags(cp=3, context_length=64)
+
+
+@pytest.mark.parametrize(
+    "heads, cp, dataset, want",
+    [
+        (32, 1, "passkey", ("ring", 0)),
+        (32, 8, "passkey", ("ulysses", 0)),  # one document per row, heads % cp == 0
+        (32, 64, "passkey", ("hybrid", 32)),  # more ranks than heads: Ulysses over 32, ring of 2
+        (24, 16, "passkey", ("hybrid", 8)),
+        (7, 4, "passkey", ("ring", 0)),
+        (32, 8, "data.jsonl", ("allgather", 0)),  # packed rows
+    ],
+)
+def test_auto_strategy_follows_its_note(heads, cp, dataset, want, tmp_path):
+    from types import SimpleNamespace
+
+    from llama_cp.build import cp_strategy
+
+    if dataset != "passkey":
+        dataset = str(tmp_path / dataset)
+        (tmp_path / "data.jsonl").write_text('{"text": "a b c"}\n')
+    cfg = TrainConfig.from_flags(cp=cp, cp_strategy="auto", dataset=dataset, context_length=2 * cp * 8)
+    assert cp_strategy(cfg, SimpleNamespace(num_attention_heads=heads)) == want
+    cfg.data.document_mask = False  # rows attend across documents: one sequence, as a one-document row
+    assert cp_strategy(cfg, SimpleNamespace(num_attention_heads=heads))[0] != "allgather"
