@@ -75,6 +75,7 @@ def parallelize_model(
     if cfg.peft.use_peft:
         from peft import LoraConfig, get_peft_model
 
+        check_lora_targets(model, cfg.peft.lora_target_modules)
         lora = LoraConfig(
             r=cfg.peft.lora_r, lora_alpha=cfg.peft.lora_alpha, lora_dropout=cfg.peft.lora_dropout,
             target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
@@ -102,6 +103,18 @@ def parallelize_model(
         offload_checkpoints=cfg.model.offload_checkpoints,
     )
     return model
+
+
+def check_lora_targets(model: nn.Module, targets) -> None:
+    """One line naming --lora_target_modules unless every name is a Linear layer of ``model`` (peft
+    adapts the names it finds and ignores the others: Phi-3's fused qkv_proj would get no adapter
+    from the default q_proj, k_proj, v_proj)."""
+    linears = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                      if isinstance(module, nn.Linear) and name})
+    missing = [name for name in targets if name not in linears]
+    if missing:
+        raise ValueError(f"--lora_target_modules: {', '.join(missing)} not in {type(model).__name__}; its linear "
+                         f"layers are {', '.join(linears)}")
 
 
 def cp_strategy(cfg: TrainConfig, config) -> tuple[str, int]:

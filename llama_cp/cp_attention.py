@@ -108,11 +108,13 @@ whether rows are packed (a file or hub dataset with --document_mask):
 
 - packed rows: allgather. Document-aware sharding makes the ranks' step work
   equal within 0.2% where the zigzag layout leaves the busiest rank of the
-  worst row up to 59% over the mean at cp 8 (docs/benchmarks.md, balance), and
-  with GQA its bytes per step are below the un-skipped ring's (bytes table).
+  worst row up to 59% over the mean at cp 8 (docs/benchmarks.md, balance). It
+  sends more than Ulysses (Llama-3-8B, 131K tokens, cp 4: 48 GiB per rank per
+  step against 30), a small part of a step on NVLink; the busiest rank's extra
+  attention work is not.
 - one document per row and heads % cp == 0: Ulysses, the fewest bytes per step
-  (7.5 GiB for Llama-3-8B at 131K tokens and cp 4, against 14 for the ring and
-  12 for allgather; docs/benchmarks.md) in one all-to-all round per tensor.
+  of the strategies that need no packing (30 GiB in that example, against 56
+  for the ring), in one all-to-all round per tensor.
 - otherwise hybrid with u = gcd(heads, cp) when that is > 1, else the ring.
 
 The basis is the bytes counted and the CPU step times in docs/benchmarks.md; no
@@ -941,9 +943,11 @@ def apply_context_parallel(
             f"use cp_strategy='ring' or a cp that divides {heads}"
         )
     check_ulysses_degree(strategy, ulysses_degree, cp, heads)
-    layers = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "o_proj") and hasattr(m, "config")]
+    layers = [m for m in model.modules()
+              if (hasattr(m, "q_proj") or hasattr(m, "qkv_proj")) and hasattr(m, "o_proj") and hasattr(m, "config")]
     if not layers:
-        raise ValueError(f"found no attention layers (modules with q_proj and o_proj) in {type(model).__name__}")
+        raise ValueError(f"found no attention layers (modules with q_proj or qkv_proj, and o_proj) in "
+                         f"{type(model).__name__}")
 
     inner = outer = None
     if strategy == "hybrid" and cp > 1:

@@ -57,14 +57,14 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "granite": _granite,
     "cohere": _cohere,
     "gemma2": _final_softcap,
+    "phi3": _plain,  # fused qkv_proj / gate_up_proj: attention still receives q, k, v
 }
 
 #: Families whose attention reads ``config.sliding_window`` itself (others set it per layer).
-_WINDOW_IN_CONFIG = {"mistral"}
+_WINDOW_IN_CONFIG = {"mistral", "phi3"}
 
 #: Why some well-known families are refused.
 _REFUSAL_REASONS = {
-    "phi3": "its attention projects q, k and v with one fused qkv_proj",
     "phi": "its attention has no o_proj and a partial rotary embedding",
 }
 

@@ -85,6 +85,12 @@ _LAYER_LINEARS = {
     "up_proj": lambda c: (c["hidden"], c["intermediate"]),
     "down_proj": lambda c: (c["intermediate"], c["hidden"]),
 }
+#: Fused layers (Phi-3) as LoRA targets: the sum of the layers above they replace; the dense
+#: FLOPs are the same either way.
+_FUSED_LINEARS = {
+    "qkv_proj": lambda c: (c["hidden"], (c["heads"] + 2 * c["kv_heads"]) * c["head_dim"]),
+    "gate_up_proj": lambda c: (c["hidden"], 2 * c["intermediate"]),
+}
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,9 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
         per_layer += 2 * weight_passes * fan_in * fan_out
         if lora_r and name in lora_targets:
             per_layer += 2 * 3 * lora_r * (fan_in + fan_out)
+    for name, features in _FUSED_LINEARS.items():
+        if lora_r and name in lora_targets:
+            per_layer += 2 * 3 * lora_r * sum(features(shape))
     head_in, head_out = config.hidden_size, config.vocab_size
     head = 2 * weight_passes * head_in * head_out
     if lora_r and "lm_head" in lora_targets:

@@ -60,6 +60,13 @@ FAMILIES = {
         logits_scaling=4.0, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
     )),
     "cohere": ("cohere", dict(logit_scale=0.25, use_qk_norm=True)),
+    # fused qkv_proj and gate_up_proj; longrope's long or short factors picked from the global length
+    # (the shards straddle 20), and a sliding window as long as the sequence (Phi-3 passes the config's)
+    "phi3": ("phi3", dict(
+        original_max_position_embeddings=20, sliding_window=SEQ_LEN, rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.5, 2.0, 2.5],
+            long_factor=[3.0, 5.0, 7.0, 9.0]),
+    )),
     "gemma2": ("gemma2", dict(
         attn_logit_softcapping=None, final_logit_softcapping=0.5, sliding_window=SEQ_LEN,
         attn_implementation="eager",  # transformers has no SDPA path for Gemma2
@@ -187,11 +194,14 @@ for _strategy in ("ring", "ulysses"):
 @checks.add
 def unsupported_models_are_refused_at_apply_time():
     cp = mesh_for(2)["cp"]
-    phi3 = AutoModelForCausalLM.from_config(AutoConfig.for_model("phi3", **BASE))
+    phi = AutoModelForCausalLM.from_config(AutoConfig.for_model("phi", **BASE))
     for apply in (lambda m: apply_context_parallel(m, cp), enable_chunked_loss):
-        with pytest.raises(ValueError, match=r"model family 'phi3' \(Phi3ForCausalLM\) is not supported by "
-                                             r"llama-cp: its attention projects q, k and v with one fused qkv_proj"):
-            apply(phi3)
+        with pytest.raises(ValueError, match=r"model family 'phi' \(PhiForCausalLM\) is not supported by "
+                                             r"llama-cp: its attention has no o_proj and a partial rotary embedding"):
+            apply(phi)
+    phi3_window = family_model("phi3", sliding_window=SEQ_LEN - 1)
+    with pytest.raises(ValueError, match=rf"phi3: sliding-window attention of {SEQ_LEN - 1} tokens is shorter"):
+        apply_context_parallel(phi3_window, cp, max_seq_len=SEQ_LEN)
     gemma2 = family_model("gemma2", attn_logit_softcapping=50.0)
     with pytest.raises(ValueError, match=r"gemma2: config.attn_logit_softcapping=50.0 soft-caps"):
         apply_context_parallel(gemma2, cp, max_seq_len=SEQ_LEN)
@@ -206,6 +216,31 @@ def unsupported_models_are_refused_at_apply_time():
     local = shard_batch(batch(), cp)
     with pytest.raises(ValueError, match=rf"sliding-window attention of {SEQ_LEN - 1} tokens is shorter"):
         short_window(input_ids=local["input_ids"], position_ids=local["position_ids"])
+
+
+@checks.add
+def phi3_lora_on_its_fused_layers_float64():
+    """LoRA on Phi-3's fused qkv_proj and gate_up_proj, ring at cp 4 with FSDP: exact; the default
+    targets (q_proj, k_proj, v_proj, o_proj) name layers Phi-3 does not have, which is refused."""
+    from peft import LoraConfig, get_peft_model
+
+    from llama_cp.build import check_lora_targets
+
+    reference = family_model("phi3", torch.float64)
+    with pytest.raises(ValueError, match=r"--lora_target_modules: q_proj, k_proj, v_proj not in Phi3ForCausalLM; "
+                                         r"its linear layers are down_proj, gate_up_proj, lm_head, o_proj, qkv_proj"):
+        check_lora_targets(reference, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    check_lora_targets(reference, ("qkv_proj", "gate_up_proj"))
+    torch.manual_seed(1)
+    reference = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj"],
+                                                     init_lora_weights=False))
+    model = copy.deepcopy(reference)
+    data = batch()
+    logits = reference(input_ids=data["input_ids"]).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+    loss.backward()
+    check_cp_against_reference(model, reference, data, logits, loss, mesh_for(4), strategy="ring", sharded=True,
+                               tol=TOLERANCE[torch.float64], max_seq_len=SEQ_LEN)
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)

@@ -102,3 +102,24 @@ def test_throughput_figures():
     assert row == {"tokens_per_sec_per_gpu": 2048.0, "model_tflops_per_gpu": 1000.0, "mfu": 1.0}
     assert throughput(tokens=16384, flops=8e15, seconds=2.0, world_size=4, peak=None) == {
         "tokens_per_sec_per_gpu": 2048.0, "model_tflops_per_gpu": 1000.0}
+
+
+def test_lora_on_phi3_fused_layers_matches_the_flop_counter():
+    """Phi-3's fused qkv_proj and gate_up_proj as LoRA targets: the adapters of the fused width."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = {k: embedded_llama_config().to_dict()[k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")}
+    config = AutoConfig.for_model("phi3", **sizes, num_hidden_layers=2, tie_word_embeddings=False, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    base.set_attn_implementation("eager")
+    targets = ("qkv_proj", "gate_up_proj")
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=list(targets), task_type="CAUSAL_LM"))
+    model.enable_input_require_grads()
+    rows, length = 2, 24
+    measured = _measure(model, input_ids=torch.randint(0, config.vocab_size, (rows, length)))
+    flops = model_flops(config, lora_r=4, lora_targets=targets)
+    assert measured == {"aten.mm": flops.per_token * rows * length, "aten.bmm": flops.per_pair * rows * length ** 2}
