@@ -260,6 +260,7 @@ def ring_forward(
     backend: Backend | None = None,
     documents: DocumentLayout | None = None,
     block_size: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zigzag ring attention forward; see Note [Zigzag ring attention].
 
@@ -276,7 +277,7 @@ def ring_forward(
             next_kv = _kv_transfer(comm, step + 1, own, kv, documents)
         if kv is not None:  # else no query of this rank sees the block, and it was not sent
             out, lse = _ring_block_forward(comm.rank, comm.size, step, causal, documents, block_size, q, kv,
-                                           scale, backend, out, lse)
+                                           scale, backend, out, lse, softcap)
         if step + 1 < comm.size:
             comm.wait()
             kv = next_kv
@@ -298,6 +299,7 @@ def ring_backward(
     backend: Backend | None = None,
     documents: DocumentLayout | None = None,
     block_size: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Zigzag ring attention backward; see Note [Zigzag ring attention] (and Note [Document
     masks under CP] and Note [Ring transfers] with ``documents``, Note [Tiled attention] with
@@ -316,7 +318,7 @@ def ring_backward(
         if kv is not None:
             dkv = own_dkv if direct and step == 0 else torch.zeros_like(kv, dtype=acc)  # our share of its dK/dV
             _ring_block_backward(rank, size, step, half, causal, documents, block_size, dout, q, kv, out, lse,
-                                 scale, backend, dq, dkv)
+                                 scale, backend, dq, dkv, softcap)
         if not direct:  # the block's dK/dV travel with it, one hop behind (Note [Zigzag ring attention])
             if dkv_in_flight is not None:
                 comm_dkv.wait()
@@ -341,7 +343,8 @@ def ring_backward(
     return dq.to(q.dtype), dkv_in_flight[0].to(k.dtype), dkv_in_flight[1].to(v.dtype)
 
 
-def _ring_block_forward(rank, size, step, causal, documents, block_size, q, kv, scale, backend, out, lse):
+def _ring_block_forward(rank, size, step, causal, documents, block_size, q, kv, scale, backend, out, lse,
+                        softcap=0.0):
     """Merge ring step ``step``'s block into (out, lse), the rank's float32 accumulators (None
     before the first block)."""
     half = q.shape[2] // 2
@@ -350,44 +353,44 @@ def _ring_block_forward(rank, size, step, causal, documents, block_size, q, kv, 
         if out is None:  # rows start empty: merge_block takes a block's values into them
             out = torch.zeros_like(q, dtype=kernels.accumulation_dtype(q))
             lse = torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
-        pieces_forward(q, kv[0], kv[1], block, scale=scale, backend=backend, out=out, lse=lse)
+        pieces_forward(q, kv[0], kv[1], block, scale=scale, backend=backend, out=out, lse=lse, softcap=softcap)
     elif step == 0:
-        block_out, lse = kernels.attention_forward(q, kv[0], kv[1], causal=causal, scale=scale, backend=backend)
+        block_out, lse = kernels.attention_forward(q, kv[0], kv[1], causal=causal, scale=scale, backend=backend, softcap=softcap)
         out = block_out.to(kernels.accumulation_dtype(q))
     elif not causal:
-        block_out, block_lse = kernels.attention_forward(q, kv[0], kv[1], causal=False, scale=scale, backend=backend)
+        block_out, block_lse = kernels.attention_forward(q, kv[0], kv[1], causal=False, scale=scale, backend=backend, softcap=softcap)
         kernels.merge_block(out, lse, block_out, block_lse)
     elif step <= rank:  # block from an earlier rank: all q vs its first chunk
         block_out, block_lse = kernels.attention_forward(
-            q, kv[0, :, :, :half], kv[1, :, :, :half], causal=False, scale=scale, backend=backend
+            q, kv[0, :, :, :half], kv[1, :, :, :half], causal=False, scale=scale, backend=backend, softcap=softcap
         )
         kernels.merge_block(out, lse, block_out, block_lse)
     else:  # block from a later rank: our late chunk vs all of it
         block_out, block_lse = kernels.attention_forward(
-            q[:, :, half:], kv[0], kv[1], causal=False, scale=scale, backend=backend
+            q[:, :, half:], kv[0], kv[1], causal=False, scale=scale, backend=backend, softcap=softcap
         )
         kernels.merge_block(out[:, :, half:], lse[:, :, half:], block_out, block_lse)
     return out, lse
 
 
 def _ring_block_backward(rank, size, step, half, causal, documents, block_size, dout, q, kv, out, lse, scale,
-                         backend, dq, dkv) -> None:
+                         backend, dq, dkv, softcap=0.0) -> None:
     """Add ring step ``step``'s gradients to dq and dkv (the block's dK/dV) in place."""
     block = _ring_step_pieces(rank, size, step, q.shape[2], causal, documents, block_size)
     if block is not None:
         pieces_backward(dout, q, kv[0], kv[1], out, lse, block, scale=scale, backend=backend, dq=dq,
-                        dk=dkv[0], dv=dkv[1])
+                        dk=dkv[0], dv=dkv[1], softcap=softcap)
         return
     if step == 0 or not causal:
         grads = kernels.attention_backward(
-            dout, q, kv[0], kv[1], out, lse, causal=causal and step == 0, scale=scale, backend=backend
+            dout, q, kv[0], kv[1], out, lse, causal=causal and step == 0, scale=scale, backend=backend, softcap=softcap
         )
         dq.add_(grads[0])
         dkv[0].add_(grads[1])
         dkv[1].add_(grads[2])
     elif step <= rank:
         grads = kernels.attention_backward(
-            dout, q, kv[0, :, :, :half], kv[1, :, :, :half], out, lse, causal=False, scale=scale, backend=backend,
+            dout, q, kv[0, :, :, :half], kv[1, :, :, :half], out, lse, causal=False, scale=scale, backend=backend, softcap=softcap,
         )
         dq.add_(grads[0])
         dkv[0, :, :, :half].add_(grads[1])
@@ -395,7 +398,7 @@ def _ring_block_backward(rank, size, step, half, causal, documents, block_size, 
     else:
         grads = kernels.attention_backward(
             dout[:, :, half:], q[:, :, half:], kv[0], kv[1], out[:, :, half:], lse[:, :, half:],
-            causal=False, scale=scale, backend=backend,
+            causal=False, scale=scale, backend=backend, softcap=softcap,
         )
         dq[:, :, half:].add_(grads[0])
         dkv[0].add_(grads[1])
@@ -423,14 +426,14 @@ def _ring_step_pieces(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend, documents, block_size):
+    def forward(ctx, q, k, v, group, causal, scale, backend, documents, block_size, softcap=0.0):
         out, lse = ring_forward(
             RingComm(group), q, k, v, causal=causal, scale=scale, backend=backend, documents=documents,
-            block_size=block_size,
+            block_size=block_size, softcap=softcap,
         )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.documents = group, causal, scale, backend, documents
-        ctx.block_size = block_size
+        ctx.block_size, ctx.softcap = block_size, softcap
         return out
 
     @staticmethod
@@ -439,40 +442,40 @@ class _RingAttention(torch.autograd.Function):
         dq, dk, dv = ring_backward(
             RingComm(ctx.group, tag=0), RingComm(ctx.group, tag=1, kind="ring dK/dV"), dout, q, k, v, out, lse,
             causal=ctx.causal, scale=ctx.scale, backend=ctx.backend, documents=ctx.documents,
-            block_size=ctx.block_size,
+            block_size=ctx.block_size, softcap=ctx.softcap,
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- local block
 def local_attention(q, k, v, *, causal: bool, scale: float, backend: Backend | None, block_size: int,
-                    block: list[Piece] | None = None):
+                    block: list[Piece] | None = None, softcap: float = 0.0):
     """Attention of one process (cp 1, or Ulysses' local heads): ``block``'s pieces (documents)
     or the whole (q, k, v), in tiles of ``block_size`` (Note [Tiled attention]). Differentiable."""
     if block is None:
         if not block_size or max(q.shape[2], k.shape[2]) <= block_size:
-            return _LocalAttention.apply(q, k, v, causal, scale, backend)
+            return _LocalAttention.apply(q, k, v, causal, scale, backend, softcap)
         block = [Piece(None, slice(0, q.shape[2]), slice(0, k.shape[2]), causal)]
-    return pieces_attention(q, k, v, tiles(block, block_size), scale=scale, backend=backend)
+    return pieces_attention(q, k, v, tiles(block, block_size), scale=scale, backend=backend, softcap=softcap)
 
 
 class _LocalAttention(torch.autograd.Function):
     """Attention over the whole (local) sequence with the ``kernels`` backend."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend):
-        out, lse = kernels.attention_forward(q, k, v, causal=causal, scale=scale, backend=backend)
+    def forward(ctx, q, k, v, causal, scale, backend, softcap):
+        out, lse = kernels.attention_forward(q, k, v, causal=causal, scale=scale, backend=backend, softcap=softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        ctx.causal, ctx.scale, ctx.backend, ctx.softcap = causal, scale, backend, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = kernels.attention_backward(
-            dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale, backend=ctx.backend
+            dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale, backend=ctx.backend, softcap=ctx.softcap
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 # ---------------------------------------------------------------- ulysses
@@ -529,7 +532,7 @@ class _AllToAll(torch.autograd.Function):
 
 def ulysses_attention(
     q, k, v, group, *, causal: bool, scale: float, backend: Backend | None = None,
-    documents: DocumentLayout | None = None, block_size: int = 0,
+    documents: DocumentLayout | None = None, block_size: int = 0, softcap: float = 0.0,
 ):
     """Ulysses attention; q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) zigzag shards. Differentiable.
     With ``documents``, causal attention within each document of the gathered row; ``block_size``:
@@ -539,7 +542,8 @@ def ulysses_attention(
     k, v = kernels._expand_kv(k, kv_repeat), kernels._expand_kv(v, kv_repeat)
     q, k, v = (_AllToAll.apply(t, group, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
     block = None if documents is None else documents.full_row_pieces()
-    out = local_attention(q, k, v, causal=causal, scale=scale, backend=backend, block_size=block_size, block=block)
+    out = local_attention(q, k, v, causal=causal, scale=scale, backend=backend, block_size=block_size, block=block,
+                          softcap=softcap)
     return _AllToAll.apply(out, group, _heads_to_seq, _seq_to_heads)
 
 
@@ -568,20 +572,20 @@ def scatter_rows(dkv: torch.Tensor, group: dist.ProcessGroup, documents: Documen
 
 def allgather_forward(
     group: dist.ProcessGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentLayout, *,
-    scale: float, backend: Backend | None = None, block_size: int = 0,
+    scale: float, backend: Backend | None = None, block_size: int = 0, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather attention forward (see the module docstring). q: (B, H, S/cp, D), k/v:
     (B, Hkv, S/cp, D), the rank's tokens at rows ``documents.local_rows``. Returns out (q's
     dtype) and lse (float32)."""
     kv = gather_rows(torch.stack([k, v]), group, documents)
     block = tiles(documents.gathered_pieces(), block_size)
-    return pieces_forward(q, kv[0], kv[1], block, scale=scale, backend=backend)
+    return pieces_forward(q, kv[0], kv[1], block, scale=scale, backend=backend, softcap=softcap)
 
 
 def allgather_backward(
     group: dist.ProcessGroup, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, documents: DocumentLayout, *,
-    scale: float, backend: Backend | None = None, block_size: int = 0,
+    scale: float, backend: Backend | None = None, block_size: int = 0, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All-gather attention backward: K/V gathered again, dK/dV of the row in float32,
     reduce-scattered to their owners and cast to the input dtype."""
@@ -589,7 +593,8 @@ def allgather_backward(
     dkv = torch.zeros_like(kv, dtype=kernels.accumulation_dtype(q))
     block = tiles(documents.gathered_pieces(), block_size)
     dq = pieces_backward(
-        dout, q, kv[0], kv[1], out, lse, block, scale=scale, backend=backend, dq=None, dk=dkv[0], dv=dkv[1]
+        dout, q, kv[0], kv[1], out, lse, block, scale=scale, backend=backend, dq=None, dk=dkv[0], dv=dkv[1],
+        softcap=softcap,
     )
     dkv = scatter_rows(dkv, group, documents)
     return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
@@ -597,10 +602,12 @@ def allgather_backward(
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, backend, documents, block_size):
-        out, lse = allgather_forward(group, q, k, v, documents, scale=scale, backend=backend, block_size=block_size)
+    def forward(ctx, q, k, v, group, scale, backend, documents, block_size, softcap):
+        out, lse = allgather_forward(group, q, k, v, documents, scale=scale, backend=backend, block_size=block_size,
+                                     softcap=softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.backend, ctx.documents, ctx.block_size = group, scale, backend, documents, block_size
+        ctx.softcap = softcap
         return out
 
     @staticmethod
@@ -608,9 +615,9 @@ class _AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         grads = allgather_backward(
             ctx.group, dout, q, k, v, out, lse, ctx.documents, scale=ctx.scale, backend=ctx.backend,
-            block_size=ctx.block_size,
+            block_size=ctx.block_size, softcap=ctx.softcap,
         )
-        return *grads, None, None, None, None, None
+        return *grads, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- hybrid
@@ -654,6 +661,7 @@ def hybrid_groups(group: dist.ProcessGroup, ulysses_degree: int) -> tuple[dist.P
 def hybrid_attention(
     q, k, v, inner: dist.ProcessGroup, outer: dist.ProcessGroup, *, causal: bool, scale: float,
     backend: Backend | None = None, documents: DocumentLayout | None = None, block_size: int = 0,
+    softcap: float = 0.0,
 ):
     """Ulysses over ``inner``, then the ring over ``outer`` (Note [Hybrid attention]); q: (B, H,
     S/cp, D), k/v: (B, Hkv, S/cp, D) zigzag shards of the cp group. ``documents``: the layout of
@@ -664,9 +672,10 @@ def hybrid_attention(
     q, k, v = (_AllToAll.apply(t, inner, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
     if dist.get_world_size(outer) == 1:  # u = cp: Ulysses
         block = None if documents is None else documents.ring_pieces(0)
-        out = local_attention(q, k, v, causal=causal, scale=scale, backend=backend, block_size=block_size, block=block)
+        out = local_attention(q, k, v, causal=causal, scale=scale, backend=backend, block_size=block_size, block=block,
+                              softcap=softcap)
     else:
-        out = _RingAttention.apply(q, k, v, outer, causal, scale, backend, documents, block_size)
+        out = _RingAttention.apply(q, k, v, outer, causal, scale, backend, documents, block_size, softcap)
     return _AllToAll.apply(out, inner, _heads_to_seq, _seq_to_heads)
 
 
@@ -730,37 +739,44 @@ class ContextParallelAttention:
         return DocumentLayout(starts, cp_rank=rank, cp_size=size)
 
     def __call__(
-        self, q, k, v, *, causal: bool, scale: float | None, documents: DocumentLayout | None = None
+        self, q, k, v, *, causal: bool, scale: float | None, documents: DocumentLayout | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) -> (B, H, S/cp, D). ``documents``: attend
-        only within each packed document (Note [Document masks under CP])."""
+        only within each packed document (Note [Document masks under CP]); ``softcap``: Note
+        [Soft-capped attention] in ``llama_cp/kernels.py``."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if documents is not None and not causal:
             raise ValueError("document masks are causal; got a non-causal attention call with documents")
         if self.cp_size == 1:
             block = None if documents is None else documents.ring_pieces(0)
             return local_attention(
-                q, k, v, causal=causal, scale=scale, backend=self.backend, block_size=self.block_size, block=block
+                q, k, v, causal=causal, scale=scale, backend=self.backend, block_size=self.block_size, block=block,
+                softcap=softcap,
             )
         if self.strategy == "allgather":
             if documents is None or documents.gathered_rows is None:
                 raise RuntimeError("all-gather attention called without its layout; call the model, not the layer")
-            return _AllGatherAttention.apply(q, k, v, self.group, scale, self.backend, documents, self.block_size)
+            return _AllGatherAttention.apply(
+                q, k, v, self.group, scale, self.backend, documents, self.block_size, softcap
+            )
         if self.strategy == "ring":
             if q.shape[2] % 2:
                 raise ValueError(
                     f"ring attention needs an even local sequence length (two zigzag chunks), got {q.shape[2]}; "
                     "shard the batch with llama_cp.shard_batch"
                 )
-            return _RingAttention.apply(q, k, v, self.group, causal, scale, self.backend, documents, self.block_size)
+            return _RingAttention.apply(
+                q, k, v, self.group, causal, scale, self.backend, documents, self.block_size, softcap
+            )
         if self.strategy == "hybrid":
             return hybrid_attention(
                 q, k, v, self.inner, self.outer, causal=causal, scale=scale, backend=self.backend,
-                documents=documents, block_size=self.block_size,
+                documents=documents, block_size=self.block_size, softcap=softcap,
             )
         return ulysses_attention(
             q, k, v, self.group, causal=causal, scale=scale, backend=self.backend, documents=documents,
-            block_size=self.block_size,
+            block_size=self.block_size, softcap=softcap,
         )
 
 
@@ -831,8 +847,6 @@ def cp_attention_forward(
     check_attention_mask(attention_mask)
     if dropout:
         raise ValueError(f"context-parallel attention does not support attention dropout (got {dropout})")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("context-parallel attention does not support soft-capped attention scores")
     window, seq_len = kwargs.get("sliding_window"), query.shape[2] * attention.cp_size
     if window is not None and window < seq_len:
         raise ValueError(
@@ -840,7 +854,8 @@ def cp_attention_forward(
             "context-parallel attention has no sliding window; use sequences of at most that many tokens"
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = attention(query, key, value, causal=causal, scale=scaling, documents=kwargs.get(DOCUMENTS_KWARG))
+    out = attention(query, key, value, causal=causal, scale=scaling, documents=kwargs.get(DOCUMENTS_KWARG),
+                    softcap=kwargs.get("softcap") or 0.0)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -306,6 +306,7 @@ def planned_tiles(block: list[Piece], q: torch.Tensor) -> list[Piece]:
 def pieces_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: list[Piece], *, scale: float,
     backend: Backend | None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the pieces of one block. q: (B, H, Sq, D), k/v: (B, Hkv, Sk, D).
 
@@ -316,11 +317,11 @@ def pieces_forward(
     """
     plan = _varlen_plan(block, q, backend)
     if plan is not None:
-        return _varlen_forward(q, k, v, plan, scale, backend, out, lse)
+        return _varlen_forward(q, k, v, plan, scale, backend, out, lse, softcap)
     block = planned_tiles(block, q)
     if out is not None:
         for piece in block:
-            block_out, block_lse = _piece_forward(q, k, v, piece, scale, backend)
+            block_out, block_lse = _piece_forward(q, k, v, piece, scale, backend, softcap)
             kernels.merge_block(out[piece.rows, :, piece.q], lse[piece.rows, :, piece.q], block_out, block_lse)
         return out, lse
     acc = kernels.accumulation_dtype(q)
@@ -332,30 +333,31 @@ def pieces_forward(
         query_out = torch.zeros_like(q[rows, :, qs], dtype=acc)
         query_lse = torch.full(query_out.shape[:3], float("-inf"), dtype=acc, device=q.device)
         for piece in group:
-            kernels.merge_block(query_out, query_lse, *_piece_forward(q, k, v, piece, scale, backend))
+            kernels.merge_block(query_out, query_lse, *_piece_forward(q, k, v, piece, scale, backend, softcap))
         out[rows, :, qs] = query_out
         lse[rows, :, qs] = query_lse
     return out, lse
 
 
-def _piece_forward(q, k, v, piece: Piece, scale, backend):
+def _piece_forward(q, k, v, piece: Piece, scale, backend, softcap=0.0):
     r = piece.rows
     return kernels.attention_forward(
-        q[r, :, piece.q], k[r, :, piece.k], v[r, :, piece.k], causal=piece.causal, scale=scale, backend=backend
+        q[r, :, piece.q], k[r, :, piece.k], v[r, :, piece.k], causal=piece.causal, scale=scale, backend=backend,
+        softcap=softcap,
     )
 
 
 def pieces_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, block: list[Piece], *, scale: float, backend: Backend | None,
-    dq: torch.Tensor | None, dk: torch.Tensor, dv: torch.Tensor,
+    dq: torch.Tensor | None, dk: torch.Tensor, dv: torch.Tensor, softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """Add the gradients of the pieces of one block to the accumulators dk, dv (and dq when
     given, the ring) in place, given the final (out, lse) of every query row. Without ``dq``,
     returns dq in q's dtype, accumulated in float32 per query slice (Note [Tiled attention])."""
     plan = _varlen_plan(block, q, backend)
     if plan is not None:
-        return _varlen_backward(dout, q, k, v, out, lse, plan, scale, backend, dq, dk, dv)
+        return _varlen_backward(dout, q, k, v, out, lse, plan, scale, backend, dq, dk, dv, softcap)
     block = planned_tiles(block, q)
     acc = kernels.accumulation_dtype(q)
     result = None if dq is not None else torch.zeros_like(q)
@@ -367,7 +369,7 @@ def pieces_backward(
             ks = piece.k
             grads = kernels.attention_backward(
                 dout[rows, :, qs], q[rows, :, qs], k[rows, :, ks], v[rows, :, ks], out[rows, :, qs],
-                lse[rows, :, qs], causal=piece.causal, scale=scale, backend=backend,
+                lse[rows, :, qs], causal=piece.causal, scale=scale, backend=backend, softcap=softcap,
             )
             query_dq += grads[0]
             dk[rows, :, ks] += grads[1]
@@ -494,7 +496,7 @@ def _cumulative(lengths: list[int], device) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
 
-def _varlen_forward(q, k, v, plan: list[_VarlenWindow], scale, backend, out, lse):
+def _varlen_forward(q, k, v, plan: list[_VarlenWindow], scale, backend, out, lse, softcap=0.0):
     """:func:`pieces_forward` as varlen calls: each window's query rows accumulate in float32
     (gathered from ``out``/``lse`` when given, the ring), merged by lse round by round."""
     acc = kernels.accumulation_dtype(q)
@@ -514,6 +516,7 @@ def _varlen_forward(q, k, v, plan: list[_VarlenWindow], scale, backend, out, lse
             call_out, call_lse = kernels.varlen_forward(
                 q_[call.q_rows], k_[call.k_rows], v_[call.k_rows], call.cu_seqlens_q, call.cu_seqlens_k,
                 call.max_seqlen_q, call.max_seqlen_k, causal=call.causal, scale=scale, backend=backend,
+                softcap=softcap,
             )
             call_lse = call_lse.t()  # (Tq, H)
             for packed, slots in call.rounds:
@@ -525,7 +528,7 @@ def _varlen_forward(q, k, v, plan: list[_VarlenWindow], scale, backend, out, lse
     return out, lse
 
 
-def _varlen_backward(dout, q, k, v, out, lse, plan: list[_VarlenWindow], scale, backend, dq, dk, dv):
+def _varlen_backward(dout, q, k, v, out, lse, plan: list[_VarlenWindow], scale, backend, dq, dk, dv, softcap=0.0):
     """:func:`pieces_backward` as varlen calls: dq summed per window in float32 (or straight into
     ``dq`` when given, the ring), dk/dv into their accumulators; repeated rows add up."""
     acc = kernels.accumulation_dtype(q)
@@ -538,7 +541,7 @@ def _varlen_backward(dout, q, k, v, out, lse, plan: list[_VarlenWindow], scale, 
             call_dq, call_dk, call_dv = kernels.varlen_backward(
                 dout_[call.q_rows], q_[call.q_rows], k_[call.k_rows], v_[call.k_rows], out_[call.q_rows],
                 lse_[call.q_rows].t(), call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
-                call.max_seqlen_k, causal=call.causal, scale=scale, backend=backend,
+                call.max_seqlen_k, causal=call.causal, scale=scale, backend=backend, softcap=softcap,
             )
             if result is not None:
                 window_dq.index_add_(0, call.slots, call_dq.to(acc))
@@ -657,10 +660,10 @@ class _PiecesAttention(torch.autograd.Function):
     block: packed documents, tiles (Note [Tiled attention]), or both."""
 
     @staticmethod
-    def forward(ctx, q, k, v, block, scale, backend):
-        out, lse = pieces_forward(q, k, v, block, scale=scale, backend=backend)
+    def forward(ctx, q, k, v, block, scale, backend, softcap):
+        out, lse = pieces_forward(q, k, v, block, scale=scale, backend=backend, softcap=softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.block, ctx.scale, ctx.backend = block, scale, backend
+        ctx.block, ctx.scale, ctx.backend, ctx.softcap = block, scale, backend, softcap
         return out
 
     @staticmethod
@@ -669,12 +672,14 @@ class _PiecesAttention(torch.autograd.Function):
         acc = kernels.accumulation_dtype(q)
         dk, dv = (torch.zeros_like(t, dtype=acc) for t in (k, v))  # every query block adds to every key
         dq = pieces_backward(
-            dout, q, k, v, out, lse, ctx.block, scale=ctx.scale, backend=ctx.backend, dq=None, dk=dk, dv=dv
+            dout, q, k, v, out, lse, ctx.block, scale=ctx.scale, backend=ctx.backend, dq=None, dk=dk, dv=dv,
+            softcap=ctx.softcap,
         )
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def pieces_attention(q, k, v, block: list[Piece], *, scale: float, backend: Backend | None = None):
+def pieces_attention(q, k, v, block: list[Piece], *, scale: float, backend: Backend | None = None,
+                     softcap: float = 0.0):
     """Differentiable attention of (q, k, v) restricted to ``block``'s pieces (one query slice's
     pieces consecutive, as :func:`pieces` and :func:`tiles` make them)."""
-    return _PiecesAttention.apply(q, k, v, block, scale, backend)
+    return _PiecesAttention.apply(q, k, v, block, scale, backend, softcap)

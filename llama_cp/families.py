@@ -1,7 +1,7 @@
 """The HF model families llama-cp trains exactly, and what it refuses.
 
 llama-cp swaps two pieces of an HF causal LM: the attention function (causal,
-full window, no mask, no soft-capping) and the loss path (the chunked
+full window, no mask, soft-capped scores where the family caps them) and the loss path (the chunked
 cross-entropy of ``llama_cp.loss``, which must repeat what the family's
 ``*ForCausalLM.forward`` does to the ``lm_head`` output). A family is supported
 only where both were checked against the plain single-process transformers
@@ -88,12 +88,6 @@ def check_supported(model: nn.Module, *, max_seq_len: int | None = None) -> Logi
         raise ValueError(
             f"model family {family!r} ({type(causal_lm).__name__}) is not supported by llama-cp: {reason}. "
             f"Supported families: {', '.join(sorted(SUPPORTED_FAMILIES))}"
-        )
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(
-            f"{family}: config.attn_logit_softcapping={config.attn_logit_softcapping} soft-caps the attention "
-            "scores, which the context-parallel kernels do not compute; set it to None in config.json "
-            "(a change of the model) or use another model"
         )
     if getattr(config, "attention_dropout", 0.0):
         raise ValueError(

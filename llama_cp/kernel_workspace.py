@@ -52,10 +52,18 @@ def _round_up(x: int, multiple: int) -> int:
 # are one query head (forward) or one key/value head group (backward) at a time, copied into
 # the CUDA kernel's own tensors: the stand-in then holds at most that slice on top of what the
 # CUDA kernel holds; under fake tensors nothing is computed (Note [GPU attention kernels' workspace]).
-def _fill_forward(q, k, v, causal, scale, out, lse) -> None:
+def _fill_forward(q, k, v, causal, scale, out, lse, softcap=0.0) -> None:
     """out (B, H, Sq, D) and lse (B, H, Sq) of q (B, H, Sq, D), k/v (B, Hkv, Sk, D), any strides.
-    Fake tensors (the planner) have no values to compute: nothing is done, nothing allocated."""
+    Fake tensors (the planner) have no values to compute: nothing is done, nothing allocated.
+    ``softcap``: the values of flash-attn's soft-capped scores, from the exact CPU kernel."""
     if is_fake(q):
+        return
+    if softcap:
+        from llama_cp.kernels import _softcap_forward
+
+        o, l = _softcap_forward(q, k, v, causal, scale, softcap)
+        out.copy_(o)
+        lse.copy_(l)
         return
     n_rep = q.shape[1] // k.shape[1]
     for h in range(q.shape[1]):
@@ -68,10 +76,16 @@ def _fill_forward(q, k, v, causal, scale, out, lse) -> None:
         del o, l
 
 
-def _fill_backward(dout, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:
+def _fill_backward(dout, q, k, v, out, lse, causal, scale, dq, dk, dv, softcap=0.0) -> None:
     """dq, dk, dv in the (B, H, S, D) views given, one key/value head group at a time (nothing
     for fake tensors, as in :func:`_fill_forward`)."""
     if is_fake(q):
+        return
+    if softcap:
+        from llama_cp.kernels import _softcap_backward
+
+        for grad, value in zip((dq, dk, dv), _softcap_backward(dout, q, k, v, out, lse, causal, scale, softcap)):
+            grad.copy_(value)
         return
     n_rep = q.shape[1] // k.shape[1]
     for g in range(k.shape[1]):
@@ -92,12 +106,13 @@ def _t(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- flash-attn 2.x
-def _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, scale) -> torch.Tensor:
+def _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, scale, softcap=0.0) -> torch.Tensor:
     """flash-attn's ``mha_bwd`` (and torch's copy of it) on (B, S, H, D) tensors with the last
     dimension contiguous, writing dq, dk, dv; returns ``softmax_d``."""
     batch, seqlen_q, heads, head_size = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
-    _fill_backward(_t(dout), _t(q), _t(k), _t(v), _t(out), softmax_lse, causal, scale, _t(dq), _t(dk), _t(dv))
+    _fill_backward(_t(dout), _t(q), _t(k), _t(v), _t(out), softmax_lse, causal, scale, _t(dq), _t(dk), _t(dv),
+                   softcap)
     seqlen_q_rounded = _round_up(seqlen_q, 128)
     head_size_rounded = _round_up(head_size, 32 if head_size <= 128 else 64)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -122,7 +137,7 @@ def flash_attn_forward(
     out = torch.empty_like(q)
     softmax_lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     p = torch.empty(0, dtype=q.dtype, device=q.device)
-    _fill_forward(_t(q), _t(k), _t(v), causal, softmax_scale, _t(out), softmax_lse)
+    _fill_forward(_t(q), _t(k), _t(v), causal, softmax_scale, _t(out), softmax_lse, softcap)
     rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
     return out, softmax_lse, p, rng_state
 
@@ -136,12 +151,14 @@ def flash_attn_backward(
     if deterministic:
         raise ValueError("the flash-attn stand-in models the default non-deterministic backward only")
     dout, q, k, v, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (dout, q, k, v, out))
-    return _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, softmax_scale)
+    return _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, softmax_scale, softcap)
 
 
 def _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes) -> None:
-    if dropout_p or softcap or alibi_slopes is not None or (window_size_left, window_size_right) != (-1, -1):
-        raise ValueError("the flash-attn stand-in models plain attention: no dropout, window, softcap or ALiBi")
+    """Soft-capping changes only the kernels' scale parameters, not what they allocate (Note
+    [Soft-capped attention] in ``llama_cp/kernels.py``): the stand-ins compute it."""
+    if dropout_p or alibi_slopes is not None or (window_size_left, window_size_right) != (-1, -1):
+        raise ValueError("the flash-attn stand-in models plain or soft-capped attention: no dropout, window or ALiBi")
 
 
 # ---------------------------------------------------------------- varlen (flash-attn 2.x and torch's copy)
@@ -164,15 +181,16 @@ def _as_batch(x: torch.Tensor) -> torch.Tensor:
     return x.unsqueeze(0).transpose(1, 2)
 
 
-def _varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out, lse) -> None:
+def _varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out, lse, softcap=0.0) -> None:
     if is_fake(q):
         return
     for qs, ks in _segments(cu_seqlens_q, cu_seqlens_k, causal):
         _fill_forward(_as_batch(q[qs]), _as_batch(k[ks]), _as_batch(v[ks]), causal, scale, _as_batch(out[qs]),
-                      lse[:, qs].unsqueeze(0))
+                      lse[:, qs].unsqueeze(0), softcap)
 
 
-def _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, causal, scale):
+def _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                    softcap=0.0):
     """``mha_varlen_bwd`` of flash-attn 2.x (and torch's copy) on packed contiguous tensors,
     writing dq, dk, dv; returns ``softmax_d``. Its workspace: every segment's dQ accumulates in
     float32 with 128 spare rows after it, so that a segment's last 128-row tile may spill."""
@@ -183,7 +201,7 @@ def _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, c
         for qs, ks in _segments(cu_seqlens_q, cu_seqlens_k, causal):
             _fill_backward(_as_batch(dout[qs]), _as_batch(q[qs]), _as_batch(k[ks]), _as_batch(v[ks]),
                            _as_batch(out[qs]), softmax_lse[:, qs].unsqueeze(0), causal, scale, _as_batch(dq[qs]),
-                           _as_batch(dk[ks]), _as_batch(dv[ks]))
+                           _as_batch(dk[ks]), _as_batch(dv[ks]), softcap)
     head_size_rounded = _round_up(head_size, 32 if head_size <= 128 else 64)
     f32 = dict(dtype=torch.float32, device=q.device)
     softmax_d = torch.empty((heads, total_q + 128 * segments), **f32)
@@ -215,7 +233,7 @@ def flash_attn_varlen_forward(
     out = torch.empty_like(q)
     softmax_lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q), device=q.device)
     p = torch.empty(0, dtype=q.dtype, device=q.device)
-    _varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, out, softmax_lse)
+    _varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, out, softmax_lse, softcap)
     rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
     return out, softmax_lse, p, rng_state
 
@@ -231,7 +249,7 @@ def flash_attn_varlen_backward(
         raise ValueError("the flash-attn stand-in models the default non-deterministic backward only")
     dout, q, k, v, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (dout, q, k, v, out))
     return _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, causal,
-                           softmax_scale)
+                           softmax_scale, softcap)
 
 
 #: Stands in for ``flash_attn.flash_attn_interface`` in ``kernels._flash_attn_forward/backward``

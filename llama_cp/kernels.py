@@ -30,6 +30,25 @@ Backends, chosen per call by :func:`select_backend`:
 A :class:`llama_cp.kernel_workspace.ModelledBackend` (what the memory planner passes) runs a
 CUDA backend's CPU stand-in in place of the library call, through the same code around it.
 
+Note [Soft-capped attention]
+----------------------------
+
+Gemma 2 caps every score s = scale q.k at softcap * tanh(s / softcap) before
+the softmax (``attn_logit_softcapping``, 50). ``softcap`` > 0 in these functions
+computes exactly that, and returns the lse of the capped scores, so blocks merge
+and the backward takes the merged (out, lse) as without a cap; the backward
+multiplies P (dP - delta) by the cap's derivative 1 - tanh^2(s / softcap).
+flash_attn takes it as its ``softcap`` argument, forward and backward, plain and
+varlen: in csrc/flash_attn/flash_api.cpp (``set_params_fprop``, which the
+backward's ``set_params_dgrad`` calls too) a positive softcap only turns the
+scales into softmax_scale / softcap (inside the tanh) and softcap (outside), so
+the kernels allocate what they allocate without it, and the planner's stand-ins
+(``kernel_workspace.py``) compute the values with the CPU kernel below. On CPU,
+sdpa_cpu and math have no cap: the exact kernel ``_softcap_forward`` /
+``_softcap_backward`` materialises the float32 scores of SOFTCAP_ROWS queries at
+a time. torch's CUDA kernels (sdpa_flash, sdpa_efficient) have no cap and are
+refused in one line.
+
 The backends in ``VARLEN`` also compute many independent attention segments in one call
 (:func:`varlen_forward` / :func:`varlen_backward`, packed layout ``(total, H, D)``): packed
 documents use them, Note [Varlen document calls] in ``llama_cp/documents.py``.
@@ -128,11 +147,18 @@ def attention_forward(
     causal: bool,
     scale: float | None = None,
     backend: Backend | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one block. Returns ``(out, lse)``; see the module docstring."""
+    """Attention of one block. Returns ``(out, lse)``; see the module docstring. ``softcap`` > 0:
+    scores capped to softcap * tanh(s / softcap) (Note [Soft-capped attention])."""
     _check_shapes(q, k, v, causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     backend = resolve_backend(backend, q)
+    if softcap:
+        backend = _softcap_backend(backend)
+        if backend == "flash_attn":
+            return _flash_attn_forward(q, k, v, causal, scale, fa=_flash_attn_module(backend), softcap=softcap)
+        return _softcap_forward(q, k, v, causal, scale, softcap)
     if backend == "sdpa_cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
@@ -156,6 +182,7 @@ def attention_backward(
     causal: bool,
     scale: float | None = None,
     backend: Backend | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of one block, given the softmax statistics.
 
@@ -170,6 +197,12 @@ def attention_backward(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     backend = resolve_backend(backend, q)
     out = out.to(q.dtype)
+    if softcap:
+        backend = _softcap_backend(backend)
+        if backend == "flash_attn":
+            return _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, fa=_flash_attn_module(backend),
+                                        softcap=softcap)
+        return _softcap_backward(dout, q, k, v, out, lse, causal, scale, softcap)
     if backend == "sdpa_cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype).contiguous(), q, k, v, out, lse.to(accumulation_dtype(q)), 0.0, causal, scale=scale
@@ -190,7 +223,7 @@ def has_varlen(backend: Backend) -> bool:
 
 def varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int, max_seqlen_k: int, *, causal: bool, scale: float, backend: Backend,
+    max_seqlen_q: int, max_seqlen_k: int, *, causal: bool, scale: float, backend: Backend, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of n independent segments in one call of a ``VARLEN`` backend.
 
@@ -199,6 +232,8 @@ def varlen_forward(
     on q's device), causal segments square. Returns out (Tq, H, D) in q's dtype and lse
     (H, Tq) in the accumulation dtype (Note [Varlen document calls]).
     """
+    if softcap and backend != "flash_attn":
+        raise ValueError(f"attention backend {backend!r} has no soft-capping (Note [Soft-capped attention])")
     if backend == "sdpa_flash":
         ops = _sdpa_ops(backend)
         out, lse, *_ = ops._flash_attention_forward(
@@ -208,7 +243,7 @@ def varlen_forward(
         result = _call_by_keyword(
             _flash_attn_module(backend)._flash_attn_varlen_forward, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0,
-            softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+            softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1, softcap=softcap,
             alibi_slopes=None, return_softmax=False,
         )
         out, lse = (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
@@ -220,12 +255,14 @@ def varlen_forward(
 def varlen_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
-    causal: bool, scale: float, backend: Backend,
+    causal: bool, scale: float, backend: Backend, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq (Tq, H, D), dk, dv (Tk, Hkv, D)) of :func:`varlen_forward`'s segments, given
     each query row's final ``out`` (Tq, H, D) and ``lse`` (H, Tq), as :func:`attention_backward`."""
     dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
     lse = lse.to(accumulation_dtype(q)).contiguous()
+    if softcap and backend != "flash_attn":
+        raise ValueError(f"attention backend {backend!r} has no soft-capping (Note [Soft-capped attention])")
     if backend == "sdpa_flash":
         zero = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed/offset: unread without dropout
         return _sdpa_ops(backend)._flash_attention_backward(
@@ -238,7 +275,7 @@ def varlen_backward(
             _flash_attn_module(backend)._flash_attn_varlen_backward, dout=dout, q=q, k=k, v=v, out=out,
             softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
-            causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+            causal=causal, window_size_left=-1, window_size_right=-1, softcap=softcap, alibi_slopes=None,
             deterministic=False, rng_state=None,
         )
         return dq, dk, dv
@@ -333,6 +370,69 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
     )
 
 
+# ---------------------------------------------------------------- soft-capped scores
+#: query rows per step of the soft-capped CPU kernel: its float32 scores are (B, H, rows, Sk)
+SOFTCAP_ROWS = 512
+
+
+def _softcap_backend(backend: Backend) -> Backend:
+    """The backend that computes a soft-capped call in place of ``backend``: flash_attn itself,
+    the exact CPU kernel for sdpa_cpu and math; torch's CUDA kernels have no cap (one line)."""
+    if backend == "flash_attn":
+        return backend
+    if backend in ("sdpa_cpu", "math"):
+        return "math"
+    raise ValueError(
+        f"attention soft-capping (Gemma 2's attn_logit_softcapping) needs --attention_backend flash_attn on CUDA "
+        f"(flash-attn >= 2.6), and {backend!r} has none: install flash-attn (pip install flash-attn "
+        "--no-build-isolation) or set attn_logit_softcapping to null in the model's config.json (a change of the model)"
+    )
+
+
+def _capped_scores(q, k, causal, scale, softcap, rows: slice):
+    """(scores, tanh) of query rows ``rows`` (float32 or float64): softcap * tanh(scale q k^T / softcap),
+    the causal square masked; tanh is kept for the backward."""
+    scores = q[:, :, rows] @ k.transpose(-1, -2) * scale
+    tanh = torch.tanh(scores / softcap)
+    scores = softcap * tanh
+    if causal:
+        index = torch.arange(k.shape[2], device=q.device)
+        above = index[None, :] > index[rows, None]  # key after the query
+        scores = scores.masked_fill(above, float("-inf"))
+    return scores, tanh
+
+
+def _softcap_forward(q, k, v, causal, scale, softcap):
+    n_rep, acc = q.shape[1] // k.shape[1], accumulation_dtype(q)
+    qa, ka, va = q.to(acc), _expand_kv(k, n_rep).to(acc), _expand_kv(v, n_rep).to(acc)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
+    for start in range(0, q.shape[2], SOFTCAP_ROWS):
+        rows = slice(start, start + SOFTCAP_ROWS)
+        scores, _ = _capped_scores(qa, ka, causal, scale, softcap, rows)
+        lse[:, :, rows] = torch.logsumexp(scores, dim=-1)
+        out[:, :, rows] = (torch.exp(scores - lse[:, :, rows, None]) @ va).to(q.dtype)
+    return out, lse
+
+
+def _softcap_backward(dout, q, k, v, out, lse, causal, scale, softcap):
+    n_rep, acc = q.shape[1] // k.shape[1], accumulation_dtype(q)
+    qa, ka, va = q.to(acc), _expand_kv(k, n_rep).to(acc), _expand_kv(v, n_rep).to(acc)
+    dq, dk, dv = torch.empty_like(qa), torch.zeros_like(ka), torch.zeros_like(va)
+    for start in range(0, q.shape[2], SOFTCAP_ROWS):
+        rows = slice(start, start + SOFTCAP_ROWS)
+        scores, tanh = _capped_scores(qa, ka, causal, scale, softcap, rows)
+        probs = torch.exp(scores - lse[:, :, rows].to(acc)[..., None])
+        da = dout[:, :, rows].to(acc)
+        dv += probs.transpose(-1, -2) @ da
+        delta = (da * out[:, :, rows].to(acc)).sum(-1, keepdim=True)
+        # d(capped)/d(s) = 1 - tanh^2; s = scale q k^T
+        dscores = probs * (da @ va.transpose(-1, -2) - delta) * (1 - tanh * tanh) * scale
+        dq[:, :, rows] = dscores @ ka
+        dk += dscores.transpose(-1, -2) @ qa[:, :, rows]
+    return dq.to(q.dtype), _reduce_kv_grad(dk, n_rep).to(k.dtype), _reduce_kv_grad(dv, n_rep).to(v.dtype)
+
+
 def _causal_block_mask(s: int, device: torch.device) -> torch.Tensor:
     """(s, s) boolean, True above the diagonal (masked). Only for the math block."""
     return torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
@@ -385,25 +485,25 @@ def _call_by_keyword(fn, **kwargs):
     return fn(**{name: value for name, value in kwargs.items() if name in params})
 
 
-def _flash_attn_forward(q, k, v, causal, scale, *, fa):
+def _flash_attn_forward(q, k, v, causal, scale, *, fa, softcap: float = 0.0):
     q_, k_, v_ = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     result = _call_by_keyword(
         fa._flash_attn_forward, q=q_, k=k_, v=v_, dropout_p=0.0, softmax_scale=scale,
-        causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+        causal=causal, window_size_left=-1, window_size_right=-1, softcap=softcap,
         alibi_slopes=None, return_softmax=False,
     )
     out, lse = (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
     return out.transpose(1, 2), lse.float()
 
 
-def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, *, fa):
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, *, fa, softcap: float = 0.0):
     dout_, q_, k_, v_, out_ = (t.transpose(1, 2).contiguous() for t in (dout.to(q.dtype), q, k, v, out))
     dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
     _call_by_keyword(
         fa._flash_attn_backward, dout=dout_, q=q_, k=k_, v=v_, out=out_,
         softmax_lse=lse.float().contiguous(), dq=dq, dk=dk, dv=dv, dropout_p=0.0,
         softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
-        softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
+        softcap=softcap, alibi_slopes=None, deterministic=False, rng_state=None,
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 

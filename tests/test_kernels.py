@@ -302,3 +302,107 @@ def test_tiled_bf16_attention_keeps_float32_per_query_block(backend):
     assert largest.numel == 2 * 1 * seq * 16, largest.numel
     ref_out, ref_lse = kernels.attention_forward(q.detach(), k.detach(), v.detach(), causal=True, backend=backend)
     torch.testing.assert_close(out.detach(), ref_out, atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------- soft-capped scores (Gemma 2)
+def _softcap_reference(q, k, v, causal, softcap, dout):
+    """Dense autograd in float64, written as Gemma 2's eager attention: scores / cap, tanh, * cap."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = torch.softmax(scores, -1) @ v.repeat_interleave(rep, 1)
+    out.backward(dout)
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("backend", ["sdpa_cpu", "math"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
+def test_softcapped_attention_is_exact(backend, causal, heads, monkeypatch):
+    """fp64 to 1e-10, queries in several row steps of the CPU kernel, and the cap really bites."""
+    monkeypatch.setattr(kernels, "SOFTCAP_ROWS", 5)
+    q, k, v = (3 * t for t in _inputs(*heads, 12, 12, torch.float64))  # large scores: tanh saturates
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _softcap_reference(q, k, v, causal, 2.0, dout)
+    out, lse = kernels.attention_forward(q, k, v, causal=causal, backend=backend, softcap=2.0)
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal, backend=backend, softcap=2.0)
+    tol = dict(atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(lse, ref_lse, **tol)
+    for got, want in zip(grads, (ref_dq, ref_dk, ref_dv)):
+        torch.testing.assert_close(got, want, **tol)
+    plain, _ = kernels.attention_forward(q, k, v, causal=causal, backend=backend)
+    assert (plain - out).abs().max() > 1e-2  # without the cap the result differs
+
+
+def test_softcapped_blocks_merge_and_take_the_merged_statistics():
+    """Key blocks merged by lse, and each block's backward with the merged (out, lse), give
+    whole-row attention: what the ring and the document pieces do with a cap."""
+    q, k, v = (3 * t for t in _inputs(4, 2, 16, 40, torch.float64))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _softcap_reference(q, k, v, False, 1.5, dout)
+    parts = (slice(0, 17), slice(17, 40))
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64)
+    for part in parts:
+        kernels.merge_block(out, lse, *kernels.attention_forward(q, k[:, :, part], v[:, :, part], causal=False,
+                                                                  softcap=1.5))
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=1e-10)
+    grads = [kernels.attention_backward(dout, q, k[:, :, p], v[:, :, p], out, lse, causal=False, softcap=1.5)
+             for p in parts]
+    torch.testing.assert_close(sum(g[0] for g in grads), ref_dq, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(torch.cat([g[1] for g in grads], 2), ref_dk, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(torch.cat([g[2] for g in grads], 2), ref_dv, atol=1e-10, rtol=1e-10)
+
+
+def test_softcap_through_flash_attn_glue_and_its_refusals():
+    """flash_attn gets the cap in its own argument (the stand-in computes with it, as the library
+    would); torch's CUDA kernels have none and are refused in one line naming the fix."""
+    from llama_cp.kernel_workspace import ModelledBackend
+
+    q, k, v = (3 * t.float() for t in _inputs(4, 2, 12, 12, torch.float64))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    backend = ModelledBackend("flash_attn")
+    out, lse = kernels.attention_forward(q, k, v, causal=True, backend=backend, softcap=2.0)
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, causal=True, backend=backend, softcap=2.0)
+    ref_out, ref_lse, *ref_grads = _softcap_reference(q, k, v, True, 2.0, dout.double())
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    for name in ("sdpa_flash", "sdpa_efficient"):
+        with pytest.raises(ValueError, match=rf"soft-capping .* needs --attention_backend flash_attn .* {name!r} "
+                                             r"has none: install flash-attn"):
+            kernels._softcap_backend(name)
+
+
+def test_softcapped_document_pieces_in_tiles_are_exact():
+    """Packed documents cut into tiles of 5 (the pieces the ring, Ulysses and all-gather compute),
+    with a cap: equal to dense attention with the document mask, forward and backward."""
+    from llama_cp.documents import DocumentLayout, document_starts, pieces_attention, tiles
+
+    lengths = [7, 1, 12, 4]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    starts = document_starts(positions)
+    block = tiles(DocumentLayout(starts).ring_pieces(0), 5)
+    q, k, v = (3 * t[:1] for t in _inputs(4, 2, 24, 24, torch.float64))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got_out = pieces_attention(q, k, v, block, scale=0.25, softcap=1.5)
+    got_out.backward(dout)
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.25
+    scores = torch.tanh(scores / 1.5) * 1.5
+    index = torch.arange(24)
+    visible = (index[None, :] <= index[:, None]) & (index[None, :] >= starts[0][:, None])
+    out = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v.repeat_interleave(2, 1)
+    out.backward(dout)
+    torch.testing.assert_close(got_out, out, atol=1e-10, rtol=1e-10)
+    for g, t in zip(got, (q, k, v)):
+        torch.testing.assert_close(g, t.grad, atol=1e-10, rtol=1e-10)
