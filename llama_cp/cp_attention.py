@@ -117,8 +117,9 @@ whether rows are packed (a file or hub dataset with --document_mask):
   for the ring), in one all-to-all round per tensor.
 - otherwise hybrid with u = gcd(heads, cp) when that is > 1, else the ring.
 
-The basis is the bytes counted and the CPU step times in docs/benchmarks.md; no
-GPU has measured it yet, and a GPU's overlap of the ring's transfers with its
+The basis is the bytes and balance tables of docs/benchmarks.md; the CPU step
+times there do not separate the strategies (compute-bound, within 5%), no GPU
+has measured them yet, and a GPU's overlap of the ring's transfers with its
 compute may favour the ring over what bytes alone say.
 
 Packed documents (position_ids that restart) change only which pairs each block

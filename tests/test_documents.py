@@ -20,7 +20,7 @@ import torch
 from dist_harness import Checks
 from document_checks import (
     HEADS, check_documents, check_ring_skips, mesh_for, one_document_batch, one_step_wire_bytes, packed_batch,
-    reference_forward, shard_bytes, shard_randomly,
+    reference_forward, shard_bytes, shard_randomly, sparse_batch,
 )
 from fsdp_checks import tiny_model
 from llama_cp import apply_context_parallel, shard_batch, unshard
@@ -86,6 +86,12 @@ for _mode in ("plain", "fsdp", "lora"):
 def hybrid_cp4_u2_one_document_rows_tiled_float64():
     check_documents("hybrid", mesh_for(4, WORLD_SIZE), False, torch.float64, data=one_document_batch(),
                     block_size=5, ulysses_degree=2)
+
+
+@checks.add
+def hybrid_cp4_u2_skips_blocks_float64():
+    """Sparse rows: the outer ring of 2 skips the block rank 0 does not see (Note [Ring transfers])."""
+    check_documents("hybrid", mesh_for(4, WORLD_SIZE), False, torch.float64, data=sparse_batch(), ulysses_degree=2)
 
 
 @checks.add
