@@ -21,6 +21,8 @@ import types
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from llama_cp.softcap import softcap_backward, softcap_forward
+
 _aten = torch.ops.aten
 
 #: The CUDA backends the planner can model.
@@ -59,9 +61,7 @@ def _fill_forward(q, k, v, causal, scale, out, lse, softcap=0.0) -> None:
     if is_fake(q):
         return
     if softcap:
-        from llama_cp.kernels import _softcap_forward
-
-        o, l = _softcap_forward(q, k, v, causal, scale, softcap)
+        o, l = softcap_forward(q, k, v, causal, scale, softcap)
         out.copy_(o)
         lse.copy_(l)
         return
@@ -82,9 +82,7 @@ def _fill_backward(dout, q, k, v, out, lse, causal, scale, dq, dk, dv, softcap=0
     if is_fake(q):
         return
     if softcap:
-        from llama_cp.kernels import _softcap_backward
-
-        for grad, value in zip((dq, dk, dv), _softcap_backward(dout, q, k, v, out, lse, causal, scale, softcap)):
+        for grad, value in zip((dq, dk, dv), softcap_backward(dout, q, k, v, out, lse, causal, scale, softcap)):
             grad.copy_(value)
         return
     n_rep = q.shape[1] // k.shape[1]

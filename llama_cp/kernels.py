@@ -44,8 +44,8 @@ backward's ``set_params_dgrad`` calls too) a positive softcap only turns the
 scales into softmax_scale / softcap (inside the tanh) and softcap (outside), so
 the kernels allocate what they allocate without it, and the planner's stand-ins
 (``kernel_workspace.py``) compute the values with the CPU kernel below. On CPU,
-sdpa_cpu and math have no cap: the exact kernel ``_softcap_forward`` /
-``_softcap_backward`` materialises the float32 scores of SOFTCAP_ROWS queries at
+sdpa_cpu and math have no cap: the exact kernel of ``llama_cp/softcap.py``
+materialises the float32 scores of SOFTCAP_ROWS queries at
 a time. torch's CUDA kernels (sdpa_flash, sdpa_efficient) have no cap and are
 refused in one line.
 
@@ -63,6 +63,8 @@ from typing import Literal
 import torch
 
 from llama_cp.kernel_workspace import FLASH_ATTN, SDPA_OPS, ModelledBackend
+from llama_cp.softcap import softcap_backward as _softcap_backward
+from llama_cp.softcap import softcap_forward as _softcap_forward
 
 Backend = Literal["flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"]
 #: Every backend, fastest first: :func:`select_backend` takes the first that can run.
@@ -371,10 +373,6 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 # ---------------------------------------------------------------- soft-capped scores
-#: query rows per step of the soft-capped CPU kernel: its float32 scores are (B, H, rows, Sk)
-SOFTCAP_ROWS = 512
-
-
 def _softcap_backend(backend: Backend) -> Backend:
     """The backend that computes a soft-capped call in place of ``backend``: flash_attn itself,
     the exact CPU kernel for sdpa_cpu and math; torch's CUDA kernels have no cap (one line)."""
@@ -387,50 +385,6 @@ def _softcap_backend(backend: Backend) -> Backend:
         f"(flash-attn >= 2.6), and {backend!r} has none: install flash-attn (pip install flash-attn "
         "--no-build-isolation) or set attn_logit_softcapping to null in the model's config.json (a change of the model)"
     )
-
-
-def _capped_scores(q, k, causal, scale, softcap, rows: slice):
-    """(scores, tanh) of query rows ``rows`` (float32 or float64): softcap * tanh(scale q k^T / softcap),
-    the causal square masked; tanh is kept for the backward."""
-    scores = q[:, :, rows] @ k.transpose(-1, -2) * scale
-    tanh = torch.tanh(scores / softcap)
-    scores = softcap * tanh
-    if causal:
-        index = torch.arange(k.shape[2], device=q.device)
-        above = index[None, :] > index[rows, None]  # key after the query
-        scores = scores.masked_fill(above, float("-inf"))
-    return scores, tanh
-
-
-def _softcap_forward(q, k, v, causal, scale, softcap):
-    n_rep, acc = q.shape[1] // k.shape[1], accumulation_dtype(q)
-    qa, ka, va = q.to(acc), _expand_kv(k, n_rep).to(acc), _expand_kv(v, n_rep).to(acc)
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
-    for start in range(0, q.shape[2], SOFTCAP_ROWS):
-        rows = slice(start, start + SOFTCAP_ROWS)
-        scores, _ = _capped_scores(qa, ka, causal, scale, softcap, rows)
-        lse[:, :, rows] = torch.logsumexp(scores, dim=-1)
-        out[:, :, rows] = (torch.exp(scores - lse[:, :, rows, None]) @ va).to(q.dtype)
-    return out, lse
-
-
-def _softcap_backward(dout, q, k, v, out, lse, causal, scale, softcap):
-    n_rep, acc = q.shape[1] // k.shape[1], accumulation_dtype(q)
-    qa, ka, va = q.to(acc), _expand_kv(k, n_rep).to(acc), _expand_kv(v, n_rep).to(acc)
-    dq, dk, dv = torch.empty_like(qa), torch.zeros_like(ka), torch.zeros_like(va)
-    for start in range(0, q.shape[2], SOFTCAP_ROWS):
-        rows = slice(start, start + SOFTCAP_ROWS)
-        scores, tanh = _capped_scores(qa, ka, causal, scale, softcap, rows)
-        probs = torch.exp(scores - lse[:, :, rows].to(acc)[..., None])
-        da = dout[:, :, rows].to(acc)
-        dv += probs.transpose(-1, -2) @ da
-        delta = (da * out[:, :, rows].to(acc)).sum(-1, keepdim=True)
-        # d(capped)/d(s) = 1 - tanh^2; s = scale q k^T
-        dscores = probs * (da @ va.transpose(-1, -2) - delta) * (1 - tanh * tanh) * scale
-        dq[:, :, rows] = dscores @ ka
-        dk += dscores.transpose(-1, -2) @ qa[:, :, rows]
-    return dq.to(q.dtype), _reduce_kv_grad(dk, n_rep).to(k.dtype), _reduce_kv_grad(dv, n_rep).to(v.dtype)
 
 
 def _causal_block_mask(s: int, device: torch.device) -> torch.Tensor:

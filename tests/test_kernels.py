@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llama_cp import kernels
+from llama_cp import kernels, softcap
 
 
 def _inputs(heads, kv_heads, sq, sk, dtype, seed=0):
@@ -324,7 +324,7 @@ def _softcap_reference(q, k, v, causal, softcap, dout):
 @pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
 def test_softcapped_attention_is_exact(backend, causal, heads, monkeypatch):
     """fp64 to 1e-10, queries in several row steps of the CPU kernel, and the cap really bites."""
-    monkeypatch.setattr(kernels, "SOFTCAP_ROWS", 5)
+    monkeypatch.setattr(softcap, "SOFTCAP_ROWS", 5)
     q, k, v = (3 * t for t in _inputs(*heads, 12, 12, torch.float64))  # large scores: tanh saturates
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _softcap_reference(q, k, v, causal, 2.0, dout)
