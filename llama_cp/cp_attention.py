@@ -206,7 +206,6 @@ class RingComm:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self._requests: list = []
-        self._buffers: tuple = ()
 
     def exchange(
         self, send: torch.Tensor | None, to: int, recv_like: torch.Tensor | None, source: int
@@ -220,9 +219,8 @@ class RingComm:
         if recv_like is not None:
             recv = torch.empty_like(recv_like)
             ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(self.group, source), self.group, self.tag))
-        if ops:
+        if ops:  # the backends keep the tensors of a pending transfer alive themselves
             self._requests = dist.batch_isend_irecv(ops)
-        self._buffers = (send, recv)  # alive until the transfer is done
         return recv
 
     def neighbours(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,7 +230,7 @@ class RingComm:
     def wait(self) -> None:
         for request in self._requests:
             request.wait()
-        self._requests, self._buffers = [], ()
+        self._requests = []
 
 
 def _kv_transfer(comm: RingComm, step: int, own: torch.Tensor, held: torch.Tensor | None,
