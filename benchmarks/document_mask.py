@@ -277,14 +277,7 @@ def _strategies_worker(rank: int, cp: int, port: int, seq_len: int, steps: int) 
         for positions in layouts.values():
             full = {"input_ids": input_ids, "labels": torch.roll(input_ids, -1, 1), "position_ids": positions}
             batch = shard_batch(full, mesh, layout="documents" if strategy == "allgather" else "zigzag")
-            _step(model, batch)  # warm-up
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                _step(model, batch)
-            t = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times.append(t.item())
+            times.append(_step_time(model, batch, steps))
         if rank == 0:
             name = f"hybrid u={u}" if u else strategy
             print(f"| {cp} | {name} | " + " | ".join(f"{t:.2f}" for t in times) + " |", flush=True)
@@ -296,6 +289,18 @@ def _step(model, batch):
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **extra).logits
     F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten()).backward()
     model.zero_grad(set_to_none=True)
+
+
+def _step_time(model, batch, steps: int) -> float:
+    """Seconds per step of the slowest rank, after one warm-up step."""
+    _step(model, batch)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        _step(model, batch)
+    t = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def _worker(rank: int, port: int, seq_lens: list[int], steps: int) -> None:
@@ -315,14 +320,7 @@ def _worker(rank: int, port: int, seq_lens: list[int], steps: int) -> None:
             for name, positions in layouts.items():
                 full = {"input_ids": input_ids, "labels": torch.roll(input_ids, -1, 1), "position_ids": positions}
                 batch = shard_batch(full, meshes[cp], layout="documents" if strategy == "allgather" else "zigzag")
-                _step(model, batch)  # warm-up
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    _step(model, batch)
-                t = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                times[name] = t.item()
+                times[name] = _step_time(model, batch, steps)
             docs = int((document_starts(layouts["chat mix"]) == torch.arange(seq_len)).sum())
             rows.append((seq_len, cp, strategy, docs, times["1 document"], times["chat mix"]))
     if rank == 0:

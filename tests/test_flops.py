@@ -51,22 +51,27 @@ def test_full_fine_tune_matches_the_flop_counter():
     assert measured == {"aten.mm": flops.per_token * rows * length, "aten.bmm": flops.per_pair * rows * length ** 2}
 
 
-def test_lora_matches_the_flop_counter():
-    """LoRA on some layers: base weights forward + input gradient, adapters 3 x. With the
-    embedding's output requiring a gradient, as Note [Model FLOPs] counts it."""
+def _check_lora_flops(base, config, targets):
+    """LoRA of rank 4 on ``targets`` of ``base``: the counter's FLOPs of one step are model_flops'."""
     from peft import LoraConfig, get_peft_model
 
-    config = embedded_llama_config(num_hidden_layers=2)
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(config)
-    base.set_attn_implementation("eager")
-    targets = ("q_proj", "v_proj", "down_proj")
     model = get_peft_model(base, LoraConfig(r=4, target_modules=list(targets), task_type="CAUSAL_LM"))
     model.enable_input_require_grads()
     rows, length = 2, 24
     measured = _measure(model, input_ids=torch.randint(0, config.vocab_size, (rows, length)))
     flops = model_flops(config, lora_r=4, lora_targets=targets)
     assert measured == {"aten.mm": flops.per_token * rows * length, "aten.bmm": flops.per_pair * rows * length ** 2}
+
+
+def test_lora_matches_the_flop_counter():
+    """LoRA on some layers: base weights forward + input gradient, adapters 3 x. With the
+    embedding's output requiring a gradient, as Note [Model FLOPs] counts it."""
+    config = embedded_llama_config(num_hidden_layers=2)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    base.set_attn_implementation("eager")
+    targets = ("q_proj", "v_proj", "down_proj")
+    _check_lora_flops(base, config, targets)
 
 
 def test_packed_documents_count_the_pairs_attention_computes():
@@ -106,7 +111,6 @@ def test_throughput_figures():
 
 def test_lora_on_phi3_fused_layers_matches_the_flop_counter():
     """Phi-3's fused qkv_proj and gate_up_proj as LoRA targets: the adapters of the fused width."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     sizes = {k: embedded_llama_config().to_dict()[k] for k in (
@@ -117,9 +121,4 @@ def test_lora_on_phi3_fused_layers_matches_the_flop_counter():
     base = AutoModelForCausalLM.from_config(config)
     base.set_attn_implementation("eager")
     targets = ("qkv_proj", "gate_up_proj")
-    model = get_peft_model(base, LoraConfig(r=4, target_modules=list(targets), task_type="CAUSAL_LM"))
-    model.enable_input_require_grads()
-    rows, length = 2, 24
-    measured = _measure(model, input_ids=torch.randint(0, config.vocab_size, (rows, length)))
-    flops = model_flops(config, lora_r=4, lora_targets=targets)
-    assert measured == {"aten.mm": flops.per_token * rows * length, "aten.bmm": flops.per_pair * rows * length ** 2}
+    _check_lora_flops(base, config, targets)
