@@ -146,7 +146,7 @@ from llama_cp import kernels
 from llama_cp.documents import (
     DocumentLayout, Piece, document_starts, pieces_attention, pieces_backward, pieces_forward, tiles,
 )
-from llama_cp.families import check_supported
+from llama_cp.families import check_supported, sliding_windows
 from llama_cp.kernels import Backend
 from llama_cp.models import base_causal_lm
 from llama_cp.sharding import SEQ_INDEX, check_attention_mask, unshard, zigzag_index
@@ -234,16 +234,17 @@ class RingComm:
 
 
 def _kv_transfer(comm: RingComm, step: int, own: torch.Tensor, held: torch.Tensor | None,
-                 documents: DocumentLayout | None) -> torch.Tensor | None:
+                 documents: DocumentLayout | None, window: int | None = None) -> torch.Tensor | None:
     """Post the transfer that brings ring step ``step``'s K/V block (that of rank - step) to this
     rank, ``held`` being the block of step - 1; returns the receive buffer, None when no query
-    of this rank sees the block (Note [Ring transfers])."""
-    if documents is None or documents.ring_dense():
+    of this rank sees the block (Note [Ring transfers]; ``window``: Note [Sliding windows under CP])."""
+    if documents is None or documents.ring_dense(window):
         return comm.neighbours(held)
     rank, size = comm.rank, comm.size
     to, source = (rank + step) % size, (rank - step) % size
     return comm.exchange(
-        own if documents.sees(to, rank) else None, to, own if documents.sees(rank, source) else None, source
+        own if documents.sees(to, rank, window) else None, to,
+        own if documents.sees(rank, source, window) else None, source,
     )
 
 
@@ -260,6 +261,7 @@ def ring_forward(
     documents: DocumentLayout | None = None,
     block_size: int = 0,
     softcap: float = 0.0,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zigzag ring attention forward; see Note [Zigzag ring attention].
 
@@ -267,16 +269,17 @@ def ring_forward(
     Returns out (B, H, S, D) in q's dtype and lse (B, H, S) in float32.
     With ``documents`` only the pairs of Note [Document masks under CP] are computed, and
     only the blocks some query sees are sent (Note [Ring transfers]);
-    ``block_size``: kernel calls of at most that many queries x keys (Note [Tiled attention]).
+    ``block_size``: kernel calls of at most that many queries x keys (Note [Tiled attention]);
+    ``window``: a sliding window, which needs ``documents`` (Note [Sliding windows under CP]).
     """
     own = kv = torch.stack([k, v])  # (2, B, Hkv, S, D): one message per step
     out = lse = None
     for step in range(comm.size):
         if step + 1 < comm.size:
-            next_kv = _kv_transfer(comm, step + 1, own, kv, documents)
+            next_kv = _kv_transfer(comm, step + 1, own, kv, documents, window)
         if kv is not None:  # else no query of this rank sees the block, and it was not sent
             out, lse = _ring_block_forward(comm.rank, comm.size, step, causal, documents, block_size, q, kv,
-                                           scale, backend, out, lse, softcap)
+                                           scale, backend, out, lse, softcap, window)
         if step + 1 < comm.size:
             comm.wait()
             kv = next_kv
@@ -299,25 +302,26 @@ def ring_backward(
     documents: DocumentLayout | None = None,
     block_size: int = 0,
     softcap: float = 0.0,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Zigzag ring attention backward; see Note [Zigzag ring attention] (and Note [Document
     masks under CP] and Note [Ring transfers] with ``documents``, Note [Tiled attention] with
     ``block_size``)."""
     rank, size, half = comm_kv.rank, comm_kv.size, q.shape[2] // 2
     acc = kernels.accumulation_dtype(q)
-    direct = documents is not None and not documents.ring_dense()
+    direct = documents is not None and not documents.ring_dense(window)
     dq = torch.zeros_like(q, dtype=acc)
     own = kv = torch.stack([k, v])
     own_dkv = torch.zeros_like(own, dtype=acc) if direct else None  # our block's dK/dV, summed here
     dkv_in_flight = None
     for step in range(size):
         if step + 1 < size:
-            next_kv = _kv_transfer(comm_kv, step + 1, own, kv, documents)
+            next_kv = _kv_transfer(comm_kv, step + 1, own, kv, documents, window)
         dkv = None
         if kv is not None:
             dkv = own_dkv if direct and step == 0 else torch.zeros_like(kv, dtype=acc)  # our share of its dK/dV
             _ring_block_backward(rank, size, step, half, causal, documents, block_size, dout, q, kv, out, lse,
-                                 scale, backend, dq, dkv, softcap)
+                                 scale, backend, dq, dkv, softcap, window)
         if not direct:  # the block's dK/dV travel with it, one hop behind (Note [Zigzag ring attention])
             if dkv_in_flight is not None:
                 comm_dkv.wait()
@@ -329,7 +333,7 @@ def ring_backward(
                 own_dkv.add_(dkv_in_flight)
             seen_by = (rank + step) % size
             dkv_in_flight = comm_dkv.exchange(
-                dkv, (rank - step) % size, own_dkv if documents.sees(seen_by, rank) else None, seen_by
+                dkv, (rank - step) % size, own_dkv if documents.sees(seen_by, rank, window) else None, seen_by
             )
         if step + 1 < size:
             comm_kv.wait()
@@ -343,11 +347,11 @@ def ring_backward(
 
 
 def _ring_block_forward(rank, size, step, causal, documents, block_size, q, kv, scale, backend, out, lse,
-                        softcap=0.0):
+                        softcap=0.0, window=None):
     """Merge ring step ``step``'s block into (out, lse), the rank's float32 accumulators (None
     before the first block)."""
     half = q.shape[2] // 2
-    block = _ring_step_pieces(rank, size, step, q.shape[2], causal, documents, block_size)
+    block = _ring_step_pieces(rank, size, step, q.shape[2], causal, documents, block_size, window)
     if block is not None:
         if out is None:  # rows start empty: merge_block takes a block's values into them
             out = torch.zeros_like(q, dtype=kernels.accumulation_dtype(q))
@@ -373,9 +377,9 @@ def _ring_block_forward(rank, size, step, causal, documents, block_size, q, kv, 
 
 
 def _ring_block_backward(rank, size, step, half, causal, documents, block_size, dout, q, kv, out, lse, scale,
-                         backend, dq, dkv, softcap=0.0) -> None:
+                         backend, dq, dkv, softcap=0.0, window=None) -> None:
     """Add ring step ``step``'s gradients to dq and dkv (the block's dK/dV) in place."""
-    block = _ring_step_pieces(rank, size, step, q.shape[2], causal, documents, block_size)
+    block = _ring_step_pieces(rank, size, step, q.shape[2], causal, documents, block_size, window)
     if block is not None:
         pieces_backward(dout, q, kv[0], kv[1], out, lse, block, scale=scale, backend=backend, dq=dq,
                         dk=dkv[0], dv=dkv[1], softcap=softcap)
@@ -405,12 +409,13 @@ def _ring_block_backward(rank, size, step, half, causal, documents, block_size, 
 
 
 def _ring_step_pieces(
-    rank: int, size: int, step: int, seq_len: int, causal: bool, documents: DocumentLayout | None, block_size: int
+    rank: int, size: int, step: int, seq_len: int, causal: bool, documents: DocumentLayout | None, block_size: int,
+    window: int | None = None,
 ) -> list[Piece] | None:
     """The kernel calls of ring step ``step`` on ``rank`` of ``size`` as pieces, tiled to
     ``block_size``; None when the step is one untiled call (the ring's own branches)."""
     if documents is not None:
-        return tiles(documents.ring_pieces((rank - step) % size), block_size)
+        return tiles(documents.ring_pieces((rank - step) % size, window), block_size)
     if not block_size or seq_len <= block_size:
         return None
     whole, half = slice(0, seq_len), seq_len // 2
@@ -425,14 +430,14 @@ def _ring_step_pieces(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend, documents, block_size, softcap=0.0):
+    def forward(ctx, q, k, v, group, causal, scale, backend, documents, block_size, softcap=0.0, window=None):
         out, lse = ring_forward(
             RingComm(group), q, k, v, causal=causal, scale=scale, backend=backend, documents=documents,
-            block_size=block_size, softcap=softcap,
+            block_size=block_size, softcap=softcap, window=window,
         )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.documents = group, causal, scale, backend, documents
-        ctx.block_size, ctx.softcap = block_size, softcap
+        ctx.block_size, ctx.softcap, ctx.window = block_size, softcap, window
         return out
 
     @staticmethod
@@ -441,9 +446,9 @@ class _RingAttention(torch.autograd.Function):
         dq, dk, dv = ring_backward(
             RingComm(ctx.group, tag=0), RingComm(ctx.group, tag=1, kind="ring dK/dV"), dout, q, k, v, out, lse,
             causal=ctx.causal, scale=ctx.scale, backend=ctx.backend, documents=ctx.documents,
-            block_size=ctx.block_size, softcap=ctx.softcap,
+            block_size=ctx.block_size, softcap=ctx.softcap, window=ctx.window,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- local block
@@ -531,7 +536,7 @@ class _AllToAll(torch.autograd.Function):
 
 def ulysses_attention(
     q, k, v, group, *, causal: bool, scale: float, backend: Backend | None = None,
-    documents: DocumentLayout | None = None, block_size: int = 0, softcap: float = 0.0,
+    documents: DocumentLayout | None = None, block_size: int = 0, softcap: float = 0.0, window: int | None = None,
 ):
     """Ulysses attention; q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) zigzag shards. Differentiable.
     With ``documents``, causal attention within each document of the gathered row; ``block_size``:
@@ -540,7 +545,7 @@ def ulysses_attention(
     kv_repeat = cp // math.gcd(k.shape[1], cp)  # make the KV heads split evenly across cp
     k, v = kernels._expand_kv(k, kv_repeat), kernels._expand_kv(v, kv_repeat)
     q, k, v = (_AllToAll.apply(t, group, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
-    block = None if documents is None else documents.full_row_pieces()
+    block = None if documents is None else documents.full_row_pieces(window)
     out = local_attention(q, k, v, causal=causal, scale=scale, backend=backend, block_size=block_size, block=block,
                           softcap=softcap)
     return _AllToAll.apply(out, group, _heads_to_seq, _seq_to_heads)
@@ -572,12 +577,13 @@ def scatter_rows(dkv: torch.Tensor, group: dist.ProcessGroup, documents: Documen
 def allgather_forward(
     group: dist.ProcessGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentLayout, *,
     scale: float, backend: Backend | None = None, block_size: int = 0, softcap: float = 0.0,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather attention forward (see the module docstring). q: (B, H, S/cp, D), k/v:
     (B, Hkv, S/cp, D), the rank's tokens at rows ``documents.local_rows``. Returns out (q's
     dtype) and lse (float32)."""
     kv = gather_rows(torch.stack([k, v]), group, documents)
-    block = tiles(documents.gathered_pieces(), block_size)
+    block = tiles(documents.gathered_pieces(window), block_size)
     return pieces_forward(q, kv[0], kv[1], block, scale=scale, backend=backend, softcap=softcap)
 
 
@@ -585,12 +591,13 @@ def allgather_backward(
     group: dist.ProcessGroup, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, documents: DocumentLayout, *,
     scale: float, backend: Backend | None = None, block_size: int = 0, softcap: float = 0.0,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All-gather attention backward: K/V gathered again, dK/dV of the row in float32,
     reduce-scattered to their owners and cast to the input dtype."""
     kv = gather_rows(torch.stack([k, v]), group, documents)
     dkv = torch.zeros_like(kv, dtype=kernels.accumulation_dtype(q))
-    block = tiles(documents.gathered_pieces(), block_size)
+    block = tiles(documents.gathered_pieces(window), block_size)
     dq = pieces_backward(
         dout, q, kv[0], kv[1], out, lse, block, scale=scale, backend=backend, dq=None, dk=dkv[0], dv=dkv[1],
         softcap=softcap,
@@ -601,12 +608,12 @@ def allgather_backward(
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, backend, documents, block_size, softcap):
+    def forward(ctx, q, k, v, group, scale, backend, documents, block_size, softcap, window):
         out, lse = allgather_forward(group, q, k, v, documents, scale=scale, backend=backend, block_size=block_size,
-                                     softcap=softcap)
+                                     softcap=softcap, window=window)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.backend, ctx.documents, ctx.block_size = group, scale, backend, documents, block_size
-        ctx.softcap = softcap
+        ctx.softcap, ctx.window = softcap, window
         return out
 
     @staticmethod
@@ -614,9 +621,9 @@ class _AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         grads = allgather_backward(
             ctx.group, dout, q, k, v, out, lse, ctx.documents, scale=ctx.scale, backend=ctx.backend,
-            block_size=ctx.block_size, softcap=ctx.softcap,
+            block_size=ctx.block_size, softcap=ctx.softcap, window=ctx.window,
         )
-        return *grads, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- hybrid
@@ -660,7 +667,7 @@ def hybrid_groups(group: dist.ProcessGroup, ulysses_degree: int) -> tuple[dist.P
 def hybrid_attention(
     q, k, v, inner: dist.ProcessGroup, outer: dist.ProcessGroup, *, causal: bool, scale: float,
     backend: Backend | None = None, documents: DocumentLayout | None = None, block_size: int = 0,
-    softcap: float = 0.0,
+    softcap: float = 0.0, window: int | None = None,
 ):
     """Ulysses over ``inner``, then the ring over ``outer`` (Note [Hybrid attention]); q: (B, H,
     S/cp, D), k/v: (B, Hkv, S/cp, D) zigzag shards of the cp group. ``documents``: the layout of
@@ -670,11 +677,11 @@ def hybrid_attention(
     k, v = kernels._expand_kv(k, kv_repeat), kernels._expand_kv(v, kv_repeat)
     q, k, v = (_AllToAll.apply(t, inner, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
     if dist.get_world_size(outer) == 1:  # u = cp: Ulysses
-        block = None if documents is None else documents.ring_pieces(0)
+        block = None if documents is None else documents.ring_pieces(0, window)
         out = local_attention(q, k, v, causal=causal, scale=scale, backend=backend, block_size=block_size, block=block,
                               softcap=softcap)
     else:
-        out = _RingAttention.apply(q, k, v, outer, causal, scale, backend, documents, block_size, softcap)
+        out = _RingAttention.apply(q, k, v, outer, causal, scale, backend, documents, block_size, softcap, window)
     return _AllToAll.apply(out, inner, _heads_to_seq, _seq_to_heads)
 
 
@@ -704,6 +711,8 @@ class ContextParallelAttention:
     #: hybrid: the Ulysses and the ring sub-groups of ``group`` (Note [Hybrid attention])
     inner: dist.ProcessGroup | None = None
     outer: dist.ProcessGroup | None = None
+    #: some layer has a sliding window: every batch gets a layout (Note [Sliding windows under CP])
+    sliding: bool = False
 
     @property
     def cp_size(self) -> int:
@@ -732,23 +741,41 @@ class ContextParallelAttention:
         starts = document_starts(unshard(position_ids, self.group))
         if not bool(starts.any()):
             return None
+        return self.zigzag_layout(starts)
+
+    def zigzag_layout(self, starts: torch.Tensor, single: bool = False) -> DocumentLayout:
+        """The layout of (B, L) document ``starts`` on this rank's zigzag chunks (hybrid: the
+        outer ring's); ``single``: every row one document (DocumentLayout.single)."""
         rank, size = (0, 1) if self.group is None else (dist.get_rank(self.group), self.cp_size)
         if self.strategy == "hybrid":  # the outer ring's layout: its ranks hold the ring's zigzag chunks
             rank, size = dist.get_rank(self.outer), dist.get_world_size(self.outer)
-        return DocumentLayout(starts, cp_rank=rank, cp_size=size)
+        return DocumentLayout(starts, cp_rank=rank, cp_size=size, single=single)
 
     def __call__(
         self, q, k, v, *, causal: bool, scale: float | None, documents: DocumentLayout | None = None,
-        softcap: float = 0.0,
+        softcap: float = 0.0, window: int | None = None,
     ) -> torch.Tensor:
         """q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) -> (B, H, S/cp, D). ``documents``: attend
         only within each packed document (Note [Document masks under CP]); ``softcap``: Note
-        [Soft-capped attention] in ``llama_cp/kernels.py``."""
+        [Soft-capped attention] in ``llama_cp/kernels.py``; ``window``: a sliding window of that
+        many tokens (Note [Sliding windows under CP] in ``llama_cp/documents.py``)."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        seq_len = q.shape[2] * self.cp_size
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window must hold at least 1 token, got {window}")
+        if window is not None and window >= seq_len:
+            window = None  # it cuts nothing
+        if window is not None and not causal:
+            raise ValueError("sliding windows are causal here; got a non-causal attention call with a window")
+        if window is not None and documents is None:  # one document per row: called without the decoder's hook
+            starts = torch.zeros((q.shape[0], seq_len), dtype=torch.long, device=q.device)
+            documents = self.zigzag_layout(starts, single=True)
+        if window is None and documents is not None and documents.single and self.strategy != "allgather":
+            documents = None  # a full layer of a windowed model: the plain strategies
         if documents is not None and not causal:
             raise ValueError("document masks are causal; got a non-causal attention call with documents")
         if self.cp_size == 1:
-            block = None if documents is None else documents.ring_pieces(0)
+            block = None if documents is None else documents.ring_pieces(0, window)
             return local_attention(
                 q, k, v, causal=causal, scale=scale, backend=self.backend, block_size=self.block_size, block=block,
                 softcap=softcap,
@@ -757,7 +784,7 @@ class ContextParallelAttention:
             if documents is None or documents.gathered_rows is None:
                 raise RuntimeError("all-gather attention called without its layout; call the model, not the layer")
             return _AllGatherAttention.apply(
-                q, k, v, self.group, scale, self.backend, documents, self.block_size, softcap
+                q, k, v, self.group, scale, self.backend, documents, self.block_size, softcap, window
             )
         if self.strategy == "ring":
             if q.shape[2] % 2:
@@ -766,16 +793,16 @@ class ContextParallelAttention:
                     "shard the batch with llama_cp.shard_batch"
                 )
             return _RingAttention.apply(
-                q, k, v, self.group, causal, scale, self.backend, documents, self.block_size, softcap
+                q, k, v, self.group, causal, scale, self.backend, documents, self.block_size, softcap, window
             )
         if self.strategy == "hybrid":
             return hybrid_attention(
                 q, k, v, self.inner, self.outer, causal=causal, scale=scale, backend=self.backend,
-                documents=documents, block_size=self.block_size, softcap=softcap,
+                documents=documents, block_size=self.block_size, softcap=softcap, window=window,
             )
         return ulysses_attention(
             q, k, v, self.group, causal=causal, scale=scale, backend=self.backend, documents=documents,
-            block_size=self.block_size, softcap=softcap,
+            block_size=self.block_size, softcap=softcap, window=window,
         )
 
 
@@ -807,7 +834,7 @@ def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple
                 f"can run (this model uses {attention.strategy!r} at cp {attention.cp_size}); shard it with "
                 "layout='zigzag' or use --cp_strategy allgather"
             )
-    if attention.document_mask or gathered:
+    if attention.document_mask or gathered or attention.sliding:
         tokens = kwargs.get("input_ids", args[0] if args else None)
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         if tokens is not None:
@@ -818,7 +845,11 @@ def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple
         if gathered:
             documents = attention.gathered_layout(positions, seq_index)
         else:
-            documents = attention.document_layout(positions)
+            documents = attention.document_layout(positions) if attention.document_mask else None
+            if documents is None and attention.sliding:  # one layout for every windowed layer of the batch
+                starts = torch.zeros((rows, positions.shape[-1] * attention.cp_size), dtype=torch.long,
+                                     device=positions.device)
+                documents = attention.zigzag_layout(starts, single=True)
         if documents is not None:
             kwargs = {**kwargs, DOCUMENTS_KWARG: documents}
     return args, kwargs
@@ -846,15 +877,9 @@ def cp_attention_forward(
     check_attention_mask(attention_mask)
     if dropout:
         raise ValueError(f"context-parallel attention does not support attention dropout (got {dropout})")
-    window, seq_len = kwargs.get("sliding_window"), query.shape[2] * attention.cp_size
-    if window is not None and window < seq_len:
-        raise ValueError(
-            f"sliding-window attention of {window} tokens is shorter than the sequence ({seq_len} tokens) and "
-            "context-parallel attention has no sliding window; use sequences of at most that many tokens"
-        )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = attention(query, key, value, causal=causal, scale=scaling, documents=kwargs.get(DOCUMENTS_KWARG),
-                    softcap=kwargs.get("softcap") or 0.0)
+                    softcap=kwargs.get("softcap") or 0.0, window=kwargs.get("sliding_window"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -930,9 +955,9 @@ def apply_context_parallel(
     attention] in ``llama_cp/documents.py``); 0: one call per block of the strategy.
 
     Models llama-cp cannot compute exactly are refused here (``llama_cp.families``);
-    ``max_seq_len``, the longest global sequence to come, lets a sliding window be
-    checked now rather than at the first forward. A padding attention mask is refused
-    when the model is called.
+    ``max_seq_len``, the longest global sequence to come, lets a sliding window that needs
+    flash-attn on CUDA be refused now rather than at the first forward when ``backend`` names
+    one of torch's CUDA kernels. A padding attention mask is refused when the model is called.
 
     ``strategy="hybrid"``: Ulysses inside groups of ``ulysses_degree`` consecutive cp ranks,
     the ring across them (Note [Hybrid attention]); the batch keeps the zigzag layout.
@@ -945,7 +970,14 @@ def apply_context_parallel(
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {kernels.BACKENDS}")
     if block_size < 0:
         raise ValueError(f"attention block_size must be >= 0 (0 = untiled), got {block_size}")
-    check_supported(model, max_seq_len=max_seq_len)
+    check_supported(model)
+    windows = sliding_windows(model)
+    if backend in ("sdpa_flash", "sdpa_efficient") and windows and max_seq_len and min(windows) < max_seq_len:
+        raise ValueError(
+            f"--attention_backend {backend}: this model's sliding window of {min(windows)} tokens is shorter than "
+            f"the sequence ({max_seq_len} tokens), and llama-cp passes windows to flash_attn only: use "
+            "--attention_backend flash_attn (pip install flash-attn --no-build-isolation)"
+        )
     group = cp_mesh.get_group() if isinstance(cp_mesh, DeviceMesh) else cp_mesh
     cp = 1 if group is None else dist.get_world_size(group)
 
@@ -968,7 +1000,7 @@ def apply_context_parallel(
         inner, outer = hybrid_groups(group, ulysses_degree)
     attention = ContextParallelAttention(
         group=group if cp > 1 else None, strategy=strategy, backend=backend, document_mask=document_mask,
-        block_size=block_size, inner=inner, outer=outer,
+        block_size=block_size, inner=inner, outer=outer, sliding=bool(windows),
     )
     decoder = base_causal_lm(model).get_decoder()
     for module in (*layers, decoder):

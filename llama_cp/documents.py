@@ -37,6 +37,37 @@ Pieces longer than ``--attention_block_size`` are cut into tiles: Note [Tiled
 attention]. On CUDA the pieces of a block go to the kernel together: Note [Varlen
 document calls].
 
+Note [Sliding windows under CP]
+===============================
+
+A sliding window of w tokens (Mistral's ``sliding_window``, Qwen2's with
+``use_sliding_window``, the "sliding_attention" layers of Gemma 2 and 3) lets query t
+see key s only when t - s < w (transformers' ``sliding_window_overlay``: kv_idx >
+q_idx - w), on top of the document mask:
+
+    max(start[t], t - w + 1) <= s <= t      (global row indices)
+
+A piece is made of consecutive query rows and consecutive key rows, so within it the
+window is one band, written in the piece's local indices as ``Piece.lag``: key j is
+hidden from query i when i - j > lag (lag = w - 1 - (first query row - first key row),
+shifted by where the slices sit in the local tensors). ``pieces`` cuts each piece's
+keys to those its queries can reach (from the span's first row - w + 1), so a block
+entirely outside the window has no piece: it costs nothing, and the ring does not send
+it (Note [Ring transfers]); ``tiles`` drops the tiles the band misses and clears the lag
+of those it does not cut. A row with one document and a window is a layout like any
+other (every token's start 0), so the ring, Ulysses, all-gather and hybrid run windows
+through their document paths. A model with windowed and full layers (Gemma 2 and 3
+``layer_types``) passes each layer's window with its call (``sliding_window``), and each
+layer gets the pieces of its own window from the one layout of the batch.
+
+The kernels take the lag of a call (``kernels.attention_forward(lag=)``); rows that see
+no key of a call get out = 0, lse = -inf, as document masks already have. On CUDA,
+flash-attn's ``window_size``; on CPU, the exact kernel of ``llama_cp/dense.py``
+(Sq x Sk scores, 512 query rows at a time, so tiles bound it). Windowed pieces are not
+put into varlen calls: flash-attn's window is one pair of numbers per call, aligned to
+each segment's bottom-right corner, and the pieces' bands differ; they take one call
+each.
+
 Note [Tiled attention]
 ======================
 
@@ -186,12 +217,14 @@ class Chunk(NamedTuple):
 
 class Piece(NamedTuple):
     """One call of the local kernel: queries ``q`` x keys ``k`` (local slices) of batch row ``row``
-    (None: every row)."""
+    (None: every row); ``lag``: a sliding window, key j hidden from query i (local indices) when
+    i - j > lag (Note [Sliding windows under CP])."""
 
     row: int | None
     q: slice
     k: slice
     causal: bool
+    lag: int | None = None
 
     @property
     def rows(self) -> slice:
@@ -237,20 +270,30 @@ def spans(starts: torch.Tensor, rows: torch.Tensor) -> list[list[Span]]:
     return result
 
 
-def pieces(query_spans: list[list[Span]], chunks: list[Chunk]) -> list[Piece]:
-    """The kernel calls that cover every visible (query, key) pair of a block and nothing else."""
+def pieces(query_spans: list[list[Span]], chunks: list[Chunk], window: int | None = None) -> list[Piece]:
+    """The kernel calls that cover every visible (query, key) pair of a block and nothing else;
+    ``window``: a sliding window of that many tokens (Note [Sliding windows under CP])."""
     result = []
     for row, row_spans in enumerate(query_spans):
         for span in row_spans:
+            last = span.first + span.length - 1  # the span's last query row
             for chunk in chunks:
                 lo, hi = max(span.doc_start, chunk.first), min(span.first, chunk.first + chunk.length)
-                if lo < hi:  # keys before the span, in its document: all visible
+                if window is not None:
+                    lo = max(lo, span.first - window + 1)  # older keys are out of every query's window
+                lag = None
+                if window is not None:  # in local indices: query row - key row < window
+                    lag = window - 1 - (span.first - span.start) + (chunk.first - chunk.start)
+                if lo < hi:  # keys before the span, in its document (and window)
                     k = slice(chunk.start + lo - chunk.first, chunk.start + hi - chunk.first)
-                    result.append(Piece(row, slice(span.start, span.start + span.length), k, False))
+                    cut = window is not None and last - lo >= window  # the last query misses the first key
+                    result.append(Piece(row, slice(span.start, span.start + span.length), k, False,
+                                        lag if cut else None))
                 if chunk.first <= span.first < chunk.first + chunk.length:  # the span's own keys
                     k0 = chunk.start + span.first - chunk.first
+                    cut = window is not None and span.length > window
                     result.append(Piece(row, slice(span.start, span.start + span.length),
-                                        slice(k0, k0 + span.length), True))
+                                        slice(k0, k0 + span.length), True, lag if cut else None))
     return result
 
 
@@ -265,10 +308,21 @@ class Tiles(list):
 
 def tiles(block: list[Piece], block_size: int) -> Tiles:
     """``block`` cut into kernel calls of at most ``block_size`` queries x ``block_size`` keys,
-    queries-outer (Note [Tiled attention]); ``block``'s pieces unchanged when none is longer (or 0)."""
+    queries-outer (Note [Tiled attention]); ``block``'s pieces unchanged when none is longer (or 0).
+    Windowed pieces (``lag``) lose the tiles their band misses, and the lag of the tiles it
+    does not cut (Note [Sliding windows under CP])."""
     if not block_size or all(max(p.q.stop - p.q.start, p.k.stop - p.k.start) <= block_size for p in block):
         return Tiles(block, block_size)
     result = []
+
+    def add(row, q: slice, k: slice, causal: bool, lag: int | None) -> None:
+        if lag is not None:
+            if q.start - (k.stop - 1) > lag:  # even the first query misses the last key
+                return
+            if q.stop - 1 - k.start <= lag:  # the last query sees the first key: nothing cut
+                lag = None
+        result.append(Piece(row, q, k, causal, lag))
+
     # pieces of one query slice (a span's full and causal pieces) are consecutive: tile them together
     for (row, q_start, q_stop), group in itertools.groupby(block, key=lambda p: p.queries):
         group = list(group)
@@ -276,13 +330,13 @@ def tiles(block: list[Piece], block_size: int) -> Tiles:
             q = slice(q0, min(q0 + block_size, q_stop))
             for piece in group:
                 if not piece.causal:
-                    result += [Piece(row, q, slice(k0, min(k0 + block_size, piece.k.stop)), False)
-                               for k0 in range(piece.k.start, piece.k.stop, block_size)]
+                    for k0 in range(piece.k.start, piece.k.stop, block_size):
+                        add(row, q, slice(k0, min(k0 + block_size, piece.k.stop)), False, piece.lag)
                     continue
                 shift = piece.k.start - q_start  # a causal piece is square: key q_start + i is query i's own
-                result += [Piece(row, q, slice(k0, k0 + block_size), False)
-                           for k0 in range(piece.k.start, q0 + shift, block_size)]
-                result.append(Piece(row, q, slice(q.start + shift, q.stop + shift), True))
+                for k0 in range(piece.k.start, q0 + shift, block_size):
+                    add(row, q, slice(k0, k0 + block_size), False, piece.lag)
+                add(row, q, slice(q.start + shift, q.stop + shift), True, piece.lag)
     return Tiles(result, block_size)
 
 
@@ -343,8 +397,13 @@ def _piece_forward(q, k, v, piece: Piece, scale, backend, softcap=0.0):
     r = piece.rows
     return kernels.attention_forward(
         q[r, :, piece.q], k[r, :, piece.k], v[r, :, piece.k], causal=piece.causal, scale=scale, backend=backend,
-        softcap=softcap,
+        softcap=softcap, lag=_call_lag(piece),
     )
+
+
+def _call_lag(piece: Piece) -> int | None:
+    """The piece's lag in the indices of its own kernel call (query piece.q.start is row 0)."""
+    return None if piece.lag is None else piece.lag - piece.q.start + piece.k.start
 
 
 def pieces_backward(
@@ -370,6 +429,7 @@ def pieces_backward(
             grads = kernels.attention_backward(
                 dout[rows, :, qs], q[rows, :, qs], k[rows, :, ks], v[rows, :, ks], out[rows, :, qs],
                 lse[rows, :, qs], causal=piece.causal, scale=scale, backend=backend, softcap=softcap,
+                lag=_call_lag(piece),
             )
             query_dq += grads[0]
             dk[rows, :, ks] += grads[1]
@@ -438,8 +498,9 @@ class _VarlenWindow(NamedTuple):
 def varlen_windows(block: list[Piece]) -> list[list[list[Piece]]] | None:
     """:func:`varlen_calls` of ``block`` (bounded by the block size :func:`tiles` cut it to), or
     None where a varlen backend still makes one call per piece: pieces of every batch row (a block
-    without documents, whose tiles fill their calls already), or no fewer calls than pieces."""
-    if any(p.row is None for p in block):
+    without documents, whose tiles fill their calls already), windowed pieces, or no fewer calls
+    than pieces."""
+    if any(p.row is None or p.lag is not None for p in block):  # windows: Note [Sliding windows under CP]
         return None
     windows = varlen_calls(block, getattr(block, "block_size", 0))
     return windows if sum(len(calls) for calls in windows) < len(block) else None
@@ -563,7 +624,8 @@ class DocumentLayout:
     cp_rank / cp_size: where this rank's zigzag chunks are. The all-gather strategy, whose
     ranks may hold any tokens, gives ``local_rows`` (S,), the rows of this rank's tokens in
     local order, and ``gathered_rows`` (cp x S,), the rows of every rank's tokens, rank after
-    rank (the order of an all-gather).
+    rank (the order of an all-gather). ``single``: every row is one document, a layout made
+    only for the windowed layers (Note [Sliding windows under CP]).
     """
 
     starts: torch.Tensor
@@ -571,6 +633,7 @@ class DocumentLayout:
     cp_size: int = 1
     local_rows: torch.Tensor | None = None
     gathered_rows: torch.Tensor | None = None
+    single: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -601,33 +664,37 @@ class DocumentLayout:
             self._cache[key] = spans(self.starts.cpu().index_select(1, rows), rows)
         return self._cache[key]
 
-    def ring_pieces(self, source_rank: int) -> list[Piece]:
+    # ``window`` below: a sliding window of that many tokens, None for none (Note [Sliding
+    # windows under CP]); a model may mix windowed and full layers, each asks with its own.
+    def ring_pieces(self, source_rank: int, window: int | None = None) -> list[Piece]:
         """Pieces of this rank's queries against the K/V block of cp rank ``source_rank``."""
-        key = ("ring", source_rank)
+        key = ("ring", source_rank, window)
         if key not in self._cache:
-            self._cache[key] = pieces(self.local_spans(), self.zigzag_chunks(source_rank))
+            self._cache[key] = pieces(self.local_spans(), self.zigzag_chunks(source_rank), window)
         return self._cache[key]
 
-    def sees(self, receiver: int, source: int) -> bool:
+    def sees(self, receiver: int, source: int, window: int | None = None) -> bool:
         """Whether a query of cp rank ``receiver`` (zigzag chunks, any batch row) sees a key of
         rank ``source``'s: the ring sends only such blocks (Note [Ring transfers])."""
-        key = ("sees", receiver, source)
+        key = ("sees", receiver, source, window)
         if key not in self._cache:
-            self._cache[key] = bool(pieces(self.rank_spans(receiver), self.zigzag_chunks(source)))
+            self._cache[key] = bool(pieces(self.rank_spans(receiver), self.zigzag_chunks(source), window))
         return self._cache[key]
 
-    def ring_dense(self) -> bool:
+    def ring_dense(self, window: int | None = None) -> bool:
         """Whether every rank sees every other rank's block: the ring then skips nothing."""
-        if "dense" not in self._cache:
+        key = ("dense", window)
+        if key not in self._cache:
             ranks = range(self.cp_size)
-            self._cache["dense"] = all(self.sees(r, s) for r in ranks for s in ranks)
-        return self._cache["dense"]
+            self._cache[key] = all(self.sees(r, s, window) for r in ranks for s in ranks)
+        return self._cache[key]
 
-    def gathered_pieces(self) -> list[Piece]:
+    def gathered_pieces(self, window: int | None = None) -> list[Piece]:
         """Pieces of this rank's queries against the whole row in row order (the all-gather)."""
-        if "gathered" not in self._cache:
-            self._cache["gathered"] = pieces(self.local_spans(), [Chunk(0, 0, self.seq_len)])
-        return self._cache["gathered"]
+        key = ("gathered", window)
+        if key not in self._cache:
+            self._cache[key] = pieces(self.local_spans(), [Chunk(0, 0, self.seq_len)], window)
+        return self._cache[key]
 
     def row_order(self, device: torch.device, inverse: bool = False) -> torch.Tensor:
         """(L,) index into the all-gathered tokens of the token of each row: gathered[row_order]
@@ -638,13 +705,14 @@ class DocumentLayout:
             self._cache[key] = (self.gathered_rows if inverse else self.gathered_rows.argsort()).to(device)
         return self._cache[key]
 
-    def full_row_pieces(self) -> list[Piece]:
+    def full_row_pieces(self, window: int | None = None) -> list[Piece]:
         """Pieces of the whole row in natural order against itself (Ulysses): one causal
-        square per document of each row."""
-        if "full" not in self._cache:
+        square per document of each row (with a window, the band of each)."""
+        key = ("full", window)
+        if key not in self._cache:
             seq = self.seq_len
-            self._cache["full"] = pieces(spans(self.starts, torch.arange(seq)), [Chunk(0, 0, seq)])
-        return self._cache["full"]
+            self._cache[key] = pieces(spans(self.starts, torch.arange(seq)), [Chunk(0, 0, seq)], window)
+        return self._cache[key]
 
     def visible_pairs(self) -> torch.Tensor:
         """(cp,) number of (query, key) pairs each cp rank's queries see: its attention work."""

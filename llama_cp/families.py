@@ -1,7 +1,7 @@
 """The HF model families llama-cp trains exactly, and what it refuses.
 
 llama-cp swaps two pieces of an HF causal LM: the attention function (causal,
-full window, no mask, soft-capped scores where the family caps them) and the loss path (the chunked
+no mask, a sliding window and soft-capped scores where the family has them) and the loss path (the chunked
 cross-entropy of ``llama_cp.loss``, which must repeat what the family's
 ``*ForCausalLM.forward`` does to the ``lm_head`` output). A family is supported
 only where both were checked against the plain single-process transformers
@@ -58,6 +58,7 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "cohere": _cohere,
     "gemma2": _final_softcap,
     "phi3": _plain,  # fused qkv_proj / gate_up_proj: attention still receives q, k, v
+    "gemma3_text": _final_softcap,  # Gemma3ForCausalLM: windowed and full layers, a RoPE per layer type
 }
 
 #: Families whose attention reads ``config.sliding_window`` itself (others set it per layer).
@@ -73,14 +74,19 @@ def model_family(model: nn.Module) -> str:
     return base_causal_lm(model).config.model_type
 
 
-def check_supported(model: nn.Module, *, max_seq_len: int | None = None) -> LogitTransform:
-    """Raise a ValueError naming the cause and the fix unless llama-cp computes ``model``
-    exactly; returns the family's :class:`LogitTransform`.
+def sliding_windows(model: nn.Module) -> set[int]:
+    """The sliding windows (tokens) of ``model``'s attention layers; empty when it has none."""
+    causal_lm = base_causal_lm(model)
+    config, family = causal_lm.config, causal_lm.config.model_type
+    windows = {w for m in causal_lm.modules() if (w := getattr(m, "sliding_window", None)) is not None}
+    if family in _WINDOW_IN_CONFIG and getattr(config, "sliding_window", None) is not None:
+        windows.add(config.sliding_window)
+    return windows
 
-    ``max_seq_len``: the longest (global) sequence the model will see; sliding windows
-    at least that long never cut anything and are accepted. Without it, a sliding
-    window is checked against each call's sequence in the attention function.
-    """
+
+def check_supported(model: nn.Module) -> LogitTransform:
+    """Raise a ValueError naming the cause and the fix unless llama-cp computes ``model``
+    exactly; returns the family's :class:`LogitTransform`."""
     causal_lm = base_causal_lm(model)
     config, family = causal_lm.config, causal_lm.config.model_type
     if family not in SUPPORTED_FAMILIES:
@@ -94,13 +100,9 @@ def check_supported(model: nn.Module, *, max_seq_len: int | None = None) -> Logi
             f"{family}: config.attention_dropout={config.attention_dropout}; context-parallel attention has no "
             "attention dropout: set it to 0.0"
         )
-    windows = {w for m in causal_lm.modules() if (w := getattr(m, "sliding_window", None)) is not None}
-    if family in _WINDOW_IN_CONFIG and config.sliding_window is not None:
-        windows.add(config.sliding_window)
-    if windows and max_seq_len is not None and min(windows) < max_seq_len:
+    if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(
-            f"{family}: sliding-window attention of {min(windows)} tokens is shorter than the sequence "
-            f"({max_seq_len} tokens) and context-parallel attention has no sliding window; use "
-            f"--context_length <= {min(windows)}, or a model without sliding window"
+            f"{family}: config.use_bidirectional_attention=True (an encoder, every token sees every other); "
+            "llama-cp trains causal language models: set it to false"
         )
     return SUPPORTED_FAMILIES[family](config)

@@ -21,7 +21,7 @@ import types
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from llama_cp.softcap import softcap_backward, softcap_forward
+from llama_cp.dense import dense_backward, dense_forward
 
 _aten = torch.ops.aten
 
@@ -54,16 +54,19 @@ def _round_up(x: int, multiple: int) -> int:
 # are one query head (forward) or one key/value head group (backward) at a time, copied into
 # the CUDA kernel's own tensors: the stand-in then holds at most that slice on top of what the
 # CUDA kernel holds; under fake tensors nothing is computed (Note [GPU attention kernels' workspace]).
-def _fill_forward(q, k, v, causal, scale, out, lse, softcap=0.0) -> None:
+def _fill_forward(q, k, v, causal, scale, out, lse, softcap=0.0, window=None) -> None:
     """out (B, H, Sq, D) and lse (B, H, Sq) of q (B, H, Sq, D), k/v (B, Hkv, Sk, D), any strides.
     Fake tensors (the planner) have no values to compute: nothing is done, nothing allocated.
-    ``softcap``: the values of flash-attn's soft-capped scores, from the exact CPU kernel."""
+    ``softcap``, ``window`` ((lag, lead) of :func:`_flash_bounds`): the values of flash-attn's
+    soft-capped or windowed scores, from the exact CPU kernel; a row that sees no key gets
+    lse = +inf, as flash-attn writes it (csrc/flash_attn/src/softmax.h, ``normalize_softmax_lse``)."""
     if is_fake(q):
         return
-    if softcap:
-        o, l = softcap_forward(q, k, v, causal, scale, softcap)
+    if softcap or window is not None:
+        lag, lead = (None, None) if window is None else window
+        o, l = dense_forward(q, k, v, causal and window is None, scale, softcap, lag, lead)
         out.copy_(o)
-        lse.copy_(l)
+        lse.copy_(l.masked_fill(l == float("-inf"), float("inf")))
         return
     n_rep = q.shape[1] // k.shape[1]
     for h in range(q.shape[1]):
@@ -76,13 +79,15 @@ def _fill_forward(q, k, v, causal, scale, out, lse, softcap=0.0) -> None:
         del o, l
 
 
-def _fill_backward(dout, q, k, v, out, lse, causal, scale, dq, dk, dv, softcap=0.0) -> None:
+def _fill_backward(dout, q, k, v, out, lse, causal, scale, dq, dk, dv, softcap=0.0, window=None) -> None:
     """dq, dk, dv in the (B, H, S, D) views given, one key/value head group at a time (nothing
     for fake tensors, as in :func:`_fill_forward`)."""
     if is_fake(q):
         return
-    if softcap:
-        for grad, value in zip((dq, dk, dv), softcap_backward(dout, q, k, v, out, lse, causal, scale, softcap)):
+    if softcap or window is not None:
+        lag, lead = (None, None) if window is None else window
+        grads = dense_backward(dout, q, k, v, out, lse, causal and window is None, scale, softcap, lag, lead)
+        for grad, value in zip((dq, dk, dv), grads):
             grad.copy_(value)
         return
     n_rep = q.shape[1] // k.shape[1]
@@ -104,13 +109,13 @@ def _t(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- flash-attn 2.x
-def _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, scale, softcap=0.0) -> torch.Tensor:
+def _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, scale, softcap=0.0, window=None) -> torch.Tensor:
     """flash-attn's ``mha_bwd`` (and torch's copy of it) on (B, S, H, D) tensors with the last
     dimension contiguous, writing dq, dk, dv; returns ``softmax_d``."""
     batch, seqlen_q, heads, head_size = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     _fill_backward(_t(dout), _t(q), _t(k), _t(v), _t(out), softmax_lse, causal, scale, _t(dq), _t(dk), _t(dv),
-                   softcap)
+                   softcap, window)
     seqlen_q_rounded = _round_up(seqlen_q, 128)
     head_size_rounded = _round_up(head_size, 32 if head_size <= 128 else 64)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -130,12 +135,13 @@ def flash_attn_forward(
 ):
     """flash-attn 2.8's ``_flash_attn_forward`` on (B, S, H, D) tensors: ``(out, softmax_lse,
     S_dmask, rng_state)``."""
-    _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    _check_plain(dropout_p, softcap, alibi_slopes)
     batch, seqlen_q, heads, _ = q.shape
+    window = _flash_bounds(causal, window_size_left, window_size_right, seqlen_q, k.shape[1])
     out = torch.empty_like(q)
     softmax_lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     p = torch.empty(0, dtype=q.dtype, device=q.device)
-    _fill_forward(_t(q), _t(k), _t(v), causal, softmax_scale, _t(out), softmax_lse, softcap)
+    _fill_forward(_t(q), _t(k), _t(v), causal, softmax_scale, _t(out), softmax_lse, softcap, window)
     rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
     return out, softmax_lse, p, rng_state
 
@@ -145,18 +151,37 @@ def flash_attn_backward(
     window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
 ):
     """flash-attn 2.8's ``_flash_attn_backward``: writes dq, dk, dv; returns ``softmax_d``."""
-    _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    _check_plain(dropout_p, softcap, alibi_slopes)
     if deterministic:
         raise ValueError("the flash-attn stand-in models the default non-deterministic backward only")
+    window = _flash_bounds(causal, window_size_left, window_size_right, q.shape[1], k.shape[1])
     dout, q, k, v, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (dout, q, k, v, out))
-    return _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, softmax_scale, softcap)
+    return _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, softmax_scale, softcap, window)
 
 
-def _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes) -> None:
+def _check_plain(dropout_p, softcap, alibi_slopes, window_size_left=-1, window_size_right=-1) -> None:
     """Soft-capping changes only the kernels' scale parameters, not what they allocate (Note
-    [Soft-capped attention] in ``llama_cp/kernels.py``): the stand-ins compute it."""
+    [Soft-capped attention] in ``llama_cp/kernels.py``): the stand-ins compute it. Windows of the
+    plain kernels are modelled (:func:`_flash_bounds`), not those of the varlen ones."""
     if dropout_p or alibi_slopes is not None or (window_size_left, window_size_right) != (-1, -1):
-        raise ValueError("the flash-attn stand-in models plain or soft-capped attention: no dropout, window or ALiBi")
+        raise ValueError("the flash-attn stand-in models plain, soft-capped or (not varlen) windowed attention: "
+                         "no dropout, varlen window or ALiBi")
+
+
+def _flash_bounds(causal: bool, left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int] | None:
+    """flash-attn's window of a plain call as (lag, lead) of ``llama_cp/dense.py`` (key j hidden
+    from query i when i - j > lag or j - i > lead), or None for no window, as flash-attn 2.8.3
+    reads its arguments: mha_fwd / mha_bwd in csrc/flash_attn/flash_api.cpp (a side >= seqlen_k
+    becomes -1; causal sets right to 0), set_params_fprop (one side -1 and the other not: it
+    becomes seqlen_k) and the mask of csrc/flash_attn/src/mask.h (bottom-right aligned: seen iff
+    i + Sk - Sq - left <= j <= i + Sk - Sq + right). The same in 2.6.3 and 2.7.4."""
+    left, right = (-1 if left >= seqlen_k else left), (-1 if right >= seqlen_k else right)
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    left, right = (seqlen_k if left < 0 else left), (seqlen_k if right < 0 else right)
+    return left + seqlen_q - seqlen_k, seqlen_k - seqlen_q + right
 
 
 # ---------------------------------------------------------------- varlen (flash-attn 2.x and torch's copy)
@@ -225,7 +250,7 @@ def flash_attn_varlen_forward(
 ):
     """flash-attn 2.8's ``_flash_attn_varlen_forward`` (mha_varlen_fwd): ``(out, softmax_lse (H, Tq),
     S_dmask, rng_state)``."""
-    _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    _check_plain(dropout_p, softcap, alibi_slopes, window_size_left, window_size_right)
     if block_table is not None or leftpad_k is not None or seqused_k is not None or return_softmax:
         raise ValueError("the flash-attn varlen stand-in models packed q/k/v: no paged KV, padding or softmax")
     out = torch.empty_like(q)
@@ -242,7 +267,7 @@ def flash_attn_varlen_backward(
     rng_state=None, zero_tensors=False,
 ):
     """flash-attn 2.8's ``_flash_attn_varlen_backward``: writes dq, dk, dv; returns ``softmax_d``."""
-    _check_plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    _check_plain(dropout_p, softcap, alibi_slopes, window_size_left, window_size_right)
     if deterministic:
         raise ValueError("the flash-attn stand-in models the default non-deterministic backward only")
     dout, q, k, v, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (dout, q, k, v, out))

@@ -44,10 +44,17 @@ backward's ``set_params_dgrad`` calls too) a positive softcap only turns the
 scales into softmax_scale / softcap (inside the tanh) and softcap (outside), so
 the kernels allocate what they allocate without it, and the planner's stand-ins
 (``kernel_workspace.py``) compute the values with the CPU kernel below. On CPU,
-sdpa_cpu and math have no cap: the exact kernel of ``llama_cp/softcap.py``
-materialises the float32 scores of SOFTCAP_ROWS queries at
+sdpa_cpu and math have no cap: the exact kernel of ``llama_cp/dense.py``
+materialises the float32 scores of DENSE_ROWS queries at
 a time. torch's CUDA kernels (sdpa_flash, sdpa_efficient) have no cap and are
 refused in one line.
+
+``lag`` (a sliding window, Note [Sliding windows under CP] in ``llama_cp/documents.py``)
+hides key j from query i, in the call's own indices, when i - j > lag. A windowed call
+becomes at most two kernel calls in which every row sees a key (``_window_parts``); rows
+that see nothing get out = 0, lse = -inf and no gradient. flash_attn takes the window as
+``window_size_left`` / ``window_size_right`` (``_flash_window``); the CPU backends use the
+exact kernel of ``llama_cp/dense.py``; torch's CUDA kernels are refused in one line.
 
 The backends in ``VARLEN`` also compute many independent attention segments in one call
 (:func:`varlen_forward` / :func:`varlen_backward`, packed layout ``(total, H, D)``): packed
@@ -63,8 +70,8 @@ from typing import Literal
 import torch
 
 from llama_cp.kernel_workspace import FLASH_ATTN, SDPA_OPS, ModelledBackend
-from llama_cp.softcap import softcap_backward as _softcap_backward
-from llama_cp.softcap import softcap_forward as _softcap_forward
+from llama_cp.dense import dense_backward as _dense_backward
+from llama_cp.dense import dense_forward as _dense_forward
 
 Backend = Literal["flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"]
 #: Every backend, fastest first: :func:`select_backend` takes the first that can run.
@@ -150,17 +157,34 @@ def attention_forward(
     scale: float | None = None,
     backend: Backend | None = None,
     softcap: float = 0.0,
+    lag: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block. Returns ``(out, lse)``; see the module docstring. ``softcap`` > 0:
-    scores capped to softcap * tanh(s / softcap) (Note [Soft-capped attention])."""
+    scores capped to softcap * tanh(s / softcap) (Note [Soft-capped attention]); ``lag``: key j
+    hidden from query i when i - j > lag (a sliding window; rows that see no key get out = 0,
+    lse = -inf)."""
     _check_shapes(q, k, v, causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     backend = resolve_backend(backend, q)
-    if softcap:
-        backend = _softcap_backend(backend)
+    parts = _window_parts(q.shape[2], k.shape[2], causal, lag)
+    if parts is None:
+        return _forward(q, k, v, causal, scale, backend, softcap, None)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=accumulation_dtype(q), device=q.device)
+    for rows, keys, part_lag in parts:
+        out[:, :, rows], lse[:, :, rows] = _forward(
+            q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, scale, backend, softcap, part_lag
+        )
+    return out, lse
+
+
+def _forward(q, k, v, causal, scale, backend, softcap, lag):
+    if softcap or lag is not None:
+        backend = _dense_backend(backend, softcap)
         if backend == "flash_attn":
-            return _flash_attn_forward(q, k, v, causal, scale, fa=_flash_attn_module(backend), softcap=softcap)
-        return _softcap_forward(q, k, v, causal, scale, softcap)
+            return _flash_attn_forward(q, k, v, causal, scale, fa=_flash_attn_module(backend), softcap=softcap,
+                                       lag=lag)
+        return _dense_forward(q, k, v, causal, scale, softcap, lag)
     if backend == "sdpa_cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
@@ -185,6 +209,7 @@ def attention_backward(
     scale: float | None = None,
     backend: Backend | None = None,
     softcap: float = 0.0,
+    lag: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of one block, given the softmax statistics.
 
@@ -199,12 +224,29 @@ def attention_backward(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     backend = resolve_backend(backend, q)
     out = out.to(q.dtype)
-    if softcap:
-        backend = _softcap_backend(backend)
+    parts = _window_parts(q.shape[2], k.shape[2], causal, lag)
+    if parts is None:
+        return _backward(dout, q, k, v, out, lse, causal, scale, backend, softcap, None)
+    acc = accumulation_dtype(q)
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)  # the parts may share keys
+    for rows, keys, part_lag in parts:
+        dq[:, :, rows], part_dk, part_dv = _backward(
+            dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], lse[:, :, rows],
+            causal, scale, backend, softcap, part_lag,
+        )
+        dk[:, :, keys] += part_dk
+        dv[:, :, keys] += part_dv
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _backward(dout, q, k, v, out, lse, causal, scale, backend, softcap, lag):
+    if softcap or lag is not None:
+        backend = _dense_backend(backend, softcap)
         if backend == "flash_attn":
             return _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, fa=_flash_attn_module(backend),
-                                        softcap=softcap)
-        return _softcap_backward(dout, q, k, v, out, lse, causal, scale, softcap)
+                                        softcap=softcap, lag=lag)
+        return _dense_backward(dout, q, k, v, out, lse, causal, scale, softcap, lag)
     if backend == "sdpa_cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype).contiguous(), q, k, v, out, lse.to(accumulation_dtype(q)), 0.0, causal, scale=scale
@@ -372,18 +414,48 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
     )
 
 
-# ---------------------------------------------------------------- soft-capped scores
-def _softcap_backend(backend: Backend) -> Backend:
-    """The backend that computes a soft-capped call in place of ``backend``: flash_attn itself,
-    the exact CPU kernel for sdpa_cpu and math; torch's CUDA kernels have no cap (one line)."""
+# ---------------------------------------------------------------- soft caps and windows
+def _window_parts(num_q: int, num_k: int, causal: bool, lag: int | None) -> list[tuple[slice, slice, int | None]] | None:
+    """A call of ``num_q`` queries x ``num_k`` keys with window ``lag`` as kernel calls on
+    (query rows, keys, lag) in which every row sees a key; None when the window hides nothing.
+
+    A causal call is square: every row sees its own key, one call. A full call (keys before
+    the queries) is at most two: the rows that see every key (i <= lag), without a window;
+    the rows that see a suffix of the keys (i - lag < num_k), against the keys the first of
+    them sees, with lag 0 there (row i' sees keys j' >= i'), so no call has more queries than
+    keys, as flash-attn's windows need (Note [Sliding windows under CP]). The rows after see
+    nothing (out 0, lse -inf).
+    """
+    if lag is None or lag >= num_q - 1:  # query num_q - 1 sees key 0: nothing hidden
+        return None
+    if causal:
+        return [(slice(0, num_q), slice(0, num_k), lag)]
+    whole = min(num_q, max(0, lag + 1))  # rows 0 .. whole - 1 see every key
+    seeing = min(num_q, max(0, lag + num_k))  # rows whole .. seeing - 1 see keys j >= i - lag
+    parts = [(slice(0, whole), slice(0, num_k), None)] if whole else []
+    if seeing > whole:
+        parts.append((slice(whole, seeing), slice(whole - lag, num_k), 0))
+    return parts
+
+
+def _dense_backend(backend: Backend, softcap: float) -> Backend:
+    """The backend that computes a soft-capped or windowed call in place of ``backend``:
+    flash_attn itself, the exact CPU kernel (``llama_cp/dense.py``) for sdpa_cpu and math;
+    torch's CUDA kernels are refused in one line."""
     if backend == "flash_attn":
         return backend
     if backend in ("sdpa_cpu", "math"):
         return "math"
+    if softcap:
+        raise ValueError(
+            f"attention soft-capping (Gemma 2's attn_logit_softcapping) needs --attention_backend flash_attn on CUDA "
+            f"(flash-attn >= 2.6), and {backend!r} has none: install flash-attn (pip install flash-attn "
+            "--no-build-isolation) or set attn_logit_softcapping to null in the model's config.json (a change of the "
+            "model)"
+        )
     raise ValueError(
-        f"attention soft-capping (Gemma 2's attn_logit_softcapping) needs --attention_backend flash_attn on CUDA "
-        f"(flash-attn >= 2.6), and {backend!r} has none: install flash-attn (pip install flash-attn "
-        "--no-build-isolation) or set attn_logit_softcapping to null in the model's config.json (a change of the model)"
+        f"sliding-window attention needs --attention_backend flash_attn on CUDA, and llama-cp does not pass windows "
+        f"to {backend!r}: install flash-attn (pip install flash-attn --no-build-isolation)"
     )
 
 
@@ -435,28 +507,39 @@ def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale, *, flash: bool, 
 def _call_by_keyword(fn, **kwargs):
     params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     if "window_size" in params:  # flash-attn < 2.7 takes a (left, right) tuple
-        kwargs["window_size"] = (-1, -1)
+        kwargs["window_size"] = (kwargs["window_size_left"], kwargs["window_size_right"])
     return fn(**{name: value for name, value in kwargs.items() if name in params})
 
 
-def _flash_attn_forward(q, k, v, causal, scale, *, fa, softcap: float = 0.0):
+def _flash_window(lag: int | None, num_q: int, num_k: int, causal: bool) -> dict[str, int]:
+    """flash-attn's window arguments for ``lag`` (Note [Sliding windows under CP]): its windows
+    are aligned bottom-right, key j seen by query i iff i + Sk - Sq - left <= j <= i + Sk - Sq
+    + right (csrc/flash_attn/src/mask.h), and a right of -1 becomes Sk (flash_api.cpp), which
+    hides no key only when Sq <= Sk + 1: ``_window_parts`` makes such calls; causal ones are square."""
+    if lag is None:
+        return dict(window_size_left=-1, window_size_right=-1)
+    return dict(window_size_left=lag + num_k - num_q, window_size_right=0 if causal else -1)
+
+
+def _flash_attn_forward(q, k, v, causal, scale, *, fa, softcap: float = 0.0, lag: int | None = None):
     q_, k_, v_ = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     result = _call_by_keyword(
         fa._flash_attn_forward, q=q_, k=k_, v=v_, dropout_p=0.0, softmax_scale=scale,
-        causal=causal, window_size_left=-1, window_size_right=-1, softcap=softcap,
+        causal=causal, **_flash_window(lag, q.shape[2], k.shape[2], causal), softcap=softcap,
         alibi_slopes=None, return_softmax=False,
     )
     out, lse = (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
     return out.transpose(1, 2), lse.float()
 
 
-def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, *, fa, softcap: float = 0.0):
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, *, fa, softcap: float = 0.0,
+                         lag: int | None = None):
     dout_, q_, k_, v_, out_ = (t.transpose(1, 2).contiguous() for t in (dout.to(q.dtype), q, k, v, out))
     dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
     _call_by_keyword(
         fa._flash_attn_backward, dout=dout_, q=q_, k=k_, v=v_, out=out_,
         softmax_lse=lse.float().contiguous(), dq=dq, dk=dk, dv=dv, dropout_p=0.0,
-        softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
+        softmax_scale=scale, causal=causal, **_flash_window(lag, q.shape[2], k.shape[2], causal),
         softcap=softcap, alibi_slopes=None, deterministic=False, rng_state=None,
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
