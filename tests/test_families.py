@@ -6,9 +6,9 @@ those of the unmodified HF model (its own forward and ``labels=`` loss), for rin
 Ulysses, cp 1, 2 and 4, with and without FSDP (``shard_model`` over dp_shard x cp), in
 float32 and float64. The configurations exercise what each family's forward adds
 (Granite's multipliers and logit scaling, Cohere's logit scale, Gemma2's final
-soft-cap, position-dependent RoPE, RoPE set by --rope_theta / --rope_scaling, a sliding
-window as long as the sequence). What llama-cp cannot compute is refused with one clear
-message.
+soft-cap, position-dependent RoPE, RoPE set by --rope_theta / --rope_scaling, sliding
+windows of a fifth of the sequence, on every layer or on some, and as long as the sequence).
+What llama-cp cannot compute is refused with one clear message.
 """
 
 import copy
@@ -27,6 +27,7 @@ from llama_cp.sharding import unshard
 
 WORLD_SIZE = 4
 VOCAB, SEQ_LEN, BATCH = 96, 32, 2
+WINDOW = 6  # tokens: a window shorter than a zigzag chunk at cp 2, longer at cp 4
 checks = Checks()
 
 BASE = dict(
@@ -67,6 +68,18 @@ FAMILIES = {
             rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.5, 2.0, 2.5],
             long_factor=[3.0, 5.0, 7.0, 9.0]),
     )),
+    # sliding windows several times shorter than the sequence (Note [Sliding windows under CP]): every
+    # layer (Mistral), the layers from max_window_layers on (Qwen2), alternating (Gemma 2's default
+    # layer_types), and Gemma 3's windowed and full layers with a RoPE of their own each
+    "mistral_window": ("mistral", dict(sliding_window=WINDOW)),
+    "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "gemma2_window": ("gemma2", dict(
+        attn_logit_softcapping=None, final_logit_softcapping=0.5, sliding_window=WINDOW, attn_implementation="eager",
+    )),
+    "gemma3_text": ("gemma3_text", dict(
+        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], rope_local_base_freq=100.0,
+        query_pre_attn_scalar=12, final_logit_softcapping=0.5,
+    )),
     "gemma2": ("gemma2", dict(
         attn_logit_softcapping=None, final_logit_softcapping=0.5, sliding_window=SEQ_LEN,
         attn_implementation="eager",  # transformers has no SDPA path for Gemma2
@@ -96,7 +109,7 @@ FAMILIES.update(ROPE_FLAG_FAMILIES)
 
 #: Families whose HF code computes its norms in float32 whatever the model's dtype: their
 #: float64 runs can only agree to float32 precision.
-FLOAT32_NORMS = {"gemma", "gemma2", "cohere"}
+FLOAT32_NORMS = {"gemma", "gemma2", "gemma3_text", "cohere"}
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
 
@@ -205,20 +218,29 @@ def unsupported_models_are_refused_at_apply_time():
         with pytest.raises(ValueError, match=r"model family 'phi' \(PhiForCausalLM\) is not supported by "
                                              r"llama-cp: its attention has no o_proj and a partial rotary embedding"):
             apply(phi)
-    phi3_window = family_model("phi3", sliding_window=SEQ_LEN - 1)
-    with pytest.raises(ValueError, match=rf"phi3: sliding-window attention of {SEQ_LEN - 1} tokens is shorter"):
-        apply_context_parallel(phi3_window, cp, max_seq_len=SEQ_LEN)
     with pytest.raises(ValueError, match="attention_dropout=0.1.*set it to 0.0"):
         apply_context_parallel(family_model("llama", attention_dropout=0.1), cp)
-    short_window = family_model("mistral_window_eq_seq", sliding_window=SEQ_LEN - 1)
-    with pytest.raises(ValueError, match=rf"sliding-window attention of {SEQ_LEN - 1} tokens is shorter than the "
-                                         rf"sequence \({SEQ_LEN} tokens\).*--context_length <= {SEQ_LEN - 1}"):
-        apply_context_parallel(short_window, cp, max_seq_len=SEQ_LEN)
-    # without the length up front, the first forward on a longer sequence refuses it
-    apply_context_parallel(short_window, cp)
-    local = shard_batch(batch(), cp)
-    with pytest.raises(ValueError, match=rf"sliding-window attention of {SEQ_LEN - 1} tokens is shorter"):
-        short_window(input_ids=local["input_ids"], position_ids=local["position_ids"])
+    with pytest.raises(ValueError, match="gemma3_text: config.use_bidirectional_attention=True .*set it to false"):
+        apply_context_parallel(family_model("gemma3_text", use_bidirectional_attention=True), cp)
+    # windows reach CUDA through flash-attn only: torch's CUDA kernels are refused up front
+    with pytest.raises(ValueError, match=rf"--attention_backend sdpa_flash: this model's sliding window of {WINDOW} "
+                                         rf"tokens is shorter than the sequence \({SEQ_LEN} tokens\).*flash_attn"):
+        apply_context_parallel(family_model("mistral_window"), cp, backend="sdpa_flash", max_seq_len=SEQ_LEN)
+    apply_context_parallel(family_model("mistral_window_eq_seq"), cp, backend="sdpa_flash", max_seq_len=SEQ_LEN)
+
+
+@checks.add
+def sliding_windows_change_the_result():
+    """The references' windows are not no-ops on the test batch: without them the logits differ,
+    and Gemma 3's full layer is not windowed."""
+    data = batch()
+    for name in ("mistral_window", "qwen2_window", "gemma2_window", "gemma3_text"):
+        with torch.no_grad():
+            windowed = family_model(name)(input_ids=data["input_ids"]).logits
+            full = family_model(name, sliding_window=SEQ_LEN)(input_ids=data["input_ids"]).logits
+        assert (windowed - full).abs().max() > 1e-3, name
+    layers = family_model("gemma3_text").model.layers
+    assert [layer.self_attn.sliding_window for layer in layers] == [WINDOW, None]
 
 
 @checks.add

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llama_cp import kernels, softcap
+from llama_cp import dense, kernels
 
 
 def _inputs(heads, kv_heads, sq, sk, dtype, seed=0):
@@ -324,7 +324,7 @@ def _softcap_reference(q, k, v, causal, softcap, dout):
 @pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
 def test_softcapped_attention_is_exact(backend, causal, heads, monkeypatch):
     """fp64 to 1e-10, queries in several row steps of the CPU kernel, and the cap really bites."""
-    monkeypatch.setattr(softcap, "SOFTCAP_ROWS", 5)
+    monkeypatch.setattr(dense, "DENSE_ROWS", 5)
     q, k, v = (3 * t for t in _inputs(*heads, 12, 12, torch.float64))  # large scores: tanh saturates
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _softcap_reference(q, k, v, causal, 2.0, dout)
@@ -377,7 +377,7 @@ def test_softcap_through_flash_attn_glue_and_its_refusals():
     for name in ("sdpa_flash", "sdpa_efficient"):
         with pytest.raises(ValueError, match=rf"soft-capping .* needs --attention_backend flash_attn .* {name!r} "
                                              r"has none: install flash-attn"):
-            kernels._softcap_backend(name)
+            kernels._dense_backend(name, softcap=2.0)
 
 
 def test_softcapped_document_pieces_in_tiles_are_exact():
@@ -406,3 +406,122 @@ def test_softcapped_document_pieces_in_tiles_are_exact():
     torch.testing.assert_close(got_out, out, atol=1e-10, rtol=1e-10)
     for g, t in zip(got, (q, k, v)):
         torch.testing.assert_close(g, t.grad, atol=1e-10, rtol=1e-10)
+
+
+# ---------------------------------------------------------------- sliding windows (lag)
+def _window_reference(q, k, v, causal, lag, dout):
+    """Dense autograd in float64: key j hidden from query i when i - j > lag (and j > i, causal);
+    rows that see nothing: out 0, lse -inf, no gradient."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    i, j = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None, :]
+    hidden = (i - j > lag) | ((j > i) if causal else torch.zeros_like(i - j, dtype=torch.bool))
+    scores = scores.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # empty rows: -inf - -inf
+    out = probs @ v.repeat_interleave(rep, 1)
+    out.backward(dout)
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+#: (queries, keys, causal, lag): a band in a causal square; full calls where every row sees a key,
+#: where the last rows see none, where the first rows see every key and the rest a suffix, and one
+#: with a negative lag (queries after the keys, as a ring block's tile can be)
+WINDOW_CALLS = [(12, 12, True, 3), (12, 12, True, 0), (9, 12, False, 4), (12, 5, False, 2), (20, 6, False, 7),
+                (7, 9, False, -3), (6, 6, False, 20)]
+
+
+@pytest.mark.parametrize("backend", ["sdpa_cpu", "math", "flash_attn"])
+@pytest.mark.parametrize("num_q, num_k, causal, lag", WINDOW_CALLS)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+def test_windowed_attention_is_exact(backend, num_q, num_k, causal, lag, heads, monkeypatch):
+    """fp64 to 1e-10 on the CPU backends (the dense kernel in several row steps); flash_attn through
+    its stand-in, which reads window_size as flash-attn 2.8.3 does (kernel_workspace._flash_bounds),
+    so the glue's translation of the lag to flash-attn's bottom-right windows is checked too."""
+    from llama_cp.kernel_workspace import ModelledBackend
+
+    monkeypatch.setattr(dense, "DENSE_ROWS", 5)
+    dtype, tol = (torch.float32, dict(atol=1e-5, rtol=1e-5)) if backend == "flash_attn" else (
+        torch.float64, dict(atol=1e-10, rtol=1e-10))
+    q, k, v = (t.to(dtype) for t in _inputs(*heads, num_q, num_k, torch.float64))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    ref_out, ref_lse, *ref_grads = _window_reference(q, k, v, causal, lag, dout)
+    chosen = ModelledBackend(backend) if backend == "flash_attn" else backend
+    out, lse = kernels.attention_forward(q, k, v, causal=causal, backend=chosen, lag=lag)
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal, backend=chosen, lag=lag)
+    torch.testing.assert_close(out.double(), ref_out, **tol)
+    torch.testing.assert_close(lse.double(), ref_lse, **tol)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_window_parts_give_flash_attn_calls_it_computes_exactly():
+    """Every visible pair in exactly one part, every row of a part sees a key, and a windowed full
+    part never has more queries than keys (flash-attn's right side would hide keys otherwise)."""
+    for num_q in range(1, 9):
+        for num_k in range(1, 9):
+            for lag in range(-num_k - 1, num_q + 1):
+                for causal in (False, True) if num_q == num_k else (False,):
+                    if causal and lag < 0:
+                        continue  # a causal call sees its diagonal: lag >= 0
+                    i, j = torch.arange(num_q)[:, None], torch.arange(num_k)[None, :]
+                    visible = (i - j <= lag) & ((j <= i) if causal else True)
+                    parts = kernels._window_parts(num_q, num_k, causal, lag)
+                    if parts is None:
+                        assert bool(visible.eq((j <= i) if causal else True).all())
+                        continue
+                    covered = torch.zeros(num_q, num_k, dtype=torch.int64)
+                    for rows, keys, part_lag in parts:
+                        pi, pj = torch.arange(rows.stop - rows.start)[:, None], torch.arange(keys.stop - keys.start)
+                        seen = (pi - pj[None, :] <= (part_lag if part_lag is not None else num_k + num_q))
+                        seen &= (pj[None, :] <= pi) if causal else True
+                        assert bool(seen.any(1).all()), (num_q, num_k, lag, parts)
+                        if part_lag is not None and not causal:
+                            assert rows.stop - rows.start <= keys.stop - keys.start
+                        covered[rows, keys] += seen.long()
+                    assert torch.equal(covered, visible.long()), (num_q, num_k, causal, lag, parts)
+
+
+def test_windowed_calls_on_torchs_cuda_kernels_are_refused():
+    for name in ("sdpa_flash", "sdpa_efficient"):
+        with pytest.raises(ValueError, match=rf"sliding-window attention needs --attention_backend flash_attn on "
+                                             rf"CUDA, and llama-cp does not pass windows to {name!r}"):
+            kernels._dense_backend(name, softcap=0.0)
+
+
+@pytest.mark.parametrize("block_size", [0, 4, 7])
+@pytest.mark.parametrize("window", [1, 3, 10, 40])
+def test_windowed_document_pieces_are_exact_and_skip_what_the_band_misses(block_size, window):
+    """Pieces of packed rows with a window, tiled or not, give the dense masked attention in fp64
+    (logits and every gradient); no tile lies wholly outside the band, and tiles compute fewer
+    pairs than without the window."""
+    from llama_cp.documents import Chunk, document_starts, pieces, pieces_attention, spans, tiles
+
+    seq = 32
+    position_ids = torch.stack([torch.arange(seq), torch.cat([torch.arange(11), torch.arange(seq - 11)])])
+    starts = document_starts(position_ids)
+    block = tiles(pieces(spans(starts, torch.arange(seq)), [Chunk(0, 0, seq)], window), block_size)
+    for piece in block:
+        if piece.lag is not None:
+            assert piece.q.start - (piece.k.stop - 1) <= piece.lag  # some query of the tile sees a key
+    q, k, v = (t.requires_grad_() for t in _inputs(4, 2, seq, seq, torch.float64))
+    q, k, v = (t.detach().expand(2, -1, -1, -1).clone().requires_grad_() for t in (q, k, v))
+    out = pieces_attention(q, k, v, block, scale=0.25)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    out.backward(dout)
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    visible = (j <= i) & (i - j < window) & (j >= starts[:, :, None])  # (B, L, L)
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    scores = (qr @ kr.repeat_interleave(2, 1).transpose(-1, -2) * 0.25).masked_fill(~visible[:, None], float("-inf"))
+    ref = torch.softmax(scores, -1) @ vr.repeat_interleave(2, 1)
+    ref.backward(dout)
+    tol = dict(atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out, ref, **tol)
+    for got, want in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
+        torch.testing.assert_close(got, want, **tol)
+    if window <= 3 and block_size:  # a short window: whole tiles are skipped
+        computed = sum((p.q.stop - p.q.start) * (p.k.stop - p.k.start) for p in block)
+        full = sum((p.q.stop - p.q.start) * (p.k.stop - p.k.start) for p in tiles(
+            pieces(spans(starts, torch.arange(seq)), [Chunk(0, 0, seq)]), block_size))
+        assert computed < full, (computed, full)
