@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
-from fsdp_checks import check_cp_against_reference, tiny_model
+from fsdp_checks import check_cp_against_reference, tiny_config, tiny_model
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
 from llama_cp.cp_attention import wire_bytes
 from llama_cp.sharding import SEQ_INDEX
@@ -86,6 +86,22 @@ def lora(model):
 HEADS = dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=48)
 
 
+def windowed_model(window: int, seed: int = 0):
+    """The tiny model of HEADS as a Qwen2 whose second layer has a sliding window of ``window``
+    tokens and whose first is full (``max_window_layers``: Note [Sliding windows under CP])."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    fields = {key: getattr(tiny_config(**HEADS), key) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "tie_word_embeddings")}
+    config = Qwen2Config(**fields, use_sliding_window=True, sliding_window=window, max_window_layers=1,
+                         attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, window]
+    return model
+
+
 def one_document_batch() -> dict[str, torch.Tensor]:
     """The tokens of :func:`packed_batch` as one document per row (labels shifted along the row)."""
     data, _ = packed_batch()
@@ -103,12 +119,13 @@ def shard_randomly(batch, cp_mesh):
 
 def check_documents(strategy: str, mesh, sharded: bool, dtype: torch.dtype, use_lora: bool = False, *,
                     data: dict[str, torch.Tensor] | None = None, shard=None, block_size: int = 0,
-                    ulysses_degree: int = 0):
+                    ulysses_degree: int = 0, window: int | None = None):
     """Logits, loss and every gradient of packed rows (or ``data``) under CP equal single-process
     transformers; ``shard``: how the batch is sharded (default: the strategy's layout);
-    ``block_size``: the attention's tiles (Note [Tiled attention])."""
+    ``block_size``: the attention's tiles (Note [Tiled attention]); ``window``: the model of
+    :func:`windowed_model`."""
     tol = TOLERANCE[dtype]
-    reference = tiny_model(**HEADS).to(dtype)
+    reference = (tiny_model(**HEADS) if window is None else windowed_model(window)).to(dtype)
     if use_lora:
         reference = lora(reference)
     model = copy.deepcopy(reference)
@@ -135,24 +152,30 @@ def sparse_batch():
     return documents_batch(tokens, SPARSE_LENGTHS)
 
 
-def seen_blocks(cp: int) -> torch.Tensor:
-    """(cp, cp) bool, from the dense (L, L) masks of SPARSE_LENGTHS: [t, s] whether a query of
-    zigzag rank t sees a key of rank s in some row."""
+def seen_blocks(cp: int, all_lengths: list[list[int]] = SPARSE_LENGTHS, window: int | None = None) -> torch.Tensor:
+    """(cp, cp) bool, from the dense (L, L) masks of rows of documents of ``all_lengths`` (and a
+    sliding ``window``): [t, s] whether a query of zigzag rank t sees a key of rank s in some row."""
     chunk = torch.arange(SEQ_LEN) // (SEQ_LEN // (2 * cp))
     owner = torch.where(chunk < cp, chunk, 2 * cp - 1 - chunk)
     seen = torch.zeros(cp, cp, dtype=torch.bool)
-    for lengths in SPARSE_LENGTHS:
+    rows = torch.arange(SEQ_LEN)
+    in_window = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool) if window is None else (
+        rows[:, None] - rows[None, :] < window)
+    for lengths in all_lengths:
         document = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         mask = (document[:, None] == document[None, :]) & torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril()
+        mask &= in_window
         for t in range(cp):
             for s in range(cp):
                 seen[t, s] |= bool(mask[owner == t][:, owner == s].any())
     return seen
 
 
-def one_step_wire_bytes(strategy: str, mesh, dtype: torch.dtype, data):
-    """What this rank sends in one forward + backward of the tiny model, its config and cp rank."""
-    model = apply_context_parallel(tiny_model(**HEADS).to(dtype), mesh["cp"], strategy=strategy)
+def one_step_wire_bytes(strategy: str, mesh, dtype: torch.dtype, data, model=None):
+    """What this rank sends in one forward + backward of the tiny model (or ``model``), its config
+    and cp rank."""
+    model = tiny_model(**HEADS) if model is None else model
+    model = apply_context_parallel(model.to(dtype), mesh["cp"], strategy=strategy)
     local = shard_batch(data, mesh["cp"], layout="documents" if strategy == "allgather" else "zigzag")
     extra = {"seq_index": local["seq_index"]} if strategy == "allgather" else {}
     with wire_bytes() as meter:
