@@ -83,7 +83,16 @@ def test_spans_split_at_documents_and_row_jumps():
     assert [tuple(s) for s in spans(starts, rows)[0]] == [(0, 0, 2, 0), (2, 2, 2, 2), (4, 6, 2, 2), (6, 8, 2, 6)]
     # a span inside a chunk gets one causal piece; one before it in its document a full piece too
     assert pieces([[Span(4, 6, 2, 2)]], [Chunk(0, 0, 4), Chunk(4, 6, 2)]) == [
-        (0, slice(4, 6), slice(2, 4), False), (0, slice(4, 6), slice(4, 6), True)
+        (0, slice(4, 6), slice(2, 4), False, None), (0, slice(4, 6), slice(4, 6), True, None)
+    ]
+    # a window of 4: rows 6, 7 reach back to rows 3 and 4 (row 3 is local key 3); row 7 misses
+    # row 3, so the full piece keeps a lag: local i - j <= 4 - 1 - (6 - 4) + (0 - 0) = 1
+    assert pieces([[Span(4, 6, 2, 2)]], [Chunk(0, 0, 4), Chunk(4, 6, 2)], window=4) == [
+        (0, slice(4, 6), slice(3, 4), False, 1), (0, slice(4, 6), slice(4, 6), True, None)
+    ]
+    # a window of 3 reaches row 4 at most, which this rank does not hold: no full piece
+    assert pieces([[Span(4, 6, 2, 2)]], [Chunk(0, 0, 4), Chunk(4, 6, 2)], window=3) == [
+        (0, slice(4, 6), slice(4, 6), True, None)
     ]
 
 
