@@ -22,6 +22,7 @@ from torch import nn
 from llama_cp.config import TrainConfig
 from llama_cp.cp_attention import apply_context_parallel, choose_strategy
 from llama_cp.data import PASSKEY
+from llama_cp.families import set_router_loss_coef
 from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, shard_model
 from llama_cp.kernels import check_backend
 from llama_cp.loss import enable_chunked_loss
@@ -41,6 +42,7 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
     torch.manual_seed(cfg.seed)
     config = embedded_llama_config() if path is None else AutoConfig.from_pretrained(path)
     apply_rope_settings(config, cfg.model.rope_theta, cfg.model.rope_scaling, cfg.data.context_length)
+    set_router_loss_coef(config, cfg.model.router_aux_loss_coef)
     check_attention_backend(cfg, config, device.type)
     if path is None:
         model = build_causal_lm(config).to(device)

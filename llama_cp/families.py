@@ -59,7 +59,50 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "gemma2": _final_softcap,
     "phi3": _plain,  # fused qkv_proj / gate_up_proj: attention still receives q, k, v
     "gemma3_text": _final_softcap,  # Gemma3ForCausalLM: windowed and full layers, a RoPE per layer type
+    # mixture of experts: the experts are per token (nothing to change under CP); the router's
+    # load-balancing loss is reduced over every rank (Note [Router loss under CP] in llama_cp/loss.py)
+    "mixtral": _plain,
+    "qwen3_moe": _plain,
+    "olmoe": _plain,
 }
+
+#: MoE families -> the config field holding their number of experts.
+_EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts"}
+
+
+@dataclass(frozen=True)
+class RouterLoss:
+    """The router's load-balancing loss of an MoE family, as its ``*ForCausalLM.forward`` adds it:
+    ``coef * load_balancing_loss_func(router_logits, num_experts, top_k)``."""
+
+    num_experts: int
+    top_k: int
+    coef: float
+
+
+def router_loss(model: nn.Module) -> RouterLoss | None:
+    """The :class:`RouterLoss` ``model``'s forward adds to its loss, or None: a dense family, or an
+    MoE whose ``config.output_router_logits`` is false (transformers then adds none either)."""
+    config = base_causal_lm(model).config
+    field = _EXPERTS_FIELD.get(config.model_type)
+    if field is None or not getattr(config, "output_router_logits", False):
+        return None
+    return RouterLoss(getattr(config, field), config.num_experts_per_tok, float(config.router_aux_loss_coef))
+
+
+def set_router_loss_coef(config, coef: float) -> None:
+    """``--router_aux_loss_coef``: -1 keeps the model's own (``output_router_logits`` decides, as in
+    transformers); a coefficient >= 0 sets ``router_aux_loss_coef`` and adds the loss when it is > 0."""
+    if coef == -1:
+        return
+    if config.model_type not in _EXPERTS_FIELD:
+        raise ValueError(f"--router_aux_loss_coef {coef}: {config.model_type!r} has no router (an MoE family: "
+                         f"{', '.join(sorted(_EXPERTS_FIELD))}); drop the flag")
+    if coef < 0:
+        raise ValueError(f"--router_aux_loss_coef must be >= 0 (0 = no router loss), or -1 for the model's own; "
+                         f"got {coef}")
+    config.router_aux_loss_coef = coef
+    config.output_router_logits = coef > 0
 
 #: Families whose attention reads ``config.sliding_window`` itself (others set it per layer).
 _WINDOW_IN_CONFIG = {"mistral", "phi3"}

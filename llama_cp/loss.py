@@ -11,6 +11,28 @@ local tokens; dividing it by the number of valid tokens of the whole optimizer
 step (all ranks of dp x cp, all accumulation micro-steps) and letting FSDP
 *sum* the gradients over ``dp_shard_cp`` (``shard_model`` sets that up) gives
 exactly the gradient of the mean loss a single process would compute.
+
+Note [Router loss under CP]
+===========================
+
+An MoE family (Mixtral, Qwen3-MoE, OLMoE) adds coef x aux to its loss, with
+transformers' ``load_balancing_loss_func`` over every token of the batch and every
+layer (N rows in all, E experts, top-k routing):
+
+    aux = E * sum_e (count_e / N) * (prob_e / N)
+
+count_e: how many of the N rows picked expert e among their top k (no gradient);
+prob_e: the sum of the rows' softmax router probabilities for e. Under dp x cp a
+rank holds some of the rows. Its share is
+
+    aux_r = E * sum_e (count_e / N) * (prob_e,r / N)
+
+with count_e and N summed over every rank (an all-reduce, no gradient) and prob_e,r
+its own rows' sum: the shares add up to aux, and so do their gradients, which reach
+the router only through prob (``router_loss_share``). FSDP's gradient sum then
+gives the single-process gradient, as for the cross-entropy. With gradient
+accumulation the loss is computed per micro-batch (its rows on every rank) and
+averaged over the micro-batches (``llama_cp.step``).
 """
 
 from __future__ import annotations
@@ -24,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from llama_cp.families import LogitTransform, check_supported
+from llama_cp.families import LogitTransform, RouterLoss, check_supported, router_loss
 from llama_cp.kernels import accumulation_dtype
 from llama_cp.models import base_causal_lm
 from llama_cp.sharding import SEQ_INDEX
@@ -202,17 +224,61 @@ def _loss_forward(original_forward):
         like the labels, True where the argmax prediction equals the label (or it is ignored)."""
         if loss_labels is None:
             return original_forward(self, input_ids=input_ids, position_ids=position_ids, **kwargs)
-        hidden = self.get_decoder()(
+        router = router_loss(self)
+        outputs = self.get_decoder()(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=kwargs.get("attention_mask"),
             inputs_embeds=kwargs.get("inputs_embeds"),
             use_cache=False,
             **{SEQ_INDEX: kwargs[SEQ_INDEX]} if SEQ_INDEX in kwargs else {},
-        ).last_hidden_state
-        return self.get_output_embeddings()(hidden, labels=loss_labels, return_correct=return_correct)
+            **{"output_router_logits": True} if router is not None else {},
+        )
+        # this call's router statistics, for router_loss_share (Note [Router loss under CP])
+        self.router_statistics = None if router is None else router_statistics(outputs.router_logits, router)
+        return self.get_output_embeddings()(outputs.last_hidden_state, labels=loss_labels,
+                                            return_correct=return_correct)
 
     return forward
+
+
+def router_statistics(router_logits: tuple[torch.Tensor, ...], router: RouterLoss):
+    """(count (E,) float64, no gradient; prob (E,) in the accumulation dtype; rows) of this rank's
+    rows of every layer: how many picked each expert in their top k, the sum of their softmax
+    probabilities, and how many rows there are (Note [Router loss under CP]). transformers sums
+    the probabilities in float32 whatever the model's dtype."""
+    acc = accumulation_dtype(router_logits[0])
+    count = torch.zeros(router.num_experts, dtype=torch.float64, device=router_logits[0].device)
+    prob = torch.zeros(router.num_experts, dtype=acc, device=router_logits[0].device)
+    rows = 0
+    for logits in router_logits:
+        probs = torch.softmax(logits.to(acc), dim=-1)
+        picked = torch.topk(probs.detach(), router.top_k, dim=-1).indices
+        count += torch.bincount(picked.reshape(-1), minlength=router.num_experts).to(count.dtype)
+        prob = prob + probs.sum(0)
+        rows += logits.shape[0]
+    return count, prob, rows
+
+
+def router_loss_share(model: nn.Module, group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+    """This rank's share of coef x the router's load-balancing loss of the model's last loss call
+    (``loss_labels``); summed over ``group`` (default: every rank, dp x cp), it is the loss and the
+    gradient transformers computes on all of their rows (Note [Router loss under CP]). None for a
+    model without one (``families.router_loss``). A collective over ``group``."""
+    causal_lm = base_causal_lm(model)
+    router = router_loss(causal_lm)
+    statistics = causal_lm.__dict__.pop("router_statistics", None)
+    if router is None:
+        return None
+    if statistics is None:
+        raise RuntimeError("router_loss_share needs a loss call first (model(..., loss_labels=...))")
+    count, prob, rows = statistics
+    totals = torch.cat([count, count.new_tensor([rows])])
+    if dist.is_initialized():
+        dist.all_reduce(totals, group=group)
+    count, rows = totals[:-1], totals[-1]
+    share = router.num_experts * (count / rows).to(prob.dtype).dot(prob / rows.to(prob.dtype))
+    return router.coef * share
 
 
 def causal_lm_loss_sum(

@@ -14,19 +14,24 @@ from __future__ import annotations
 import torch
 
 from llama_cp.fsdp_wrap import activation_offload
-from llama_cp.loss import causal_lm_loss_sum
+from llama_cp.loss import causal_lm_loss_sum, router_loss_share
 
 
 def forward_backward(
     model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], num_tokens: int, *, offload: bool = False
 ) -> torch.Tensor:
     """Forward+backward of each (cp-sharded) micro-batch, its summed loss divided by
-    ``num_tokens`` (the valid tokens of the whole step, all ranks). Returns this rank's share
-    of the mean loss; gradients are accumulated (and reduce-scattered by FSDP)."""
+    ``num_tokens`` (the valid tokens of the whole step, all ranks), plus, for an MoE model, this
+    rank's share of the router loss averaged over the micro-batches (Note [Router loss under CP]).
+    Returns this rank's share of the mean loss; gradients are accumulated (and reduce-scattered
+    by FSDP)."""
     total = torch.zeros((), device=micro_batches[0]["input_ids"].device)
     for batch in micro_batches:
         with activation_offload(offload):
             loss = causal_lm_loss_sum(model, batch) / max(num_tokens, 1)
+            router = router_loss_share(model)
+            if router is not None:
+                loss = loss + router / len(micro_batches)
             loss.backward()
         total += loss.detach()
     return total

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
 from llama_cp.fsdp_wrap import shard_model
-from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
+from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss, router_loss_share
 from llama_cp.sharding import SEQ_INDEX, unshard
 from llama_cp.step import forward_backward
 
@@ -150,6 +150,9 @@ def check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mes
     torch.testing.assert_close(unshard(logits, mesh["cp"], seq_index=seq_index), ref_logits[rows].detach(), **tol)
 
     loss = causal_lm_loss_sum(model, local) / count_valid_tokens([local["labels"]], group=loss_group)
+    router = router_loss_share(model, group=loss_group)  # MoE: this rank's share of the router's loss
+    if router is not None:
+        loss = loss + router
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total, group=loss_group)

@@ -28,6 +28,8 @@ from llama_cp.sharding import unshard
 WORLD_SIZE = 4
 VOCAB, SEQ_LEN, BATCH = 96, 32, 2
 WINDOW = 6  # tokens: a window shorter than a zigzag chunk at cp 2, longer at cp 4
+MOE_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.3)
+MOE = {"mixtral", "qwen3_moe", "olmoe"}
 checks = Checks()
 
 BASE = dict(
@@ -80,6 +82,12 @@ FAMILIES = {
         sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], rope_local_base_freq=100.0,
         query_pre_attn_scalar=12, final_logit_softcapping=0.5,
     )),
+    # mixture of experts with the router's load-balancing loss (Note [Router loss under CP]) at a
+    # coefficient that makes it count; experts run eagerly (torch's grouped_mm takes no float64)
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, **MOE_LOSS)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                    norm_topk_prob=True, **MOE_LOSS)),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, **MOE_LOSS)),
     "gemma2": ("gemma2", dict(
         attn_logit_softcapping=None, final_logit_softcapping=0.5, sliding_window=SEQ_LEN,
         attn_implementation="eager",  # transformers has no SDPA path for Gemma2
@@ -107,9 +115,9 @@ ROPE_FLAG_FAMILIES = {
 }
 FAMILIES.update(ROPE_FLAG_FAMILIES)
 
-#: Families whose HF code computes its norms in float32 whatever the model's dtype: their
-#: float64 runs can only agree to float32 precision.
-FLOAT32_NORMS = {"gemma", "gemma2", "gemma3_text", "cohere"}
+#: Families whose HF code computes its norms (or, MoE, its router loss: load_balancing_loss_func)
+#: in float32 whatever the model's dtype: their float64 runs can only agree to float32 precision.
+FLOAT32_NORMS = {"gemma", "gemma2", "gemma3_text", "cohere", *MOE}
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
 
@@ -118,7 +126,8 @@ def family_model(name: str, dtype=torch.float32, **overrides):
     model_type, family_overrides = FAMILIES[name]
     config = AutoConfig.for_model(model_type, **{**BASE, **family_overrides, **overrides})
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    experts = {"experts_implementation": "eager"} if model_type in MOE else {}
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, **experts)
 
 
 @functools.cache
@@ -149,6 +158,9 @@ def check_family(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.
     hf_labels = torch.cat([torch.full((BATCH, 1), -100), data["labels"][:, :-1]], dim=1)
     ref = reference(input_ids=data["input_ids"], labels=hf_labels)
     ref_loss = F.cross_entropy(ref.logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+    if getattr(ref, "aux_loss", None) is not None:  # MoE: the router's loss, as the family's forward adds it
+        assert ref.aux_loss > 0
+        ref_loss = ref_loss + reference.config.router_aux_loss_coef * ref.aux_loss
     torch.testing.assert_close(ref_loss.float(), ref.loss.float(), **TOLERANCE[torch.float32])
     ref_loss.backward()
 
