@@ -77,10 +77,11 @@ def parallelize_model(
     if cfg.peft.use_peft:
         from peft import LoraConfig, get_peft_model
 
-        check_lora_targets(model, cfg.peft.lora_target_modules)
+        check_lora_targets(model, cfg.peft.lora_target_modules, cfg.peft.lora_target_parameters)
+        parameters = {"target_parameters": list(cfg.peft.lora_target_parameters)} if cfg.peft.lora_target_parameters else {}
         lora = LoraConfig(
             r=cfg.peft.lora_r, lora_alpha=cfg.peft.lora_alpha, lora_dropout=cfg.peft.lora_dropout,
-            target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
+            target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM", **parameters,
         )
         with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -107,16 +108,26 @@ def parallelize_model(
     return model
 
 
-def check_lora_targets(model: nn.Module, targets) -> None:
+def check_lora_targets(model: nn.Module, targets, parameters=()) -> None:
     """One line naming --lora_target_modules unless every name is a Linear layer of ``model`` (peft
     adapts the names it finds and ignores the others: Phi-3's fused qkv_proj would get no adapter
-    from the default q_proj, k_proj, v_proj)."""
+    from the default q_proj, k_proj, v_proj), and --lora_target_parameters unless each names a
+    parameter outside the Linear layers (the fused experts of an MoE: mlp.experts.gate_up_proj)."""
     linears = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                       if isinstance(module, nn.Linear) and name})
     missing = [name for name in targets if name not in linears]
     if missing:
         raise ValueError(f"--lora_target_modules: {', '.join(missing)} not in {type(model).__name__}; its linear "
                          f"layers are {', '.join(linears)}")
+    in_linears = {f"{name}.{p}" for name, module in model.named_modules() if isinstance(module, nn.Linear)
+                  for p, _ in module.named_parameters(recurse=False)}
+    others = [name for name, _ in model.named_parameters() if name not in in_linears]
+    missing = [target for target in parameters if not any(name == target or name.endswith("." + target)
+                                                          for name in others)]
+    if missing:
+        layer_0 = sorted({name.split(".layers.0.", 1)[1] for name in others if ".layers.0." in name})
+        raise ValueError(f"--lora_target_parameters: {', '.join(missing)} not in {type(model).__name__}; the "
+                         f"parameters of its first layer outside Linear layers are {', '.join(layer_0) or 'none'}")
 
 
 def cp_strategy(cfg: TrainConfig, config) -> tuple[str, int]:

@@ -119,6 +119,8 @@ class PeftConfig:
     """Dropout on the LoRA input."""
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """Module names that get adapters."""
+    lora_target_parameters: tuple[str, ...] = ()
+    """Parameters (not Linear layers) that get adapters, peft's target_parameters: the fused experts of MoE models in transformers 5, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj."""
     quantization: Literal["none", "4bit"] = "none"
     """4bit = QLoRA: the frozen base Linear layers of the decoder in NF4 (bitsandbytes), sharded by FSDP; needs --use_peft."""
 

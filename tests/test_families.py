@@ -290,6 +290,36 @@ def phi3_lora_on_its_fused_layers_float64():
                                tol=TOLERANCE[torch.float64], max_seq_len=SEQ_LEN)
 
 
+@checks.add
+def moe_lora_on_attention_and_experts_float64():
+    """LoRA on q_proj/v_proj and on the fused experts (peft's target_parameters) of Mixtral, ring at
+    cp 4 with FSDP, with the router loss: exact; names the model lacks are refused in one line."""
+    from peft import LoraConfig, get_peft_model
+
+    from llama_cp.build import check_lora_targets
+
+    reference = family_model("mixtral", torch.float64)
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    check_lora_targets(reference, ("q_proj", "v_proj"), experts)
+    with pytest.raises(ValueError, match=r"--lora_target_parameters: mlp.experts.w1 not in MixtralForCausalLM; the "
+                                         r"parameters of its first layer outside Linear layers are "
+                                         r"input_layernorm.weight, mlp.experts.down_proj, mlp.experts.gate_up_proj"):
+        check_lora_targets(reference, ("q_proj",), ["mlp.experts.w1"])
+    torch.manual_seed(1)
+    reference = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                     target_parameters=experts, init_lora_weights=False))
+    assert sum("experts" in name for name, p in reference.named_parameters() if p.requires_grad) == 8
+    model = copy.deepcopy(reference)
+    data = batch()
+    hf_labels = torch.cat([torch.full((BATCH, 1), -100), data["labels"][:, :-1]], dim=1)
+    ref = reference(input_ids=data["input_ids"], labels=hf_labels)
+    loss = F.cross_entropy(ref.logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+    loss = loss + reference.config.router_aux_loss_coef * ref.aux_loss
+    loss.backward()
+    check_cp_against_reference(model, reference, data, ref.logits, loss, mesh_for(4), strategy="ring", sharded=True,
+                               tol=TOLERANCE[torch.float32], max_seq_len=SEQ_LEN)
+
+
 results = checks.module_fixture(__name__, WORLD_SIZE)
 
 
