@@ -31,6 +31,12 @@ FLOPs the *model* needs for a step by what the devices could do in the step's ti
   keys 0..t), packed documents of lengths d_i sum d_i(d_i+1)/2 (each sees only
   itself; ``DocumentLayout.visible_pairs``, Note [Document masks under CP] in
   llama_cp/documents.py), the whole row when --document_mask is off.
+- Mixture of experts (Mixtral, Qwen3-MoE, OLMoE): a token runs through its top k
+  experts, so an MoE layer's MLP counts k x (gate, up, down) at the expert's
+  intermediate size (``moe_intermediate_size`` where the config has one), plus the
+  router (hidden -> experts); Qwen3-MoE's dense layers (``mlp_only_layers``,
+  ``decoder_sparse_step``) count as dense. LoRA on the fused experts
+  (--lora_target_parameters) is not counted.
 - Recomputation is not model work: activation checkpointing's second forward,
   flash-attention's recomputed scores in its backward, the chunked loss's recomputed
   logits all cost time and count nothing. MFU is therefore below the hardware's
@@ -119,22 +125,56 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
         "intermediate": config.intermediate_size,
     }
     weight_passes = 2 if lora_r else 3  # frozen: forward + input gradient; trained: + weight gradient
-    per_layer = 0
-    for name, features in _LAYER_LINEARS.items():
-        fan_in, fan_out = features(shape)
-        per_layer += 2 * weight_passes * fan_in * fan_out
-        if lora_r and name in lora_targets:
-            per_layer += 2 * 3 * lora_r * (fan_in + fan_out)
-    for name, features in _FUSED_LINEARS.items():
-        if lora_r and name in lora_targets:
-            per_layer += 2 * 3 * lora_r * sum(features(shape))
+
+    def layer_flops(mlp_copies: int, mlp_shape: dict) -> int:
+        per_layer = 0
+        for name, features in _LAYER_LINEARS.items():
+            mlp = name in _MLP_LINEARS
+            fan_in, fan_out = features(mlp_shape if mlp else shape)
+            copies = mlp_copies if mlp else 1
+            per_layer += copies * 2 * weight_passes * fan_in * fan_out
+            if lora_r and name in lora_targets:
+                per_layer += copies * 2 * 3 * lora_r * (fan_in + fan_out)
+        for name, features in _FUSED_LINEARS.items():
+            if lora_r and name in lora_targets:
+                per_layer += 2 * 3 * lora_r * sum(features(shape))
+        return per_layer
+
+    top_k, experts = _moe(config)
+    layers = config.num_hidden_layers
+    decoder = 0
+    for index in range(layers):
+        if experts and _is_moe_layer(config, index):
+            expert = {**shape, "intermediate": getattr(config, "moe_intermediate_size", None) or shape["intermediate"]}
+            decoder += layer_flops(top_k, expert) + 2 * weight_passes * config.hidden_size * experts  # + the router
+        else:
+            decoder += layer_flops(1, shape)
     head_in, head_out = config.hidden_size, config.vocab_size
     head = 2 * weight_passes * head_in * head_out
     if lora_r and "lm_head" in lora_targets:
         head += 2 * 3 * lora_r * (head_in + head_out)
-    layers = config.num_hidden_layers
     per_pair = 3 * 4 * shape["head_dim"] * heads * layers
-    return ModelFlops(per_token=float(layers * per_layer + head), per_pair=float(per_pair))
+    return ModelFlops(per_token=float(decoder + head), per_pair=float(per_pair))
+
+
+#: The MLP's layers: an MoE runs them once per routed expert.
+_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _moe(config: Any) -> tuple[int, int]:
+    """(experts per token, experts) of an MoE config; (0, 0) for a dense one."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    top_k = getattr(config, "num_experts_per_tok", None) or 0
+    return (top_k, experts) if experts and top_k else (0, 0)
+
+
+def _is_moe_layer(config: Any, index: int) -> bool:
+    """Whether decoder layer ``index`` has experts (Qwen3-MoE: not in ``mlp_only_layers`` and every
+    ``decoder_sparse_step``-th; Mixtral and OLMoE: every layer)."""
+    if index in (getattr(config, "mlp_only_layers", None) or ()):
+        return False
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return (index + 1) % step == 0
 
 
 def attention_pairs(position_ids: torch.Tensor, document_mask: bool = True) -> int:

@@ -214,6 +214,24 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def _read_checkpoint(path: str, config) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by the names of the model transformers builds. Most families store
+    them under those names (the files are read as they are); the MoE families of transformers 5
+    store per-expert Linear weights that it fuses into one tensor per layer when it loads them
+    (``conversion_mapping.get_checkpoint_conversion_mapping``), so for those transformers itself
+    loads the model on this rank (one full copy, as reading the files takes) and hands its state."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # transformers 4.x: checkpoints hold the model's own names
+        return _read_safetensors(path)
+    if not get_checkpoint_conversion_mapping(config.model_type):
+        return _read_safetensors(path)
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype="auto", device_map="cpu")
+    return dict(loaded.state_dict())
+
+
 def _checkpoint_key(key: str) -> str:
     """The HF checkpoint name of a (possibly peft-wrapped) parameter name."""
     key = key.removeprefix("base_model.model.")
@@ -253,7 +271,7 @@ def load_full_weights(model: nn.Module, path: str, device: torch.device | str) -
     _reinit_rotary_buffers(model, torch.device(device))
     full: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
-        checkpoint = _read_safetensors(path)
+        checkpoint = _read_checkpoint(path, base_causal_lm(model).config)
         if quantized_linears(model):  # --quantization 4bit: the NF4 codes of the checkpoint's weights
             checkpoint = quantize_checkpoint(model, checkpoint, _checkpoint_key, device=device)
         full = _full_state_for(get_model_state_dict(model), checkpoint, path)

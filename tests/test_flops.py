@@ -122,3 +122,31 @@ def test_lora_on_phi3_fused_layers_matches_the_flop_counter():
     base.set_attn_implementation("eager")
     targets = ("qkv_proj", "gate_up_proj")
     _check_lora_flops(base, config, targets)
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # a dense layer among the MoE ones, with its own intermediate size
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1])),
+])
+def test_mixture_of_experts_counts_the_routed_experts(model_type, fields):
+    """Each token runs through its top k experts and the router: what the counter measures on
+    experts run one by one, which is exact whatever the routing."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  **fields)
+    torch.manual_seed(0)
+    eager = {"experts_implementation": "eager"} if int(transformers.__version__.split(".")[0]) >= 5 else {}
+    model = AutoModelForCausalLM.from_config(config, **eager)
+    model.set_attn_implementation("eager")
+    rows, length = 2, 24
+    measured = _measure(model, input_ids=torch.randint(0, config.vocab_size, (rows, length)))
+    flops = model_flops(config)
+    assert measured == {"aten.mm": flops.per_token * rows * length, "aten.bmm": flops.per_pair * rows * length ** 2}
+    dense = model_flops(AutoConfig.for_model("llama", vocab_size=128, hidden_size=32, intermediate_size=48,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             head_dim=8))
+    assert flops.per_token != dense.per_token
