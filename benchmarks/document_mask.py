@@ -25,6 +25,10 @@ layer) for each strategy on packed rows of each mix, from the formulas of Note [
 transfers] in ``llama_cp/cp_attention.py`` for Llama-3-8B shapes (bf16, float32 dK/dV), and
 checks them on real gloo runs of the embedded Llama (4 ranks, cp 4, ``wire_bytes()``).
 
+``windows`` prints the ring's bytes per rank per step with a sliding window on every layer
+(Mistral 7B v0.1: 4096 tokens) against the same rows without one, from the same formulas
+(``tests/test_windows.py`` checks them on gloo ranks).
+
 ``strategies`` times one forward+backward step of the embedded Llama (fp32, batch 1, one
 thread per rank) with each strategy at cp 2 and cp 4 (a world of cp gloo ranks), on a
 one-document row and packed rows of the "chat" and "mixed" mixes.
@@ -162,10 +166,11 @@ STRATEGIES = ("ring, every block", "ring", "ulysses", "allgather", "hybrid u=2")
 
 
 def step_bytes(strategy: str, starts: torch.Tensor, cp: int, *, layers: int, heads: int, kv_heads: int,
-               head_dim: int, itemsize: int, acc_itemsize: int = 4) -> torch.Tensor:
+               head_dim: int, itemsize: int, acc_itemsize: int = 4, window: int | None = None) -> torch.Tensor:
     """(cp,) bytes each rank sends in one forward + backward of (B, L) rows with document
     ``starts``; "ring, every block" is the neighbour ring without skipping; "hybrid u=2":
-    Ulysses over pairs of ranks, the ring of cp / 2 over the pairs."""
+    Ulysses over pairs of ranks, the ring of cp / 2 over the pairs; ``window``: every layer's
+    sliding window (the ring skips what it does not reach)."""
     batch, seq_len = starts.shape
     shard = batch * (seq_len // cp) * head_dim  # elements of one head of a rank's shard
     if strategy.startswith("hybrid"):
@@ -173,7 +178,7 @@ def step_bytes(strategy: str, starts: torch.Tensor, cp: int, *, layers: int, hea
         repeat = u // math.gcd(kv_heads, u)
         all_to_all = 2 * (2 * heads + 2 * kv_heads * repeat) * shard * itemsize * (u - 1) // u
         ring = step_bytes("ring", starts, cp // u, layers=1, heads=heads // u, kv_heads=kv_heads * repeat // u,
-                          head_dim=head_dim, itemsize=itemsize, acc_itemsize=acc_itemsize)
+                          head_dim=head_dim, itemsize=itemsize, acc_itemsize=acc_itemsize, window=window)
         return layers * (all_to_all + ring.repeat_interleave(u))
     kv, dkv = 2 * kv_heads * shard * itemsize, 2 * kv_heads * shard * acc_itemsize
     ranks = torch.arange(cp)
@@ -186,11 +191,11 @@ def step_bytes(strategy: str, starts: torch.Tensor, cp: int, *, layers: int, hea
         layout = DocumentLayout(starts, cp_size=cp)
         if cp == 1:
             per_rank = 0
-        elif strategy == "ring, every block" or layout.ring_dense():
+        elif strategy == "ring, every block" or layout.ring_dense(window):
             per_rank = 2 * (cp - 1) * kv + cp * dkv
         else:
-            sends = torch.tensor([sum(layout.sees(t, r) for t in range(cp) if t != r) for r in range(cp)])
-            receives = torch.tensor([sum(layout.sees(r, s) for s in range(cp) if s != r) for r in range(cp)])
+            sends = torch.tensor([sum(layout.sees(t, r, window) for t in range(cp) if t != r) for r in range(cp)])
+            receives = torch.tensor([sum(layout.sees(r, s, window) for s in range(cp) if s != r) for r in range(cp)])
             return layers * (2 * sends * kv + receives * dkv)
     return layers * torch.full_like(ranks, per_rank)
 
@@ -249,6 +254,30 @@ def _bytes_worker(rank: int, port: int, seq_len: int) -> None:
         print("|---|---|---|---|")
         print("\n".join(lines))
     dist.destroy_process_group()
+
+
+#: Mistral 7B v0.1: Llama-3-8B's attention shapes, every layer a 4096-token sliding window.
+MISTRAL_7B = dict(LLAMA3_8B)
+
+
+def windows(seq_len: int = 131072, window: int = 4096, cps: str | int | tuple = "2,4,8,16", rows: int = 4) -> None:
+    """Print the ring's bytes per rank per step with a sliding window on every layer (Mistral 7B
+    v0.1 shapes), against the same rows without it (Note [Sliding windows under CP])."""
+    print(f"Mistral 7B v0.1 shapes (32 layers, 8 KV heads of 128, bf16), {seq_len} tokens per row, GiB sent per "
+          f"rank per step by the ring, without and with a {window}-token window on every layer (mean over ranks "
+          f"and {rows} rows; busiest rank in brackets):\n")
+    print("| rows | cp | no window | window |")
+    print("|---|---:|---:|---:|")
+    for mix in ("one document", *MIXES):
+        starts = (torch.zeros(rows, seq_len, dtype=torch.long) if mix == "one document"
+                  else document_starts(packed_positions(mix, seq_len, rows)))
+        for cp in _ints(cps):
+            cells = []
+            for w in (None, window):
+                sent = torch.stack([step_bytes("ring", starts[r : r + 1], cp, **MISTRAL_7B, window=w)
+                                    for r in range(rows)]).double() / 2**30
+                cells.append(f"{float(sent.mean()):.2f} ({float(sent.max(1).values.mean()):.2f})")
+            print(f"| {mix} | {cp} | " + " | ".join(cells) + " |")
 
 
 def strategies(seq_len: int = 8192, cps: str | int | tuple = "2,4", steps: int = 2) -> None:
@@ -345,4 +374,5 @@ def _ints(value) -> list[int]:
 
 
 if __name__ == "__main__":
-    fire.Fire({"balance": balance, "calls": calls, "bytes": bytes, "strategies": strategies, "speed": speed})
+    fire.Fire({"balance": balance, "calls": calls, "bytes": bytes, "windows": windows, "strategies": strategies,
+               "speed": speed})
