@@ -105,7 +105,7 @@ def set_router_loss_coef(config, coef: float) -> None:
     config.output_router_logits = coef > 0
 
 #: Families whose attention reads ``config.sliding_window`` itself (others set it per layer).
-_WINDOW_IN_CONFIG = {"mistral", "phi3"}
+_WINDOW_IN_CONFIG = {"mistral", "phi3", "mixtral", "olmoe"}
 
 #: Why some well-known families are refused.
 _REFUSAL_REASONS = {
@@ -125,6 +125,17 @@ def sliding_windows(model: nn.Module) -> set[int]:
     if family in _WINDOW_IN_CONFIG and getattr(config, "sliding_window", None) is not None:
         windows.add(config.sliding_window)
     return windows
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention) as ``config`` sets them: on every
+    layer for the families that read ``config.sliding_window`` in their attention, else on the
+    "sliding_attention" ``layer_types`` (Qwen2/3, Gemma 2/3)."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type in _WINDOW_IN_CONFIG:
+        return [window] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in types]
 
 
 def check_supported(model: nn.Module) -> LogitTransform:

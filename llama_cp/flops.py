@@ -31,6 +31,8 @@ FLOPs the *model* needs for a step by what the devices could do in the step's ti
   keys 0..t), packed documents of lengths d_i sum d_i(d_i+1)/2 (each sees only
   itself; ``DocumentLayout.visible_pairs``, Note [Document masks under CP] in
   llama_cp/documents.py), the whole row when --document_mask is off.
+- Sliding windows: a query of a windowed layer sees at most the window's keys, so
+  the pairs are counted per layer and averaged over the layers (``ModelFlops.pairs``).
 - Mixture of experts (Mixtral, Qwen3-MoE, OLMoE): a token runs through its top k
   experts, so an MoE layer's MLP counts k x (gate, up, down) at the expert's
   intermediate size (``moe_intermediate_size`` where the config has one), plus the
@@ -66,6 +68,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from llama_cp.families import layer_windows
 
 #: Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s by a substring of
 #: ``torch.cuda.get_device_name()``, first match wins, from NVIDIA's datasheets: A100 (SXM
@@ -107,10 +111,20 @@ class ModelFlops:
     """of the linear layers (decoder and lm_head, LoRA adapters included), per token."""
     per_pair: float
     """of attention, per visible (query, key) pair, all layers."""
+    windows: tuple[int | None, ...] = ()
+    """each layer's sliding window (None: full); empty: no layer has one."""
 
-    def step(self, tokens: int, pairs: int) -> float:
-        """Model FLOPs of ``tokens`` tokens whose attention sees ``pairs`` (query, key) pairs."""
+    def step(self, tokens: int, pairs: float) -> float:
+        """Model FLOPs of ``tokens`` tokens whose attention sees ``pairs`` (query, key) pairs
+        (per layer, averaged over the layers: :meth:`pairs`)."""
         return self.per_token * tokens + self.per_pair * pairs
+
+    def pairs(self, position_ids: torch.Tensor, document_mask: bool = True) -> float:
+        """The visible (query, key) pairs of a batch (:func:`attention_pairs`), averaged over the
+        layers, whose sliding windows see fewer."""
+        windows = self.windows or (None,)
+        counts = {w: attention_pairs(position_ids, document_mask, w) for w in set(windows)}
+        return sum(counts[w] for w in windows) / len(windows)
 
 
 def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] = ()) -> ModelFlops:
@@ -154,7 +168,9 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     if lora_r and "lm_head" in lora_targets:
         head += 2 * 3 * lora_r * (head_in + head_out)
     per_pair = 3 * 4 * shape["head_dim"] * heads * layers
-    return ModelFlops(per_token=float(decoder + head), per_pair=float(per_pair))
+    windows = tuple(layer_windows(config))
+    return ModelFlops(per_token=float(decoder + head), per_pair=float(per_pair),
+                      windows=windows if any(w is not None for w in windows) else ())
 
 
 #: The MLP's layers: an MoE runs them once per routed expert.
@@ -177,16 +193,18 @@ def _is_moe_layer(config: Any, index: int) -> bool:
     return (index + 1) % step == 0
 
 
-def attention_pairs(position_ids: torch.Tensor, document_mask: bool = True) -> int:
+def attention_pairs(position_ids: torch.Tensor, document_mask: bool = True, window: int | None = None) -> int:
     """Visible (query, key) pairs of a batch of whole rows, (B, L) global ``position_ids``:
-    causal within each packed document (``document_mask``), else causal over the row."""
-    from llama_cp.documents import DocumentLayout, document_starts
+    causal within each packed document (``document_mask``), else causal over the row; a query
+    sees at most ``window`` keys (a sliding window)."""
+    from llama_cp.documents import document_starts
 
-    position_ids = position_ids.reshape(-1, position_ids.shape[-1])
-    if not document_mask:
-        rows, length = position_ids.shape
-        return rows * length * (length + 1) // 2
-    return int(DocumentLayout(document_starts(position_ids.cpu())).visible_pairs().sum())
+    position_ids = position_ids.reshape(-1, position_ids.shape[-1]).cpu()
+    starts = document_starts(position_ids) if document_mask else torch.zeros_like(position_ids)
+    seen = torch.arange(position_ids.shape[-1]) - starts + 1  # keys each query sees
+    if window is not None:
+        seen = seen.clamp(max=window)
+    return int(seen.sum())
 
 
 def peak_flops(device_name: str | None) -> float | None:

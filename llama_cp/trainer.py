@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from llama_cp.build import model_path
 from llama_cp.config import TrainConfig
-from llama_cp.flops import attention_pairs, model_flops, peak_flops, throughput
+from llama_cp.flops import model_flops, peak_flops, throughput
 from llama_cp.fsdp_wrap import export_pretrained
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens
 from llama_cp.mesh import init_distributed, local_peers, machine_device_type, submesh
@@ -294,7 +294,7 @@ class Trainer:
                 batches.append(next(self._iterator))
             except StopIteration:  # end of an epoch: the loader moves on to the next one
                 self._iterator = iter(self.loader)
-        self._step_pairs = sum(attention_pairs(b["position_ids"], self.cfg.data.document_mask) for b in batches)
+        self._step_pairs = sum(self.flops.pairs(b["position_ids"], self.cfg.data.document_mask) for b in batches)
         return [self._to_device(b) for b in batches]
 
     def train_step(self) -> dict[str, float]:

@@ -150,3 +150,27 @@ def test_mixture_of_experts_counts_the_routed_experts(model_type, fields):
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                              head_dim=8))
     assert flops.per_token != dense.per_token
+
+
+def test_sliding_windows_count_the_pairs_they_see():
+    """A 3-token window on one of two layers (Qwen3's layer_types, as Gemma 2 alternates them):
+    attention in 1 x 1 tiles of the math kernel computes exactly the pairs each layer sees, and
+    model_flops averages them over the layers (plus the backward's recompute, as above)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llama_cp.models import EMBEDDED_LLAMA
+
+    fields = {k: v for k, v in EMBEDDED_LLAMA.items() if k not in ("num_hidden_layers", "max_position_embeddings")}
+    config = AutoConfig.for_model("qwen3", **fields, num_hidden_layers=2, use_sliding_window=True, sliding_window=3,
+                                  max_window_layers=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = apply_context_parallel(AutoModelForCausalLM.from_config(config), None, backend="math", block_size=1)
+    position_ids = torch.cat([torch.arange(4), torch.arange(7)])[None]
+    flops = model_flops(config)
+    assert flops.windows == (None, 3)
+    assert attention_pairs(position_ids, window=3) == (1 + 2 + 3 + 3) + (1 + 2 + 3 * 5)
+    assert flops.pairs(position_ids) == (38 + 27) / 2  # 10 + 28 pairs without the window, 27 with it
+    measured = _measure(model, input_ids=torch.randint(0, config.vocab_size, (1, 11)), position_ids=position_ids)
+    recompute = 2 * 32 * 8 * (38 + 27)  # head_dim x heads x pairs, summed over the two layers
+    assert measured == {"aten.mm": flops.per_token * 11, "aten.bmm": flops.per_pair * flops.pairs(position_ids)
+                        + recompute}
