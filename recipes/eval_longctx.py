@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from llama_cp.cli import run_cli
+from llama_cp.cli import end_distributed, run_cli
 from llama_cp.data import PASSKEY_FILLER, passkey_example
 from llama_cp.loss import IGNORE_INDEX, causal_lm_loss_sum
 from llama_cp.mesh import submesh
@@ -254,3 +254,4 @@ def plot_heatmap(result: dict, path: str) -> None:
 if __name__ == "__main__":
     run_cli(main, usage="python -m recipes.eval_longctx --model_name DIR [--lengths 256,512,1024] [--depths ...] "
                         "[--task passkey|needle] [--cp N]")
+    end_distributed()

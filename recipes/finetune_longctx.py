@@ -8,7 +8,7 @@
 Flags: ``--help``, the README, or ``llama_cp/config.py`` (one flag per config field).
 """
 
-from llama_cp.cli import run_cli
+from llama_cp.cli import end_distributed, run_cli
 from llama_cp.config import TrainConfig
 from llama_cp.trainer import Trainer
 
@@ -26,3 +26,4 @@ def main(config: str | None = None, **flags) -> None:
 
 if __name__ == "__main__":
     run_cli(main, usage="python -m recipes.finetune_longctx [--config preset.yaml] [--flag value ...] [--debug]")
+    end_distributed()
