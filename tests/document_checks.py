@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
-from fsdp_checks import check_cp_against_reference, tiny_config, tiny_model
+from fsdp_checks import check_cp_against_reference, tiny_config_as, tiny_model
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
 from llama_cp.cp_attention import wire_bytes
 from llama_cp.sharding import SEQ_INDEX
@@ -89,13 +89,9 @@ HEADS = dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=48)
 def windowed_model(window: int, seed: int = 0):
     """The tiny model of HEADS as a Qwen2 whose second layer has a sliding window of ``window``
     tokens and whose first is full (``max_window_layers``: Note [Sliding windows under CP])."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    fields = {key: getattr(tiny_config(**HEADS), key) for key in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "tie_word_embeddings")}
-    config = Qwen2Config(**fields, use_sliding_window=True, sliding_window=window, max_window_layers=1,
-                         attn_implementation="sdpa")
+    config = tiny_config_as("qwen2", HEADS, use_sliding_window=True, sliding_window=window, max_window_layers=1)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, window]

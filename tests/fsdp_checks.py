@@ -36,6 +36,20 @@ def tiny_config(**overrides) -> LlamaConfig:
     })
 
 
+#: The shapes of :func:`tiny_config` that every family's config takes.
+_TINY_SHAPES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def tiny_config_as(model_type: str, shapes: dict | None = None, **fields):
+    """:func:`tiny_config` (with ``shapes`` overrides) as a config of ``model_type``, plus its ``fields``."""
+    from transformers import AutoConfig
+
+    base = tiny_config(**(shapes or {}))
+    shapes = {key: getattr(base, key) for key in _TINY_SHAPES}
+    return AutoConfig.for_model(model_type, **shapes, attn_implementation=base._attn_implementation, **fields)
+
+
 def tiny_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     return LlamaForCausalLM(tiny_config(**overrides))

@@ -10,12 +10,11 @@ import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers import LlamaForCausalLM
 
 from dist_harness import Checks, shared_tmpdir
 from fsdp_checks import (
     FP32_CLOSE, assert_grads_equal, build, check_one_step, full_grad, full_param, global_batch, reference_loss,
-    sharded_step, step_both, tiny_config, tiny_model,
+    sharded_step, step_both, tiny_config_as, tiny_model,
 )
 from llama_cp import ParallelDims
 from llama_cp.fsdp_wrap import export_pretrained, gather_full_state_dict, load_full_weights, shard_model
@@ -127,15 +126,18 @@ def clipping_uses_the_global_norm():
     assert_grads_equal(model, reference)
 
 
-@checks.add
-def load_sharded_from_save_pretrained_and_gather_back():
-    original = tiny_model(seed=3)
+def _check_save_load_export(original):
+    """``original`` saved with save_pretrained loads into a model built on the meta device and
+    sharded over dp_shard 2 x cp 2 with the original's values, computes its logits, and exports
+    back to a directory from_pretrained reads."""
+    from transformers import AutoModelForCausalLM
+
     with shared_tmpdir() as path:
         if dist.get_rank() == 0:
             original.save_pretrained(path)
         dist.barrier()
         with torch.device("meta"):
-            model = LlamaForCausalLM(tiny_config())
+            model = AutoModelForCausalLM.from_config(original.config)
         mesh = ParallelDims(dp_shard=2, cp=2).build_mesh("cpu")
         shard_model(model, mesh)
         load_full_weights(model, path, device="cpu")
@@ -156,46 +158,25 @@ def load_sharded_from_save_pretrained_and_gather_back():
         export_dir = os.path.join(path, "export")
         export_pretrained(model, export_dir)
         assert not [f for f in os.listdir(path) if f.startswith(".tmp-export-")]
-        reloaded = LlamaForCausalLM.from_pretrained(export_dir)
+        reloaded = AutoModelForCausalLM.from_pretrained(export_dir)
         for key, value in original.state_dict().items():
             torch.testing.assert_close(reloaded.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
 
 
 @checks.add
+def load_sharded_from_save_pretrained_and_gather_back():
+    _check_save_load_export(tiny_model(seed=3))
+
+
+@checks.add
 def load_an_moe_checkpoint_sharded_and_export_it():
     """A Mixtral checkpoint as save_pretrained writes it (transformers 5: per-expert w1/w2/w3 that
-    the model holds fused) loads into the sharded model with the original's values, computes its
-    logits, and exports back to a directory from_pretrained reads."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    the model holds fused) loads into the sharded model, as a Llama's does."""
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.for_model("mixtral", **{key: getattr(tiny_config(), key) for key in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "tie_word_embeddings")}, num_local_experts=4, num_experts_per_tok=2)
     torch.manual_seed(5)
-    original = AutoModelForCausalLM.from_config(config)
-    with shared_tmpdir() as path:
-        if dist.get_rank() == 0:
-            original.save_pretrained(path)
-        dist.barrier()
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        shard_model(model, ParallelDims(dp_shard=2, cp=2).build_mesh("cpu"))
-        load_full_weights(model, path, device="cpu")
-        gathered = gather_full_state_dict(model)
-        if dist.get_rank() == 0:
-            want = original.state_dict()
-            assert set(gathered) == set(want)
-            for key, value in want.items():
-                torch.testing.assert_close(gathered[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
-        batch = global_batch()
-        torch.testing.assert_close(
-            model(input_ids=batch["input_ids"]).logits, original(input_ids=batch["input_ids"]).logits, **FP32_CLOSE
-        )
-        export_dir = os.path.join(path, "export")
-        export_pretrained(model, export_dir)
-        reloaded = AutoModelForCausalLM.from_pretrained(export_dir)
-        for key, value in original.state_dict().items():
-            torch.testing.assert_close(reloaded.state_dict()[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    _check_save_load_export(AutoModelForCausalLM.from_config(
+        tiny_config_as("mixtral", num_local_experts=4, num_experts_per_tok=2)))
 
 
 @functools.partial(checks.add, skip=bnb_cpu_optimizer_problem())
