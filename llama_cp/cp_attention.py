@@ -743,6 +743,12 @@ class ContextParallelAttention:
             return None
         return self.zigzag_layout(starts)
 
+    def one_document_layout(self, rows: int, seq_len: int, device: torch.device) -> DocumentLayout:
+        """The layout of ``rows`` rows of one document of ``seq_len`` tokens each (global): what the
+        windowed layers run on when the batch has no documents (Note [Sliding windows under CP])."""
+        starts = torch.zeros((rows, seq_len), dtype=torch.long, device=device)
+        return self.zigzag_layout(starts, single=True)
+
     def zigzag_layout(self, starts: torch.Tensor, single: bool = False) -> DocumentLayout:
         """The layout of (B, L) document ``starts`` on this rank's zigzag chunks (hybrid: the
         outer ring's); ``single``: every row one document (DocumentLayout.single)."""
@@ -768,8 +774,7 @@ class ContextParallelAttention:
         if window is not None and not causal:
             raise ValueError("sliding windows are causal here; got a non-causal attention call with a window")
         if window is not None and documents is None:  # one document per row: called without the decoder's hook
-            starts = torch.zeros((q.shape[0], seq_len), dtype=torch.long, device=q.device)
-            documents = self.zigzag_layout(starts, single=True)
+            documents = self.one_document_layout(q.shape[0], seq_len, q.device)
         if window is None and documents is not None and documents.single and self.strategy != "allgather":
             documents = None  # a full layer of a windowed model: the plain strategies
         if documents is not None and not causal:
@@ -847,9 +852,8 @@ def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple
         else:
             documents = attention.document_layout(positions) if attention.document_mask else None
             if documents is None and attention.sliding:  # one layout for every windowed layer of the batch
-                starts = torch.zeros((rows, positions.shape[-1] * attention.cp_size), dtype=torch.long,
-                                     device=positions.device)
-                documents = attention.zigzag_layout(starts, single=True)
+                documents = attention.one_document_layout(rows, positions.shape[-1] * attention.cp_size,
+                                                          positions.device)
         if documents is not None:
             kwargs = {**kwargs, DOCUMENTS_KWARG: documents}
     return args, kwargs

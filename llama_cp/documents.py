@@ -246,9 +246,11 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(new, index, torch.zeros_like(index)).cummax(dim=-1).values
 
 
-def visible_pairs_per_token(starts: torch.Tensor) -> torch.Tensor:
-    """(B, L) document starts -> (L,): the keys each query sees, t - start[t] + 1, summed over the batch."""
-    return (torch.arange(starts.shape[-1], device=starts.device) - starts + 1).sum(0)
+def visible_pairs_per_token(starts: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(B, L) document starts -> (L,): the keys each query sees, t - start[t] + 1 (at most
+    ``window``, a sliding window), summed over the batch."""
+    seen = torch.arange(starts.shape[-1], device=starts.device) - starts + 1
+    return (seen if window is None else seen.clamp(max=window)).sum(0)
 
 
 def spans(starts: torch.Tensor, rows: torch.Tensor) -> list[list[Span]]:
@@ -279,11 +281,10 @@ def pieces(query_spans: list[list[Span]], chunks: list[Chunk], window: int | Non
             last = span.first + span.length - 1  # the span's last query row
             for chunk in chunks:
                 lo, hi = max(span.doc_start, chunk.first), min(span.first, chunk.first + chunk.length)
+                lag = None
                 if window is not None:
                     lo = max(lo, span.first - window + 1)  # older keys are out of every query's window
-                lag = None
-                if window is not None:  # in local indices: query row - key row < window
-                    lag = window - 1 - (span.first - span.start) + (chunk.first - chunk.start)
+                    lag = window - 1 - (span.first - span.start) + (chunk.first - chunk.start)  # row - key row < window
                 if lo < hi:  # keys before the span, in its document (and window)
                     k = slice(chunk.start + lo - chunk.first, chunk.start + hi - chunk.first)
                     cut = window is not None and last - lo >= window  # the last query misses the first key

@@ -197,14 +197,11 @@ def attention_pairs(position_ids: torch.Tensor, document_mask: bool = True, wind
     """Visible (query, key) pairs of a batch of whole rows, (B, L) global ``position_ids``:
     causal within each packed document (``document_mask``), else causal over the row; a query
     sees at most ``window`` keys (a sliding window)."""
-    from llama_cp.documents import document_starts
+    from llama_cp.documents import document_starts, visible_pairs_per_token
 
     position_ids = position_ids.reshape(-1, position_ids.shape[-1]).cpu()
     starts = document_starts(position_ids) if document_mask else torch.zeros_like(position_ids)
-    seen = torch.arange(position_ids.shape[-1]) - starts + 1  # keys each query sees
-    if window is not None:
-        seen = seen.clamp(max=window)
-    return int(seen.sum())
+    return int(visible_pairs_per_token(starts, window).sum())
 
 
 def peak_flops(device_name: str | None) -> float | None:
