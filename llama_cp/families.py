@@ -105,7 +105,7 @@ def set_router_loss_coef(config, coef: float) -> None:
     config.output_router_logits = coef > 0
 
 #: Families whose attention reads ``config.sliding_window`` itself (others set it per layer).
-_WINDOW_IN_CONFIG = {"mistral", "phi3", "mixtral", "olmoe"}
+_WINDOW_IN_CONFIG = {"mistral", "phi3", "mixtral", "olmoe", "qwen3_moe"}
 
 #: Why some well-known families are refused.
 _REFUSAL_REASONS = {
@@ -119,18 +119,14 @@ def model_family(model: nn.Module) -> str:
 
 def sliding_windows(model: nn.Module) -> set[int]:
     """The sliding windows (tokens) of ``model``'s attention layers; empty when it has none."""
-    causal_lm = base_causal_lm(model)
-    config, family = causal_lm.config, causal_lm.config.model_type
-    windows = {w for m in causal_lm.modules() if (w := getattr(m, "sliding_window", None)) is not None}
-    if family in _WINDOW_IN_CONFIG and getattr(config, "sliding_window", None) is not None:
-        windows.add(config.sliding_window)
-    return windows
+    return {w for w in layer_windows(base_causal_lm(model).config) if w is not None}
 
 
 def layer_windows(config) -> list[int | None]:
     """Each decoder layer's sliding window (None: full attention) as ``config`` sets them: on every
-    layer for the families that read ``config.sliding_window`` in their attention, else on the
-    "sliding_attention" ``layer_types`` (Qwen2/3, Gemma 2/3)."""
+    layer for the families whose attention takes ``config.sliding_window`` (Qwen3-MoE's config
+    clears it without ``use_sliding_window``), else on the "sliding_attention" ``layer_types``
+    (Qwen2/3, Gemma 2/3), as their attention modules read them."""
     window = getattr(config, "sliding_window", None)
     if config.model_type in _WINDOW_IN_CONFIG:
         return [window] * config.num_hidden_layers

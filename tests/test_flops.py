@@ -174,3 +174,25 @@ def test_sliding_windows_count_the_pairs_they_see():
     recompute = 2 * 32 * 8 * (38 + 27)  # head_dim x heads x pairs, summed over the two layers
     assert measured == {"aten.mm": flops.per_token * 11, "aten.bmm": flops.per_pair * flops.pairs(position_ids)
                         + recompute}
+
+
+@pytest.mark.parametrize("window", [{}, dict(sliding_window=6), dict(sliding_window=6, use_sliding_window=True,
+                                                                       max_window_layers=1)])
+def test_layer_windows_are_those_the_attention_layers_hold(window):
+    """The per-layer windows read from a config (FLOPs, CP's windowed layouts) are the windows each
+    family's attention modules hold, for every supported family (transformers' own modules)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llama_cp.families import SUPPORTED_FAMILIES, _WINDOW_IN_CONFIG, layer_windows
+
+    base = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    experts = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16),
+               "olmoe": dict(num_experts=4)}
+    for family in SUPPORTED_FAMILIES:
+        config = AutoConfig.for_model(family, **base, **experts.get(family, {}), **window)
+        model = AutoModelForCausalLM.from_config(config)
+        attention = [m for m in model.modules() if hasattr(m, "o_proj")]
+        in_config = getattr(config, "sliding_window", None)
+        held = [in_config if family in _WINDOW_IN_CONFIG else getattr(m, "sliding_window", None) for m in attention]
+        assert layer_windows(config) == held, family
