@@ -135,6 +135,10 @@ class DataConfig:
     """Rows per micro-batch per data-parallel rank."""
     num_passkey_samples: int = 512
     """Training rows of the passkey task."""
+    passkey_digits: int = 0
+    """Digits of the passkey task's key; 0 = auto: 1 for the embedded model (a random-init model that small learns to find one digit in a CPU-sized run, not to copy five in order: docs/recipe.md), else 5."""
+    passkey_warmup: float = 0.9
+    """Share of the training steps whose passkey rows pack shorter documents (--context_length / 8, / 4, / 2, at least 128 tokens, shortest first) before full-length ones: a model learning the task from scratch gets its signal from short documents (Note [Passkey length warm-up]); 0, or --document_mask false = full-length rows only."""
     num_eval_samples: int = 16
     """Held-out rows evaluated at each eval."""
     document_mask: bool = True
@@ -269,6 +273,8 @@ class TrainConfig:
         check_report_to(self.report_to)
         if self.optim.min_lr_ratio > 1:
             raise ValueError(f"--min_lr_ratio is a fraction of --lr in [0, 1], got {self.optim.min_lr_ratio}")
+        if self.data.passkey_warmup >= 1:
+            raise ValueError(f"--passkey_warmup is a share of the steps in [0, 1), got {self.data.passkey_warmup}")
         if self.peft.quantization != "none" and not self.peft.use_peft:
             raise ValueError(
                 f"--quantization {self.peft.quantization} freezes the base weights, so only LoRA adapters can "
@@ -333,12 +339,18 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def passkey_key_digits(self) -> int:
+        """--passkey_digits, auto resolved: 1 for the embedded model, else 5 (Note [Passkey length warm-up])."""
+        if self.data.passkey_digits:
+            return self.data.passkey_digits
+        return 1 if self.model.model_name == "embedded" else 5
+
 
 #: Lower bounds of the numeric flags, checked before anything is built.
 _MINIMUMS = {
     "context_length": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "loss_chunk_size": 0, "cp": 1,
     "mlp_tile_size": 0, "norm_tile_size": 0, "attention_block_size": 0,
-    "dp_replicate": 1, "lora_r": 1, "num_proc": 1, "num_passkey_samples": 1, "num_eval_samples": 1, "num_epochs": 1,
+    "dp_replicate": 1, "lora_r": 1, "num_proc": 1, "num_passkey_samples": 1, "passkey_digits": 0, "passkey_warmup": 0.0, "num_eval_samples": 1, "num_epochs": 1,
     "max_steps": 0, "warmup_steps": 0, "save_every": 0, "eval_every": 0, "keep_last": 1, "log_every": 1,
     "max_nonfinite_steps": 1, "peak_tflops": 0.0,
     "collective_timeout": 1.0, "rope_theta": 0.0, "min_lr_ratio": 0.0, "lr": 0.0, "weight_decay": 0.0, "max_grad_norm": 0.0, "lora_dropout": 0.0,

@@ -55,6 +55,11 @@ ACCEPTED_FORMATS = (
 EVAL_FRACTION = 0.05
 #: The eval passkey rows use seed + this offset, so train and eval rows never share a stream.
 PASSKEY_EVAL_SEED_OFFSET = 1 << 30
+#: Digits of the passkey task's key unless told (--passkey_digits).
+PASSKEY_DIGITS = 5
+#: The shortest passkey document of a length warm-up: the byte tokenizer's needle, question
+#: and a 5-digit answer take about 110 tokens, and this leaves room for some filler.
+MIN_PASSKEY_DOCUMENT = 128
 DEFAULT_PASSKEY_SAMPLES = 1000
 PASSKEY_FILLER = (
     "The grass is green. ",
@@ -85,13 +90,21 @@ Row = dict[str, torch.Tensor]
 
 
 def load_examples(
-    dataset: str, split: str = "train", seed: int = 0, num_passkey: int = DEFAULT_PASSKEY_SAMPLES
+    dataset: str,
+    split: str = "train",
+    seed: int = 0,
+    num_passkey: int = DEFAULT_PASSKEY_SAMPLES,
+    passkey_digits: int = PASSKEY_DIGITS,
+    passkey_lengths: Sequence[int] | None = None,
 ) -> datasets.Dataset:
     """The examples of ``split`` ("train" or "eval") of ``--dataset``.
 
-    - ``"passkey"``: ``num_passkey`` rows of the synthetic task's draws, columns
-      ``passkey`` (the 5-digit key) and ``depth`` (where the key sits, 0..1),
-      drawn from (seed, index); eval uses seed + ``PASSKEY_EVAL_SEED_OFFSET``.
+    - ``"passkey"``: ``num_passkey`` draws of the synthetic task, columns
+      ``passkey`` (the key, ``passkey_digits`` digits) and ``depth`` (where the
+      key sits, 0..1), drawn from (seed, index); eval uses seed +
+      ``PASSKEY_EVAL_SEED_OFFSET``. With ``passkey_lengths`` (one per draw,
+      ``passkey_warmup_lengths``) a column ``length`` gives each document's
+      tokens; without, every document fills a row.
     - a local .json / .jsonl / .parquet / .txt file, a directory of such files,
       or a directory written by ``Dataset.save_to_disk``;
     - anything else is a hub id for ``datasets.load_dataset``.
@@ -103,9 +116,13 @@ def load_examples(
     split = _check_split(split)
     if dataset == PASSKEY:
         stream_seed = seed if split == "train" else seed + PASSKEY_EVAL_SEED_OFFSET
-        draws = [_draw_passkey(_passkey_rng(stream_seed, index)) for index in range(num_passkey)]
+        count = num_passkey if passkey_lengths is None else len(passkey_lengths)
+        draws = [_draw_passkey(_passkey_rng(stream_seed, index), passkey_digits) for index in range(count)]
         keys, depths = zip(*draws) if draws else ((), ())
-        return datasets.Dataset.from_dict({"passkey": list(keys), "depth": list(depths)})
+        columns = {"passkey": list(keys), "depth": list(depths)}
+        if passkey_lengths is not None:
+            columns["length"] = list(passkey_lengths)
+        return datasets.Dataset.from_dict(columns)
     check_dataset_path(dataset)
     path = Path(dataset).expanduser()
     loaded = _load_local(path) if path.exists() else load_hub_dataset(dataset)
@@ -322,14 +339,16 @@ def tokenize_example(
 
     ``label_mask[t]`` is True when token t is a training target: every token but
     bos for text, the response and eos for instruction, the assistant turns for
-    chat. A passkey example fills exactly ``context_length`` tokens, so it
-    needs it. An empty text gives an empty document (skipped by packing).
+    chat. A passkey example has exactly its ``length`` tokens, or fills a row of
+    ``context_length`` when it has none. An empty text gives an empty document
+    (skipped by packing).
     """
     kind = detect_format(example.keys())
     if kind == "passkey":
-        if context_length is None:
+        length = example.get("length") or context_length
+        if length is None:
             raise ValueError("a passkey example fills a whole row: pass context_length to tokenize_example")
-        return passkey_document(example["passkey"], example["depth"], context_length, tokenizer)
+        return passkey_document(example["passkey"], example["depth"], length, tokenizer)
     if kind == "text":
         if not example["text"]:
             return [], []
@@ -585,6 +604,35 @@ class RowPacker:
 #
 # The filler is whole sentences, cut at the front so the answer ends the row;
 # the key goes in at the sentence boundary nearest below ``depth`` x filler.
+#
+# Note [Passkey length warm-up]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A model learning the task from scratch gets almost no signal from full rows:
+# at first its attention is spread evenly, so the key's few tokens are a few
+# L-ths of what the answer position reads. The embedded model (3.3M parameters,
+# random init) trained on 1024-token rows ends at chance after 200 steps. So
+# the first rows of a run (--passkey_warmup, a share of the steps: 0.9 of the
+# default job's 200) pack several shorter passkey documents, each with its own
+# key and question, in equal shares of L/8, L/4 and L/2 tokens, shortest
+# first, then full rows:
+#
+#   rows 0..59     [ 128 | 128 | 128 | 128 | 128 | 128 | 128 | 128 ]   L = 1024
+#   rows 60..119   [   256   |   256   |   256   |   256   ]
+#   rows 120..179  [        512        |        512        ]
+#   rows 180..     [                  1024                 ]
+#
+# Packed documents attend only within themselves (--document_mask; without it
+# there is no warm-up), so a row of eight 128-token documents is eight short
+# examples of the same task. What
+# the model learns on them (attend to the digit) carries to full rows; the
+# loader keeps this order (no shuffle: passkey rows are independent draws).
+#
+# The key: one digit for the embedded model (--passkey_digits 0, auto). Finding
+# one digit anywhere in the row needs one attention head that looks for
+# digits; copying five digits in order needs an induction circuit (a head
+# that finds where the current digit appeared and one that reads the token
+# after it), which the embedded model does not form in a CPU-sized run: five
+# digits with the same warm-up and 200 steps stay at 0 (docs/recipe.md).
 
 
 def _passkey_rng(seed: int, index: int) -> random.Random:
@@ -592,9 +640,9 @@ def _passkey_rng(seed: int, index: int) -> random.Random:
     return random.Random(f"passkey:{seed}:{index}")
 
 
-def _draw_passkey(rng: random.Random) -> tuple[int, float]:
-    """(5-digit key, depth in [0, 1))."""
-    return rng.randint(10000, 99999), rng.random()
+def _draw_passkey(rng: random.Random, digits: int = 5) -> tuple[int, float]:
+    """(key of ``digits`` digits, depth in [0, 1)); one digit is 0..9, more never start with 0."""
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1), rng.random()
 
 
 #: The passkey task's needle and question; ``{key}`` is the key.
@@ -649,15 +697,17 @@ def passkey_example(
     *,
     key: int | None = None,
     depth: float | None = None,
+    digits: int = PASSKEY_DIGITS,
     **task: Any,
 ) -> Row:
-    """One passkey row of exactly ``context_length`` tokens, key and depth drawn from ``rng`` unless given;
+    """One passkey row of exactly ``context_length`` tokens, key (``digits`` digits) and depth drawn
+    from ``rng`` unless given;
     ``task``: another needle, question or filler (``passkey_document``'s keywords).
 
     Returns ``{"input_ids", "labels", "position_ids"}`` of (L,) LongTensors; labels
     (shifted) are -100 except on the targets of the answer digits and eos.
     """
-    drawn_key, drawn_depth = _draw_passkey(rng)
+    drawn_key, drawn_depth = _draw_passkey(rng, digits)
     document = passkey_document(
         drawn_key if key is None else key, drawn_depth if depth is None else depth, context_length, tokenizer, **task
     )
@@ -665,9 +715,36 @@ def passkey_example(
     return row
 
 
-def passkey_rows(num_rows: int, context_length: int, tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> list[Row]:
+def passkey_rows(
+    num_rows: int, context_length: int, tokenizer: PreTrainedTokenizerBase, seed: int = 0, digits: int = PASSKEY_DIGITS
+) -> list[Row]:
     """``num_rows`` passkey rows; row i depends only on (seed, i). Eval rows use seed + PASSKEY_EVAL_SEED_OFFSET."""
-    return [passkey_example(_passkey_rng(seed, index), context_length, tokenizer) for index in range(num_rows)]
+    return [
+        passkey_example(_passkey_rng(seed, index), context_length, tokenizer, digits=digits) for index in range(num_rows)
+    ]
+
+
+def passkey_warmup_stages(context_length: int) -> list[int]:
+    """Documents per row of each stage of a passkey length warm-up (8, 4, 2: those whose
+    documents hold at least ``MIN_PASSKEY_DOCUMENT`` tokens); empty: no warm-up at this length."""
+    return [parts for parts in (8, 4, 2) if context_length // parts >= MIN_PASSKEY_DOCUMENT]
+
+
+def passkey_warmup_lengths(num_rows: int, context_length: int, warmup_rows: int) -> list[int]:
+    """The document lengths of ``num_rows`` passkey training rows whose first ``warmup_rows``
+    pack shorter documents (Note [Passkey length warm-up]): equal shares of rows of
+    documents of context_length // 8, // 4 and // 2 tokens (those of at least
+    ``MIN_PASSKEY_DOCUMENT`` tokens), shortest first, then one document per row. The last
+    document of a warm-up row takes the row's remainder, so documents never cross rows."""
+    if not 0 <= warmup_rows <= num_rows:
+        raise ValueError(f"warmup_rows must be in 0..{num_rows} (the rows), got {warmup_rows}")
+    stages = passkey_warmup_stages(context_length)
+    lengths = []
+    for row in range(num_rows):
+        parts = stages[row * len(stages) // warmup_rows] if stages and row < warmup_rows else 1
+        size = context_length // parts
+        lengths += [size] * (parts - 1) + [context_length - size * (parts - 1)]
+    return lengths
 
 
 # ----------------------------------------------------------------------------- top level
@@ -682,12 +759,15 @@ def build_rows(
     seed: int = 0,
     num_samples: int | None = None,
     truncate: bool = False,
+    passkey_digits: int = PASSKEY_DIGITS,
+    passkey_warmup_rows: int = 0,
 ) -> list[Row]:
     """The packed rows of one split of ``--dataset``: what the trainer feeds the loader.
 
     ``"passkey"``: ``num_samples`` rows (default ``DEFAULT_PASSKEY_SAMPLES``), the
-    same as ``passkey_rows(num_samples, ..., seed)`` for train, with seed +
-    ``PASSKEY_EVAL_SEED_OFFSET`` for eval. Files and hub ids: every packed row of
+    same as ``passkey_rows(num_samples, ..., seed, passkey_digits)`` for train, with seed +
+    ``PASSKEY_EVAL_SEED_OFFSET`` for eval; on train, the first ``passkey_warmup_rows``
+    pack shorter documents (``passkey_warmup_lengths``). Files and hub ids: every packed row of
     the split (``num_samples`` does not apply); eval holds out the last ~5% of
     the documents, which always gives at least one row. A document longer than
     ``context_length`` goes on in the next row, or with ``truncate`` keeps only its first
@@ -695,7 +775,10 @@ def build_rows(
     """
     check_context_length(context_length, cp)
     num_passkey = DEFAULT_PASSKEY_SAMPLES if num_samples is None else num_samples
-    examples = load_examples(dataset, split, seed, num_passkey=num_passkey)
+    lengths = None
+    if dataset == PASSKEY and passkey_warmup_rows and _check_split(split) == "train":
+        lengths = passkey_warmup_lengths(num_passkey, context_length, passkey_warmup_rows)
+    examples = load_examples(dataset, split, seed, num_passkey, passkey_digits, lengths)
     documents = (tokenize_example(example, tokenizer, context_length) for example in examples)
     if truncate:
         documents = (truncate_document(document, context_length) for document in documents)

@@ -223,7 +223,7 @@ class Trainer:
         return build_optimizer(o.optimizer, self.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
     def _build_data(self) -> None:
-        from llama_cp.data import PASSKEY, DistributedRowLoader, build_rows
+        from llama_cp.data import PASSKEY, DistributedRowLoader, build_rows, passkey_warmup_stages
         from llama_cp.prepared import RowBatches, StreamingRowLoader, load_prepared_rows, streaming_eval_rows
 
         cfg, d, dims = self.cfg, self.cfg.data, self.dims
@@ -235,16 +235,26 @@ class Trainer:
             eval_rows = streaming_eval_rows(d.dataset, self.tokenizer, d.context_length, d.num_eval_samples,
                                             truncate=d.truncate_documents)
         else:
+            warmup_rows = 0
             if d.dataset == PASSKEY:  # generated from the seed: nothing to keep on disk
-                common = dict(tokenizer=self.tokenizer, context_length=d.context_length, cp=dims.cp, seed=cfg.seed)
-                train_rows = build_rows(d.dataset, split="train", num_samples=d.num_passkey_samples, **common)
+                common = dict(tokenizer=self.tokenizer, context_length=d.context_length, cp=dims.cp, seed=cfg.seed,
+                              passkey_digits=cfg.passkey_key_digits())
+                # Note [Passkey length warm-up]: a share of the rows the run will read
+                per_step = d.batch_size * dp_size * cfg.optim.gradient_accumulation_steps
+                read = min(d.num_passkey_samples, cfg.max_steps * per_step) if cfg.max_steps else d.num_passkey_samples
+                if d.document_mask and passkey_warmup_stages(d.context_length):
+                    warmup_rows = round(d.passkey_warmup * read)
+                train_rows = build_rows(d.dataset, split="train", num_samples=d.num_passkey_samples,
+                                        passkey_warmup_rows=warmup_rows, **common)
                 eval_rows = build_rows(d.dataset, split="eval", num_samples=d.num_eval_samples, **common)
             else:  # tokenized and packed once, read from disk (Note [Prepared rows])
                 train_rows, eval_rows = load_prepared_rows(
                     d.dataset, self.tokenizer, d.context_length, dims.cp, d.data_cache_dir, d.data_cache_shared,
                     d.num_proc, say=self._say, truncate=d.truncate_documents,
                 )
-            self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed)
+            # a warm-up is an order: the rows are independent draws, so nothing is lost by not shuffling
+            self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed,
+                                               shuffle=not warmup_rows)
         # every rank must run the same number of eval forwards (FSDP collectives): whole global batches only
         per_step = cfg.data.batch_size * dp_size
         usable = len(eval_rows) // per_step * per_step

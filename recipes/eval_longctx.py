@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from llama_cp.cli import end_distributed, run_cli
-from llama_cp.data import PASSKEY_FILLER, passkey_example
+from llama_cp.data import PASSKEY_DIGITS, PASSKEY_FILLER, passkey_example
 from llama_cp.loss import IGNORE_INDEX, causal_lm_loss_sum
 from llama_cp.mesh import submesh
 from llama_cp.run_dir import write_atomically
@@ -60,12 +60,15 @@ def main(
     cp_strategy: str = "ring",
     dtype: str = "auto",
     attention_backend: str = "auto",
+    passkey_digits: int = 0,
 ) -> None:
     """--model_name: a local HF model directory (a run's final/, full fine-tune) or "embedded"
     (the untrained embedded model: the chance baseline); --task passkey or needle;
     --lengths and --depths: comma-separated grid (depth 0 = the start of the filler, 1 = its
     end); --num_samples per cell; --haystack: a text file whose sentences are the filler;
-    --cp, --cp_strategy, --dtype, --attention_backend as in training."""
+    --cp, --cp_strategy, --dtype, --attention_backend as in training; --passkey_digits: digits of
+    the key (0 = auto, as in training: 1 for the embedded model, else 5; a run of the default job
+    trained one-digit keys, so evaluate its final/ with --passkey_digits 1)."""
     from llama_cp.build import build_model, model_path
     from llama_cp.config import TrainConfig
     from llama_cp.mesh import init_distributed
@@ -80,7 +83,8 @@ def main(
         raise ValueError(f"--model_name {model_name!r} is a LoRA adapter: merge it into its base model "
                          "(peft's merge_and_unload, then save_pretrained) and evaluate that directory")
     cfg = TrainConfig.from_flags(model_name=model_name, cp=cp, cp_strategy=cp_strategy, dtype=dtype,
-                                 attention_backend=attention_backend, context_length=max(lengths))
+                                 attention_backend=attention_backend, context_length=max(lengths),
+                                 passkey_digits=passkey_digits)
     device_type = init_distributed()
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     mesh = cfg.parallel.dims().build_mesh(device_type)
@@ -89,7 +93,7 @@ def main(
     model = build_model(cfg, mesh, device, path)
     filler = read_haystack(haystack) if haystack else PASSKEY_FILLER
     result = evaluate_grid(model, tokenizer, mesh, lengths, depths, num_samples, task=task, seed=seed,
-                           filler=filler, device=device)
+                           filler=filler, device=device, digits=cfg.passkey_key_digits())
     result["model"] = model_name  # the JSON says what was measured
     if dist.get_rank() == 0:
         write_results(result, output_dir)
@@ -105,7 +109,8 @@ def evaluate_trained(trainer) -> dict:
     lengths = sorted({cfg.data.context_length // part // step * step for part in (4, 2, 1)})
     lengths = [length for length in lengths if length >= MIN_PASSKEY_LENGTH] or [cfg.data.context_length]
     result = evaluate_grid(trainer.model, trainer.tokenizer, trainer.mesh, lengths, DEFAULT_DEPTHS,
-                           TRAINING_SAMPLES_PER_CELL, seed=cfg.seed, device=trainer.device)
+                           TRAINING_SAMPLES_PER_CELL, seed=cfg.seed, device=trainer.device,
+                           digits=cfg.passkey_key_digits())
     if dist.get_rank() == 0:
         write_results(result, cfg.output_dir)
         print(format_grid(result), flush=True)
@@ -160,11 +165,13 @@ def read_haystack(path: str) -> list[str]:
     return sentences
 
 
-def retrieval_row(task: str, tokenizer, length: int, depth: float, seed: int, index: int, filler) -> dict:
-    """Row ``index`` of the (length, depth) cell: labels only on the key's tokens (not the eos
-    after it, which a general model has no reason to predict)."""
+def retrieval_row(
+    task: str, tokenizer, length: int, depth: float, seed: int, index: int, filler, digits: int = PASSKEY_DIGITS
+) -> dict:
+    """Row ``index`` of the (length, depth) cell: labels only on the key's tokens (``digits``
+    digits; not the eos after it, which a general model has no reason to predict)."""
     rng = random.Random(f"eval_longctx:{task}:{seed}:{length}:{depth}:{index}")
-    row = passkey_example(rng, length, tokenizer, depth=depth, filler=filler, task=task, **TASKS[task])
+    row = passkey_example(rng, length, tokenizer, depth=depth, digits=digits, filler=filler, task=task, **TASKS[task])
     row["labels"][row["labels"] == tokenizer.eos_token_id] = IGNORE_INDEX
     return row
 
@@ -173,6 +180,7 @@ def retrieval_row(task: str, tokenizer, length: int, depth: float, seed: int, in
 def evaluate_grid(
     model, tokenizer, mesh, lengths: Sequence[int], depths: Sequence[float], num_samples: int, *,
     task: str = "passkey", seed: int = 0, filler=PASSKEY_FILLER, device: torch.device | str = "cpu",
+    digits: int = PASSKEY_DIGITS,
 ) -> dict:
     """Accuracy of ``model`` (built by ``llama_cp.build.build_model``: CP attention and the chunked
     loss) per (length, depth): ``{"task", "lengths", "depths", "num_samples", "accuracy":
@@ -189,7 +197,7 @@ def evaluate_grid(
             correct = torch.zeros((), dtype=torch.float64, device=device)
             # every dp rank runs the same number of forwards (FSDP collectives); extra rows are not counted
             for index in range(dp.get_local_rank(), -(-num_samples // dp.size()) * dp.size(), dp.size()):
-                row = retrieval_row(task, tokenizer, length, depth, seed, min(index, num_samples - 1), filler)
+                row = retrieval_row(task, tokenizer, length, depth, seed, min(index, num_samples - 1), filler, digits)
                 local = shard_batch({k: v[None] for k, v in row.items()}, mesh["cp"])
                 local = {k: v.to(device) for k, v in local.items()}
                 _, right = causal_lm_loss_sum(model, local, return_correct=True)
@@ -201,18 +209,22 @@ def evaluate_grid(
         accuracy.append(per_depth)
     model.train(was_training)
     cells = [value for per_depth in accuracy for value in per_depth]
-    return {"task": task, "lengths": list(lengths), "depths": list(depths), "num_samples": num_samples,
+    return {"task": task, "digits": digits, "lengths": list(lengths), "depths": list(depths), "num_samples": num_samples,
             "accuracy": accuracy, "overall": sum(cells) / len(cells)}
 
 
 def format_grid(result: dict) -> str:
     """The accuracy table as text: one line per length, one column per depth."""
     header = "length \\ depth " + " ".join(f"{depth:>5.2f}" for depth in result["depths"])
-    lines = [f"{result['task']} accuracy ({result['num_samples']} samples per cell), overall "
+    lines = [f"{result['task']} accuracy ({_key(result)}, {result['num_samples']} samples per cell), overall "
              f"{result['overall']:.2f}", header]
     for length, row in zip(result["lengths"], result["accuracy"]):
         lines.append(f"{length:>14} " + " ".join(f"{value:>5.2f}" for value in row))
     return "\n".join(lines)
+
+
+def _key(result: dict) -> str:
+    return f"{result['digits']}-digit keys"
 
 
 def write_results(result: dict, output_dir: str, name: str = "needle") -> None:
@@ -241,7 +253,7 @@ def plot_heatmap(result: dict, path: str) -> None:
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
     ax.set_xlabel("needle depth (fraction of the filler)")
     ax.set_ylabel("context length (tokens)")
-    ax.set_title(f"{result['task']}: accuracy, {result['num_samples']} samples per cell", fontsize=10)
+    ax.set_title(f"{result['task']}: accuracy, {_key(result)}, {result['num_samples']} samples per cell", fontsize=10)
     fig.colorbar(image, ax=ax, fraction=0.046)
     fig.tight_layout()
     directory, base = os.path.split(os.path.abspath(path))

@@ -33,11 +33,25 @@ def test_every_flag_is_unique_and_documented():
         (dict(cp=4, ulysses_degree=2), r"--ulysses_degree 2 is only read by --cp_strategy hybrid \(got 'ring'\)"),
         (dict(cp=4, cp_strategy="hybrid"), r"--cp_strategy hybrid needs --ulysses_degree, a divisor of --cp 4 .*got 0"),
         (dict(cp=4, cp_strategy="hybrid", ulysses_degree=3), r"a divisor of --cp 4 .*got 3"),
+        (dict(passkey_warmup=1), r"--passkey_warmup is a share of the steps in \[0, 1\), got 1"),
+        (dict(passkey_warmup=-0.5), r"--passkey_warmup must be >= 0.0, got -0.5"),
+        (dict(passkey_digits=-1), r"--passkey_digits must be >= 0, got -1"),
     ],
 )
 def test_bad_flags_are_clear_errors(flags, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig.from_flags(**flags)
+
+
+def test_passkey_digits_auto_is_one_for_the_embedded_model_only(tmp_path):
+    """Note [Passkey length warm-up]: the embedded model learns a one-digit key in the default job;
+    any other model gets the usual five digits unless told."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert TrainConfig.from_flags().passkey_key_digits() == 1
+    assert TrainConfig.from_flags(model_name=str(tmp_path)).passkey_key_digits() == 5
+    assert TrainConfig.from_flags(passkey_digits=3).passkey_key_digits() == 3
+    assert TrainConfig.from_flags(model_name=str(tmp_path), passkey_digits=1).passkey_key_digits() == 1
 
 
 @pytest.mark.parametrize("scheduler", ["cosine", "linear"])

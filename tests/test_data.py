@@ -225,6 +225,60 @@ def test_passkey_rows_are_deterministic_and_train_eval_disjoint(tokenizer):
         build_rows("passkey", tokenizer, 64, num_samples=1)
 
 
+@pytest.mark.parametrize("digits", [1, 2, 5])
+def test_passkey_keys_have_the_requested_digits(tokenizer, digits):
+    rows = passkey_rows(60, 256, tokenizer, seed=3, digits=digits)
+    keys = [tokenizer.decode(row["labels"][row["labels"] != IGNORE][:-1]) for row in rows]
+    assert all(key.isdigit() and len(key) == digits for key in keys), keys
+    assert len(set(keys)) >= min(10, 60 // 2) and (digits == 1 or not any(key.startswith("0") for key in keys))
+    if digits == 1:
+        assert "0" in keys  # one digit: 0..9, zero included
+    text = tokenizer.decode(rows[0]["input_ids"])
+    assert f"The pass key is {keys[0]}. Remember it. {keys[0]} is the pass key. " in text
+
+
+def documents_of(row):
+    """(start, end) of each packed document of a row, from its restarting position_ids."""
+    starts = (row["position_ids"] == 0).nonzero().flatten().tolist()
+    return list(zip(starts, starts[1:] + [len(row["position_ids"])]))
+
+
+def test_passkey_warmup_packs_shorter_documents_first(tokenizer):
+    """Note [Passkey length warm-up]: rows 0..11 of 1024 tokens hold 8, then 4, then 2 whole
+    passkey documents, each its own task (bos, needle, question, answer), rows 12.. one; the
+    last document of a row takes the row's remainder when the length does not divide."""
+    assert data.passkey_warmup_lengths(16, 1024, 12) == [128] * 32 + [256] * 16 + [512] * 8 + [1024] * 4
+    assert data.passkey_warmup_lengths(3, 1100, 3) == [137] * 7 + [141] + [275] * 4 + [550] * 2
+    assert data.passkey_warmup_lengths(4, 512, 4) == [128] * 8 + [256] * 4  # 512 / 8 = 64 holds no task
+    assert data.passkey_warmup_lengths(4, 200, 4) == [200] * 4  # no length holds the task: full rows
+    assert data.passkey_warmup_lengths(4, 1024, 0) == [1024] * 4
+    with pytest.raises(ValueError, match="warmup_rows must be in 0..4"):
+        data.passkey_warmup_lengths(4, 1024, 5)
+
+    rows = build_rows("passkey", tokenizer, 1024, cp=2, split="train", seed=5, num_samples=16,
+                      passkey_digits=1, passkey_warmup_rows=12)
+    assert len(rows) == 16
+    keys = []
+    for index, row in enumerate(rows):
+        spans = documents_of(row)
+        assert len(spans) == [8, 4, 2, 1][min(index // 4, 3)], index
+        for start, end in spans:
+            text = tokenizer.decode(row["input_ids"][start:end])
+            labels = row["labels"][start:end]
+            key = tokenizer.decode(labels[labels != IGNORE][:-1])
+            assert text.startswith("<|bos|>") and text.endswith(f"What is the pass key? The pass key is {key}<|eos|>")
+            assert f"The pass key is {key}. Remember it." in text and len(key) == 1
+            assert (labels != IGNORE).sum() == 2 and labels[-1] == IGNORE  # the digit and eos; nothing crosses
+            keys.append(key)
+    assert len(keys) == 8 * 4 + 4 * 4 + 2 * 4 + 4 and len(set(keys)) == 10
+    # eval rows and warm-up-free train rows are full-length documents, as before
+    evaluation = build_rows("passkey", tokenizer, 1024, split="eval", seed=5, num_samples=4, passkey_warmup_rows=3)
+    assert all(len(documents_of(row)) == 1 for row in evaluation)
+    plain = build_rows("passkey", tokenizer, 1024, split="train", seed=5, num_samples=4, passkey_digits=1)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in
+               zip(plain, passkey_rows(4, 1024, tokenizer, seed=5, digits=1), strict=True))
+
+
 # ----------------------------------------------------------------------------- local files
 
 

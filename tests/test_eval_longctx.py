@@ -43,6 +43,9 @@ def test_rows_train_only_the_key_at_the_depth(task, needle, question):
         where = text.index(needle.format(key=key))
         assert (where < 20) if depth == 0.0 else (where > 300)
     assert retrieval_row(task, tokenizer, 512, 0.5, 0, 1, ["x. "])["labels"].ne(-100).sum() == 5
+    one = retrieval_row(task, tokenizer, 512, 0.5, 0, 1, ["x. "], digits=1)  # the embedded default's key
+    key = tokenizer.decode(one["labels"][one["labels"] != -100])
+    assert len(key) == 1 and key.isdigit() and tokenizer.decode(one["input_ids"]).endswith(question + key + "<|eos|>")
 
 
 def test_haystack_file_gives_the_filler(tmp_path):
@@ -78,7 +81,7 @@ def test_eval_builds_logits_for_the_labelled_tokens_only(monkeypatch):
 
 
 def test_results_are_written_as_json_and_heatmap(tmp_path):
-    result = {"task": "passkey", "lengths": [256, 512], "depths": [0.0, 0.5, 1.0], "num_samples": 4,
+    result = {"task": "passkey", "digits": 5, "lengths": [256, 512], "depths": [0.0, 0.5, 1.0], "num_samples": 4,
               "accuracy": [[1.0, 0.75, 0.5], [0.25, 0.0, 1.0]], "overall": 3.5 / 6}
     write_results(result, str(tmp_path / "eval"))
     assert json.loads((tmp_path / "eval" / "needle.json").read_text()) == result
@@ -98,35 +101,34 @@ def run_eval(output_dir, *flags, nproc=1):
         return json.load(f), result.stdout
 
 
-#: A shortened default run: 128-token rows (the needle always at the same place), 8 per step.
-#: Measured (docs/recipe.md): held-out accuracy 0 at step 50, 1 at step 75.
-SHORT_RUN = ["--context_length", "128", "--batch_size", "8", "--max_steps", "100", "--lr", "1e-3",
-             "--lr_scheduler", "constant", "--warmup_steps", "50", "--num_passkey_samples", "800",
-             "--num_eval_samples", "16", "--log_every", "25", "--report_to", "none"]
+#: The default job (1024-token rows, one per step, 200 steps, the passkey warm-up and a one-digit
+#: key), with fewer log rows. Measured (docs/recipe.md): 1.00 held-out accuracy on 5 seeds; 68 s
+#: with one thread.
+DEFAULT_RUN = ["--num_eval_samples", "16", "--log_every", "25", "--report_to", "none"]
 
 
 @pytest.mark.slow
-def test_a_short_passkey_run_learns_and_the_eval_sees_it_under_cp(tmp_path):
-    """A shortened default run (128-token rows) learns the passkey answer: its held-out
-    accuracy goes from 0 (the untrained model) to above chance (a 5-digit key and eos: 1e-5),
-    printed as one line;
-    --eval_needle writes the trained model's grid, and the eval CLI on the exported final/
-    under torchrun --cp 2 gives the same grid."""
+def test_the_default_job_learns_retrieval_and_the_eval_sees_it_under_cp(tmp_path):
+    """The default job learns to retrieve the passkey from full 1024-token rows: its held-out
+    accuracy goes from 0 (the untrained model) to >= 0.9 (chance: 0.1, one digit and eos), printed
+    as one line; --eval_needle writes the trained model's grid (lengths 256 to 1024, every
+    depth), and the eval CLI on the exported final/ under torchrun --cp 2 gives the same row."""
     out = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "recipes.finetune_longctx", *SHORT_RUN, "--eval_needle", "--output_dir", str(out)],
+        [sys.executable, "-m", "recipes.finetune_longctx", *DEFAULT_RUN, "--eval_needle", "--output_dir", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    line = re.search(r"passkey accuracy on 16 held-out rows of 128 tokens: (\S+) before training -> (\S+) after",
+    line = re.search(r"passkey accuracy on 16 held-out rows of 1024 tokens: (\S+) before training -> (\S+) after",
                      result.stdout)
     assert line is not None, result.stdout[-3000:]
-    assert float(line[1]) == 0.0 and float(line[2]) >= 0.5, line[0]
+    assert float(line[1]) == 0.0 and float(line[2]) >= 0.9, line[0]
     with open(out / "needle.json") as f:
         trained = json.load(f)
-    assert trained["lengths"] == [128] and trained["num_samples"] == 4 and trained["overall"] >= 0.5, trained
+    assert trained["lengths"] == [256, 512, 1024] and trained["digits"] == 1 and trained["num_samples"] == 4
+    assert trained["overall"] >= 0.9, trained
     assert (out / "needle.png").exists()
-    cp2, stdout = run_eval(tmp_path / "cp2", "--model_name", str(out / "final"), "--lengths", "128",
-                           "--num_samples", "4", "--cp", "2", nproc=2)
-    assert cp2["accuracy"] == trained["accuracy"], (cp2, trained)
-    assert f"passkey accuracy (4 samples per cell), overall {trained['overall']:.2f}" in stdout
+    cp2, stdout = run_eval(tmp_path / "cp2", "--model_name", str(out / "final"), "--lengths", "1024",
+                           "--num_samples", "4", "--cp", "2", "--passkey_digits", "1", nproc=2)
+    assert cp2["accuracy"] == trained["accuracy"][-1:], (cp2, trained)
+    assert f"passkey accuracy (1-digit keys, 4 samples per cell), overall {cp2['overall']:.2f}" in stdout
