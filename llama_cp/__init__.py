@@ -2,7 +2,7 @@
 
 What a training loop of your own needs (README, "The building blocks"):
 
-- processes and the mesh: :func:`init_distributed`, :class:`ParallelDims`, :func:`launch`;
+- processes and the mesh: :func:`init_distributed`, :func:`end_distributed`, :class:`ParallelDims`, :func:`launch`;
 - the model: :func:`build_causal_lm`, :func:`parallelize_model` (all of the below from a
   :class:`TrainConfig`), or piece by piece :func:`apply_context_parallel`,
   :func:`enable_chunked_loss`, :func:`shard_model`, :func:`load_full_weights`;
@@ -22,7 +22,7 @@ from llama_cp.data import DistributedRowLoader, build_rows
 from llama_cp.fsdp_wrap import activation_offload, export_pretrained, gather_full_state_dict, load_full_weights, shard_model
 from llama_cp.launcher import launch
 from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss, linear_cross_entropy
-from llama_cp.mesh import ParallelDims, init_distributed
+from llama_cp.mesh import ParallelDims, end_distributed, init_distributed
 from llama_cp.models import build_causal_lm
 from llama_cp.optim import build_optimizer
 from llama_cp.sharding import shard_batch, unshard
@@ -44,6 +44,7 @@ __all__ = [
     "causal_lm_loss_sum",
     "count_valid_tokens",
     "enable_chunked_loss",
+    "end_distributed",
     "export_pretrained",
     "forward_backward",
     "gather_full_state_dict",

@@ -24,26 +24,10 @@ from collections.abc import Callable
 import fire
 
 from llama_cp.config import TrainConfig
+from llama_cp.mesh import end_distributed  # noqa: F401 - the recipes end with it
 
 #: Exceptions that come from the command's input and happen on every rank alike.
 INPUT_ERRORS = (ValueError, FileNotFoundError, KeyError, PermissionError)
-
-
-def end_distributed() -> None:
-    """The end of a command that finished: tear the default process group down, flush, and leave
-    at once (``os._exit(0)``), without the interpreter's finalization. The process groups live on
-    after ``destroy_process_group`` in the objects that hold them (device meshes, the model), and
-    were destroyed during finalization, with gloo work still holding tensors: twice in a full test
-    run a rank aborted there after a finished run ("terminate called without an active exception",
-    2 gloo ranks on a loaded 2-core CPU), and torchrun then reports the job as failed. Everything
-    the command writes is closed by then; only ``__main__`` calls this, never a caller's process."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_cli(main: Callable, usage: str, argv: list[str] | None = None, defaults: dict | None = None) -> None:
