@@ -24,7 +24,6 @@ from collections.abc import Callable
 import fire
 
 from llama_cp.config import TrainConfig
-from llama_cp.mesh import end_distributed  # noqa: F401 - the recipes end with it
 
 #: Exceptions that come from the command's input and happen on every rank alike.
 INPUT_ERRORS = (ValueError, FileNotFoundError, KeyError, PermissionError)

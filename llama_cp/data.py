@@ -640,7 +640,7 @@ def _passkey_rng(seed: int, index: int) -> random.Random:
     return random.Random(f"passkey:{seed}:{index}")
 
 
-def _draw_passkey(rng: random.Random, digits: int = 5) -> tuple[int, float]:
+def _draw_passkey(rng: random.Random, digits: int = PASSKEY_DIGITS) -> tuple[int, float]:
     """(key of ``digits`` digits, depth in [0, 1)); one digit is 0..9, more never start with 0."""
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1), rng.random()
 

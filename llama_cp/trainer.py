@@ -240,8 +240,8 @@ class Trainer:
                 common = dict(tokenizer=self.tokenizer, context_length=d.context_length, cp=dims.cp, seed=cfg.seed,
                               passkey_digits=cfg.passkey_key_digits())
                 # Note [Passkey length warm-up]: a share of the rows the run will read
-                per_step = d.batch_size * dp_size * cfg.optim.gradient_accumulation_steps
-                read = min(d.num_passkey_samples, cfg.max_steps * per_step) if cfg.max_steps else d.num_passkey_samples
+                rows_per_step = d.batch_size * dp_size * cfg.optim.gradient_accumulation_steps
+                read = min(d.num_passkey_samples, cfg.max_steps * rows_per_step) if cfg.max_steps else d.num_passkey_samples
                 if d.document_mask and passkey_warmup_stages(d.context_length):
                     warmup_rows = round(d.passkey_warmup * read)
                 train_rows = build_rows(d.dataset, split="train", num_samples=d.num_passkey_samples,

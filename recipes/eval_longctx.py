@@ -25,10 +25,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from llama_cp.cli import end_distributed, run_cli
+from llama_cp.cli import run_cli
 from llama_cp.data import PASSKEY_DIGITS, PASSKEY_FILLER, passkey_example
 from llama_cp.loss import IGNORE_INDEX, causal_lm_loss_sum
-from llama_cp.mesh import submesh
+from llama_cp.mesh import end_distributed, submesh
 from llama_cp.run_dir import write_atomically
 from llama_cp.sharding import check_context_length, shard_batch
 

@@ -8,8 +8,9 @@
 Flags: ``--help``, the README, or ``llama_cp/config.py`` (one flag per config field).
 """
 
-from llama_cp.cli import end_distributed, run_cli
+from llama_cp.cli import run_cli
 from llama_cp.config import TrainConfig
+from llama_cp.mesh import end_distributed
 from llama_cp.trainer import Trainer
 
 
