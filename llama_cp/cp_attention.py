@@ -143,6 +143,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from llama_cp import kernels
+from llama_cp.collectives import all_gather_into, reduce_scatter_into, warm_up_group
 from llama_cp.documents import (
     DocumentLayout, Piece, document_starts, pieces_attention, pieces_backward, pieces_forward, tiles,
 )
@@ -557,7 +558,7 @@ def gather_rows(kv: torch.Tensor, group: dist.ProcessGroup, documents: DocumentL
     cp = dist.get_world_size(group)
     gathered = kv.new_empty((cp * kv.shape[0], *kv.shape[1:]))
     _count("allgather K/V", kv.numel() * kv.element_size() * (cp - 1))
-    dist.all_gather_single(gathered, kv.contiguous(), group=group)
+    all_gather_into(gathered, kv.contiguous(), group)
     gathered = gathered.unflatten(0, (cp, -1)).movedim(0, 3).flatten(3, 4)  # (2, B, Hkv, L, D), rank after rank
     return gathered.index_select(3, documents.row_order(kv.device))
 
@@ -570,7 +571,7 @@ def scatter_rows(dkv: torch.Tensor, group: dist.ProcessGroup, documents: Documen
     send = by_rank.unflatten(3, (cp, -1)).movedim(3, 0).contiguous()  # (cp, 2, B, Hkv, S/cp, D)
     local = dkv.new_empty(send.shape[1:])
     _count("allgather dK/dV", send.numel() * send.element_size() * (cp - 1) / cp)
-    dist.reduce_scatter_single(local, send.flatten(0, 1), group=group)
+    reduce_scatter_into(local, send.flatten(0, 1), group)
     return local
 
 
@@ -660,6 +661,8 @@ def hybrid_groups(group: dist.ProcessGroup, ulysses_degree: int) -> tuple[dist.P
                 new = dist.new_group(list(members))
                 if me in members:
                     found[kind] = new
+        for new in found.values():  # every group made, each before its first ring transfer
+            warm_up_group(new)
         _HYBRID_GROUPS[key] = (found["inner"], found["outer"])
     return _HYBRID_GROUPS[key]
 

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from llama_cp.collectives import warm_up_group
+
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
 
 #: The sub-meshes ``build_mesh`` keeps on the mesh (see :func:`submesh`).
@@ -104,6 +106,8 @@ class ParallelDims:
         with warnings.catch_warnings():  # slicing them once here is what torch's warning asks for
             warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
             mesh._llama_cp_kept = {key: mesh[key] for key in KEPT_MESHES}
+        for dim in (*MESH_DIMS, "dp_shard_cp", "dp"):  # Note [Warming up a group] in llama_cp/collectives.py
+            warm_up_group(submesh(mesh, dim).get_group())
         return mesh
 
 

@@ -16,6 +16,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_harness import Checks
 from document_checks import (
@@ -23,7 +24,7 @@ from document_checks import (
     reference_forward, shard_bytes, shard_randomly, sparse_batch,
 )
 from fsdp_checks import tiny_model
-from llama_cp import apply_context_parallel, shard_batch, unshard
+from llama_cp import apply_context_parallel, cp_attention, shard_batch, unshard
 
 WORLD_SIZE = 4
 checks = Checks()
@@ -194,6 +195,50 @@ def wire_bytes_match_the_formulas_cp4():
     sent, *_ = one_step_wire_bytes("allgather", mesh_for(cp, WORLD_SIZE), dtype, data)
     assert sent == collections.Counter({"allgather K/V": 2 * layers * (cp - 1) * kv,
                                         "allgather dK/dV": layers * (cp - 1) * kv})
+
+
+
+@checks.add
+def allgather_cp4_on_the_floor_torch_names_float64():
+    """torch 2.10-2.12 have no all_gather_single / reduce_scatter_single (Note [Collective names
+    across torch versions]): with them taken away, all-gather is still exact."""
+    taken = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single") if hasattr(dist, name)}
+    for name in taken:
+        delattr(dist, name)
+    try:
+        check_documents("allgather", mesh_for(4, WORLD_SIZE), False, torch.float64)
+    finally:
+        for name, fn in taken.items():
+            setattr(dist, name, fn)
+
+
+@checks.add
+def groups_run_a_collective_before_partial_p2p():
+    """Every group the ring's batched P2P uses has had an all-reduce of all of its ranks first
+    (Note [Warming up a group]): fresh meshes and hybrid groups, sparse rows where some ranks
+    post no transfer at some steps."""
+    warmed, unwarmed = set(), []
+    all_reduce, batch_isend_irecv = dist.all_reduce, dist.batch_isend_irecv
+
+    def recording_all_reduce(tensor, *args, group=None, **kwargs):
+        warmed.add(dist.group.WORLD.group_name if group is None else group.group_name)
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    def checking_batch(ops):
+        unwarmed.extend(op.group.group_name for op in ops if op.group.group_name not in warmed)
+        return batch_isend_irecv(ops)
+
+    dist.all_reduce, dist.batch_isend_irecv = recording_all_reduce, checking_batch
+    cached = dict(cp_attention._HYBRID_GROUPS)
+    cp_attention._HYBRID_GROUPS.clear()  # made anew below, under the recording
+    try:
+        check_documents("ring", mesh_for(4, WORLD_SIZE), False, torch.float64, data=sparse_batch())
+        check_documents("hybrid", mesh_for(4, WORLD_SIZE), False, torch.float64, data=sparse_batch(),
+                        ulysses_degree=2)
+    finally:
+        dist.all_reduce, dist.batch_isend_irecv = all_reduce, batch_isend_irecv
+        cp_attention._HYBRID_GROUPS.update(cached)
+    assert not unwarmed, f"batched P2P on groups with no collective before: {sorted(set(unwarmed))}"
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)
