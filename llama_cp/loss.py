@@ -67,6 +67,54 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTr
     return tanh * transform.softcap, tanh
 
 
+# Note [The lm_head gradient's GEMM]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The weight gradient of the head, sum over chunks of grad_logits^T (V, n) @ hidden (n, d), is
+# 2 x V x d FLOPs per token: for Llama 3 8B (V 128256, d 4096) 1.05 GFLOP per token, a fifth of
+# a full fine-tuning step at 8K tokens. Its operands are the chunk's fp32 logit gradient and
+# the bf16 hidden states. As an fp32 GEMM (SGEMM, no TF32: nothing here enables it) an H100
+# does it at ~50-60 TFLOP/s, against ~990 for bf16 tensor cores. So in bf16/fp16 the GEMM takes
+# the operands in the compute dtype (the logit gradient rounded to it once, as it already is
+# for the hidden states' gradient) and writes fp32: ``torch.mm(a, b, out_dtype=torch.float32)``,
+# the tensor cores accumulating in fp32 (aten/src/ATen/native/cuda/Blas.cpp, _mm_dtype_out_cuda:
+# fp16/bf16 inputs, fp32 out; in torch since 2.8, and its meta registration in 2.10 and 2.13, so
+# the planner's fake tensors run it). The sum over chunks stays in the fp32 gradient buffer.
+# torch.mm with out_dtype writes a new tensor; an in-place form (addmm/baddbmm with out_dtype and
+# out=) is not usable on every admitted torch (addmm.dtype_out wants `self` in the inputs' dtype
+# in the Blas.cpp read; their meta registrations fail on 2.10 and 2.13), so the vocabulary is
+# walked in slices whose fp32 product is at most one chunk of fp32 logits (n x V x 4 bytes),
+# which the backward holds already. Only CUDA has the out_dtype kernel (torch's CPU build has
+# none: "Could not run 'aten::mm.dtype' with arguments from the 'CPU' backend"), so on CPU the
+# fp32 GEMM stays, and fp32/fp64 models are one in-place fp32/fp64 addmm as before.
+
+
+def mm_to_accumulation_dtype(weight: torch.Tensor) -> bool:
+    """Whether the head's weight gradient is a compute-dtype GEMM with an fp32 result (Note [The
+    lm_head gradient's GEMM]): half-precision weights on CUDA, and the planner's fake tensors,
+    which plan the GPU's run."""
+    return weight.dtype in (torch.bfloat16, torch.float16) and (weight.device.type == "cuda" or is_fake(weight))
+
+
+def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """grad_weight (V, d) += grad_logits.T (V, n) @ hidden (n, d). Operands of grad_weight's dtype:
+    one in-place GEMM; half-precision operands: compute-dtype GEMMs written in grad_weight's dtype,
+    one vocabulary slice at a time (Note [The lm_head gradient's GEMM])."""
+    if grad_logits.dtype == grad_weight.dtype:
+        grad_weight.addmm_(grad_logits.t(), hidden.to(grad_weight.dtype))
+        return
+    vocab, dim = grad_weight.shape
+    step = max(1, hidden.shape[0] * vocab // dim)  # slice's (step, d) product <= the chunk's (n, V) logits
+    for start in range(0, vocab, step):
+        grad_weight[start : start + step] += mm_out_dtype(grad_logits[:, start : start + step].t(), hidden,
+                                                          grad_weight.dtype)
+
+
+def mm_out_dtype(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b from half-precision operands, accumulated and written in ``dtype`` (CUDA; meta and
+    fake tensors): torch.mm's out_dtype."""
+    return torch.mm(a, b, out_dtype=dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, transform, return_correct):
@@ -111,10 +159,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if tanh is not None:  # d softcap * tanh(x / softcap) / dx = 1 - tanh^2
                 grad_logits *= tanh.square_().neg_().add_(1)
             grad_logits *= (valid * grad_total * transform.scale)[:, None]
+            low = grad_logits.to(weight.dtype)  # the GEMMs' operand: grad_logits itself for fp32/fp64
             if grad_hidden is not None:
-                grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_hidden[rows] = (low @ weight).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t(), hidden[rows].to(acc))
+                accumulate_weight_grad(grad_weight, low if mm_to_accumulation_dtype(weight) else grad_logits,
+                                       hidden[rows])
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None

@@ -78,3 +78,67 @@ def test_peak_memory_is_bounded_by_the_chunk_not_the_sequence():
 def test_bad_chunk_size():
     with pytest.raises(ValueError, match="chunk_size"):
         linear_cross_entropy(torch.zeros(2, 2), torch.zeros(3, 2), torch.zeros(2, dtype=torch.long), chunk_size=0)
+
+
+def _bf16_head(vocab=100, dim=64, tokens=40, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, dim, generator=g).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(vocab, dim, generator=g) / dim**0.5).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    labels[:5] = -100
+    return hidden, weight, labels
+
+
+def test_bf16_weight_gradient_gemm_takes_bf16_operands():
+    """Note [The lm_head gradient's GEMM]: under the planner's fake tensors (the GPU's path) every
+    matmul of the backward takes bf16 operands; the weight gradient's are written in fp32 and
+    cover every vocabulary row."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    matmuls = []
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+                operands = [a for a in args if isinstance(a, torch.Tensor)][-2:]
+                matmuls.append(([t.dtype for t in operands], out.dtype, tuple(out.shape)))
+            return out
+
+    with FakeTensorMode():
+        hidden, weight, labels = _bf16_head()
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_size=8)
+        with Matmuls():
+            grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
+    assert grad_weight.dtype == torch.bfloat16 and matmuls
+    assert all(dtypes == [torch.bfloat16] * 2 for dtypes, _, _ in matmuls), matmuls
+    weight_rows = sum(shape[0] for _, dtype, shape in matmuls if dtype == torch.float32 and shape[1] == 64)
+    assert weight_rows == 3 * 100, matmuls  # the planner runs 3 of the 5 chunks (Note [Planning tiles]), each all rows
+
+
+def test_bf16_weight_gradient_in_vocabulary_slices_is_exact(monkeypatch):
+    """The sliced compute-dtype path (CUDA's) with an exact CPU stand-in of torch.mm(out_dtype=fp32):
+    the weight gradient equals the fp32 GEMM of the bf16-rounded logit gradient, and stays
+    within bf16 rounding of the fp32 path CPU runs."""
+    from llama_cp import loss as loss_module
+
+    hidden, weight, labels = _bf16_head()
+    cpu_path = torch.autograd.grad(linear_cross_entropy(hidden, weight, labels, chunk_size=8), weight)[0]
+    slices = []
+
+    def stand_in(a, b, dtype):  # bf16 values are exact in fp32; the sum is fp32, as on the tensor cores
+        slices.append(a.shape[0])
+        return a.to(dtype) @ b.to(dtype)
+
+    monkeypatch.setattr(loss_module, "mm_to_accumulation_dtype", lambda weight: True)
+    monkeypatch.setattr(loss_module, "mm_out_dtype", stand_in)
+    gpu_path = torch.autograd.grad(linear_cross_entropy(hidden, weight, labels, chunk_size=8), weight)[0]
+    assert len(slices) > 5 and sum(slices) == 5 * 100  # several slices per chunk, every row once
+    h, w = hidden.detach().double(), weight.detach().double()
+    probs = torch.softmax(h @ w.t(), dim=-1)
+    probs[torch.arange(40), labels.clamp(min=0)] -= 1
+    probs[labels == -100] = 0
+    want = probs.t() @ h
+    torch.testing.assert_close(gpu_path.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(gpu_path, cpu_path, atol=2e-2, rtol=2e-2)
