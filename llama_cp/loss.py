@@ -81,11 +81,13 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTr
 # the planner's fake tensors run it). The sum over chunks stays in the fp32 gradient buffer.
 # torch.mm with out_dtype writes a new tensor; an in-place form (addmm/baddbmm with out_dtype and
 # out=) is not usable on every admitted torch (addmm.dtype_out wants `self` in the inputs' dtype
-# in the Blas.cpp read; their meta registrations fail on 2.10 and 2.13), so the vocabulary is
-# walked in slices whose fp32 product is at most one chunk of fp32 logits (n x V x 4 bytes),
-# which the backward holds already. Only CUDA has the out_dtype kernel (torch's CPU build has
-# none: "Could not run 'aten::mm.dtype' with arguments from the 'CPU' backend"), so on CPU the
-# fp32 GEMM stays, and fp32/fp64 models are one in-place fp32/fp64 addmm as before.
+# in the Blas.cpp read, pytorch 960a6846; baddbmm.dtype and, on 2.10, addmm.dtype fail in their
+# meta registrations), so the vocabulary is walked in slices whose fp32 product is at most one chunk of fp32 logits (n x V x 4 bytes),
+# made after the chunk's fp32 logit gradient is freed, so the backward's peak does not grow
+# (the planner's baselines, tests/memory/baselines.json, are unchanged by it). Only CUDA has the
+# out_dtype kernel (torch's CPU build has none: "Could not run 'aten::mm.dtype' with arguments
+# from the 'CPU' backend"), so on CPU the fp32 GEMM stays, and fp32/fp64 models are one in-place
+# fp32/fp64 addmm as before.
 
 
 def mm_to_accumulation_dtype(weight: torch.Tensor) -> bool:
@@ -162,9 +164,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             low = grad_logits.to(weight.dtype)  # the GEMMs' operand: grad_logits itself for fp32/fp64
             if grad_hidden is not None:
                 grad_hidden[rows] = (low @ weight).to(hidden.dtype)
-            if grad_weight is not None:
-                accumulate_weight_grad(grad_weight, low if mm_to_accumulation_dtype(weight) else grad_logits,
-                                       hidden[rows])
+            if grad_weight is not None and mm_to_accumulation_dtype(weight):
+                del grad_logits, tanh  # done with: the slices' fp32 products take its place
+                accumulate_weight_grad(grad_weight, low, hidden[rows])
+            elif grad_weight is not None:
+                accumulate_weight_grad(grad_weight, grad_logits, hidden[rows])
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None

@@ -74,11 +74,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+# Note [AdamW's implementation, pinned]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.optim.AdamW picks its implementation from the parameters when none is asked for
+# (torch/optim/optimizer.py, _default_to_fused_or_foreach, 2.10 and 2.13): foreach when every
+# parameter is of a foreach-supported type (DTensor is one) on a device with foreach kernels
+# (CUDA), else the single-tensor loop. The planner runs the step on fake CPU tensors, where the
+# default is the single-tensor loop, whose temporaries are one parameter's; the GPU run is
+# foreach, whose _foreach_sqrt(exp_avg_sq) is a new fp32 tensor for every parameter of the
+# rank at once (torch/optim/adamw.py / adam.py, _multi_tensor_adam): 4 bytes per trainable
+# parameter per rank at the optimizer's peak, a quarter of params + grads + state for a full
+# fine-tune, that a plan made with the default would not show. So the implementation is pinned,
+# foreach=True on every device: the trainer, the planner's fake step and the CPU tests all run
+# the GPU's arithmetic and allocations (torch's CPU foreach ops loop over the tensors, at the
+# single-tensor loop's speed). fused=True would allocate none of it, but its DTensor and CPU
+# support across the admitted torch versions is not something this suite exercises.
+
+
 def build_optimizer(name: str, params, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """``adamw`` (torch) or ``adamw8bit`` (bitsandbytes, on local shards)."""
     params = [p for p in params if p.requires_grad]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":  # foreach, pinned: Note [AdamW's implementation, pinned]
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
     if name == "adamw8bit":
         try:
             import bitsandbytes as bnb
