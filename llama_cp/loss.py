@@ -82,8 +82,9 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTr
 # torch.mm with out_dtype writes a new tensor; an in-place form (addmm/baddbmm with out_dtype and
 # out=) is not usable on every admitted torch (addmm.dtype_out wants `self` in the inputs' dtype
 # in the Blas.cpp read, pytorch 960a6846; baddbmm.dtype and, on 2.10, addmm.dtype fail in their
-# meta registrations), so the vocabulary is walked in slices whose fp32 product is at most one chunk of fp32 logits (n x V x 4 bytes),
-# made after the chunk's fp32 logit gradient is freed, so the backward's peak does not grow
+# meta registrations), so the vocabulary is walked in slices whose fp32 product is at most one
+# chunk of fp32 logits (n x V x 4 bytes), made after the chunk's fp32 logit gradient is freed,
+# so the backward's peak does not grow
 # (the planner's baselines, tests/memory/baselines.json, are unchanged by it). Only CUDA has the
 # out_dtype kernel (torch's CPU build has none: "Could not run 'aten::mm.dtype' with arguments
 # from the 'CPU' backend"), so on CPU the fp32 GEMM stays, and fp32/fp64 models are one in-place
