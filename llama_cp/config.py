@@ -209,7 +209,7 @@ class TrainConfig:
     report_to: tuple[str, ...] = ("tensorboard",)
     """Also send the metrics rows to: tensorboard (output_dir/tensorboard), wandb (when installed), or none."""
     peak_tflops: float = 0.0
-    """Peak dense bf16 TFLOP/s of one GPU, the denominator of the mfu metric; 0 = from the GPU's name (A100, H100, H200, B200); on CPU or another GPU no mfu is reported unless set."""
+    """Peak dense bf16 TFLOP/s of one GPU, the denominator of the mfu metric; 0 = looked up by the GPU's exact name (llama_cp.flops.PEAK_BF16_FLOPS); on CPU or an unlisted GPU no mfu is reported unless set."""
     max_nonfinite_steps: int = 3
     """A step whose loss or gradient norm is NaN/inf is skipped (no update); stop after this many in a row."""
     collective_timeout: float = 600.0

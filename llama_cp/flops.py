@@ -71,19 +71,52 @@ import torch
 
 from llama_cp.families import layer_windows
 
-#: Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s by a substring of
-#: ``torch.cuda.get_device_name()``, first match wins, from NVIDIA's datasheets: A100 (SXM
-#: and PCIe) 312 T; H100 SXM 989 T, H100 NVL 835 T, H100 PCIe 756 T (the datasheet's
-#: "1979 / 1671 / 1513 with sparsity", halved); H200 (SXM) 989 T; B200 2.25 P (HGX B200 at
-#: 1000 W, "4.5 PFLOPS with sparsity" halved; GB200 parts are faster, set --peak_tflops).
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("A100", 312e12),
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("B200", 2250e12),
-)
+#: Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per GPU by the exact name
+#: ``torch.cuda.get_device_name()`` reports; a name not here gets no MFU (--peak_tflops sets one).
+#: Exact, not by a part of the name: an "H200 NVL" (835 T) is not an "H200" (989 T), and a new
+#: part's name containing an old one's must not inherit its peak. NVIDIA's datasheets give the
+#: tensor-core rates "with sparsity"; the dense rate is half:
+#:
+#:   A100 SXM4 and PCIe, 40 and 80 GB   312 T   (624 with sparsity)
+#:   H100 SXM                           989 T   (1979)      H100 PCIe   756 T (1513)
+#:   H100 NVL                           835 T   (1671)
+#:   H200 SXM                           989 T   (1979)      H200 NVL    835 T (1671)
+#:   H800 SXM                           989 T   (1979)      H800 PCIe   756 T (1513)
+#:   H20                                148 T   (its spec sheet's BF16 figure, dense)
+#:   B200 (HGX B200, 1000 W)           2250 T   ("4.5 PFLOPS", 36 per 8-GPU board)
+#:   GB200 (GB200 NVL72)               2500 T   ("5 PFLOPS", 360 per 72 GPUs)
+#:   L40S                               362 T   (733)
+#:   GeForce RTX 4090                   165.2 T (330.4): the Ada whitepaper's "BF16 Tensor TFLOPS
+#:                                      with FP32 accumulate", the accumulation training uses; its
+#:                                      330 / 660 are FP16 with FP16 accumulate, dense / sparse
+#:
+#: The names, as far as public code and issues could confirm them: torch's own output (a
+#: torch warning, code comparing torch.cuda.get_device_name or get_device_properties().name
+#: with it) for "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA H800 PCIe" and
+#: "NVIDIA H20"; test fixtures that imitate torch's device properties for "NVIDIA H800" and
+#: "NVIDIA GB200"; torch's inductor table keyed by get_device_name for "NVIDIA B200". Not
+#: confirmed from torch itself, only as the same driver name in nvidia-smi output and GPU
+#: catalogues: "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe",
+#: "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA L40S",
+#: "NVIDIA GeForce RTX 4090".
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,  # H200 SXM
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA H800": 989e12,  # H800 SXM
+    "NVIDIA H800 PCIe": 756e12,
+    "NVIDIA H20": 148e12,
+    "NVIDIA B200": 2250e12,
+    "NVIDIA GB200": 2500e12,
+    "NVIDIA L40S": 362e12,
+    "NVIDIA GeForce RTX 4090": 165.2e12,
+}
 
 #: Per-layer linear layers of the Llama family: name -> (in features, out features) of a config.
 _LAYER_LINEARS = {
@@ -205,11 +238,10 @@ def attention_pairs(position_ids: torch.Tensor, document_mask: bool = True, wind
 
 
 def peak_flops(device_name: str | None) -> float | None:
-    """Dense bf16 peak FLOP/s of the device called ``device_name`` (``PEAK_BF16_FLOPS``);
-    None for a device not in the table or none (CPU)."""
-    if device_name is None:
-        return None
-    return next((peak for key, peak in PEAK_BF16_FLOPS if key in device_name), None)
+    """Dense bf16 peak FLOP/s of the device called exactly ``device_name``
+    (``torch.cuda.get_device_name()``, looked up in ``PEAK_BF16_FLOPS``); None for a name not in
+    the table, or no device (CPU)."""
+    return None if device_name is None else PEAK_BF16_FLOPS.get(device_name)
 
 
 def throughput(*, tokens: int, flops: float, seconds: float, world_size: int, peak: float | None) -> dict[str, float]:

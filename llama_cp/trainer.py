@@ -216,6 +216,9 @@ class Trainer:
                                  lora_targets=p.lora_target_modules)
         device_name = torch.cuda.get_device_name(self.device) if self.device_type == "cuda" else None
         self.peak_flops = self.cfg.peak_tflops * 1e12 or peak_flops(device_name)
+        if device_name is not None and self.peak_flops is None:  # names match exactly: say why no mfu, once
+            self._say(f"no MFU is reported: {device_name!r} is not in llama_cp.flops.PEAK_BF16_FLOPS; pass "
+                      "--peak_tflops (its dense bf16 TFLOP/s) for one")
         self._run_totals = []  # (seconds, tokens, model FLOPs) of each step of this run: the summary
 
     def _build_optimizer(self) -> torch.optim.Optimizer:

@@ -93,13 +93,44 @@ def test_packed_documents_count_the_pairs_attention_computes():
 
 
 @pytest.mark.parametrize("name, peak", [
-    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
+    ("NVIDIA A100-SXM4-40GB", 312e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100-PCIE-40GB", 312e12),
+    ("NVIDIA A100 80GB PCIe", 312e12),
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA H100 PCIe", 756e12),
-    ("NVIDIA H200", 989e12), ("NVIDIA B200", 2250e12),
-    ("Tesla V100-SXM2-16GB", None), (None, None),
+    ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12),  # not the SXM part's 989, whose name it contains
+    ("NVIDIA H800", 989e12), ("NVIDIA H800 PCIe", 756e12), ("NVIDIA H20", 148e12),
+    ("NVIDIA B200", 2250e12), ("NVIDIA GB200", 2500e12), ("NVIDIA L40S", 362e12),
+    ("NVIDIA GeForce RTX 4090", 165.2e12),
+    # not in the table: no guess from a part of the name (a MIG slice has a fraction of the peak)
+    ("Tesla V100-SXM2-16GB", None), ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None), ("NVIDIA H100", None),
+    ("H200", None), ("nvidia h200", None), (None, None),
 ])
-def test_peak_flops_by_device_name(name, peak):
+def test_peak_flops_by_exact_device_name(name, peak):
     assert peak_flops(name) == peak
+
+
+def test_an_unlisted_gpu_is_told_once_how_to_get_an_mfu(monkeypatch):
+    """The trainer on a GPU the table does not name: no mfu, and one line on rank 0 saying so and
+    naming --peak_tflops; a listed GPU, or --peak_tflops, gets its peak and no line."""
+    from types import SimpleNamespace
+
+    from llama_cp.config import TrainConfig
+    from llama_cp.trainer import Trainer
+
+    def start(device_name: str, **flags):
+        said = []
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
+        model = LlamaForCausalLM(embedded_llama_config(num_hidden_layers=1))
+        trainer = SimpleNamespace(cfg=TrainConfig.from_flags(**flags), model=model, device_type="cuda",
+                                  device=torch.device("cuda", 0), _say=said.append)
+        Trainer._start_flops_count(trainer)
+        return trainer.peak_flops, said
+
+    peak, said = start("NVIDIA RTX PRO 6000 Blackwell Server Edition")
+    assert peak is None and said == [
+        "no MFU is reported: 'NVIDIA RTX PRO 6000 Blackwell Server Edition' is not in "
+        "llama_cp.flops.PEAK_BF16_FLOPS; pass --peak_tflops (its dense bf16 TFLOP/s) for one"]
+    assert start("NVIDIA H200 NVL") == (835e12, [])
+    assert start("NVIDIA RTX PRO 6000 Blackwell Server Edition", peak_tflops=500.0) == (500e12, [])
 
 
 def test_throughput_figures():

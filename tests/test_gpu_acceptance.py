@@ -5,12 +5,33 @@ import json
 import os
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 import pytest
+import torch
+import transformers
+
+from llama_cp.quantize import installed_qlora_refusal
+from probes import bnb_cpu_optimizer_problem
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
+STRATEGIES = ("ring", "ulysses", "allgather", "hybrid")
+#: Every check of part 1: each strategy on a Llama (one document and packed), on a Mistral with a
+#: sliding window and on a Gemma 2 with soft-capped attention; QLoRA; adamw8bit.
+CHECKS = [
+    *(f"exact/llama/{strategy}/{documents}" for documents in ("one", "packed") for strategy in STRATEGIES),
+    *(f"exact/{case}/{strategy}/one" for case in ("mistral_window", "gemma2_softcap") for strategy in STRATEGIES),
+    "qlora", "adamw8bit",
+]
 
 pytestmark = pytest.mark.slow  # one group of 2 processes and a few memory plans: tens of seconds
+
+
+def _installed(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def test_dry_run_writes_the_json_and_the_table(tmp_path):
@@ -21,15 +42,42 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     with open(tmp_path / "gpu_acceptance.json") as f:
         report = json.load(f)
-    assert report["dry_run"] is True and report["gpus"] == 2
-    # 1. ring and Ulysses, one document and packed, all exact within transformers' own bf16 error
-    exact = report["exactness"]
-    assert [(e["strategy"], e["documents"]) for e in exact] == [
-        ("ring", "one"), ("ring", "packed"), ("ulysses", "one"), ("ulysses", "packed")]
-    for e in exact:
-        assert e["pass"] is True and e["cp"] == 2, e
+    env = report["environment"]
+    assert report["dry_run"] is True and env["gpus"] == 2 and env["device"] == "cpu (--dry_run)", env
+    assert (env["torch"], env["transformers"]) == (torch.__version__, transformers.__version__), env
+    assert env["bitsandbytes"] == _installed("bitsandbytes") and env["flash_attn"] == _installed("flash-attn"), env
+    assert env["attention_backends"] == ["math", "sdpa_cpu"], env  # CPU: torch's CPU kernel, llama-cp's dense one
+
+    # 1. every check present, each passing where this machine can run it
+    checks = report["checks"]
+    assert list(checks) == CHECKS, checks
+    unrunnable = {"qlora": installed_qlora_refusal(), "adamw8bit": bnb_cpu_optimizer_problem()}
+    for name, verdict in checks.items():
+        assert verdict == "pass" or (unrunnable.get(name) and verdict.startswith("error: ")), (name, verdict)
+    exact = {e["check"]: e for e in report["exactness"]}
+    assert list(exact) == CHECKS[:-2]
+    for name, e in exact.items():
+        assert e["pass"] is True and e["cp"] == 2 and e["tokens"] == 64, e
         assert set(e["llama_cp_bf16_error"]) == set(e["transformers_bf16_error"]) == {"loss", "logits", "gradients"}
         assert 0 < e["transformers_bf16_error"]["logits"] < 0.05, e  # bf16 is not fp32, and not far off
+        assert e["ulysses_degree"] == (1 if e["strategy"] == "hybrid" else None), e  # N = 2 is prime
+        if e["case"] == "llama":
+            assert e["feature_effect"] is None and e["attention_backend"] == "sdpa_cpu", e
+            assert e["attention_ops"] == ["aten::_scaled_dot_product_flash_attention_for_cpu"], e
+        else:  # the window or the cap moves the logits by far more than bf16 rounding
+            assert e["feature_effect"] > 0.1 > 4 * e["transformers_bf16_error"]["logits"], e
+    # every soft-capped score goes through llama-cp's exact dense kernel on CPU: no attention op
+    assert {exact[f"exact/gemma2_softcap/{s}/one"]["attention_backend"] for s in STRATEGIES} == {"math"}
+    if checks["qlora"] == "pass":
+        q = report["qlora"]
+        assert q["nf4_codes_identical"] is True and q["nf4_layers"] == 2 * 7 and q["cp"] == 2, q
+        assert 0 < q["llama_cp_bf16_error"]["lora_gradients"] <= 2 * q["transformers_bf16_error"]["lora_gradients"]
+    if checks["adamw8bit"] == "pass":
+        a = report["adamw8bit"]
+        assert a["finite"] is True and a["steps"] == 3 and a["state_8bit_share"] > 0.99, a
+        assert a["update_error_vs_one_process"] < a["yardstick_8bit_vs_fp32_adamw"] / 10, a
+        assert a["losses"] == pytest.approx(a["one_process_losses"], rel=1e-5), a
+
     # 2. every lever planned and measured
     levers = [m["lever"] for m in report["memory"]]
     assert levers == ["none", "activation_checkpointing", "+ offload_checkpoints", "+ tiled mlp, norms", "lora"]
@@ -52,6 +100,31 @@ def test_dry_run_writes_the_json_and_the_table(tmp_path):
                                           "256": False}
     with open(tmp_path / "gpu_acceptance.md") as f:
         table = f.read()
-    for heading in ("## 1. Exactness", "## 2. Per-step peak memory", "## 3. Speed", "## 4. Longest context"):
+    for heading in ("## 1. Exactness", "QLoRA (NF4", "adamw8bit (fp32", "## 2. Per-step peak memory", "## 3. Speed",
+                    "## 4. Longest context"):
         assert heading in table
-    assert "| ring | packed | 2 |" in table and "192 tokens run, 200 do not." in table
+    passing = sum(verdict == "pass" for verdict in checks.values())
+    assert f"Checks: {passing} of {len(CHECKS)} pass" in table
+    assert "| llama | ring | packed | 2 | sdpa_cpu |" in table and "192 tokens run, 200 do not." in table
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_shapes_split_for_every_strategy_on_1_to_8_gpus(n):
+    """What the GPU run chooses from N: heads Ulysses and the hybrid split, a hybrid degree that
+    divides N and the heads (both halves over several ranks where N has a divisor between), and
+    lengths the zigzag cuts into 2 x N chunks (the exactness rows into documents of L / 8 too)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu_acceptance
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+
+    shape = gpu_acceptance.heads_for(n, 16, 64)
+    heads = shape["num_attention_heads"]
+    assert heads >= 16 and heads % n == 0 and heads % shape["num_key_value_heads"] == 0, shape
+    assert shape["hidden_size"] % 256 == 0, shape  # whole blocks of adamw8bit's state in every shard
+    u = gpu_acceptance.hybrid_degree(n, heads)
+    assert n % u == 0 and heads % u == 0 and (1 < u < n or all(n % d for d in range(2, n))), (n, u)
+    for length in (8192, 2048):
+        exact = gpu_acceptance._round_up(length, 16 * n)
+        assert exact % (2 * n) == 0 and (exact // 8) % (2 * n) == 0 and exact - length < 16 * n
