@@ -6,16 +6,20 @@ cross-entropy of ``llama_cp.loss``, which must repeat what the family's
 ``*ForCausalLM.forward`` does to the ``lm_head`` output). A family is supported
 only where both were checked against the plain single-process transformers
 model (``tests/test_families.py``: logits, loss and every gradient, ring and
-Ulysses, cp 2 and 4, with and without FSDP). Any other model, or a supported
-one configured with a feature the kernel does not compute, is refused when CP
-is applied, with the reason and the fix, rather than trained differently.
+Ulysses, cp 2 and 4, with and without FSDP). Any other model, a supported
+one configured with a feature the kernel does not compute, or one whose code in
+the installed transformers does not call the attention function (Note [A
+family's transformers floor]), is refused when CP is applied, with the reason
+and the fix, rather than trained differently.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import transformers
 from torch import nn
 
 from llama_cp.models import base_causal_lm
@@ -112,6 +116,38 @@ _REFUSAL_REASONS = {
     "phi": "its attention has no o_proj and a partial rotary embedding",
 }
 
+# Note [A family's transformers floor]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# llama-cp's attention runs only where the family's attention module calls the function
+# registered for config._attn_implementation (transformers' ALL_ATTENTION_FUNCTIONS). Some
+# families, in older releases setup.cfg admits, pick an attention class when the model is
+# built and call F.scaled_dot_product_attention themselves:
+#
+#   transformers 4.x  OlmoeDecoderLayer: OLMOE_ATTENTION_CLASSES["sdpa"] -> OlmoeSdpaAttention -> SDPA
+#   transformers 5.x  OlmoeAttention -> ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
+#
+# There each rank would attend over its own shard only and train silently wrong (seen: OLMoE
+# at cp 2 on transformers 4.56.2, 75% of the logits off), so the family is refused below the
+# first release that calls through the interface. Read in the released wheels'
+# models/olmoe/modeling_olmoe.py: 4.56.2, 4.57.0 and 4.57.6 have OLMOE_ATTENTION_CLASSES,
+# 5.0.0 has ALL_ATTENTION_FUNCTIONS. Every other family of SUPPORTED_FAMILIES calls through
+# the interface in 4.56.2 already. tests/test_families.py checks the refusal.
+
+#: Family -> the first transformers release whose code of it calls the attention interface.
+_NEEDS_TRANSFORMERS = {"olmoe": (5, 0)}
+
+
+def transformers_refusal(family: str, transformers_version: str) -> str | None:
+    """None when llama-cp's attention runs in ``family`` under this transformers version, else the
+    one-line reason (Note [A family's transformers floor])."""
+    needed = _NEEDS_TRANSFORMERS.get(family)
+    release = tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", transformers_version).group().split("."))
+    if needed is None or release >= needed:
+        return None
+    return (f"model family {family!r} needs transformers >= {'.'.join(map(str, needed))} (installed: "
+            f"{transformers_version}): before that its attention calls SDPA itself, so context-parallel attention "
+            "cannot take its place; upgrade transformers")
+
 
 def model_family(model: nn.Module) -> str:
     return base_causal_lm(model).config.model_type
@@ -145,6 +181,9 @@ def check_supported(model: nn.Module) -> LogitTransform:
             f"model family {family!r} ({type(causal_lm).__name__}) is not supported by llama-cp: {reason}. "
             f"Supported families: {', '.join(sorted(SUPPORTED_FAMILIES))}"
         )
+    refusal = transformers_refusal(family, transformers.__version__)
+    if refusal is not None:
+        raise ValueError(refusal)
     if getattr(config, "attention_dropout", 0.0):
         raise ValueError(
             f"{family}: config.attention_dropout={config.attention_dropout}; context-parallel attention has no "

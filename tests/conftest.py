@@ -9,6 +9,8 @@
 ``multirank`` and ``e2e`` tests, and unit tests marked ``slow`` in their module, are
 also ``slow``. ``python -m pytest -m "not slow"`` is the quick answer (under two minutes
 on 2 cores); ``python -m pytest`` runs everything (the README's command, and CI's).
+A ``multirank`` module's ranks run only the checks whose tests are selected (node ids,
+``-k``: :func:`pytest_collection_finish`), so a few checks cost a few checks' time.
 """
 
 import atexit
@@ -49,3 +51,16 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(getattr(pytest.mark, tier))
         if tier != "unit" or item.module.__name__.rsplit(".", 1)[-1] in SLOW_UNIT:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    """Tell each dist_harness.Checks module which of its checks' tests survived selection (node
+    ids, -k, -m, --lf), so that its ranks run those only (a module with none starts no ranks)."""
+    selected: dict[int, tuple] = {}  # id(checks) -> (checks, names)
+    for item in session.items:
+        checks = getattr(item.module, "checks", None)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if checks is not None and "name" in params:
+            selected.setdefault(id(checks), (checks, set()))[1].add(params["name"])
+    for checks, names in selected.values():
+        checks.select(names)

@@ -1,7 +1,7 @@
 """Run many multi-rank checks inside one gloo process group per test module.
 
 A test module registers checks with ``checks = Checks()`` and ``@checks.add``,
-then exposes them to pytest with ``checks.pytest_tests(world_size)``::
+then exposes them to pytest as one module fixture and one test per check::
 
     checks = Checks()
 
@@ -15,8 +15,14 @@ then exposes them to pytest with ``checks.pytest_tests(world_size)``::
     def test_check(results, name):
         checks.assert_passed(results, name)
 
-Every rank runs every check in order (collectives must line up); a check
-fails if it raised on any rank, and the test shows that rank's traceback.
+Every rank runs every selected check in order (collectives must line up); a
+check fails if it raised on any rank, and the test shows that rank's traceback.
+
+Selecting tests selects checks: the ranks run only the checks whose tests pytest
+collected (node ids, ``-k``, ``-m``, ``--lf``; tests/conftest.py hands them to each
+module's ``Checks.select``). So ``pytest "tests/test_windows.py::test_check[ring_cp2_plain_float32]"``
+starts one process group that runs that one check, and a module none of whose tests
+is selected starts none.
 """
 
 from __future__ import annotations
@@ -38,9 +44,7 @@ import torch.multiprocessing as mp
 from llama_cp.mesh import free_port
 
 
-
-
-def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: str) -> None:
+def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: str, names: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -49,7 +53,7 @@ def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: st
     module = importlib.import_module(module_name)
     results: dict[str, str | None] = {}
     for name, fn in module.checks.items:
-        if name in module.checks.skips:
+        if name not in names:
             continue
         try:
             fn()
@@ -65,6 +69,7 @@ class Checks:
     def __init__(self) -> None:
         self.items: list[tuple[str, callable]] = []
         self.skips: dict[str, str] = {}  # name -> why it does not run here
+        self.selected: set[str] | None = None  # the names whose tests pytest selected; None: every name
 
     @property
     def names(self) -> list[str]:
@@ -79,10 +84,22 @@ class Checks:
             self.skips[name] = skip
         return fn
 
+    def select(self, names) -> None:
+        """Run only the checks of ``names`` (called by tests/conftest.py with the checks whose tests
+        pytest collected); the others are not run, and report "not run" if asked for."""
+        unknown = set(names) - set(self.names)
+        if unknown:
+            raise ValueError(f"no such checks: {', '.join(sorted(unknown))}")
+        self.selected = set(names)
+
     def run(self, module_name: str, world_size: int) -> dict[str, list[str | None]]:
+        """Run the selected checks that are not skipped on ``world_size`` spawned gloo ranks:
+        name -> per rank, None (passed) or the traceback."""
+        names = [name for name in self.names
+                 if name not in self.skips and (self.selected is None or name in self.selected)]
         with tempfile.TemporaryDirectory() as out_dir:
             mp.start_processes(
-                _worker, args=(world_size, free_port(), module_name, out_dir),
+                _worker, args=(world_size, free_port(), module_name, out_dir, names),
                 nprocs=world_size, start_method="spawn", join=True,
             )
             per_rank = []

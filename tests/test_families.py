@@ -13,15 +13,19 @@ What llama-cp cannot compute is refused with one clear message.
 
 import copy
 import functools
+import re
 
+import peft
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dist_harness import Checks
 from fsdp_checks import check_cp_against_reference
 from llama_cp import ParallelDims, apply_context_parallel, enable_chunked_loss, shard_batch
+from llama_cp.families import transformers_refusal
 from llama_cp.models import apply_rope_settings
 from llama_cp.sharding import unshard
 
@@ -30,6 +34,14 @@ VOCAB, SEQ_LEN, BATCH = 96, 32, 2
 WINDOW = 6  # tokens: a window shorter than a zigzag chunk at cp 2, longer at cp 4
 MOE_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.3)
 MOE = {"mixtral", "qwen3_moe", "olmoe"}
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+#: transformers 5 holds an MoE's experts as fused parameters (mlp.experts.gate_up_proj), which peft
+#: adapts through target_parameters from 0.17; transformers 4 holds them as Linear layers (w1, w2, w3).
+FUSED_EXPERTS_LORA_PROBLEM = (
+    None if TRANSFORMERS_5 and tuple(map(int, peft.__version__.split(".")[:2])) >= (0, 17)
+    else f"LoRA on fused experts needs transformers >= 5 and peft >= 0.17 (installed: transformers "
+         f"{transformers.__version__}, peft {peft.__version__})"
+)
 checks = Checks()
 
 BASE = dict(
@@ -83,7 +95,8 @@ FAMILIES = {
         query_pre_attn_scalar=12, final_logit_softcapping=0.5,
     )),
     # mixture of experts with the router's load-balancing loss (Note [Router loss under CP]) at a
-    # coefficient that makes it count; experts run eagerly (torch's grouped_mm takes no float64)
+    # coefficient that makes it count; experts run eagerly (transformers 5 would run them through
+    # torch's grouped_mm, which takes no float64; transformers 4 loops over Linear experts)
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, **MOE_LOSS)),
     "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                     norm_topk_prob=True, **MOE_LOSS)),
@@ -126,7 +139,7 @@ def family_model(name: str, dtype=torch.float32, **overrides):
     model_type, family_overrides = FAMILIES[name]
     config = AutoConfig.for_model(model_type, **{**BASE, **family_overrides, **overrides})
     torch.manual_seed(0)
-    experts = {"experts_implementation": "eager"} if model_type in MOE else {}
+    experts = {"experts_implementation": "eager"} if model_type in MOE and TRANSFORMERS_5 else {}
     return AutoModelForCausalLM.from_config(config, dtype=dtype, **experts)
 
 
@@ -180,6 +193,7 @@ for _name in FAMILIES:
                     checks.add(
                         functools.partial(check_family, _name, _strategy, _cp, _sharded, _dtype),
                         name=f"{_name}_{_strategy}_cp{_cp}_{'fsdp' if _sharded else 'plain'}_{str(_dtype)[6:]}",
+                        skip=transformers_refusal(FAMILIES[_name][0], transformers.__version__),
                     )
 
 for _name in ROPE_FLAG_FAMILIES:
@@ -242,6 +256,25 @@ def unsupported_models_are_refused_at_apply_time():
 
 
 @checks.add
+def olmoe_is_refused_where_transformers_calls_sdpa_itself():
+    """Note [A family's transformers floor]: OLMoE below transformers 5 is refused in one line naming
+    the versions, at apply_context_parallel and enable_chunked_loss; from 5 it is applied."""
+    assert transformers_refusal("olmoe", "4.57.6") == (
+        "model family 'olmoe' needs transformers >= 5.0 (installed: 4.57.6): before that its attention calls SDPA "
+        "itself, so context-parallel attention cannot take its place; upgrade transformers")
+    assert transformers_refusal("olmoe", "5.0.0") is None and transformers_refusal("mixtral", "4.56.2") is None
+    refusal = transformers_refusal("olmoe", transformers.__version__)
+    if refusal is None:
+        model = apply_context_parallel(family_model("olmoe"), mesh_for(2)["cp"])
+        assert model.config._attn_implementation == "llama_cp"
+        return
+    assert transformers.__version__ in refusal
+    for apply in (lambda m: apply_context_parallel(m, mesh_for(2)["cp"]), enable_chunked_loss):
+        with pytest.raises(ValueError, match=re.escape(refusal)):
+            apply(family_model("olmoe"))
+
+
+@checks.add
 def sliding_windows_change_the_result():
     """The references' windows are not no-ops on the test batch: without them the logits differ,
     and Gemma 3's full layer is not windowed."""
@@ -290,7 +323,7 @@ def phi3_lora_on_its_fused_layers_float64():
                                tol=TOLERANCE[torch.float64], max_seq_len=SEQ_LEN)
 
 
-@checks.add
+@functools.partial(checks.add, skip=FUSED_EXPERTS_LORA_PROBLEM)
 def moe_lora_on_attention_and_experts_float64():
     """LoRA on q_proj/v_proj and on the fused experts (peft's target_parameters) of Mixtral, ring at
     cp 4 with FSDP, with the router loss: exact; names the model lacks are refused in one line."""
