@@ -108,11 +108,24 @@ def parallelize_model(
     return model
 
 
+def peft_supports_target_parameters() -> bool:
+    """Whether the installed peft adapts parameters outside Linear layers (LoraConfig's
+    target_parameters, peft >= 0.17)."""
+    from peft import LoraConfig
+
+    return "target_parameters" in LoraConfig.__dataclass_fields__
+
+
 def check_lora_targets(model: nn.Module, targets, parameters=()) -> None:
     """One line naming --lora_target_modules unless every name is a Linear layer of ``model`` (peft
     adapts the names it finds and ignores the others: Phi-3's fused qkv_proj would get no adapter
     from the default q_proj, k_proj, v_proj), and --lora_target_parameters unless each names a
     parameter outside the Linear layers (the fused experts of an MoE: mlp.experts.gate_up_proj)."""
+    if parameters and not peft_supports_target_parameters():
+        import peft
+
+        raise ValueError(f"--lora_target_parameters needs peft >= 0.17 (installed: {peft.__version__}), whose LoraConfig "
+                         "has target_parameters: upgrade peft, or drop --lora_target_parameters")
     linears = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                       if isinstance(module, nn.Linear) and name})
     missing = [name for name in targets if name not in linears]

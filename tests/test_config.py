@@ -1,5 +1,7 @@
 """TrainConfig: defaults <- YAML preset <- flags, and clear errors."""
 
+import re
+
 import pytest
 
 from llama_cp.config import TrainConfig
@@ -159,3 +161,22 @@ def test_auto_strategy_follows_its_note(heads, cp, dataset, want, tmp_path):
     assert cp_strategy(cfg, SimpleNamespace(num_attention_heads=heads)) == want
     cfg.data.document_mask = False  # rows attend across documents: one sequence, as a one-document row
     assert cp_strategy(cfg, SimpleNamespace(num_attention_heads=heads))[0] != "allgather"
+
+
+def test_lora_target_parameters_is_refused_by_a_peft_without_them(monkeypatch):
+    """peft < 0.17's LoraConfig has no target_parameters: one line naming the flag and the version,
+    not a TypeError from peft (the floors' peft 0.15 is such a peft)."""
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llama_cp import build
+
+    has = tuple(int(part) for part in peft.__version__.split(".")[:2]) >= (0, 17)
+    assert build.peft_supports_target_parameters() == has
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    monkeypatch.setattr(build, "peft_supports_target_parameters", lambda: False)
+    build.check_lora_targets(model, ("q_proj",))  # no parameters asked for: nothing to refuse
+    with pytest.raises(ValueError, match=rf"--lora_target_parameters needs peft >= 0.17 \(installed: "
+                                         rf"{re.escape(peft.__version__)}\)"):
+        build.check_lora_targets(model, ("q_proj",), ["mlp.experts.gate_up_proj"])

@@ -50,22 +50,40 @@ BASE = dict(
     eos_token_id=2, attn_implementation="sdpa",
 )
 
+
+
+def rope(**params) -> dict:
+    """Config fields of a RoPE in the installed transformers' layout: transformers 5 reads one
+    ``rope_parameters`` dict, 4.x ``rope_theta`` and ``rope_scaling`` apart (and ignores the 5's)."""
+    if TRANSFORMERS_5:
+        return dict(rope_parameters=params)
+    theta, rope_type = params.pop("rope_theta"), params.pop("rope_type")
+    fields = dict(rope_theta=theta, rope_scaling={"type": rope_type, **params})  # Phi-3 4.x wants "type" only
+    if "original_max_position_embeddings" in params:  # 4.x's longrope reads it from the config itself
+        fields["original_max_position_embeddings"] = params["original_max_position_embeddings"]
+    return fields
+
+
+#: The RoPE each of these families must build (checked: ``ropes_are_the_configured_ones``).
+ROPE_TYPES = {"llama_llama3_rope": "llama3", "llama_dynamic_rope": "dynamic", "llama_longrope": "longrope",
+              "phi3": "longrope", "llama_rope_flags_yarn": "yarn", "llama_rope_flags_linear_theta": "linear"}
+
 #: name -> (model_type, config overrides). Values chosen so each family's extra really changes the result.
 FAMILIES = {
     "llama": ("llama", {}),
-    "llama_llama3_rope": ("llama", dict(rope_parameters=dict(
+    "llama_llama3_rope": ("llama", rope(
         rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=16,
-    ))),
+    )),
     # frequencies picked from max(position_ids): L = 32 > max_position_embeddings = 16
     "llama_dynamic_rope": ("llama", dict(
-        max_position_embeddings=16, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
+        max_position_embeddings=16, **rope(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
     )),
     # long or short factors picked from max(position_ids): the shards straddle 20
-    "llama_longrope": ("llama", dict(rope_parameters=dict(
+    "llama_longrope": ("llama", rope(
         rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=20,
         short_factor=[1.0, 1.5, 2.0, 2.5], long_factor=[3.0, 5.0, 7.0, 9.0],
-    ))),
+    )),
     "mistral_window_eq_seq": ("mistral", dict(sliding_window=SEQ_LEN)),  # a window of L tokens cuts nothing
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
@@ -78,7 +96,7 @@ FAMILIES = {
     # fused qkv_proj and gate_up_proj; longrope's long or short factors picked from the global length
     # (the shards straddle 20), and a sliding window as long as the sequence (Phi-3 passes the config's)
     "phi3": ("phi3", dict(
-        original_max_position_embeddings=20, sliding_window=SEQ_LEN, rope_parameters=dict(
+        original_max_position_embeddings=20, sliding_window=SEQ_LEN, **rope(
             rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.5, 2.0, 2.5],
             long_factor=[3.0, 5.0, 7.0, 9.0]),
     )),
@@ -272,6 +290,15 @@ def olmoe_is_refused_where_transformers_calls_sdpa_itself():
     for apply in (lambda m: apply_context_parallel(m, mesh_for(2)["cp"]), enable_chunked_loss):
         with pytest.raises(ValueError, match=re.escape(refusal)):
             apply(family_model("olmoe"))
+
+
+@checks.add
+def ropes_are_the_configured_ones():
+    """The scaled-RoPE families build the RoPE they are named for, in either transformers layout (a
+    field of the other layout would be ignored, and the case would test the default RoPE)."""
+    for name, rope_type in ROPE_TYPES.items():
+        model = family_model(name)
+        assert model.model.rotary_emb.rope_type == rope_type, (name, model.model.rotary_emb.rope_type)
 
 
 @checks.add
