@@ -176,7 +176,9 @@ class MemoryBreakdown:
 
     ``parameters``: sharded parameters + gathered (unsharded) parameters alive at
     the peak + buffers; ``gradients``: sharded and unsharded gradients;
-    ``optimizer``: optimizer state; ``activations``: tensors saved for backward
+    ``optimizer``: optimizer state, and in the optimizer phase what the step allocates too (the
+    foreach AdamW's sqrt(exp_avg_sq), 4 bytes per trainable parameter: Note [AdamW's
+    implementation, pinned] in llama_cp/optim.py); ``activations``: tensors saved for backward
     (and the batch); ``temporary``: short-lived tensors of backward;
     ``communication``: FSDP all-gather / reduce-scatter buffers. ``total`` is
     their sum, the tracked peak. ``host``: bytes kept in host memory instead
