@@ -117,12 +117,22 @@ def per_rank_bytes_are_total_over_dp_shard_x_cp():
 
 @checks.add
 def clipping_uses_the_global_norm():
+    """The trainer's clipping (llama_cp.step.clip_gradients) on the sharded model: the norm over
+    every rank's shards, and the gradients scaled as one process scales them (computed here by
+    hand, not by torch's clip_grad_norm_); max_grad_norm 0 reports the norm and clips nothing."""
+    from llama_cp.step import clip_gradients
+
     model, reference, _, _ = step_both(dict(dp_shard=2, cp=2))
-    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.05)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
-    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    grads = [p.grad for p in reference.parameters() if p.grad is not None]
+    ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     assert ref_norm > 0.05, "the test needs a norm above max_norm"
+    unclipped = clip_gradients(model, max_grad_norm=0.0)
+    torch.testing.assert_close(unclipped, ref_norm, **FP32_CLOSE)
+    assert_grads_equal(model, reference)  # nothing clipped at 0
+    norm = clip_gradients(model, max_grad_norm=0.05)
     torch.testing.assert_close(norm, ref_norm, **FP32_CLOSE)
+    for g in grads:
+        g.mul_(0.05 / (ref_norm + 1e-6))
     assert_grads_equal(model, reference)
 
 
