@@ -150,6 +150,36 @@ def frozen_weights_load_from_a_checkpoint_in_their_storage_dtype():
         assert checked == len(expected)
 
 
+
+@checks.add
+def lora_adapters_load_as_peft_makes_them():
+    """A LoRA model loaded from a checkpoint (load_full_weights) starts where peft starts one: every
+    B zero and every A Kaiming-uniform (a = sqrt(5)): within +-1/sqrt(fan_in), with that uniform
+    law's spread, as peft's own A of the same model is. Swapped initialisations give the same
+    logits (B @ A = 0 either way), so this is the check that sees them."""
+    from llama_cp.fsdp_wrap import load_full_weights
+    from llama_cp.models import build_causal_lm
+
+    source = tiny_model()
+    cfg = lora_config()
+    with shared_tmpdir(prefix="lora-init-") as path:
+        if dist.get_rank() == 0:
+            source.save_pretrained(path)
+        dist.barrier()
+        model = parallelize_model(build_causal_lm(source.config, device="meta"), cfg, ParallelDims(cp=2).build_mesh("cpu"))
+        load_full_weights(model, path, device="cpu")
+    ours = {name: p.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
+    peft_model = lora_reference(cfg)  # its A as peft made it (its B it randomises for gradients)
+    peft_a = {name: p.detach() for name, p in peft_model.named_parameters() if ".lora_A." in name}
+    assert {n for n in ours if ".lora_A." in n} == set(peft_a) and len(ours) == 2 * len(peft_a)
+    for name, value in ours.items():
+        if ".lora_B." in name:
+            assert not value.any(), name
+            continue
+        bound = 1 / value.shape[1] ** 0.5  # kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        for a in (value, peft_a[name]):
+            assert a.abs().max() <= bound and 0.8 < a.std().item() / (bound / 3**0.5) < 1.2, (name, a.std(), bound)
+
 results = checks.module_fixture(__name__, WORLD_SIZE)
 
 
