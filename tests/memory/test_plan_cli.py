@@ -132,3 +132,20 @@ def test_gradient_accumulation_keeps_the_sharded_gradients_between_micro_batches
     assert phases[2]["forward_backward"].tracked.get("Sharded Grad", 0) == trainable
     assert phases[1]["forward_backward"].tracked.get("Sharded Grad", 0) < trainable
     assert phases[2]["forward_backward"].total > phases[1]["forward_backward"].total
+
+
+def test_the_categories_add_up_to_the_tracked_total():
+    """Every byte FSDPMemTracker counts lands in one of the plan's categories, in every phase: the
+    categories add up to the tracked total, and no tracked category is left out of them (a
+    category dropped from llama_cp.memory._GROUPS would still leave the total right)."""
+    from llama_cp.memory import _GROUPS, simulate_step_phases
+
+    cfg = TrainConfig.from_flags(context_length=512, cp=2, use_peft=True, activation_checkpointing=True,
+                                 offload_checkpoints=True, dtype="bfloat16")
+    grouped = {name for names in _GROUPS.values() for name in names}
+    for phase, plan in simulate_step_phases(cfg, 2, model_config=embedded_llama_config()).items():
+        categories = {name: value for name, value in plan.to_dict().items() if name != "total"}
+        assert sum(categories.values()) == plan.total > 0, (phase, categories, plan.total)
+        counted = {name for name, value in plan.tracked.items() if name != "Total" and value}
+        assert counted <= grouped, (phase, counted - grouped)
+        assert plan.tracked["Total"] == plan.total, phase
