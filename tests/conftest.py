@@ -7,7 +7,7 @@
   seconds per test.
 
 ``multirank`` and ``e2e`` tests, and unit tests marked ``slow`` in their module, are
-also ``slow``. ``python -m pytest -m "not slow"`` is the quick answer (under two minutes
+also ``slow``, except the few multi-rank checks of ``QUICK_CHECKS``. ``python -m pytest -m "not slow"`` is the quick answer (under two minutes
 on 2 cores); ``python -m pytest`` runs everything (the README's command, and CI's).
 A ``multirank`` module's ranks run only the checks whose tests are selected (node ids,
 ``-k``: :func:`pytest_collection_finish`), so a few checks cost a few checks' time.
@@ -34,6 +34,14 @@ atexit.register(shutil.rmtree, _DATASETS_CACHE, ignore_errors=True)
 E2E = {"test_recipe", "test_reliability", "test_notebook"}
 #: Single-process modules that plan many configurations (tens of seconds).
 SLOW_UNIT = {"test_memory_regression"}
+#: Multi-rank checks the quick tier runs too, so that a wrong strategy or loss normalisation fails
+#: the quick answer: one packed-documents exactness case per strategy, and one FSDP step over
+#: dp_shard 2 x cp 2 (the loss divided by the global token count, gradients summed by FSDP).
+QUICK_CHECKS = {
+    "test_documents": {"ring_cp2_plain_float32", "ulysses_cp2_plain_float32", "allgather_cp2_plain_float32",
+                       "hybrid_cp4_u2_plain_float32"},
+    "test_fsdp": {"one_step_dp_shard2_cp2_ring"},
+}
 
 
 def _tier(module) -> str:
@@ -49,7 +57,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = _tier(item.module)
         item.add_marker(getattr(pytest.mark, tier))
-        if tier != "unit" or item.module.__name__.rsplit(".", 1)[-1] in SLOW_UNIT:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        quick = getattr(getattr(item, "callspec", None), "params", {}).get("name") in QUICK_CHECKS.get(module, ())
+        if (tier != "unit" or module in SLOW_UNIT) and not quick:
             item.add_marker(pytest.mark.slow)
 
 
