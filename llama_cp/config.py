@@ -314,7 +314,7 @@ class TrainConfig:
     @classmethod
     def flag_docs(cls) -> list[tuple[str, Any, str]]:
         """``(flag, default, doc)`` of every flag, in declaration order; the doc is the string
-        under the field in this file (what ``--help`` and the README's table show)."""
+        under the field in this file (what ``--help`` and docs/flags.md's table show)."""
         docs = {}
         for klass in (cls, *(f.default_factory for f in dataclasses.fields(cls) if f.name in cls.SECTIONS)):
             body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
@@ -392,3 +392,14 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
     except (TypeError, ValueError):
         raise ValueError(f"--{name} expects {getattr(kind, '__name__', kind)}, got {value!r}") from None
     return value
+
+
+def flag_table() -> str:
+    """The markdown table of every flag, docs/flags.md's: ``python -c "from llama_cp.config import
+    flag_table; print(flag_table())"``."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for name, default, doc in TrainConfig.flag_docs():
+        shown = ",".join(default) if isinstance(default, tuple) else str(default)
+        rows.append(f"| `--{name}` | `{shown}` | {doc} |")
+    return "\n".join(rows)
+

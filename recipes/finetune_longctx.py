@@ -5,7 +5,7 @@
     torchrun --standalone --nproc_per_node 8 -m recipes.finetune_longctx \\
         --model_name /models/Llama-3.1-8B --context_length 131072 --cp 8 --use_peft
 
-Flags: ``--help``, the README, or ``llama_cp/config.py`` (one flag per config field).
+Flags: ``--help``, docs/flags.md, or ``llama_cp/config.py`` (one flag per config field).
 """
 
 from llama_cp.cli import run_cli

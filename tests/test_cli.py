@@ -150,12 +150,17 @@ def test_debug_shows_the_traceback():
         run_cli(finetune_longctx.main, usage="x", argv=["--log_every", "0", "--debug"])
 
 
-def test_readme_flag_table_matches_the_config():
-    """The README's table is the config's fields, defaults and docs (so --help and README agree)."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        rows = re.findall(r"^\| `--(\w+)` \| `([^`]*)` \| (.*) \|$", f.read(), flags=re.M)
+def test_flag_table_matches_the_config():
+    """docs/flags.md's table is the config's fields, defaults and docs (so --help and the docs agree);
+    regenerate it with ``llama_cp.config.flag_table()``."""
+    from llama_cp.config import flag_table
+
+    with open(os.path.join(ROOT, "docs", "flags.md")) as f:
+        text = f.read()
+    rows = re.findall(r"^\| `--(\w+)` \| `([^`]*)` \| (.*) \|$", text, flags=re.M)
     want = [(name, ",".join(d) if isinstance(d, tuple) else str(d), doc) for name, d, doc in TrainConfig.flag_docs()]
     assert rows == want
+    assert flag_table() in text
 
 
 @pytest.mark.slow
