@@ -248,6 +248,8 @@ def apply_rope_settings(
 
             config.rope_theta = params.pop("rope_theta")
             config.rope_scaling = None if rope_type == "default" else params
+            if rope_type == "longrope":  # 4.x's longrope reads it from the config, not from rope_scaling
+                config.original_max_position_embeddings = params["original_max_position_embeddings"]
             rope_config_validation(config)
     except KeyError as error:  # transformers names a missing key
         raise ValueError(f"--rope_scaling {rope_type}: {error.args[0]}") from None

@@ -13,6 +13,7 @@ What llama-cp cannot compute is refused with one clear message.
 
 import copy
 import functools
+import json
 import re
 
 import peft
@@ -66,7 +67,8 @@ def rope(**params) -> dict:
 
 #: The RoPE each of these families must build (checked: ``ropes_are_the_configured_ones``).
 ROPE_TYPES = {"llama_llama3_rope": "llama3", "llama_dynamic_rope": "dynamic", "llama_longrope": "longrope",
-              "phi3": "longrope", "llama_rope_flags_yarn": "yarn", "llama_rope_flags_linear_theta": "linear"}
+              "phi3": "longrope", "llama_rope_flags_yarn": "yarn", "llama_rope_flags_linear_theta": "linear",
+              "llama_rope_flags_longrope": "longrope"}
 
 #: name -> (model_type, config overrides). Values chosen so each family's extra really changes the result.
 FAMILIES = {
@@ -136,6 +138,8 @@ def rope_flag_overrides(rope_theta: float, rope_scaling: str) -> dict:
     transformers' layout), applied the way the trainer applies them."""
     config = apply_rope_settings(AutoConfig.for_model("llama", **BASE), rope_theta, rope_scaling, SEQ_LEN)
     names = ("rope_parameters",) if hasattr(config, "rope_parameters") else ("rope_theta", "rope_scaling")
+    if not TRANSFORMERS_5 and hasattr(config, "original_max_position_embeddings"):
+        names = (*names, "original_max_position_embeddings")  # 4.x's longrope reads it from the config
     return {name: copy.deepcopy(getattr(config, name)) for name in (*names, "max_position_embeddings")}
 
 
@@ -143,6 +147,10 @@ def rope_flag_overrides(rope_theta: float, rope_scaling: str) -> dict:
 ROPE_FLAG_FAMILIES = {
     "llama_rope_flags_yarn": ("llama", rope_flag_overrides(0.0, "yarn:factor=4,original_max_position_embeddings=8,beta_fast=8")),
     "llama_rope_flags_linear_theta": ("llama", rope_flag_overrides(1000.0, "linear:factor=3")),
+    # long or short factors picked from the global length: the shards straddle 20
+    "llama_rope_flags_longrope": ("llama", rope_flag_overrides(0.0, json.dumps(dict(
+        rope_type="longrope", original_max_position_embeddings=20, short_factor=[1.0, 1.5, 2.0, 2.5],
+        long_factor=[3.0, 5.0, 7.0, 9.0])))),
 }
 FAMILIES.update(ROPE_FLAG_FAMILIES)
 
