@@ -92,11 +92,16 @@ class Checks:
             raise ValueError(f"no such checks: {', '.join(sorted(unknown))}")
         self.selected = set(names)
 
+    @property
+    def to_run(self) -> list[str]:
+        """The names of the checks the ranks run: selected, and not skipped here."""
+        return [name for name in self.names
+                if name not in self.skips and (self.selected is None or name in self.selected)]
+
     def run(self, module_name: str, world_size: int) -> dict[str, list[str | None]]:
-        """Run the selected checks that are not skipped on ``world_size`` spawned gloo ranks:
-        name -> per rank, None (passed) or the traceback."""
-        names = [name for name in self.names
-                 if name not in self.skips and (self.selected is None or name in self.selected)]
+        """Run :attr:`to_run` on ``world_size`` spawned gloo ranks: name -> per rank, None
+        (passed) or the traceback."""
+        names = self.to_run
         with tempfile.TemporaryDirectory() as out_dir:
             mp.start_processes(
                 _worker, args=(world_size, free_port(), module_name, out_dir, names),

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from dist_harness import Checks
 from fsdp_checks import check_cp_against_reference
 from llama_cp import ParallelDims, apply_context_parallel, enable_chunked_loss, shard_batch
+from llama_cp.build import peft_supports_target_parameters
 from llama_cp.families import transformers_refusal
 from llama_cp.models import apply_rope_settings
 from llama_cp.sharding import unshard
@@ -39,7 +40,7 @@ TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 #: transformers 5 holds an MoE's experts as fused parameters (mlp.experts.gate_up_proj), which peft
 #: adapts through target_parameters from 0.17; transformers 4 holds them as Linear layers (w1, w2, w3).
 FUSED_EXPERTS_LORA_PROBLEM = (
-    None if TRANSFORMERS_5 and tuple(map(int, peft.__version__.split(".")[:2])) >= (0, 17)
+    None if TRANSFORMERS_5 and peft_supports_target_parameters()
     else f"LoRA on fused experts needs transformers >= 5 and peft >= 0.17 (installed: transformers "
          f"{transformers.__version__}, peft {peft.__version__})"
 )

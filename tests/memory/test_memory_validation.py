@@ -103,9 +103,7 @@ for _name in CASES:
 def results(tmp_path_factory):
     path = tmp_path_factory.mktemp("memory_plans") / "plans.json"
     plans = {}
-    for name in CASES:  # the cases the ranks will run: selected (tests/conftest.py) and not skipped here
-        if name in checks.skips or (checks.selected is not None and name not in checks.selected):
-            continue
+    for name in checks.to_run:  # the cases the ranks will run: selected (tests/conftest.py), not skipped
         plan = plan_step_memory(case_config(name), WORLD_SIZE, model_config=embedded_llama_config())
         plans[name] = (plan.total, plan.host)
     path.write_text(json.dumps(plans))
