@@ -29,7 +29,7 @@ from transformers import LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
 from llama_cp.memory import track_peak_memory
-from llama_cp.mesh import free_port
+from llama_cp.mesh import end_distributed, free_port
 from llama_cp.models import embedded_llama_config
 
 WORLD_SIZE = 2
@@ -85,7 +85,7 @@ def _worker(rank: int, port: int, seq_lens: list[int], steps: int) -> None:
                 f"| {seq_len} | {cp} | {strategy} | {step_s:.2f} | {tps:.0f} | {total:.1f} | {act:.1f} "
                 f"| {act / baseline[seq_len]:.3f} |"
             )
-    dist.destroy_process_group()
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
 
 
 def main(seq_lens: str | int | tuple = "2048,4096,8192", steps: int = 2) -> None:

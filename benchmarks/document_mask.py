@@ -56,7 +56,7 @@ from transformers import LlamaForCausalLM
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
 from llama_cp.documents import DocumentLayout, document_starts, tiles, varlen_windows, visible_pairs_per_token
 from llama_cp.sharding import SEQ_INDEX, document_assignment
-from llama_cp.mesh import free_port
+from llama_cp.mesh import end_distributed, free_port
 from llama_cp.models import embedded_llama_config
 
 WORLD_SIZE = 2
@@ -253,7 +253,7 @@ def _bytes_worker(rank: int, port: int, seq_len: int) -> None:
         print("| mix | strategy | measured | formula |")
         print("|---|---|---|---|")
         print("\n".join(lines))
-    dist.destroy_process_group()
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
 
 
 #: Mistral 7B v0.1: Llama-3-8B's attention shapes, every layer a 4096-token sliding window.
@@ -310,7 +310,7 @@ def _strategies_worker(rank: int, cp: int, port: int, seq_len: int, steps: int) 
         if rank == 0:
             name = f"hybrid u={u}" if u else strategy
             print(f"| {cp} | {name} | " + " | ".join(f"{t:.2f}" for t in times) + " |", flush=True)
-    dist.destroy_process_group()
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
 
 
 def _step(model, batch):
@@ -357,7 +357,7 @@ def _worker(rank: int, port: int, seq_lens: list[int], steps: int) -> None:
         print("|---:|---:|---|---:|---:|---:|---:|")
         for seq_len, cp, strategy, docs, one, packed in rows:
             print(f"| {seq_len} | {cp} | {strategy} | {docs} | {one:.2f} | {packed:.2f} | {one / packed:.2f}x |")
-    dist.destroy_process_group()
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
 
 
 def speed(seq_lens: str | int | tuple = "8192,16384", steps: int = 2) -> None:

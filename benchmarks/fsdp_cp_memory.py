@@ -32,7 +32,7 @@ from llama_cp import (
     shard_model,
 )
 from llama_cp.memory import track_peak_memory
-from llama_cp.mesh import free_port
+from llama_cp.mesh import end_distributed, free_port
 from llama_cp.models import embedded_llama_config
 
 WORLD_SIZE = 2
@@ -82,7 +82,7 @@ def _worker(rank: int, port: int, seq_lens: list[int], activation_checkpointing:
         print("|---:|---|---:|---:|---:|---:|---:|---:|")
         for seq_len, name, *values in rows:
             print(f"| {seq_len} | {name} | " + " | ".join(f"{v / MiB:.1f} MiB" for v in values) + " |")
-    dist.destroy_process_group()
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
 
 
 def main(seq_lens: str | int | tuple = "4096,8192", activation_checkpointing: bool = False) -> None:

@@ -648,7 +648,7 @@ def _worker(rank: int, port: int, world: int, jobs: list[dict], path: str, setti
                       MASTER_PORT=str(port))
     if settings.device_type == "cpu":
         torch.set_num_threads(1)
-    from llama_cp.mesh import init_distributed
+    from llama_cp.mesh import end_distributed, init_distributed
 
     init_distributed(timeout_s=600)
 
@@ -678,8 +678,10 @@ def _worker(rank: int, port: int, world: int, jobs: list[dict], path: str, setti
             gc.collect()  # the job's model and optimizer: gone before the next job's peak is measured
             if settings.device_type == "cuda":
                 torch.cuda.empty_cache()
-    finally:
+    except BaseException:  # the driver reads what was noted, and goes on in a fresh group
         dist.destroy_process_group()
+        raise
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
 
 
 # ----------------------------------------------------------------------------- the driver

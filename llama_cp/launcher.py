@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llama_cp.config import TrainConfig
-from llama_cp.mesh import free_port
+from llama_cp.mesh import end_distributed, free_port
 
 _RESULT_FILE = "rank0_metrics.json"
 
@@ -52,7 +52,7 @@ def launch(cfg: TrainConfig, nprocs: int, *, master_port: int | None = None) -> 
 
 
 def _run_rank(rank: int, cfg: TrainConfig, world_size: int, port: int, result_dir: str) -> None:
-    """One child: torchrun's environment, fit, rank 0 writes its row, tear the group down."""
+    """One child: torchrun's environment, fit, rank 0 writes its row, leave with :func:`end_distributed`."""
     from llama_cp.trainer import Trainer
 
     os.environ.update(
@@ -64,12 +64,18 @@ def _run_rank(rank: int, cfg: TrainConfig, world_size: int, port: int, result_di
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         row = Trainer(cfg).fit()
-        if rank == 0:
-            path = os.path.join(result_dir, _RESULT_FILE)
-            with open(path + ".tmp", "w") as f:
-                json.dump(row, f)
-            os.replace(path + ".tmp", path)
-    finally:
+    except BaseException:
+        # torch's spawn wrapper writes the traceback for the parent, then the child exits
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    if rank == 0:
+        path = os.path.join(result_dir, _RESULT_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump(row, f)
+        os.replace(path + ".tmp", path)
+    # A spawned child's interpreter finalizes like a script's, where a gloo worker can abort the
+    # finished rank (Note [Leaving a gloo job] in llama_cp/mesh.py): this function is the child's
+    # whole program, so it leaves the way a script does.
+    end_distributed()
 

@@ -147,7 +147,8 @@ def end_distributed() -> None:
     """The last line of a script that used the process group: tear the default group down,
     flush stdout and stderr, and leave at once with ``os._exit(0)``, without the
     interpreter's finalization (Note [Leaving a gloo job]). Close your own files first;
-    call it only from the script's top level (``__main__``), never from a library."""
+    call it only where the process's own program ends: a script's top level (``__main__``)
+    or the end of a spawned child's function, never from a library."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -173,7 +174,11 @@ def end_distributed() -> None:
 # end_distributed(), none of 40. torch has no fix (pytorch/pytorch#179291, an atexit
 # destroy_process_group, was abandoned), so a job leaves before finalization: the process
 # group is torn down, the standard streams flushed, and nothing that could run a gloo
-# worker's release under a finalizing interpreter is left to run.
+# worker's release under a finalizing interpreter is left to run. A child started by
+# torch.multiprocessing (spawn) finalizes too: multiprocessing's spawn_main ends with
+# sys.exit once the child's function returns. So launch()'s children and the test harness's
+# ranks end with end_distributed() as well; a CI run of the notebook's launch(cp=2) lost
+# rank 1 to this SIGABRT after its training had finished.
 
 
 # ----------------------------------------------------------------------------- ending a stuck job

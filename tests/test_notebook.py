@@ -8,6 +8,7 @@ Here we check what it displayed against what it wrote under ``tmp_path``.
 import ast
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 
 from llama_cp.config import TrainConfig
 from llama_cp.launcher import launch
+from llama_cp.mesh import free_port
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "longctx_lora.ipynb"
 ROW_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_gpu", "model_tflops_per_gpu",
@@ -95,3 +97,48 @@ def test_launch_raises_child_error(tmp_path):
     with pytest.raises(mp.ProcessRaisedException, match=r"need 2 processes, and this is one"):
         launch(cfg, nprocs=1)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+class _Left(Exception):
+    """What the patched os._exit raises: the process would have left here, with this status."""
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["finishes", "fails"])
+def test_a_launched_child_leaves_before_finalization(tmp_path, monkeypatch, fails):
+    # A child that finished leaves with os._exit(0) after writing rank 0's row and tearing the
+    # group down, not through the interpreter's finalization, where a gloo worker can abort it
+    # (Note [Leaving a gloo job] in llama_cp/mesh.py). A child that failed raises, so torch's
+    # spawn wrapper hands its traceback to the parent.
+    import torch.distributed as dist
+
+    import llama_cp.launcher
+    import llama_cp.trainer
+
+    class Trainer:
+        def __init__(self, cfg):
+            pass
+
+        def fit(self):
+            dist.init_process_group("gloo")
+            if fails:
+                raise ValueError("the step failed")
+            return {"step": 1}
+
+    def leave(status):
+        raise _Left(status)
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test; _run_rank sets them
+    monkeypatch.setattr(llama_cp.trainer, "Trainer", Trainer)
+    monkeypatch.setattr(os, "_exit", leave)
+    run = lambda: llama_cp.launcher._run_rank(0, TrainConfig(), 1, free_port(), str(tmp_path))  # noqa: E731
+    if fails:
+        with pytest.raises(ValueError, match="the step failed"):
+            run()
+        assert not (tmp_path / llama_cp.launcher._RESULT_FILE).exists()
+    else:
+        with pytest.raises(_Left) as left:
+            run()
+        assert left.value.args == (0,)
+        assert json.loads((tmp_path / llama_cp.launcher._RESULT_FILE).read_text()) == {"step": 1}
+    assert not dist.is_initialized()
