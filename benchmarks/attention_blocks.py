@@ -1,5 +1,5 @@
 """Tiled local attention (``--attention_block_size``, Note [Tiled attention] in
-``llama_cp/documents.py``): time and tracked peak memory of one causal forward+backward of
+``llama_cp/attention/documents.py``): time and tracked peak memory of one causal forward+backward of
 the local attention, untiled against tiled, in one CPU process.
 
     python benchmarks/attention_blocks.py                                  # sdpa_cpu, L = 4096
@@ -22,7 +22,7 @@ import fire
 import torch
 
 from llama_cp.cp_attention import local_attention
-from llama_cp.memory import track_peak_memory
+from llama_cp.plan.memory import track_peak_memory
 
 MiB = 1 << 20
 

@@ -5,7 +5,7 @@
 
 Spawns two ranks (one thread each, for a 2-core machine) and runs, for every
 sequence length, one forward+backward step of the embedded Llama
-(``llama_cp.models.EMBEDDED_LLAMA``) with a cross-entropy loss:
+(``llama_cp.modules.causal_lm.EMBEDDED_LLAMA``) with a cross-entropy loss:
 
 - cp=1: each rank holds the whole sequence (the two ranks are data parallel),
 - cp=2 ring and cp=2 ulysses: each rank holds half of it.
@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
-from llama_cp.memory import track_peak_memory
-from llama_cp.mesh import end_distributed, free_port
-from llama_cp.models import embedded_llama_config
+from llama_cp.modules.causal_lm import embedded_llama_config
+from llama_cp.parallel.mesh import end_distributed, free_port
+from llama_cp.plan.memory import track_peak_memory
 
 WORLD_SIZE = 2
 MiB = 1 << 20
@@ -85,7 +85,7 @@ def _worker(rank: int, port: int, seq_lens: list[int], steps: int) -> None:
                 f"| {seq_len} | {cp} | {strategy} | {step_s:.2f} | {tps:.0f} | {total:.1f} | {act:.1f} "
                 f"| {act / baseline[seq_len]:.3f} |"
             )
-    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/parallel/mesh.py
 
 
 def main(seq_lens: str | int | tuple = "2048,4096,8192", steps: int = 2) -> None:

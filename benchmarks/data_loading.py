@@ -21,8 +21,8 @@ START = time.perf_counter()
 
 import torch  # noqa: E402
 
-from llama_cp.data import DistributedRowLoader, build_rows  # noqa: E402
-from llama_cp.tokenizer import byte_tokenizer  # noqa: E402
+from llama_cp.data.loading import DistributedRowLoader, build_rows  # noqa: E402
+from llama_cp.data.tokenizer import byte_tokenizer  # noqa: E402
 
 
 def memory_mib() -> dict[str, float]:
@@ -60,8 +60,8 @@ def main() -> None:
     if args.mode == "prepare":  # into a new cache directory; the dataset's own Arrow conversion done beforehand
         import tempfile
 
-        from llama_cp.data import load_examples
-        from llama_cp.prepared import prepare_dataset
+        from llama_cp.data.loading import load_examples
+        from llama_cp.data.prepared import prepare_dataset
 
         load_examples(args.dataset)
         with tempfile.TemporaryDirectory(dir=args.data_cache_dir or None) as cache:
@@ -76,7 +76,7 @@ def main() -> None:
     before = memory_mib()
     began = time.perf_counter()
     if args.mode == "loader":
-        from llama_cp.prepared import load_prepared_rows
+        from llama_cp.data.prepared import load_prepared_rows
 
         rows, _ = load_prepared_rows(args.dataset, tokenizer, args.context_length, 1, args.data_cache_dir,
                                      say=lambda _: None)
@@ -95,9 +95,9 @@ def losses(args) -> dict[str, list[float]]:
     import os
     import tempfile
 
-    from llama_cp import prepared
     from llama_cp.config import TrainConfig
-    from llama_cp.trainer import Trainer
+    from llama_cp.data import prepared
+    from llama_cp.train.trainer import Trainer
 
     def in_memory(dataset, tokenizer, context_length, cp, *rest, **options):
         return (build_rows(dataset, tokenizer, context_length, cp), build_rows(dataset, tokenizer, context_length, cp,
@@ -132,7 +132,7 @@ def stream_resume(args) -> dict:
     import tempfile
 
     from llama_cp.config import TrainConfig
-    from llama_cp.trainer import Trainer
+    from llama_cp.train.trainer import Trainer
 
     def read(out):
         with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -5,7 +5,7 @@ rows of short documents against one-document rows of the same length.
     python benchmarks/document_mask.py speed --seq_lens 8192,16384 # 2 gloo ranks, CPU
 
 ``balance`` packs documents drawn from a few length mixes (Note [Packed rows] in
-``llama_cp/data.py``: a stream of documents cut into rows, a document continuing
+``llama_cp/data/loading.py``: a stream of documents cut into rows, a document continuing
 into the next row) and counts, per cp rank, the (query, key) pairs its queries see
 (``DocumentLayout.visible_pairs``): the attention work of the rank. It prints the
 imbalance max/mean over the ranks (1.00 = balanced), averaged over rows and for the
@@ -18,7 +18,7 @@ document-aware sharding (``shard_batch(layout="documents")``, each row on its ow
 ``calls`` counts the attention kernel calls of one layer's forward + backward on the busiest
 cp rank, summed over the ring's steps, as the per-piece path makes them (CPU backends) and as
 the varlen path does (flash_attn, sdpa_flash; Note [Varlen document calls] in
-``llama_cp/documents.py``), with the default 16384-token attention blocks and untiled.
+``llama_cp/attention/documents.py``), with the default 16384-token attention blocks and untiled.
 
 ``bytes`` prints the bytes each cp rank sends per training step (forward + backward of every
 layer) for each strategy on packed rows of each mix, from the formulas of Note [Ring
@@ -54,10 +54,11 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
-from llama_cp.documents import DocumentLayout, document_starts, tiles, varlen_windows, visible_pairs_per_token
-from llama_cp.sharding import SEQ_INDEX, document_assignment
-from llama_cp.mesh import end_distributed, free_port
-from llama_cp.models import embedded_llama_config
+from llama_cp.attention.documents import DocumentLayout, tiles, varlen_windows
+from llama_cp.modules.causal_lm import embedded_llama_config
+from llama_cp.parallel.mesh import end_distributed, free_port
+from llama_cp.parallel.sharding import document_starts, visible_pairs_per_token
+from llama_cp.parallel.sharding import SEQ_INDEX, document_assignment
 
 WORLD_SIZE = 2
 #: Llama-3-8B-shaped FLOPs for the step-level estimate: fwd+bwd of the dense layers per token
@@ -253,7 +254,7 @@ def _bytes_worker(rank: int, port: int, seq_len: int) -> None:
         print("| mix | strategy | measured | formula |")
         print("|---|---|---|---|")
         print("\n".join(lines))
-    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/parallel/mesh.py
 
 
 #: Mistral 7B v0.1: Llama-3-8B's attention shapes, every layer a 4096-token sliding window.
@@ -310,7 +311,7 @@ def _strategies_worker(rank: int, cp: int, port: int, seq_len: int, steps: int) 
         if rank == 0:
             name = f"hybrid u={u}" if u else strategy
             print(f"| {cp} | {name} | " + " | ".join(f"{t:.2f}" for t in times) + " |", flush=True)
-    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/parallel/mesh.py
 
 
 def _step(model, batch):
@@ -357,7 +358,7 @@ def _worker(rank: int, port: int, seq_lens: list[int], steps: int) -> None:
         print("|---:|---:|---|---:|---:|---:|---:|")
         for seq_len, cp, strategy, docs, one, packed in rows:
             print(f"| {seq_len} | {cp} | {strategy} | {docs} | {one:.2f} | {packed:.2f} | {one / packed:.2f}x |")
-    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/parallel/mesh.py
 
 
 def speed(seq_lens: str | int | tuple = "8192,16384", steps: int = 2) -> None:

@@ -31,9 +31,9 @@ from llama_cp import (
     ParallelDims, apply_context_parallel, count_valid_tokens, enable_chunked_loss, optimizer_step, shard_batch,
     shard_model,
 )
-from llama_cp.memory import track_peak_memory
-from llama_cp.mesh import end_distributed, free_port
-from llama_cp.models import embedded_llama_config
+from llama_cp.modules.causal_lm import embedded_llama_config
+from llama_cp.parallel.mesh import end_distributed, free_port
+from llama_cp.plan.memory import track_peak_memory
 
 WORLD_SIZE = 2
 MiB = 1 << 20
@@ -82,7 +82,7 @@ def _worker(rank: int, port: int, seq_lens: list[int], activation_checkpointing:
         print("|---:|---|---:|---:|---:|---:|---:|---:|")
         for seq_len, name, *values in rows:
             print(f"| {seq_len} | {name} | " + " | ".join(f"{v / MiB:.1f} MiB" for v in values) + " |")
-    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/parallel/mesh.py
 
 
 def main(seq_lens: str | int | tuple = "4096,8192", activation_checkpointing: bool = False) -> None:

@@ -5,7 +5,7 @@
     python benchmarks/gpu_acceptance.py --dry_run             # CPU, gloo, 2 ranks, tiny shapes (CI)
 
 It starts its own ranks (one process per GPU, torchrun's environment, as
-``llama_cp.launcher`` does) and writes ``gpu_acceptance.json`` and
+``llama_cp.train.launcher`` does) and writes ``gpu_acceptance.json`` and
 ``gpu_acceptance.md`` into ``--output_dir``. The JSON's ``environment`` says what ran
 (the device and how many GPUs, torch, CUDA, transformers, bitsandbytes and flash-attn
 versions, the attention backends the exactness runs used); its ``checks`` give every
@@ -22,10 +22,10 @@ check of part 1 its verdict (pass, FAIL, or the error that stopped it):
 2. memory: a Llama-3-8B-shaped model cut to ``--layers`` decoder layers at 32K-512K
    tokens on N GPUs (cp = N), each lever (none, activation checkpointing, + offloaded
    checkpoints, + tiled MLP and norms, LoRA): the planner's per-step peak
-   (``llama_cp.memory.plan_step_memory``, the ``recipes/plan_memory`` figures) against
+   (``llama_cp.plan.memory.plan_step_memory``, the ``recipes/plan_memory`` figures) against
    ``torch.cuda.max_memory_allocated`` of a real step, reset before it.
 3. speed: tokens/s/GPU, model TFLOP/s/GPU and MFU (Note [Model FLOPs] in
-   llama_cp/flops.py) of the same model at cp 1, 2, 4, 8 (those dividing N) and N, ring
+   llama_cp/model/flops.py) of the same model at cp 1, 2, 4, 8 (those dividing N) and N, ring
    and Ulysses, one document and packed documents; and ring efficiency: model
    TFLOP/s/GPU of ring at cp = N over that of one GPU running the same local tokens
    (L / N) alone.
@@ -114,8 +114,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
 
 from llama_cp.config import TrainConfig  # noqa: E402
-from llama_cp.flops import attention_pairs, model_flops, peak_flops, throughput  # noqa: E402
-from llama_cp.mesh import free_port  # noqa: E402
+from llama_cp.model.flops import attention_pairs, model_flops, peak_flops, throughput  # noqa: E402
+from llama_cp.parallel.mesh import free_port  # noqa: E402
 
 GiB = 1 << 30
 #: In --dry_run, the longest context that "fits" (a CPU has no out-of-memory error to find).
@@ -193,8 +193,8 @@ class Settings:
 
     @classmethod
     def of(cls, dry_run: bool, nproc: int | None, layers: int) -> "Settings":
-        from llama_cp.memory import MODEL_PRESETS
-        from llama_cp.models import EMBEDDED_LLAMA
+        from llama_cp.modules.causal_lm import EMBEDDED_LLAMA
+        from llama_cp.plan.memory import MODEL_PRESETS
 
         if dry_run:
             n = nproc or 2
@@ -269,7 +269,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-#: Attention ops -> the llama-cp backend (``llama_cp.kernels``) that calls them; flash-attn's own
+#: Attention ops -> the llama-cp backend (``llama_cp.attention.kernels``) that calls them; flash-attn's own
 #: ops (namespace flash_attn) are flash_attn's.
 _ATTENTION_OPS = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": "sdpa_cpu",
@@ -306,8 +306,8 @@ class AttentionKernels(TorchDispatchMode):
 def feature_refusal(case: str, device: torch.device, head_dim: int) -> str | None:
     """llama-cp's own one-line refusal when the attention backend it selects here cannot compute
     the case's window or cap (on CUDA they need flash-attn: Note [Soft-capped attention] in
-    llama_cp/kernels.py), from one local kernel call on a probe; None when it can."""
-    from llama_cp.kernels import attention_forward
+    llama_cp/attention/kernels.py), from one local kernel call on a probe; None when it can."""
+    from llama_cp.attention.kernels import attention_forward
 
     if case == "llama":
         return None
@@ -327,8 +327,8 @@ def exactness(s: Settings, case: str, strategy: str, packed: bool, ulysses_degre
     weights and rank 0's single-process runs of the last (case, packed), kept for the next
     strategy."""
     from llama_cp import apply_context_parallel, shard_batch
-    from llama_cp.kernels import select_backend
-    from llama_cp.sharding import SEQ_INDEX, unshard
+    from llama_cp.attention.kernels import select_backend
+    from llama_cp.parallel.sharding import SEQ_INDEX, unshard
 
     device = _device(s)
     group = dist.group.WORLD
@@ -441,8 +441,8 @@ def qlora(s: Settings, workdir: str) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
     from llama_cp import count_valid_tokens, forward_backward, shard_batch
-    from llama_cp.build import build_model
-    from llama_cp.quantize import quantized_linears
+    from llama_cp.model.build import build_model
+    from llama_cp.modules.quantize import quantized_linears
 
     rank, world, device = dist.get_rank(), dist.get_world_size(), _device(s)
     config = _llama(s.exact_model)
@@ -509,7 +509,7 @@ def adamw8bit(s: Settings) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
     from llama_cp import optimizer_step, parallelize_model, shard_batch
-    from llama_cp.optim import build_optimizer
+    from llama_cp.optim.optimizers import build_optimizer
 
     world, device = dist.get_world_size(), _device(s)
     config = _llama(s.exact_model)
@@ -572,8 +572,8 @@ def training_step(s: Settings, *, context_length: int, cp: int, strategy: str = 
     on every rank (cp ``cp``, the rest data parallel): the steady step time (median after the
     first), the per-step peak memory, and the throughput figures."""
     from llama_cp import build_causal_lm, count_valid_tokens, optimizer_step, parallelize_model, shard_batch
-    from llama_cp.optim import build_optimizer
-    from llama_cp.trainer import PeakMemory
+    from llama_cp.optim.optimizers import build_optimizer
+    from llama_cp.train.trainer import PeakMemory
 
     world = dist.get_world_size()
     cfg = TrainConfig()
@@ -648,7 +648,7 @@ def _worker(rank: int, port: int, world: int, jobs: list[dict], path: str, setti
                       MASTER_PORT=str(port))
     if settings.device_type == "cpu":
         torch.set_num_threads(1)
-    from llama_cp.mesh import end_distributed, init_distributed
+    from llama_cp.parallel.mesh import end_distributed, init_distributed
 
     init_distributed(timeout_s=600)
 
@@ -681,7 +681,7 @@ def _worker(rank: int, port: int, world: int, jobs: list[dict], path: str, setti
     except BaseException:  # the driver reads what was noted, and goes on in a fresh group
         dist.destroy_process_group()
         raise
-    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/parallel/mesh.py
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -743,7 +743,7 @@ def _out_of_memory(message: str) -> bool:
 
 def plan(settings: Settings, context_length: int, flags: dict) -> int:
     """The planner's per-step peak bytes of one rank for that step (cp = N)."""
-    from llama_cp.memory import plan_step_memory
+    from llama_cp.plan.memory import plan_step_memory
 
     cfg = TrainConfig()
     cfg.data.context_length, cfg.parallel.cp = context_length, settings.nproc

@@ -17,12 +17,22 @@ import json
 import os
 import textwrap
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from llama_cp.sharding import check_context_length
+from llama_cp.parallel.sharding import check_context_length
+
+#: ``--dataset`` value of the built-in synthetic long-context task (passkey retrieval).
+PASSKEY = "passkey"
+#: A ``--dataset`` ending like this names a local file (llama_cp.data.loading.FILE_BUILDERS
+#: says which of them it reads), never a hub id.
+LOCAL_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt", ".csv", ".tsv", ".arrow", ".gz", ".zst")
+#: ``--report_to``'s trackers (llama_cp.train.reporting writes to them).
+REPORTERS = ("tensorboard", "wandb")
 
 
 @dataclass
@@ -94,15 +104,15 @@ class ParallelConfig:
                     problems.append(
                         f"--cp {self.cp} --dp_shard {self.dp_shard} --dp_replicate {self.dp_replicate} need {needed} "
                         f"processes, and this is one: launch with torchrun --nproc_per_node {needed} -m "
-                        f"recipes.finetune_longctx ... (or llama_cp.launcher.launch(cfg, nprocs={needed}) from a notebook)"
+                        f"recipes.finetune_longctx ... (or llama_cp.launch(cfg, nprocs={needed}) from a notebook)"
                     )
         if problems:
             raise ValueError("; and ".join(problems))
 
     def dims(self, world_size: int | None = None):
-        """The validated :class:`~llama_cp.mesh.ParallelDims` of these degrees on ``world_size``
+        """The validated :class:`~llama_cp.parallel.mesh.ParallelDims` of these degrees on ``world_size``
         ranks (default: the initialised process group's)."""
-        from llama_cp.mesh import ParallelDims
+        from llama_cp.parallel.mesh import ParallelDims
 
         return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, world_size=world_size)
 
@@ -127,7 +137,7 @@ class PeftConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = "passkey"
+    dataset: str = PASSKEY
     """passkey (built-in synthetic), a local json/jsonl/parquet/txt file or directory, or a hub id."""
     context_length: int = 1024
     """Tokens per row; must be a multiple of 2 x cp."""
@@ -209,7 +219,7 @@ class TrainConfig:
     report_to: tuple[str, ...] = ("tensorboard",)
     """Also send the metrics rows to: tensorboard (output_dir/tensorboard), wandb (when installed), or none."""
     peak_tflops: float = 0.0
-    """Peak dense bf16 TFLOP/s of one GPU, the denominator of the mfu metric; 0 = looked up by the GPU's exact name (llama_cp.flops.PEAK_BF16_FLOPS); on CPU or an unlisted GPU no mfu is reported unless set."""
+    """Peak dense bf16 TFLOP/s of one GPU, the denominator of the mfu metric; 0 = looked up by the GPU's exact name (llama_cp.model.flops.PEAK_BF16_FLOPS); on CPU or an unlisted GPU no mfu is reported unless set."""
     max_nonfinite_steps: int = 3
     """A step whose loss or gradient norm is NaN/inf is skipped (no update); stop after this many in a row."""
     collective_timeout: float = 600.0
@@ -268,8 +278,6 @@ class TrainConfig:
             section = getattr(self, names[name]) if names[name] else self
             if getattr(section, name) < minimum:
                 raise ValueError(f"--{name} must be >= {minimum}, got {getattr(section, name)}")
-        from llama_cp.reporting import check_report_to
-
         check_report_to(self.report_to)
         if self.optim.min_lr_ratio > 1:
             raise ValueError(f"--min_lr_ratio is a fraction of --lr in [0, 1], got {self.optim.min_lr_ratio}")
@@ -281,7 +289,7 @@ class TrainConfig:
                 "train: add --use_peft, or drop --quantization for a full fine-tune"
             )
         if self.peft.quantization == "4bit":
-            from llama_cp.quantize import check_qlora_support
+            from llama_cp.modules.quantize import check_qlora_support
 
             check_qlora_support()
         if self.model.offload_checkpoints and not self.model.activation_checkpointing:
@@ -299,16 +307,14 @@ class TrainConfig:
         # notebook that trained in-process may go on to build a config for launch(cfg, nprocs=N).
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.parallel.check(self.data.context_length, world if world > 1 else None)
-        from llama_cp.models import check_model_name, parse_rope_scaling
+        from llama_cp.modules.causal_lm import check_model_name, parse_rope_scaling
 
         check_model_name(self.model.model_name)
-        if self.data.streaming and (self.data.dataset == "passkey" or self.max_steps == 0):
+        if self.data.streaming and (self.data.dataset == PASSKEY or self.max_steps == 0):
             raise ValueError(
                 "--streaming reads a file or hub --dataset of unknown length: give such a --dataset and --max_steps > 0"
             )
         parse_rope_scaling(self.model.rope_scaling)  # the form; what it reaches is checked with the model's config
-        from llama_cp.data import check_dataset_path  # imports datasets: only when validating
-
         check_dataset_path(self.data.dataset)
 
     @classmethod
@@ -392,6 +398,34 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
     except (TypeError, ValueError):
         raise ValueError(f"--{name} expects {getattr(kind, '__name__', kind)}, got {value!r}") from None
     return value
+
+
+def check_report_to(report_to: Sequence[str]) -> None:
+    """ValueError naming the flag and the fix for an unknown or unusable reporter."""
+    for name in report_to:
+        if name not in (*REPORTERS, "none"):
+            raise ValueError(f"--report_to {name!r}: choose from {', '.join(REPORTERS)} or none (comma-separated)")
+    if "none" in report_to and len(report_to) > 1:
+        raise ValueError("--report_to none cannot be combined with other reporters")
+    if "tensorboard" in report_to and not _importable("tensorboard"):
+        raise ValueError("--report_to tensorboard needs the tensorboard package: pip install tensorboard")
+    if "wandb" in report_to and not _importable("wandb"):
+        raise ValueError("--report_to wandb needs the wandb package: pip install wandb (or drop wandb)")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def check_dataset_path(dataset: str) -> None:
+    """FileNotFoundError when ``--dataset`` names a local file or directory (a path, or a file
+    name ending like one) that does not exist; run at config time, before anything is built."""
+    path = Path(dataset).expanduser()
+    looks_local = dataset.startswith(("/", "./", "../", "~")) or dataset.endswith(LOCAL_FILE_SUFFIXES)
+    if dataset != PASSKEY and looks_local and not path.exists():
+        raise FileNotFoundError(f"--dataset {dataset!r}: no such file or directory ({path.absolute()})")
 
 
 def flag_table() -> str:

@@ -1,7 +1,7 @@
 """Context-parallel attention for HF Llama-family models: ring (zigzag), Ulysses and all-gather.
 
 Each rank of the cp group holds 2 of the 2 x cp chunks of the sequence (the
-zigzag layout of :mod:`llama_cp.sharding`). Everything in the model except
+zigzag layout of :mod:`llama_cp.parallel.sharding`). Everything in the model except
 attention is per token, so attention is the only place where ranks talk.
 
 Note [Zigzag ring attention]
@@ -123,7 +123,7 @@ has measured them yet, and a GPU's overlap of the ring's transfers with its
 compute may favour the ring over what bytes alone say.
 
 Packed documents (position_ids that restart) change only which pairs each block
-computes: see Note [Document masks under CP] in ``llama_cp/documents.py``. A
+computes: see Note [Document masks under CP] in ``llama_cp/attention/documents.py``. A
 step's block longer than ``block_size`` is computed in tiles: Note [Tiled
 attention] there.
 """
@@ -142,15 +142,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from llama_cp import kernels
-from llama_cp.collectives import all_gather_into, reduce_scatter_into, warm_up_group
-from llama_cp.documents import (
-    DocumentLayout, Piece, document_starts, pieces_attention, pieces_backward, pieces_forward, tiles,
+from llama_cp.attention import kernels
+from llama_cp.parallel.collectives import all_gather_into, reduce_scatter_into, warm_up_group
+from llama_cp.attention.documents import (
+    DocumentLayout, Piece, pieces_attention, pieces_backward, pieces_forward, tiles,
 )
-from llama_cp.families import check_supported, sliding_windows
-from llama_cp.kernels import Backend
-from llama_cp.models import base_causal_lm
-from llama_cp.sharding import SEQ_INDEX, check_attention_mask, unshard, zigzag_index
+from llama_cp.attention.kernels import Backend
+from llama_cp.modules.causal_lm import base_causal_lm
+from llama_cp.modules.families import check_supported, sliding_windows
+from llama_cp.parallel.sharding import SEQ_INDEX, check_attention_mask, document_starts, unshard, zigzag_index
 
 Strategy = Literal["ring", "ulysses", "allgather", "hybrid"]
 STRATEGIES: tuple[str, ...] = ("ring", "ulysses", "allgather", "hybrid")
@@ -766,8 +766,8 @@ class ContextParallelAttention:
     ) -> torch.Tensor:
         """q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) -> (B, H, S/cp, D). ``documents``: attend
         only within each packed document (Note [Document masks under CP]); ``softcap``: Note
-        [Soft-capped attention] in ``llama_cp/kernels.py``; ``window``: a sliding window of that
-        many tokens (Note [Sliding windows under CP] in ``llama_cp/documents.py``)."""
+        [Soft-capped attention] in ``llama_cp/attention/kernels.py``; ``window``: a sliding window of that
+        many tokens (Note [Sliding windows under CP] in ``llama_cp/attention/documents.py``)."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         seq_len = q.shape[2] * self.cp_size
         if window is not None and window < 1:
@@ -959,9 +959,9 @@ def apply_context_parallel(
 
     ``block_size`` (``--attention_block_size``): every local kernel call covers at most that
     many queries x keys, so its workspace is per block, not per sequence (Note [Tiled
-    attention] in ``llama_cp/documents.py``); 0: one call per block of the strategy.
+    attention] in ``llama_cp/attention/documents.py``); 0: one call per block of the strategy.
 
-    Models llama-cp cannot compute exactly are refused here (``llama_cp.families``);
+    Models llama-cp cannot compute exactly are refused here (``llama_cp.modules.families``);
     ``max_seq_len``, the longest global sequence to come, lets a sliding window that needs
     flash-attn on CUDA be refused now rather than at the first forward when ``backend`` names
     one of torch's CUDA kernels. A padding attention mask is refused when the model is called.

@@ -4,7 +4,7 @@ sharded over ``dp_shard_cp`` while the sequence is sharded over ``cp``.
 Gradient semantics: FSDP here **sums** gradients over ``dp_shard_cp`` (and over
 ``dp_replicate`` with HSDP) instead of averaging them. A rank that backpropagates
 ``sum(CE of its local tokens) / (valid tokens of the whole step)`` (see
-``llama_cp.loss``) therefore ends with exactly the single-process gradient of
+``llama_cp.model.loss``) therefore ends with exactly the single-process gradient of
 the mean loss, for any split of the tokens over dp and cp ranks.
 """
 
@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
-import tempfile
 from typing import Literal
 
 import torch
@@ -28,9 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from llama_cp.mesh import submesh
-from llama_cp.models import base_causal_lm, compute_dtype, decoder_layers
-from llama_cp.quantize import quantize_checkpoint, quantized_linears
+from llama_cp.modules.causal_lm import base_causal_lm, compute_dtype, decoder_layers
+from llama_cp.modules.quantize import quantize_checkpoint, quantized_linears
+from llama_cp.parallel.mesh import submesh
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -65,10 +63,10 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 def apply_checkpoint_offload(model: nn.Module):
     """Keep the input each checkpointed decoder layer saves in host memory until its recompute
-    (Note [Offloading checkpoint inputs] in ``llama_cp.offload``). Call after
+    (Note [Offloading checkpoint inputs] in ``llama_cp.modules.offload``). Call after
     :func:`apply_activation_checkpointing`. Returns the :class:`CheckpointOffloader`, also
     kept as ``model.checkpoint_offloader`` (its ``peak_host_bytes`` is the host memory used)."""
-    from llama_cp.offload import CheckpointOffloader
+    from llama_cp.modules.offload import CheckpointOffloader
 
     offloader = CheckpointOffloader()
     layers = [layer for layer in decoder_layers(model) if getattr(layer, "gradient_checkpointing", False)]
@@ -283,32 +281,3 @@ def load_full_weights(model: nn.Module, path: str, device: torch.device | str) -
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full (unsharded) state dict on rank 0, on CPU; an empty dict on other ranks."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def export_pretrained(model: nn.Module, output_dir: str) -> None:
-    """Write an HF ``save_pretrained`` directory of the sharded ``model`` from rank 0,
-    into a temporary directory renamed into place, so a half-written export never
-    looks complete."""
-    if os.path.exists(output_dir):  # every rank sees it: all raise before the collective
-        raise FileExistsError(f"{output_dir!r} exists; choose another output directory")
-    from llama_cp.checkpoint import WriteFailed, describe_write_failure
-
-    state = gather_full_state_dict(model)
-    parent = os.path.dirname(os.path.abspath(output_dir))
-    failure = [None]
-    if dist.get_rank() == 0:
-        tmp = None
-        try:
-            os.makedirs(parent, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
-            # a peft model saves its adapter (and modules_to_save) only; a plain model everything
-            model.save_pretrained(tmp, state_dict=state)
-            os.rename(tmp, output_dir)
-        except Exception as error:  # noqa: BLE001 - e.g. a full disk: the other ranks must hear of it
-            where = tmp or parent
-            failure = [describe_write_failure(error, f"exporting {output_dir}", where, parent)]
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-    dist.broadcast_object_list(failure, src=0)  # also the barrier: the export is in place
-    if failure[0] is not None:
-        raise WriteFailed(failure[0])

@@ -25,12 +25,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from llama_cp.cli import run_cli
-from llama_cp.data import PASSKEY_DIGITS, PASSKEY_FILLER, passkey_example
-from llama_cp.loss import IGNORE_INDEX, causal_lm_loss_sum
-from llama_cp.mesh import end_distributed, submesh
-from llama_cp.run_dir import write_atomically
-from llama_cp.sharding import check_context_length, shard_batch
+from llama_cp.data.loading import PASSKEY_DIGITS, PASSKEY_FILLER, passkey_example
+from llama_cp.model.loss import IGNORE_INDEX, causal_lm_loss_sum
+from llama_cp.parallel.mesh import end_distributed, submesh
+from llama_cp.parallel.sharding import check_context_length, shard_batch
+from llama_cp.train.cli import run_cli
+from llama_cp.train.run_dir import write_atomically
 
 #: The tasks: the training task's needle and question, and a needle unlike it (RULER's magic number).
 TASKS = {
@@ -69,9 +69,9 @@ def main(
     --cp, --cp_strategy, --dtype, --attention_backend as in training; --passkey_digits: digits of
     the key (0 = auto, as in training: 1 for the embedded model, else 5; a run of the default job
     trained one-digit keys, so evaluate its final/ with --passkey_digits 1)."""
-    from llama_cp.build import build_model, model_path
     from llama_cp.config import TrainConfig
-    from llama_cp.mesh import init_distributed
+    from llama_cp.model.build import build_model, model_path
+    from llama_cp.parallel.mesh import init_distributed
 
     lengths, depths = parse_grid(lengths, depths, cp)
     if task not in TASKS:
@@ -101,7 +101,7 @@ def main(
 
 
 def evaluate_trained(trainer) -> dict:
-    """The passkey grid on a :class:`~llama_cp.trainer.Trainer`'s model after ``fit``
+    """The passkey grid on a :class:`~llama_cp.train.trainer.Trainer`'s model after ``fit``
     (``--eval_needle``): lengths --context_length / 4, / 2 and / 1 (those that hold the task),
     DEFAULT_DEPTHS, TRAINING_SAMPLES_PER_CELL rows per cell; written beside the run's metrics."""
     cfg = trainer.cfg
@@ -144,12 +144,12 @@ def parse_grid(lengths, depths, cp: int = 1) -> tuple[list[int], list[float]]:
 def load_tokenizer(path: str | None):
     """The embedded byte tokenizer (``path`` None) or the model directory's."""
     if path is None:
-        from llama_cp.tokenizer import byte_tokenizer
+        from llama_cp.data.tokenizer import byte_tokenizer
 
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
-    from llama_cp.models import check_tokenizer_files
+    from llama_cp.modules.causal_lm import check_tokenizer_files
 
     check_tokenizer_files(path)
     return AutoTokenizer.from_pretrained(path)
@@ -182,7 +182,7 @@ def evaluate_grid(
     task: str = "passkey", seed: int = 0, filler=PASSKEY_FILLER, device: torch.device | str = "cpu",
     digits: int = PASSKEY_DIGITS,
 ) -> dict:
-    """Accuracy of ``model`` (built by ``llama_cp.build.build_model``: CP attention and the chunked
+    """Accuracy of ``model`` (built by ``llama_cp.model.build.build_model``: CP attention and the chunked
     loss) per (length, depth): ``{"task", "lengths", "depths", "num_samples", "accuracy":
     [[...] per length] , "overall"}``. The dp ranks split the rows of a cell, the cp ranks
     share each row; every rank returns the same result."""

@@ -8,10 +8,10 @@
 Flags: ``--help``, docs/flags.md, or ``llama_cp/config.py`` (one flag per config field).
 """
 
-from llama_cp.cli import run_cli
 from llama_cp.config import TrainConfig
-from llama_cp.mesh import end_distributed
-from llama_cp.trainer import Trainer
+from llama_cp.parallel.mesh import end_distributed
+from llama_cp.train.cli import run_cli
+from llama_cp.train.trainer import Trainer
 
 
 def main(config: str | None = None, **flags) -> None:

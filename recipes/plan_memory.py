@@ -5,7 +5,7 @@
     python -m recipes.plan_memory --model_name llama3-8b --use_peft --plot max_context.png
 
 Runs the trainer's own model build and optimizer step for one simulated rank under fake
-tensors (``llama_cp.memory``), in seconds on a CPU. Training flags are the trainer's
+tensors (``llama_cp.plan.memory``), in seconds on a CPU. Training flags are the trainer's
 (``llama_cp/config.py``, also from ``--config preset.yaml``); the planner adds:
 
     --num_gpus          world size of the planned job (default 8)
@@ -19,7 +19,7 @@ tensors (``llama_cp.memory``), in seconds on a CPU. Training flags are the train
 
 --attention_backend names the GPU attention kernel whose workspace the plan includes; "auto"
 (default) plans what an sm80+ GPU with flash-attn installed runs: flash_attn in bf16/fp16
-(Note [GPU attention kernels' workspace] in llama_cp/memory.py). sdpa_cpu plans the CPU kernel.
+(Note [GPU attention kernels' workspace] in llama_cp/plan/memory.py). sdpa_cpu plans the CPU kernel.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from __future__ import annotations
 import json as json_lib
 
 
-from llama_cp.cli import run_cli
 from llama_cp.config import TrainConfig
-from llama_cp.memory import (
+from llama_cp.train.cli import run_cli
+from llama_cp.plan.memory import (
     GiB, MemoryBreakdown, load_model_config, plan_step_memory, planned_attention_backend, usable_bytes, with_context,
 )
-from llama_cp.memory import find_max_context as search_max_context  # main's flag has the same name
+from llama_cp.plan.memory import find_max_context as search_max_context  # main's flag has the same name
 
 #: Planner defaults where they differ from the trainer's (flags and --config override them).
 PLAN_DEFAULTS = {"model_name": "llama3-8b", "context_length": 131072}

@@ -6,16 +6,16 @@
 Takes the training recipe's flags (the same --config preset works); what the rows depend
 on is --dataset, --model_name (its tokenizer), --context_length, --cp and --truncate_documents; they are
 written under --data_cache_dir, where a training run with the same flags finds and reuses
-them (Note [Prepared rows] in llama_cp/prepared.py). Prints a summary per split.
+them (Note [Prepared rows] in llama_cp/data/prepared.py). Prints a summary per split.
 """
 
 from __future__ import annotations
 
-from llama_cp.build import model_path
-from llama_cp.cli import run_cli
 from llama_cp.config import TrainConfig
-from llama_cp.prepared import prepare_dataset
-from llama_cp.trainer import build_tokenizer
+from llama_cp.data.prepared import prepare_dataset
+from llama_cp.model.build import model_path
+from llama_cp.train.cli import run_cli
+from llama_cp.train.trainer import build_tokenizer
 
 
 def main(config: str | None = None, **flags) -> None:

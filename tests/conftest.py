@@ -25,7 +25,7 @@ import pytest
 # Spawned ranks import the test modules by name, so tests/ must be importable.
 sys.path.insert(0, os.path.dirname(__file__))
 
-# The prepared-data cache (llama_cp/prepared.py, under datasets' cache by default) of the runs the
+# The prepared-data cache (llama_cp/data/prepared.py, under datasets' cache by default) of the runs the
 # tests start goes to a folder of this session, removed at exit, not to the user's cache.
 _DATASETS_CACHE = tempfile.mkdtemp(prefix="llama_cp_tests_datasets_")
 os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE

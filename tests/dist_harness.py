@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from llama_cp.mesh import end_distributed, free_port
+from llama_cp.parallel.mesh import end_distributed, free_port
 
 
 def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: str, names: list[str]) -> None:
@@ -62,7 +62,7 @@ def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: st
             results[name] = f"rank {rank}:\n{traceback.format_exc()}"
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    end_distributed()  # Note [Leaving a gloo job] in llama_cp/mesh.py
+    end_distributed()  # Note [Leaving a gloo job] in llama_cp/parallel/mesh.py
 
 
 class Checks:

@@ -17,9 +17,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
 from llama_cp.fsdp_wrap import shard_model
-from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss, router_loss_share
-from llama_cp.sharding import SEQ_INDEX, unshard
-from llama_cp.step import forward_backward
+from llama_cp.model.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss, router_loss_share
+from llama_cp.optim.step import forward_backward
+from llama_cp.parallel.sharding import SEQ_INDEX, unshard
 
 VOCAB, SEQ_LEN, GLOBAL_BATCH = 96, 32, 4
 FP32_CLOSE = dict(atol=1e-5, rtol=1e-5)

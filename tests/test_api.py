@@ -27,23 +27,44 @@ def test_exports_are_what_a_loop_needs_and_nothing_test_only():
         assert internal not in llama_cp.__all__ and not hasattr(llama_cp, internal), internal
 
 
+#: llama_cp's layers, from the top. A module imports only modules of its own layer or of the
+#: layers below it; llama_cp/__init__.py, the public API, stands above them all. A layer is a
+#: folder or a file at the top of the package (the product card's cp_attention.py and
+#: fsdp_wrap.py share one). config stands above the parts whose rules it checks when a flag is
+#: given, and below everything that reads a TrainConfig: the layers under it take plain values.
+LAYERS = (("train",), ("plan",), ("optim",), ("data",), ("model",), ("config",), ("cp_attention", "fsdp_wrap"),
+          ("attention",), ("modules",), ("parallel",))
+
+
+def package_modules() -> dict[str, str]:
+    """Every llama_cp module but the package faces (``__init__.py``): dotted name under llama_cp -> path."""
+    package = os.path.join(ROOT, "llama_cp")
+    modules = {}
+    for folder, _, files in os.walk(package):
+        for name in files:
+            if name.endswith(".py") and name != "__init__.py":
+                path = os.path.join(folder, name)
+                modules[os.path.relpath(path, package)[:-3].replace(os.sep, ".")] = path
+    return modules
+
+
 def import_graph() -> dict[str, set[str]]:
     """Which llama_cp modules each llama_cp module imports, at the top or inside a function."""
-    package = os.path.join(ROOT, "llama_cp")
-    modules = {name[:-3] for name in os.listdir(package) if name.endswith(".py") and name != "__init__.py"}
+    modules = package_modules()
     graph = {}
-    for module in modules:
-        with open(os.path.join(package, f"{module}.py")) as f:
+    for module, path in modules.items():
+        with open(path) as f:
             tree = ast.parse(f.read())
         imported = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "llama_cp":
-                imported |= {alias.name for alias in node.names}  # from llama_cp import kernels
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("llama_cp."):
-                imported.add(node.module.split(".")[1])
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "llama_cp":
+                base = node.module.partition(".")[2]
+                for alias in node.names:  # from llama_cp.attention import kernels: a module; else a name of base
+                    imported.add(f"{base}.{alias.name}".lstrip(".") if f"{base}.{alias.name}".lstrip(".") in modules
+                                 else base)
             elif isinstance(node, ast.Import):
-                imported |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("llama_cp.")}
-        graph[module] = (imported & modules) - {module}
+                imported |= {alias.name.partition(".")[2] for alias in node.names if alias.name.startswith("llama_cp.")}
+        graph[module] = (imported & set(modules)) - {module}
     return graph
 
 
@@ -62,12 +83,38 @@ def import_cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
             for module in graph if module in reach[module]}
 
 
+def imports_up(graph: dict[str, set[str]], layers=LAYERS) -> set[tuple[str, str]]:
+    """The imports ``(module, imported)`` that run up: to a layer above the module's own."""
+    height = {name: i for i, names in enumerate(layers) for name in names}
+    return {(module, other) for module, imported in graph.items() for other in imported
+            if height[other.split(".")[0]] < height[module.split(".")[0]]}
+
+
 def test_llama_cp_modules_do_not_import_each_other_in_a_circle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {("a", "b", "c")}
     graph = import_graph()
-    # imports at the top (fsdp_wrap) and inside functions (quantize) are both seen
-    assert "quantize" in graph["fsdp_wrap"] and "models" in graph["quantize"], graph
+    # imports at the top (fsdp_wrap), inside functions (quantize) and of a module by name are all seen
+    assert "modules.quantize" in graph["fsdp_wrap"] and "modules.causal_lm" in graph["modules.quantize"], graph
+    assert "attention.kernels" in graph["cp_attention"], graph  # from llama_cp.attention import kernels
     assert import_cycles(graph) == set(), import_cycles(graph)
+
+
+def test_imports_only_run_down_the_layers():
+    toy = {"top.a": {"low.b", "top.c"}, "top.c": set(), "low.b": {"top.a"}}
+    assert imports_up(toy, layers=(("top",), ("low",))) == {("low.b", "top.a")}
+    graph = import_graph()
+    layered = {name for names in LAYERS for name in names}
+    assert {module.split(".")[0] for module in graph} == layered, "a new folder or top-level file needs its place in LAYERS"
+    assert imports_up(graph) == set()
+
+
+def test_the_layers_folders_are_faces():
+    # a folder's __init__.py says what the folder holds and imports nothing: a module is imported by its own path
+    for name in (names[0] for names in LAYERS):
+        init = os.path.join(ROOT, "llama_cp", name, "__init__.py")
+        if os.path.isdir(os.path.dirname(init)):
+            body = ast.parse(open(init).read()).body
+            assert len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), init
 
 
 def readme_loop() -> str:
@@ -89,7 +136,7 @@ def test_readme_loop_runs_as_written_and_matches_transformers(tmp_path):
     loss, grad_norm = map(float, re.search(r"loss (\S+) grad_norm (\S+)", result.stdout).groups())
 
     # the same model, tokens and labels in one process, through plain transformers
-    from llama_cp.models import build_causal_lm, embedded_llama_config
+    from llama_cp.modules.causal_lm import build_causal_lm, embedded_llama_config
 
     torch.manual_seed(0)
     model = build_causal_lm(embedded_llama_config())
@@ -104,7 +151,7 @@ def test_readme_loop_runs_as_written_and_matches_transformers(tmp_path):
 #: Two gloo ranks whose last all_reduce finishes while rank 0 leaves (rank 1 joins it late;
 #: rank 0's globals drop the tensor, then hold the interpreter's exit up with an object slow to
 #: delete). Left by the interpreter's own exit, the gloo worker releasing that work can abort the
-#: rank (Note [Leaving a gloo job] in llama_cp/mesh.py): on 2 cores it did in some runs and not
+#: rank (Note [Leaving a gloo job] in llama_cp/parallel/mesh.py): on 2 cores it did in some runs and not
 #: in others, too irregular to assert; end_distributed() leaves before finalization.
 LATE_COLLECTIVE = """
 import sys, time

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from dist_harness import Checks, shared_tmpdir
 from fsdp_checks import build, full_param, global_batch, sharded_step, tiny_model
 from llama_cp import ParallelDims
-from llama_cp.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from llama_cp.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 
 WORLD_SIZE = 2
 SAVE_AT, TRAIN_AFTER = 2, 2
@@ -144,7 +144,7 @@ def keep_last_and_incomplete_checkpoints_are_ignored():
 
 @checks.add
 def resume_skips_unmarked_and_unlisted_and_refuses_unverified_checkpoints():
-    from llama_cp.checkpoint import UnverifiedCheckpoint, resumable_checkpoint
+    from llama_cp.train.checkpoint import UnverifiedCheckpoint, resumable_checkpoint
 
     model, _, optimizer, scheduler = trainer(dict(dp_shard=2), tiny_model())
     with shared_tmpdir() as output_dir:
@@ -183,9 +183,9 @@ def _write_texts(root: str, name: str, texts: list[str]) -> str:
 
 @checks.add
 def prepared_rows_are_made_once_while_the_other_rank_waits():
-    from llama_cp.data import build_rows
-    from llama_cp.prepared import load_prepared_rows
-    from llama_cp.tokenizer import byte_tokenizer
+    from llama_cp.data.loading import build_rows
+    from llama_cp.data.prepared import load_prepared_rows
+    from llama_cp.data.tokenizer import byte_tokenizer
 
     tokenizer, rng = byte_tokenizer(), random.Random(0)
     with shared_tmpdir() as root:
@@ -206,8 +206,8 @@ def prepared_rows_are_made_once_while_the_other_rank_waits():
 
 @checks.add
 def streaming_position_of_every_dp_rank_resumes_from_a_checkpoint():
-    from llama_cp.prepared import StreamingRowLoader
-    from llama_cp.tokenizer import byte_tokenizer
+    from llama_cp.data.prepared import StreamingRowLoader
+    from llama_cp.data.tokenizer import byte_tokenizer
 
     model, _, optimizer, scheduler = trainer(dict(dp_shard=2), tiny_model())
     tokenizer, rng, rank = byte_tokenizer(), random.Random(1), dist.get_rank()

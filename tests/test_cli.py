@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from llama_cp.cli import run_cli
 from llama_cp.config import TrainConfig
+from llama_cp.train.cli import run_cli
 from recipes import finetune_longctx, plan_memory
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -93,12 +93,12 @@ def test_every_broken_parallel_rule_is_in_one_message(monkeypatch, capsys, tmp_p
     assert str(error.value).startswith("--context_length 1024 must be a multiple of 2 x cp = 6 ") and str(
         error.value).endswith("; and --cp 3 --dp_shard -1 --dp_replicate 1 need 3 processes, and this is one: launch "
                               "with torchrun --nproc_per_node 3 -m recipes.finetune_longctx ... (or "
-                              "llama_cp.launcher.launch(cfg, nprocs=3) from a notebook)"), error.value
+                              "llama_cp.launch(cfg, nprocs=3) from a notebook)"), error.value
     assert not (tmp_path / "run").exists()
 
 
 def test_model_directories_without_config_or_tokenizer_are_refused(capsys, tmp_path):
-    from llama_cp.models import build_causal_lm, embedded_llama_config
+    from llama_cp.modules.causal_lm import build_causal_lm, embedded_llama_config
 
     build_causal_lm(embedded_llama_config(num_hidden_layers=1)).save_pretrained(tmp_path / "weights_only")
     (tmp_path / "nothing").mkdir()
@@ -193,8 +193,8 @@ def test_a_structural_change_on_resume_is_one_line_before_anything_is_built(caps
     """A checkpoint records its run's config; --resume --lora_r 16 on an r=8 run is refused in one line
     (it used to be a 62-line traceback from the model load). The checkpoint here is only its marker and
     config: the refusal must come before anything would read more."""
-    from llama_cp.checkpoint import checkpoint_dir
-    from llama_cp.run_dir import yaml_dump
+    from llama_cp.train.checkpoint import checkpoint_dir
+    from llama_cp.train.run_dir import yaml_dump
 
     out = tmp_path / "run"
     saved = checkpoint_dir(str(out), 2)

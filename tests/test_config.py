@@ -81,7 +81,7 @@ def test_importing_the_library_leaves_the_warning_filters_alone():
         "import torch.distributed.checkpoint, torch.distributed.fsdp, torch.utils.tensorboard\n"
         "import torch.distributed._tools.fsdp2_mem_tracker\n"
         "before = list(warnings.filters)\n"
-        "import llama_cp, llama_cp.trainer, llama_cp.memory, llama_cp.checkpoint, llama_cp.reporting\n"
+        "import llama_cp, llama_cp.train.trainer, llama_cp.plan.memory, llama_cp.train.checkpoint, llama_cp.train.reporting\n"
         "import recipes.finetune_longctx, recipes.plan_memory\n"
         "added = [f for f in warnings.filters if f not in before]\n"
         "assert not added, added\n"
@@ -103,7 +103,7 @@ def test_importing_the_library_leaves_the_warning_filters_alone():
     ],
 )
 def test_qlora_refusal_names_installed_and_needed_versions(torch_version, bitsandbytes_version, installed):
-    from llama_cp.quantize import qlora_refusal
+    from llama_cp.modules.quantize import qlora_refusal
 
     expected = None if installed is None else (
         f"--quantization 4bit needs torch >= 2.12 and bitsandbytes >= 0.46 (installed: {installed}); "
@@ -117,7 +117,7 @@ def test_qlora_is_refused_at_validation_where_the_installed_versions_lack_suppor
 
     import torch
 
-    from llama_cp.quantize import installed_qlora_refusal
+    from llama_cp.modules.quantize import installed_qlora_refusal
 
     if installed_qlora_refusal() is None:
         pytest.skip(f"torch {torch.__version__} and bitsandbytes {version('bitsandbytes')} run QLoRA")
@@ -152,7 +152,7 @@ def test_a_config_for_several_ranks_builds_after_a_single_process_run(monkeypatc
 def test_auto_strategy_follows_its_note(heads, cp, dataset, want, tmp_path):
     from types import SimpleNamespace
 
-    from llama_cp.build import cp_strategy
+    from llama_cp.model.build import cp_strategy
 
     if dataset != "passkey":
         dataset = str(tmp_path / dataset)
@@ -169,7 +169,7 @@ def test_lora_target_parameters_is_refused_by_a_peft_without_them(monkeypatch):
     import peft
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llama_cp import build
+    from llama_cp.model import build
 
     has = tuple(int(part) for part in peft.__version__.split(".")[:2]) >= (0, 17)
     assert build.peft_supports_target_parameters() == has

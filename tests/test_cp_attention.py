@@ -17,8 +17,8 @@ from dist_harness import Checks
 from probes import LargestTensor
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
 from llama_cp.cp_attention import ContextParallelAttention
-from llama_cp.sharding import unshard
-from llama_cp.sharding import shard_sequence
+from llama_cp.parallel.sharding import unshard
+from llama_cp.parallel.sharding import shard_sequence
 
 WORLD_SIZE = 4
 checks = Checks()
@@ -134,8 +134,9 @@ for _strategy in ("ring", "ulysses"):
 def check_tiled_kernel(strategy, causal, kv_heads, block_size, documents, dtype):
     """Tiled CP attention (Note [Tiled attention]) at cp 2 equals the untiled CP attention and the
     single-process full-sequence attention: out, dq, dk, dv; with packed documents too."""
+    from llama_cp.attention.documents import DocumentLayout
     from llama_cp.cp_attention import local_attention
-    from llama_cp.documents import DocumentLayout, document_starts
+    from llama_cp.parallel.sharding import document_starts
 
     cp, seq = 2, 32
     mesh = cp_mesh(cp)

@@ -9,8 +9,8 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from llama_cp import data
-from llama_cp.data import (
+from llama_cp.data import loading as data
+from llama_cp.data.loading import (
     DistributedRowLoader,
     build_rows,
     load_examples,
@@ -19,7 +19,7 @@ from llama_cp.data import (
     passkey_rows,
     tokenize_example,
 )
-from llama_cp.tokenizer import _byte_alphabet, byte_tokenizer
+from llama_cp.data.tokenizer import _byte_alphabet, byte_tokenizer
 
 IGNORE = -100
 TEXTS = ["plain ascii", "héllo wörld, 日本語 and 🎉", "  leading spaces\n\ttabs\r\n\x00nul", ""]

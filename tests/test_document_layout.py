@@ -8,10 +8,11 @@ import torch
 from transformers.masking_utils import find_packed_sequence_indices
 
 from llama_cp import apply_context_parallel
-from llama_cp.documents import Chunk, DocumentLayout, Span, document_starts, pieces, spans
-from llama_cp.kernels import merge_block
-from llama_cp.memory import track_peak_memory
-from llama_cp.sharding import zigzag_index
+from llama_cp.attention.documents import Chunk, DocumentLayout, Span, pieces, spans
+from llama_cp.attention.kernels import merge_block
+from llama_cp.parallel.sharding import document_starts
+from llama_cp.parallel.sharding import zigzag_index
+from llama_cp.plan.memory import track_peak_memory
 
 from fsdp_checks import tiny_model
 from probes import LargestTensor

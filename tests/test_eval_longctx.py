@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from llama_cp.tokenizer import byte_tokenizer
+from llama_cp.data.tokenizer import byte_tokenizer
 from recipes.eval_longctx import parse_grid, read_haystack, retrieval_row, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,8 +59,8 @@ def test_haystack_file_gives_the_filler(tmp_path):
 def test_eval_builds_logits_for_the_labelled_tokens_only(monkeypatch):
     """Without grad, the chunked loss's correct-mask path computes the logits of the labelled
     rows alone, with the same loss and mask as the full path."""
-    import llama_cp.loss as loss
-    from llama_cp.models import build_causal_lm, embedded_llama_config
+    import llama_cp.model.loss as loss
+    from llama_cp.modules.causal_lm import build_causal_lm, embedded_llama_config
 
     torch.manual_seed(0)
     model = loss.enable_chunked_loss(build_causal_lm(embedded_llama_config(num_hidden_layers=1)), chunk_size=16)

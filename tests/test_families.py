@@ -26,10 +26,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from dist_harness import Checks
 from fsdp_checks import check_cp_against_reference
 from llama_cp import ParallelDims, apply_context_parallel, enable_chunked_loss, shard_batch
-from llama_cp.build import peft_supports_target_parameters
-from llama_cp.families import transformers_refusal
-from llama_cp.models import apply_rope_settings
-from llama_cp.sharding import unshard
+from llama_cp.model.build import peft_supports_target_parameters
+from llama_cp.modules.causal_lm import apply_rope_settings
+from llama_cp.modules.families import transformers_refusal
+from llama_cp.parallel.sharding import unshard
 
 WORLD_SIZE = 4
 VOCAB, SEQ_LEN, BATCH = 96, 32, 2
@@ -340,7 +340,7 @@ def phi3_lora_on_its_fused_layers_float64():
     targets (q_proj, k_proj, v_proj, o_proj) name layers Phi-3 does not have, which is refused."""
     from peft import LoraConfig, get_peft_model
 
-    from llama_cp.build import check_lora_targets
+    from llama_cp.model.build import check_lora_targets
 
     reference = family_model("phi3", torch.float64)
     with pytest.raises(ValueError, match=r"--lora_target_modules: q_proj, k_proj, v_proj not in Phi3ForCausalLM; "
@@ -365,7 +365,7 @@ def moe_lora_on_attention_and_experts_float64():
     cp 4 with FSDP, with the router loss: exact; names the model lacks are refused in one line."""
     from peft import LoraConfig, get_peft_model
 
-    from llama_cp.build import check_lora_targets
+    from llama_cp.model.build import check_lora_targets
 
     reference = family_model("mixtral", torch.float64)
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -1,4 +1,4 @@
-"""Model FLOPs (Note [Model FLOPs] in llama_cp/flops.py) against torch's FlopCounterMode on real
+"""Model FLOPs (Note [Model FLOPs] in llama_cp/model/flops.py) against torch's FlopCounterMode on real
 forward+backward passes of the embedded model, the peak table, and the per-GPU figures."""
 
 import pytest
@@ -7,8 +7,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaForCausalLM
 
 from llama_cp import apply_context_parallel
-from llama_cp.flops import attention_pairs, model_flops, peak_flops, throughput
-from llama_cp.models import embedded_llama_config
+from llama_cp.model.flops import attention_pairs, model_flops, peak_flops, throughput
+from llama_cp.modules.causal_lm import embedded_llama_config
 
 
 def _measure(model, **batch) -> dict[str, int]:
@@ -114,7 +114,7 @@ def test_an_unlisted_gpu_is_told_once_how_to_get_an_mfu(monkeypatch):
     from types import SimpleNamespace
 
     from llama_cp.config import TrainConfig
-    from llama_cp.trainer import Trainer
+    from llama_cp.train.trainer import Trainer
 
     def start(device_name: str, **flags):
         said = []
@@ -128,7 +128,7 @@ def test_an_unlisted_gpu_is_told_once_how_to_get_an_mfu(monkeypatch):
     peak, said = start("NVIDIA RTX PRO 6000 Blackwell Server Edition")
     assert peak is None and said == [
         "no MFU is reported: 'NVIDIA RTX PRO 6000 Blackwell Server Edition' is not in "
-        "llama_cp.flops.PEAK_BF16_FLOPS; pass --peak_tflops (its dense bf16 TFLOP/s) for one"]
+        "llama_cp.model.flops.PEAK_BF16_FLOPS; pass --peak_tflops (its dense bf16 TFLOP/s) for one"]
     assert start("NVIDIA H200 NVL") == (835e12, [])
     assert start("NVIDIA RTX PRO 6000 Blackwell Server Edition", peak_tflops=500.0) == (500e12, [])
 
@@ -189,7 +189,7 @@ def test_sliding_windows_count_the_pairs_they_see():
     model_flops averages them over the layers (plus the backward's recompute, as above)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llama_cp.models import EMBEDDED_LLAMA
+    from llama_cp.modules.causal_lm import EMBEDDED_LLAMA
 
     fields = {k: v for k, v in EMBEDDED_LLAMA.items() if k not in ("num_hidden_layers", "max_position_embeddings")}
     config = AutoConfig.for_model("qwen3", **fields, num_hidden_layers=2, use_sliding_window=True, sliding_window=3,
@@ -214,7 +214,7 @@ def test_layer_windows_are_those_the_attention_layers_hold(window):
     family's attention modules hold, for every supported family (transformers' own modules)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llama_cp.families import SUPPORTED_FAMILIES, _WINDOW_IN_CONFIG, layer_windows
+    from llama_cp.modules.families import SUPPORTED_FAMILIES, _WINDOW_IN_CONFIG, layer_windows
 
     base = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -17,7 +17,8 @@ from fsdp_checks import (
     sharded_step, step_both, tiny_config_as, tiny_model,
 )
 from llama_cp import ParallelDims
-from llama_cp.fsdp_wrap import export_pretrained, gather_full_state_dict, load_full_weights, shard_model
+from llama_cp.fsdp_wrap import gather_full_state_dict, load_full_weights, shard_model
+from llama_cp.train.checkpoint import export_pretrained
 from probes import bnb_cpu_optimizer_problem
 
 WORLD_SIZE = 4
@@ -117,10 +118,10 @@ def per_rank_bytes_are_total_over_dp_shard_x_cp():
 
 @checks.add
 def clipping_uses_the_global_norm():
-    """The trainer's clipping (llama_cp.step.clip_gradients) on the sharded model: the norm over
+    """The trainer's clipping (llama_cp.optim.step.clip_gradients) on the sharded model: the norm over
     every rank's shards, and the gradients scaled as one process scales them (computed here by
     hand, not by torch's clip_grad_norm_); max_grad_norm 0 reports the norm and clips nothing."""
-    from llama_cp.step import clip_gradients
+    from llama_cp.optim.step import clip_gradients
 
     model, reference, _, _ = step_both(dict(dp_shard=2, cp=2))
     grads = [p.grad for p in reference.parameters() if p.grad is not None]
@@ -197,8 +198,8 @@ def adamw8bit_with_empty_local_shards_steps_and_resumes():
     same gathered gradients, bit for bit; a fresh run resumed from step 2's checkpoint steps the same."""
     import bitsandbytes as bnb
 
-    from llama_cp.checkpoint import load_checkpoint, save_checkpoint
-    from llama_cp.optim import build_optimizer
+    from llama_cp.optim.optimizers import build_optimizer
+    from llama_cp.train.checkpoint import load_checkpoint, save_checkpoint
 
     def fresh():
         model = get_peft_model(tiny_model(), LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from llama_cp.quantize import installed_qlora_refusal
+from llama_cp.modules.quantize import installed_qlora_refusal
 from probes import bnb_cpu_optimizer_problem
 
 ROOT = os.path.dirname(os.path.dirname(__file__))

@@ -1,6 +1,6 @@
-"""The CPU stand-ins of the CUDA attention kernels (llama_cp/kernel_workspace.py): exact values
+"""The CPU stand-ins of the CUDA attention kernels (llama_cp/attention/workspace.py): exact values
 against the math backend, the tracked peak of each equal to Note [GPU attention kernels'
-workspace] in llama_cp/memory.py, and the planner including that workspace."""
+workspace] in llama_cp/plan/memory.py, and the planner including that workspace."""
 
 import itertools
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from llama_cp import kernels
+from llama_cp.attention import kernels
+from llama_cp.attention.workspace import MODELLED, ModelledBackend, efficient_backward_workspace_bytes
 from llama_cp.config import TrainConfig
-from llama_cp.kernel_workspace import MODELLED, ModelledBackend, efficient_backward_workspace_bytes
-from llama_cp.memory import planned_attention_backend, simulate_step_phases, step_peak, track_peak_memory
+from llama_cp.plan.memory import planned_attention_backend, simulate_step_phases, step_peak, track_peak_memory
 
 
 def _round_up(x, m):
@@ -171,7 +171,7 @@ def test_plan_of_one_tile_per_shape_equals_every_tile(parallel, monkeypatch):
     96 (a ragged last one) and loss chunks of 128."""
     from transformers import LlamaConfig
 
-    from llama_cp import tiling
+    from llama_cp.modules import tiling
 
     config = LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llama_cp import dense, kernels
+from llama_cp.attention import dense, kernels
 
 
 def _inputs(heads, kv_heads, sq, sk, dtype, seed=0):
@@ -175,7 +175,7 @@ def test_cuda_backends_match_math(backend, causal):
 
 
 # ---------------------------------------------------------------- tiled attention
-# Note [Tiled attention] (llama_cp/documents.py): every block cut into kernel calls of at most
+# Note [Tiled attention] (llama_cp/attention/documents.py): every block cut into kernel calls of at most
 # block_size queries x keys, exact against the untiled calls.
 TILE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
 
@@ -183,7 +183,8 @@ TILE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=
 def _document_block(seq: int, seed: int = 5):
     """Pieces of 2 rows of ``seq`` tokens packed with documents (one of length 1, one spanning
     most of the row), as cp 1 computes them."""
-    from llama_cp.documents import DocumentLayout, document_starts
+    from llama_cp.attention.documents import DocumentLayout
+    from llama_cp.parallel.sharding import document_starts
 
     g = torch.Generator().manual_seed(seed)
     position_ids = torch.arange(seq).repeat(2, 1)
@@ -208,7 +209,7 @@ def _pairs(block, batch):
 
 @pytest.mark.parametrize("block_size", [1, 3, 5, 8, 24, 100])
 def test_tiles_cover_each_visible_pair_once_in_small_calls(block_size):
-    from llama_cp.documents import Piece, tiles
+    from llama_cp.attention.documents import Piece, tiles
 
     seq = 24
     for block in ([Piece(None, slice(0, seq), slice(0, seq), True)],
@@ -239,8 +240,8 @@ TILED_CASES = [
 def test_tiled_attention_equals_untiled(backend, block_size, causal, heads, dtype):
     """out, lse, dq, dk, dv of the tiled local attention equal the untiled calls' (block sizes
     that divide the 16 queries, that do not, 1, and the whole block)."""
+    from llama_cp.attention.documents import Piece, pieces_forward, tiles
     from llama_cp.cp_attention import local_attention
-    from llama_cp.documents import Piece, pieces_forward, tiles
 
     seq = 16
     sk = seq if causal else 13
@@ -363,7 +364,7 @@ def test_softcapped_blocks_merge_and_take_the_merged_statistics():
 def test_softcap_through_flash_attn_glue_and_its_refusals():
     """flash_attn gets the cap in its own argument (the stand-in computes with it, as the library
     would); torch's CUDA kernels have none and are refused in one line naming the fix."""
-    from llama_cp.kernel_workspace import ModelledBackend
+    from llama_cp.attention.workspace import ModelledBackend
 
     q, k, v = (3 * t.float() for t in _inputs(4, 2, 12, 12, torch.float64))
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
@@ -383,7 +384,8 @@ def test_softcap_through_flash_attn_glue_and_its_refusals():
 def test_softcapped_document_pieces_in_tiles_are_exact():
     """Packed documents cut into tiles of 5 (the pieces the ring, Ulysses and all-gather compute),
     with a cap: equal to dense attention with the document mask, forward and backward."""
-    from llama_cp.documents import DocumentLayout, document_starts, pieces_attention, tiles
+    from llama_cp.attention.documents import DocumentLayout, pieces_attention, tiles
+    from llama_cp.parallel.sharding import document_starts
 
     lengths = [7, 1, 12, 4]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -439,7 +441,7 @@ def test_windowed_attention_is_exact(backend, num_q, num_k, causal, lag, heads, 
     """fp64 to 1e-10 on the CPU backends (the dense kernel in several row steps); flash_attn through
     its stand-in, which reads window_size as flash-attn 2.8.3 does (kernel_workspace._flash_bounds),
     so the glue's translation of the lag to flash-attn's bottom-right windows is checked too."""
-    from llama_cp.kernel_workspace import ModelledBackend
+    from llama_cp.attention.workspace import ModelledBackend
 
     monkeypatch.setattr(dense, "DENSE_ROWS", 5)
     dtype, tol = (torch.float32, dict(atol=1e-5, rtol=1e-5)) if backend == "flash_attn" else (
@@ -496,7 +498,8 @@ def test_windowed_document_pieces_are_exact_and_skip_what_the_band_misses(block_
     """Pieces of packed rows with a window, tiled or not, give the dense masked attention in fp64
     (logits and every gradient); no tile lies wholly outside the band, and tiles compute fewer
     pairs than without the window."""
-    from llama_cp.documents import Chunk, document_starts, pieces, pieces_attention, spans, tiles
+    from llama_cp.attention.documents import Chunk, pieces, pieces_attention, spans, tiles
+    from llama_cp.parallel.sharding import document_starts
 
     seq = 32
     position_ids = torch.stack([torch.arange(seq), torch.cat([torch.arange(11), torch.arange(seq - 11)])])

@@ -13,12 +13,12 @@ from peft import LoraConfig, get_peft_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_checks import global_batch, tiny_model
-from llama_cp import kernels
+from llama_cp.attention import kernels
 from llama_cp.config import TrainConfig
 from llama_cp.fsdp_wrap import apply_activation_checkpointing, apply_checkpoint_offload
-from llama_cp.loss import auto_loss_chunk_size, causal_lm_loss_sum, enable_chunked_loss
-from llama_cp.models import decoder_layers
-from llama_cp.tiling import apply_tiled_mlp, apply_tiled_norms, norm_modules
+from llama_cp.model.loss import auto_loss_chunk_size, causal_lm_loss_sum, enable_chunked_loss
+from llama_cp.modules.causal_lm import decoder_layers
+from llama_cp.modules.tiling import apply_tiled_mlp, apply_tiled_norms, norm_modules
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
 FP64 = dict(atol=1e-10, rtol=1e-10)
@@ -130,7 +130,7 @@ def test_offloaded_checkpoints_give_bit_identical_gradients(tuning):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_offloading_an_empty_tensor_brings_it_back(dtype):
-    from llama_cp.offload import CheckpointOffloader
+    from llama_cp.modules.offload import CheckpointOffloader
 
     offloader = CheckpointOffloader()
     for tensor in (torch.empty(0, 3, dtype=dtype), torch.arange(6, dtype=dtype).view(2, 3)):

@@ -17,7 +17,7 @@ from dist_harness import Checks, shared_tmpdir
 from fsdp_checks import FP32_CLOSE, global_batch, reference_loss, sharded_step, tiny_model
 from llama_cp import ParallelDims
 from llama_cp.config import TrainConfig
-from llama_cp.build import parallelize_model
+from llama_cp.model.build import parallelize_model
 
 WORLD_SIZE = 2
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -128,7 +128,7 @@ def offloaded_checkpoints_are_bit_identical_under_fsdp_and_cp():
 @checks.add
 def frozen_weights_load_from_a_checkpoint_in_their_storage_dtype():
     from llama_cp.fsdp_wrap import load_full_weights
-    from llama_cp.models import build_causal_lm
+    from llama_cp.modules.causal_lm import build_causal_lm
 
     source = tiny_model()
     with shared_tmpdir(prefix="levers-") as path:
@@ -158,7 +158,7 @@ def lora_adapters_load_as_peft_makes_them():
     law's spread, as peft's own A of the same model is. Swapped initialisations give the same
     logits (B @ A = 0 either way), so this is the check that sees them."""
     from llama_cp.fsdp_wrap import load_full_weights
-    from llama_cp.models import build_causal_lm
+    from llama_cp.modules.causal_lm import build_causal_lm
 
     source = tiny_model()
     cfg = lora_config()

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_cp.families import LogitTransform
-from llama_cp.loss import linear_cross_entropy
-from llama_cp.memory import track_peak_memory
+from llama_cp.model.loss import linear_cross_entropy
+from llama_cp.modules.families import LogitTransform
+from llama_cp.plan.memory import track_peak_memory
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 64, 1000])
@@ -121,7 +121,7 @@ def test_bf16_weight_gradient_in_vocabulary_slices_is_exact(monkeypatch):
     """The sliced compute-dtype path (CUDA's) with an exact CPU stand-in of torch.mm(out_dtype=fp32):
     the weight gradient equals the fp32 GEMM of the bf16-rounded logit gradient, and stays
     within bf16 rounding of the fp32 path CPU runs."""
-    from llama_cp import loss as loss_module
+    from llama_cp.model import loss as loss_module
 
     hidden, weight, labels = _bf16_head()
     cpu_path = torch.autograd.grad(linear_cross_entropy(hidden, weight, labels, chunk_size=8), weight)[0]

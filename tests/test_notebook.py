@@ -16,8 +16,8 @@ import torch
 import torch.multiprocessing as mp
 
 from llama_cp.config import TrainConfig
-from llama_cp.launcher import launch
-from llama_cp.mesh import free_port
+from llama_cp.parallel.mesh import free_port
+from llama_cp import launch
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "longctx_lora.ipynb"
 ROW_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_gpu", "model_tflops_per_gpu",
@@ -107,12 +107,12 @@ class _Left(Exception):
 def test_a_launched_child_leaves_before_finalization(tmp_path, monkeypatch, fails):
     # A child that finished leaves with os._exit(0) after writing rank 0's row and tearing the
     # group down, not through the interpreter's finalization, where a gloo worker can abort it
-    # (Note [Leaving a gloo job] in llama_cp/mesh.py). A child that failed raises, so torch's
+    # (Note [Leaving a gloo job] in llama_cp/parallel/mesh.py). A child that failed raises, so torch's
     # spawn wrapper hands its traceback to the parent.
     import torch.distributed as dist
 
-    import llama_cp.launcher
-    import llama_cp.trainer
+    import llama_cp.train.launcher
+    import llama_cp.train.trainer
 
     class Trainer:
         def __init__(self, cfg):
@@ -129,16 +129,16 @@ def test_a_launched_child_leaves_before_finalization(tmp_path, monkeypatch, fail
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)  # restored after the test; _run_rank sets them
-    monkeypatch.setattr(llama_cp.trainer, "Trainer", Trainer)
+    monkeypatch.setattr(llama_cp.train.trainer, "Trainer", Trainer)
     monkeypatch.setattr(os, "_exit", leave)
-    run = lambda: llama_cp.launcher._run_rank(0, TrainConfig(), 1, free_port(), str(tmp_path))  # noqa: E731
+    run = lambda: llama_cp.train.launcher._run_rank(0, TrainConfig(), 1, free_port(), str(tmp_path))  # noqa: E731
     if fails:
         with pytest.raises(ValueError, match="the step failed"):
             run()
-        assert not (tmp_path / llama_cp.launcher._RESULT_FILE).exists()
+        assert not (tmp_path / llama_cp.train.launcher._RESULT_FILE).exists()
     else:
         with pytest.raises(_Left) as left:
             run()
         assert left.value.args == (0,)
-        assert json.loads((tmp_path / llama_cp.launcher._RESULT_FILE).read_text()) == {"step": 1}
+        assert json.loads((tmp_path / llama_cp.train.launcher._RESULT_FILE).read_text()) == {"step": 1}
     assert not dist.is_initialized()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from llama_cp.optim import ShardLocalOptimizer
+from llama_cp.optim.optimizers import ShardLocalOptimizer
 
 from probes import bnb_cpu_optimizer_problem
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llama_cp.config import TrainConfig
-from llama_cp.data import DistributedRowLoader, build_rows, pack_documents, tokenize_example
-from llama_cp.prepared import (
+from llama_cp.data.loading import DistributedRowLoader, build_rows, pack_documents, tokenize_example
+from llama_cp.data.prepared import (
     EVAL_EVERY,
     PreparedRows,
     RowBatches,
@@ -20,7 +20,7 @@ from llama_cp.prepared import (
     prepare_dataset,
     streaming_eval_rows,
 )
-from llama_cp.tokenizer import byte_tokenizer
+from llama_cp.data.tokenizer import byte_tokenizer
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
 
@@ -154,7 +154,7 @@ def test_load_prepared_rows_in_one_process_and_bad_data_errors(tokenizer, tmp_pa
 
 
 def test_prepare_data_recipe_prints_a_summary_and_reuses_the_cache(tmp_path, capsys):
-    from llama_cp.cli import run_cli
+    from llama_cp.train.cli import run_cli
     from recipes import prepare_data
 
     dataset = tmp_path / "three.jsonl"

@@ -3,7 +3,7 @@ bitsandbytes + peft model.
 
 The reference is what a transformers user gets: ``from_pretrained`` with a
 ``BitsAndBytesConfig`` (NF4, bf16 quant storage, fp32 compute) and peft's LoRA on top. Our
-path quantizes the same full-precision weights itself (llama_cp.quantize), so the NF4 codes
+path quantizes the same full-precision weights itself (llama_cp.modules.quantize), so the NF4 codes
 and block maxima must be bit-identical, and loss and LoRA gradients equal to 1e-5.
 """
 
@@ -22,7 +22,7 @@ from torch.distributed.tensor import distribute_tensor
 from dist_harness import Checks, shared_tmpdir
 from fsdp_checks import FP32_CLOSE, SEQ_LEN, full_grad, full_param, global_batch, reference_loss, sharded_step, tiny_model
 
-from llama_cp.quantize import installed_qlora_refusal
+from llama_cp.modules.quantize import installed_qlora_refusal
 
 # Where QLoRA is refused (Note [QLoRA's version floor]; tests/test_config.py tests the refusal),
 # none of these can run.
@@ -79,8 +79,8 @@ def qlora_config(**flags):
 
 
 def build_qlora(cfg, model):
-    from llama_cp.mesh import ParallelDims
-    from llama_cp.build import parallelize_model
+    from llama_cp.model.build import parallelize_model
+    from llama_cp.parallel.mesh import ParallelDims
 
     p = cfg.parallel
     mesh = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp).build_mesh("cpu")
@@ -98,7 +98,7 @@ def copy_trainable(model, reference) -> None:
 
 def assert_codes_equal(model, reference) -> None:
     """Every NF4 layer's gathered codes and block maxima are bitsandbytes' own, bit for bit."""
-    from llama_cp.quantize import quantized_linears
+    from llama_cp.modules.quantize import quantized_linears
 
     layers = quantized_linears(model)
     assert len(layers) == 2 * 7, sorted(layers)  # q, k, v, o, gate, up, down per decoder layer
@@ -146,7 +146,7 @@ def check_one_step(export: bool = False, **flags) -> None:
 def check_export(model, reference, final: str) -> None:
     from peft import PeftModel
 
-    from llama_cp.fsdp_wrap import export_pretrained
+    from llama_cp.train.checkpoint import export_pretrained
 
     for m in (model, reference):
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
@@ -180,8 +180,8 @@ def meta_build_loads_and_quantizes_the_checkpoint():
     """The path of real checkpoints: built on the meta device, sharded, then rank 0 quantizes the
     safetensors as they are loaded; the codes and logits are bitsandbytes' own."""
     from llama_cp.fsdp_wrap import load_full_weights
-    from llama_cp.models import build_causal_lm
-    from llama_cp.sharding import shard_batch, unshard
+    from llama_cp.modules.causal_lm import build_causal_lm
+    from llama_cp.parallel.sharding import shard_batch, unshard
     from fsdp_checks import tiny_config
 
     with shared_tmpdir() as path:
@@ -206,8 +206,8 @@ def trainer_trains_exports_and_resumes():
     import json
 
     from llama_cp import Trainer, TrainConfig
-    from llama_cp.checkpoint import checkpoint_dir
-    from llama_cp.quantize import quantized_linears
+    from llama_cp.modules.quantize import quantized_linears
+    from llama_cp.train.checkpoint import checkpoint_dir
 
     def losses(output_dir):
         with open(os.path.join(output_dir, "metrics.jsonl")) as f:
@@ -251,7 +251,7 @@ def test_quantization_needs_use_peft():
 def test_quantize_after_peft_is_refused():
     from peft import LoraConfig, get_peft_model
 
-    from llama_cp.quantize import quantize_model
+    from llama_cp.modules.quantize import quantize_model
 
     with pytest.raises(ValueError, match="before adding LoRA adapters"):
         quantize_model(get_peft_model(tiny_model(), LoraConfig(target_modules=["q_proj"])))
@@ -263,8 +263,8 @@ def test_fake_tensors_see_what_a_real_nf4_layer_allocates():
     dequantized [out, in] weight included."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from llama_cp.memory import track_peak_memory
-    from llama_cp.quantize import NF4Linear, _NF4Linear
+    from llama_cp.modules.quantize import NF4Linear, _NF4Linear
+    from llama_cp.plan.memory import track_peak_memory
 
     def peak(fake: bool) -> int:
         with FakeTensorMode() if fake else contextlib.nullcontext():
@@ -282,7 +282,7 @@ def test_fake_tensors_see_what_a_real_nf4_layer_allocates():
 
 def test_a_prequantized_checkpoint_is_refused():
     from llama_cp.fsdp_wrap import _checkpoint_key
-    from llama_cp.quantize import quantize_checkpoint, quantize_model
+    from llama_cp.modules.quantize import quantize_checkpoint, quantize_model
 
     model = quantize_model(tiny_model())
     checkpoint = tiny_model().state_dict()
@@ -297,7 +297,7 @@ def test_biased_linears_match_bitsandbytes(tmp_path):
     bitsandbytes + peft model's."""
     from peft import LoraConfig, get_peft_model
 
-    from llama_cp.quantize import quantize_model
+    from llama_cp.modules.quantize import quantize_model
 
     biased = dict(attention_bias=True, mlp_bias=True)
     tiny_model(**biased).save_pretrained(tmp_path)

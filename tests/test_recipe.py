@@ -89,8 +89,8 @@ def test_single_process_run_writes_everything(single_runs):
     # same whatever the speed. The default warm-up (--passkey_warmup 0.9 of the 4 rows read: all 4)
     # packs two documents of 128 tokens per row: 2 x 128 x 129 / 2 causal pairs over 256 tokens,
     # where one document would count 257 / 2 per token; mfu against --peak_tflops 0.5
-    from llama_cp.flops import model_flops
-    from llama_cp.models import embedded_llama_config
+    from llama_cp.model.flops import model_flops
+    from llama_cp.modules.causal_lm import embedded_llama_config
 
     flops = model_flops(embedded_llama_config())
     for r in rows:
@@ -242,7 +242,7 @@ def adamw8bit_runs_on_cpu_and_resumes():
 
 
 class ScriptedPeakMemory:
-    """Stands in for ``llama_cp.trainer.PeakMemory`` and records its calls: the window before the first
+    """Stands in for ``llama_cp.train.trainer.PeakMemory`` and records its calls: the window before the first
     reset after start-up (loading) peaks at 10**9 bytes, the window of step k at 1000 k bytes."""
 
     calls: list[str] = []
@@ -261,11 +261,11 @@ class ScriptedPeakMemory:
 
 @checks.add
 def peak_memory_is_per_step_and_loading_is_reported_apart():
-    import llama_cp.trainer
+    import llama_cp.train.trainer
     from llama_cp import Trainer
 
     with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as out:
-        patch.setattr(llama_cp.trainer, "PeakMemory", ScriptedPeakMemory, raising=False)
+        patch.setattr(llama_cp.train.trainer, "PeakMemory", ScriptedPeakMemory, raising=False)
         Trainer(_config(out, max_steps=5, log_every=2)).fit()
         rows = read_metrics(out)
         with open(os.path.join(out, "run_info.json")) as f:
@@ -283,7 +283,7 @@ def lora_export_reloads_with_peft_and_reproduces_logits():
     from transformers import LlamaForCausalLM
 
     from llama_cp import Trainer
-    from llama_cp.models import embedded_llama_config
+    from llama_cp.modules.causal_lm import embedded_llama_config
 
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(_config(out, use_peft=True, max_steps=3, lr=1e-2))
@@ -312,8 +312,8 @@ def full_finetune_of_a_bf16_checkpoint_keeps_fp32_shards_and_state():
     from transformers import LlamaForCausalLM
 
     from llama_cp import Trainer
-    from llama_cp.models import embedded_llama_config
-    from llama_cp.tokenizer import byte_tokenizer
+    from llama_cp.data.tokenizer import byte_tokenizer
+    from llama_cp.modules.causal_lm import embedded_llama_config
 
     with tempfile.TemporaryDirectory() as root:
         torch.manual_seed(3)
@@ -341,7 +341,7 @@ def eval_never_builds_the_full_logits():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from llama_cp import Trainer
-    from llama_cp.models import EMBEDDED_LLAMA
+    from llama_cp.modules.causal_lm import EMBEDDED_LLAMA
 
     vocab, chunk = EMBEDDED_LLAMA["vocab_size"], 64
 
@@ -382,9 +382,9 @@ def packed_chat_rows_train_with_document_masks_by_default():
     from transformers import LlamaForCausalLM
 
     from llama_cp import Trainer
-    from llama_cp.documents import document_starts
-    from llama_cp.loss import causal_lm_loss_sum
-    from llama_cp.models import embedded_llama_config
+    from llama_cp.model.loss import causal_lm_loss_sum
+    from llama_cp.modules.causal_lm import embedded_llama_config
+    from llama_cp.parallel.sharding import document_starts
 
     with tempfile.TemporaryDirectory() as root:
         data = write_chat_jsonl(os.path.join(root, "chat.jsonl"))
@@ -431,7 +431,7 @@ def _nan_at(bad_steps):
 
 @checks.add
 def nonfinite_steps_are_skipped_and_a_run_of_them_stops_training():
-    from llama_cp.checkpoint import complete_checkpoints, load_checkpoint
+    from llama_cp.train.checkpoint import complete_checkpoints, load_checkpoint
 
     with tempfile.TemporaryDirectory() as straight, tempfile.TemporaryDirectory() as one_bad, \
             tempfile.TemporaryDirectory() as diverged:
@@ -457,7 +457,7 @@ def nonfinite_steps_are_skipped_and_a_run_of_them_stops_training():
         assert not os.path.exists(os.path.join(diverged, "final"))
         assert [r.get("skipped", False) for r in read_metrics(diverged)] == [False, False, True, True, True]
         # loss.png of the stopped run marks the skipped steps, and the line leaves them out
-        from llama_cp.run_dir import plot_losses
+        from llama_cp.train.run_dir import plot_losses
 
         assert os.path.getsize(os.path.join(diverged, "loss.png")) > 0
         drawn = plot_losses(os.path.join(diverged, "metrics.jsonl"), os.path.join(diverged, "again.png"))

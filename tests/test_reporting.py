@@ -9,7 +9,8 @@ import types
 import pytest
 
 from llama_cp.config import TrainConfig
-from llama_cp.reporting import WANDB_ID_FILE, Reporter, check_report_to
+from llama_cp.config import check_report_to
+from llama_cp.train.reporting import WANDB_ID_FILE, Reporter
 
 
 class FakeRun:
@@ -68,14 +69,14 @@ def test_bad_report_to_is_refused(value, message):
 
 
 def test_wandb_without_the_package_names_the_fix(monkeypatch):
-    monkeypatch.setattr("llama_cp.reporting._importable", lambda name: name != "wandb")
+    monkeypatch.setattr("llama_cp.config._importable", lambda name: name != "wandb")
     with pytest.raises(ValueError, match="--report_to wandb needs the wandb package: pip install wandb"):
         check_report_to(["wandb"])
     assert TrainConfig.from_flags(report_to="none").report_to == ("none",)
 
 
 def test_peak_memory_on_cuda_resets_and_reads_the_allocator_peak(monkeypatch):
-    from llama_cp.trainer import PeakMemory
+    from llama_cp.train.trainer import PeakMemory
 
     calls = []
     monkeypatch.setattr("torch.cuda.reset_peak_memory_stats", lambda: calls.append("reset"))
@@ -89,7 +90,7 @@ def test_peak_memory_on_cuda_resets_and_reads_the_allocator_peak(monkeypatch):
 def test_peak_memory_on_cpu_is_the_peak_resident_set_since_the_reset():
     import torch
 
-    from llama_cp.trainer import PeakMemory
+    from llama_cp.train.trainer import PeakMemory
 
     peak, size = PeakMemory("cpu"), 256 * 2**20
     peak.reset()

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from llama_cp.config import TrainConfig
-from llama_cp.models import apply_rope_settings, embedded_llama_config, parse_rope_scaling, rope_parameters
+from llama_cp.modules.causal_lm import apply_rope_settings, embedded_llama_config, parse_rope_scaling, rope_parameters
 
 
 def llama_8k():
@@ -131,7 +131,7 @@ def test_yarn_preset_extends_an_8k_llama_to_64k():
 def test_the_trainer_refuses_a_scaling_short_of_the_context_before_starting(tmp_path):
     import torch.distributed as dist
 
-    from llama_cp.trainer import Trainer
+    from llama_cp.train.trainer import Trainer
 
     cfg = TrainConfig.from_flags(rope_scaling="yarn:factor=2,original_max_position_embeddings=256",
                                  context_length=1024, output_dir=str(tmp_path / "run"), report_to="none")

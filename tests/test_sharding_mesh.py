@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from llama_cp.mesh import ParallelDims
-from llama_cp.sharding import check_seq_len, shard_sequence, unshard_sequence, zigzag_index
+from llama_cp.parallel.mesh import ParallelDims
+from llama_cp.parallel.sharding import check_seq_len, shard_sequence, unshard_sequence, zigzag_index
 
 
 def test_zigzag_index_keeps_head_and_tail_chunks():
@@ -32,7 +32,7 @@ def test_zigzag_balances_causal_work():
 
 def test_shard_batch_splits_sequence_tensors_and_adds_positions():
     from llama_cp import shard_batch
-    from llama_cp.sharding import cp_rank_and_size
+    from llama_cp.parallel.sharding import cp_rank_and_size
 
     assert cp_rank_and_size(None) == (0, 1)
     ids = torch.arange(32).reshape(2, 16)
@@ -67,9 +67,9 @@ def test_parallel_dims_errors_print_every_degree():
 
 def test_document_assignment_balances_one_document():
     """Note [Document-aware sharding]'s example: one document, cp 2, 8 chunks of work 1, 3, ..., 15."""
-    from llama_cp.sharding import document_assignment
+    from llama_cp.parallel.sharding import document_assignment
 
-    from llama_cp.sharding import document_chunk_count
+    from llama_cp.parallel.sharding import document_chunk_count
 
     assert document_assignment(torch.arange(16)[None], 2, chunks=8) == [[0, 3, 4, 7], [1, 2, 5, 6]]
     # 16 chunks per rank where the length allows, fewer where it does not (2 x cp always does)
@@ -95,8 +95,8 @@ def test_document_sharding_gives_equal_tokens_and_balanced_work(cp):
     """Every rank gets the same number of tokens, the ranks' tokens partition the row, and
     the busiest rank's attention work (visible pairs) is within 2% of the mean on every row
     (the zigzag is far off on the same rows)."""
-    from llama_cp.documents import document_starts, visible_pairs_per_token
-    from llama_cp.sharding import document_index
+    from llama_cp.parallel.sharding import document_starts, visible_pairs_per_token
+    from llama_cp.parallel.sharding import document_index
 
     g, seq_len = torch.Generator().manual_seed(cp), 2048
     worst, worst_zigzag = 1.0, 1.0
@@ -114,7 +114,7 @@ def test_document_sharding_gives_equal_tokens_and_balanced_work(cp):
 
 
 def test_shard_batch_refuses_unknown_layouts_and_chunk_counts():
-    from llama_cp.sharding import shard_batch
+    from llama_cp.parallel.sharding import shard_batch
 
     batch = {"input_ids": torch.zeros(1, 16, dtype=torch.long)}
     with pytest.raises(ValueError, match=r"^unknown sharding layout 'zig'; choose one of \('zigzag', 'documents'\)$"):
@@ -125,7 +125,7 @@ def test_shard_batch_refuses_unknown_layouts_and_chunk_counts():
 
 
 def test_document_layout_at_cp_1_is_the_row_and_unshard_inverts_any_order():
-    from llama_cp.sharding import SEQ_INDEX, shard_batch, unshard
+    from llama_cp.parallel.sharding import SEQ_INDEX, shard_batch, unshard
 
     batch = {"input_ids": torch.arange(32).view(2, 16), "position_ids": torch.tensor([[0, 1, 2, 3] * 4] * 2)}
     local = shard_batch(batch, None, layout="documents")

@@ -9,7 +9,7 @@ The package's code (llama_cp/, recipes/, benchmarks/) is read with ``ast``: ``di
   ``python tests/test_torch_floor.py --write`` in a venv with .ci/floors.txt installed. So the
   main job (torch 2.13) catches a 2.13-only name too, e.g. ``dist.all_gather_single``.
 
-Names torch renamed are called through llama_cp/collectives.py, which looks them up as
+Names torch renamed are called through llama_cp/parallel/collectives.py, which looks them up as
 strings (Note [Collective names across torch versions]); this test does not see those.
 """
 
@@ -99,7 +99,7 @@ def test_names_exist_in_floor_torch():
     assert not unrecorded, (f"{unrecorded} not recorded for torch {FLOOR_TORCH}: run `python "
                             f"tests/test_torch_floor.py --write` with .ci/floors.txt installed")
     assert not missing, (f"torch {FLOOR_TORCH}, the lowest setup.cfg admits, lacks {missing}: call them "
-                         f"through llama_cp/collectives.py (Note [Collective names across torch versions])")
+                         f"through llama_cp/parallel/collectives.py (Note [Collective names across torch versions])")
 
 
 def test_the_reader_sees_what_it_must():

@@ -1,10 +1,10 @@
-"""Varlen document calls (Note [Varlen document calls] in llama_cp/documents.py) without a GPU:
+"""Varlen document calls (Note [Varlen document calls] in llama_cp/attention/documents.py) without a GPU:
 
 - the glue against the real schemas: torch's ``aten._flash_attention_forward`` /
   ``_flash_attention_backward`` run their meta kernels on the tensors our packing code makes,
   and flash-attn's ``_flash_attn_varlen_forward`` / ``_backward`` are called through the
   signatures of 2.6.3, 2.7.4 and 2.8.3 (transcribed below from flash_attn/flash_attn_interface.py);
-- the CPU stand-ins of both ops (llama_cp/kernel_workspace.py) make the varlen path equal the
+- the CPU stand-ins of both ops (llama_cp/attention/workspace.py) make the varlen path equal the
   per-piece path (sdpa_cpu) in outputs, lse and gradients for the packed rows of
   tests/test_documents.py: one process, and every ring step's block at cp 2 and 4;
 - the stand-ins' workspace is mha_varlen_bwd's.
@@ -20,12 +20,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from document_checks import SEQ_LEN, TOLERANCE, packed_batch
-from llama_cp import kernels
-from llama_cp.documents import (
-    DocumentLayout, _varlen_plan, document_starts, pieces_attention, pieces_backward, pieces_forward, tiles,
+from llama_cp.attention import kernels
+from llama_cp.attention.documents import (
+    DocumentLayout, _varlen_plan, pieces_attention, pieces_backward, pieces_forward, tiles,
     varlen_calls,
 )
-from llama_cp.kernel_workspace import FLASH_ATTN, ModelledBackend, flash_attention_forward
+from llama_cp.attention.workspace import FLASH_ATTN, ModelledBackend, flash_attention_forward
+from llama_cp.parallel.sharding import document_starts
 
 VARLEN = [ModelledBackend(b) for b in kernels.VARLEN]
 H, HKV, D = 4, 2, 8  # GQA
@@ -338,7 +339,7 @@ def test_varlen_backward_workspace_is_mha_varlen_bwds(backend):
     """Under fake tensors (the planner), one varlen backward of n segments peaks at its inputs,
     dq/dk/dv, and mha_varlen_bwd's softmax_d (H, Tq + 128 n) and dq_accum (Tq + 128 n, H, D
     rounded to 32) in float32, and with GQA dK/dV expanded to every query head (Tk, H, D)."""
-    from llama_cp.memory import track_peak_memory
+    from llama_cp.plan.memory import track_peak_memory
 
     lengths_q, heads, kv_heads, head_dim, e = [300, 5, 1000], 32, 8, 128, 2
     total = sum(lengths_q)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llama_cp.config import TrainConfig
-from llama_cp.memory import plan_step_memory, simulate_step_memory, simulate_step_phases, step_peak
+from llama_cp.plan.memory import plan_step_memory, simulate_step_memory, simulate_step_phases, step_peak
 from memory_matrix import CASES, case_config, case_name, load_baselines, mid_size_config, run_case
 
 MiB = 1 << 20

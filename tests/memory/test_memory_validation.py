@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from dist_harness import Checks
 from llama_cp.config import TrainConfig
-from llama_cp.memory import create_optimizer_state, measure_step_memory, plan_step_memory, step_peak
-from llama_cp.mesh import ParallelDims
-from llama_cp.models import embedded_llama_config
-from llama_cp.quantize import installed_qlora_refusal
+from llama_cp.modules.causal_lm import embedded_llama_config
+from llama_cp.modules.quantize import installed_qlora_refusal
+from llama_cp.parallel.mesh import ParallelDims
+from llama_cp.plan.memory import create_optimizer_state, measure_step_memory, plan_step_memory, step_peak
 
 WORLD_SIZE = 2
 PLANS_ENV = "LLAMA_CP_TEST_MEMORY_PLANS"
@@ -54,9 +54,9 @@ def measure_real_peak(name: str) -> int:
     """Tracked peak of the busiest rank in one real optimizer step of the case (every rank calls this)."""
     from transformers import LlamaForCausalLM
 
-    from llama_cp.optim import build_optimizer
-    from llama_cp.sharding import shard_batch
-    from llama_cp.build import parallelize_model
+    from llama_cp.model.build import parallelize_model
+    from llama_cp.optim.optimizers import build_optimizer
+    from llama_cp.parallel.sharding import shard_batch
 
     cfg = case_config(name)
     p = cfg.parallel
@@ -91,7 +91,7 @@ def _add_case(name: str) -> None:
         # offloaded checkpoint inputs: exactly the bytes the real run kept in host memory
         assert planned_host == real_host and (real_host > 0) == CASES[name].get("offload_checkpoints", False), name
 
-    # QLoRA cases need what Note [QLoRA's version floor] (llama_cp/quantize.py) asks of torch and bitsandbytes
+    # QLoRA cases need what Note [QLoRA's version floor] (llama_cp/modules/quantize.py) asks of torch and bitsandbytes
     checks.add(check, name, skip=installed_qlora_refusal() if CASES[name].get("quantization") else None)
 
 

@@ -11,9 +11,9 @@ import pytest
 from transformers import LlamaForCausalLM
 
 from llama_cp.config import TrainConfig
-from llama_cp.memory import GiB, find_max_context, plan_step_memory, with_context
-from llama_cp.models import embedded_llama_config
-from llama_cp.quantize import installed_qlora_refusal
+from llama_cp.modules.causal_lm import embedded_llama_config
+from llama_cp.modules.quantize import installed_qlora_refusal
+from llama_cp.plan.memory import GiB, find_max_context, plan_step_memory, with_context
 from recipes.plan_memory import main
 
 KEYS = {"parameters", "gradients", "optimizer", "activations", "temporary", "total"}
@@ -84,7 +84,7 @@ def test_bf16_checkpoint_is_planned_with_float32_shards(tmp_path):
     """The planner builds like the trainer (``build_causal_lm``): a checkpoint whose config.json
     says bfloat16 is planned with float32 sharded parameters, gradients and optimizer state,
     exactly like its float32 copy, and the parameters take 4 bytes each."""
-    from llama_cp.memory import simulate_step_phases
+    from llama_cp.plan.memory import simulate_step_phases
 
     config = embedded_llama_config(num_hidden_layers=2)
     for dtype in ("bfloat16", "float32"):
@@ -109,7 +109,7 @@ def test_every_shipped_config_plans(capsys, path):
     shortened, to keep the suite fast (the full-length figures: docs/memory.md)."""
     cfg = TrainConfig.from_flags(path, model_name="llama3-8b")
     if cfg.peft.quantization != "none" and installed_qlora_refusal() is not None:
-        pytest.skip(installed_qlora_refusal())  # Note [QLoRA's version floor] in llama_cp/quantize.py
+        pytest.skip(installed_qlora_refusal())  # Note [QLoRA's version floor] in llama_cp/modules/quantize.py
     p = cfg.parallel
     num_gpus = p.cp * max(p.dp_shard, 1) * p.dp_replicate
     result = run_json(capsys, config=path, num_gpus=num_gpus, context_length=1024 * p.cp)
@@ -122,7 +122,7 @@ def test_every_shipped_config_plans(capsys, path):
 def test_gradient_accumulation_keeps_the_sharded_gradients_between_micro_batches():
     """--gradient_accumulation_steps 2 plans (FSDPMemTracker refused a second forward before):
     the second micro-batch's peak holds the sharded gradients of the first."""
-    from llama_cp.memory import simulate_step_phases
+    from llama_cp.plan.memory import simulate_step_phases
 
     config = embedded_llama_config(num_hidden_layers=2)
     phases = {steps: simulate_step_phases(TrainConfig.from_flags(context_length=512, gradient_accumulation_steps=steps),
@@ -137,8 +137,8 @@ def test_gradient_accumulation_keeps_the_sharded_gradients_between_micro_batches
 def test_the_categories_add_up_to_the_tracked_total():
     """Every byte FSDPMemTracker counts lands in one of the plan's categories, in every phase: the
     categories add up to the tracked total, and no tracked category is left out of them (a
-    category dropped from llama_cp.memory._GROUPS would still leave the total right)."""
-    from llama_cp.memory import _GROUPS, simulate_step_phases
+    category dropped from llama_cp.plan.memory._GROUPS would still leave the total right)."""
+    from llama_cp.plan.memory import _GROUPS, simulate_step_phases
 
     cfg = TrainConfig.from_flags(context_length=512, cp=2, use_peft=True, activation_checkpointing=True,
                                  offload_checkpoints=True, dtype="bfloat16")

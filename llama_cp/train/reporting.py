@@ -27,28 +27,10 @@ import platform
 from collections.abc import Sequence
 from typing import Any
 
-REPORTERS = ("tensorboard", "wandb")
+from llama_cp.config import REPORTERS
+
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
-
-
-def check_report_to(report_to: Sequence[str]) -> None:
-    """ValueError naming the flag and the fix for an unknown or unusable reporter."""
-    for name in report_to:
-        if name not in (*REPORTERS, "none"):
-            raise ValueError(f"--report_to {name!r}: choose from {', '.join(REPORTERS)} or none (comma-separated)")
-    if "none" in report_to and len(report_to) > 1:
-        raise ValueError("--report_to none cannot be combined with other reporters")
-    if "tensorboard" in report_to and not _importable("tensorboard"):
-        raise ValueError("--report_to tensorboard needs the tensorboard package: pip install tensorboard")
-    if "wandb" in report_to and not _importable("wandb"):
-        raise ValueError("--report_to wandb needs the wandb package: pip install wandb (or drop wandb)")
-
-
-def _importable(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 def run_info(config: dict[str, Any], **extra: Any) -> dict[str, Any]:

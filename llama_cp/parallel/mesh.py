@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from llama_cp.collectives import warm_up_group
+from llama_cp.parallel.collectives import warm_up_group
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp")
 
@@ -106,7 +106,7 @@ class ParallelDims:
         with warnings.catch_warnings():  # slicing them once here is what torch's warning asks for
             warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
             mesh._llama_cp_kept = {key: mesh[key] for key in KEPT_MESHES}
-        for dim in (*MESH_DIMS, "dp_shard_cp", "dp"):  # Note [Warming up a group] in llama_cp/collectives.py
+        for dim in (*MESH_DIMS, "dp_shard_cp", "dp"):  # Note [Warming up a group] in llama_cp/parallel/collectives.py
             warm_up_group(submesh(mesh, dim).get_group())
         return mesh
 
@@ -182,7 +182,7 @@ def end_distributed() -> None:
 
 
 # ----------------------------------------------------------------------------- ending a stuck job
-# See Note [Stuck ranks] in llama_cp/trainer.py.
+# See Note [Stuck ranks] in llama_cp/train/trainer.py.
 
 
 def local_peers() -> list[tuple[int, int, int]]:

@@ -30,7 +30,7 @@ FLOPs the *model* needs for a step by what the devices could do in the step's ti
   pairs attention really computes: a causal row of L tokens L(L+1)/2 (query t sees
   keys 0..t), packed documents of lengths d_i sum d_i(d_i+1)/2 (each sees only
   itself; ``DocumentLayout.visible_pairs``, Note [Document masks under CP] in
-  llama_cp/documents.py), the whole row when --document_mask is off.
+  llama_cp/attention/documents.py), the whole row when --document_mask is off.
 - Sliding windows: a query of a windowed layer sees at most the window's keys, so
   the pairs are counted per layer and averaged over the layers (``ModelFlops.pairs``).
 - Mixture of experts (Mixtral, Qwen3-MoE, OLMoE): a token runs through its top k
@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from llama_cp.families import layer_windows
+from llama_cp.modules.families import layer_windows
 
 #: Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per GPU by the exact name
 #: ``torch.cuda.get_device_name()`` reports; a name not here gets no MFU (--peak_tflops sets one).
@@ -230,7 +230,7 @@ def attention_pairs(position_ids: torch.Tensor, document_mask: bool = True, wind
     """Visible (query, key) pairs of a batch of whole rows, (B, L) global ``position_ids``:
     causal within each packed document (``document_mask``), else causal over the row; a query
     sees at most ``window`` keys (a sliding window)."""
-    from llama_cp.documents import document_starts, visible_pairs_per_token
+    from llama_cp.parallel.sharding import document_starts, visible_pairs_per_token
 
     position_ids = position_ids.reshape(-1, position_ids.shape[-1]).cpu()
     starts = document_starts(position_ids) if document_mask else torch.zeros_like(position_ids)

@@ -33,19 +33,17 @@ from typing import TYPE_CHECKING, Any
 import datasets
 import torch
 
-from llama_cp.loss import IGNORE_INDEX
-from llama_cp.sharding import check_context_length
+from llama_cp.config import PASSKEY, check_dataset_path
+from llama_cp.model.loss import IGNORE_INDEX
+from llama_cp.parallel.sharding import check_context_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-#: ``--dataset`` value of the built-in synthetic long-context task.
-PASSKEY = "passkey"
 #: Local file extensions and the ``datasets`` builder that reads them. A ``.txt``
 #: file is one document (the whole file), which is what long-context data wants.
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 #: Names that mean "a file" even when no such file exists (hub ids never end like this).
-_FILE_LIKE_SUFFIXES = (*FILE_BUILDERS, ".csv", ".tsv", ".arrow", ".gz", ".zst")
 ACCEPTED_FORMATS = (
     "text: a 'text' column",
     "instruction (alpaca): 'instruction' and 'output' columns, optional 'input'",
@@ -146,15 +144,6 @@ def load_hub_dataset(dataset: str) -> datasets.Dataset | datasets.DatasetDict:
             raise RuntimeError(f"{note}: {error}") from error
         error.add_note(note)
         raise
-
-
-def check_dataset_path(dataset: str) -> None:
-    """FileNotFoundError when ``--dataset`` names a local file or directory (a path, or a file
-    name ending like one) that does not exist; run at config time, before anything is built."""
-    path = Path(dataset).expanduser()
-    looks_local = dataset.startswith(("/", "./", "../", "~")) or dataset.endswith(_FILE_LIKE_SUFFIXES)
-    if dataset != PASSKEY and looks_local and not path.exists():
-        raise FileNotFoundError(f"--dataset {dataset!r}: no such file or directory ({path.absolute()})")
 
 
 def _check_split(split: str) -> str:

@@ -19,17 +19,16 @@ import warnings
 import torch
 from torch import nn
 
-from llama_cp.config import TrainConfig
+from llama_cp.attention.kernels import check_backend
+from llama_cp.config import PASSKEY, TrainConfig
 from llama_cp.cp_attention import apply_context_parallel, choose_strategy
-from llama_cp.data import PASSKEY
-from llama_cp.families import set_router_loss_coef
 from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, shard_model
-from llama_cp.kernels import check_backend
-from llama_cp.loss import enable_chunked_loss
-from llama_cp.models import (
+from llama_cp.model.loss import enable_chunked_loss
+from llama_cp.modules.families import set_router_loss_coef
+from llama_cp.modules.causal_lm import (
     apply_rope_settings, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,
 )
-from llama_cp.tiling import apply_tiled_mlp, apply_tiled_norms
+from llama_cp.modules.tiling import apply_tiled_mlp, apply_tiled_norms
 
 
 def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) -> nn.Module:
@@ -65,12 +64,12 @@ def parallelize_model(
     and norms (``--mlp_tile_size``, ``--norm_tile_size``) -> FSDP2 over ``dp_shard x cp`` (with
     activation checkpointing, and its inputs offloaded with ``--offload_checkpoints``).
     The compute dtype is ``--dtype`` on ``device_type`` (default: the mesh's; the planner
-    passes "cuda"): :func:`llama_cp.models.compute_dtype`. ``attention_backend``: the attention
+    passes "cuda"): :func:`llama_cp.modules.causal_lm.compute_dtype`. ``attention_backend``: the attention
     kernels' backend instead of ``--attention_backend`` (the planner passes a modelled CUDA
-    backend, ``llama_cp.kernel_workspace.ModelledBackend``). Returns the (possibly
+    backend, ``llama_cp.attention.workspace.ModelledBackend``). Returns the (possibly
     peft-wrapped) model."""
     if cfg.peft.quantization == "4bit":
-        from llama_cp.quantize import quantize_model
+        from llama_cp.modules.quantize import quantize_model
 
         quantize_model(model)  # a meta model gets the shapes; load_full_weights quantizes the checkpoint
     param_dtype = compute_dtype(cfg.model.dtype, device_type or mesh.device_type)

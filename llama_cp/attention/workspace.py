@@ -1,7 +1,7 @@
 """CPU stand-ins for the CUDA attention kernels: how the memory planner sees their workspace.
 
-The planner (``llama_cp.memory``) runs on CPU fake tensors, where the CUDA kernels cannot
-run. A :class:`ModelledBackend` passed as ``backend`` to :mod:`llama_cp.kernels` makes every
+The planner (``llama_cp.plan.memory``) runs on CPU fake tensors, where the CUDA kernels cannot
+run. A :class:`ModelledBackend` passed as ``backend`` to :mod:`llama_cp.attention.kernels` makes every
 attention call of a model run the stand-in of that CUDA backend instead: a function with the
 signature of the library call ``kernels`` makes (flash-attn's ``_flash_attn_forward`` /
 ``_flash_attn_backward`` and their varlen forms, torch's
@@ -11,7 +11,7 @@ dtypes and layouts, and computes the values with torch's CPU attention kernel, s
 on real CPU tensors as well (tests compare it with the math backend). Everything ``kernels``
 does around the call (layout copies, GQA expansion, lse padding) is the same code for the
 stand-in and the real kernel. What each term is and where it comes from: Note [GPU attention
-kernels' workspace] in ``llama_cp/memory.py``.
+kernels' workspace] in ``llama_cp/plan/memory.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import types
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from llama_cp.dense import dense_backward, dense_forward
+from llama_cp.attention.dense import dense_backward, dense_forward
 
 _aten = torch.ops.aten
 
@@ -33,7 +33,7 @@ class ModelledBackend(str):
     """The name of a CUDA backend (one of ``MODELLED``) whose calls run its CPU stand-in.
 
     A ``str`` so that it travels wherever a backend name does (it equals the name), and a
-    type of its own so that :mod:`llama_cp.kernels` tells it from the real backend."""
+    type of its own so that :mod:`llama_cp.attention.kernels` tells it from the real backend."""
 
     def __new__(cls, name: str) -> "ModelledBackend":
         if name not in MODELLED:
@@ -161,7 +161,7 @@ def flash_attn_backward(
 
 def _check_plain(dropout_p, softcap, alibi_slopes, window_size_left=-1, window_size_right=-1) -> None:
     """Soft-capping changes only the kernels' scale parameters, not what they allocate (Note
-    [Soft-capped attention] in ``llama_cp/kernels.py``): the stand-ins compute it. Windows of the
+    [Soft-capped attention] in ``llama_cp/attention/kernels.py``): the stand-ins compute it. Windows of the
     plain kernels are modelled (:func:`_flash_bounds`), not those of the varlen ones."""
     if dropout_p or alibi_slopes is not None or (window_size_left, window_size_right) != (-1, -1):
         raise ValueError("the flash-attn stand-in models plain, soft-capped or (not varlen) windowed attention: "
@@ -169,7 +169,7 @@ def _check_plain(dropout_p, softcap, alibi_slopes, window_size_left=-1, window_s
 
 
 def _flash_bounds(causal: bool, left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int] | None:
-    """flash-attn's window of a plain call as (lag, lead) of ``llama_cp/dense.py`` (key j hidden
+    """flash-attn's window of a plain call as (lag, lead) of ``llama_cp/attention/dense.py`` (key j hidden
     from query i when i - j > lag or j - i > lead), or None for no window, as flash-attn 2.8.3
     reads its arguments: mha_fwd / mha_bwd in csrc/flash_attn/flash_api.cpp (a side >= seqlen_k
     becomes -1; causal sets right to 0), set_params_fprop (one side -1 and the other not: it

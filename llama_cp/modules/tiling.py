@@ -168,7 +168,7 @@ def norm_modules(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
         return type(module).__name__.removeprefix("FSDP").endswith(("RMSNorm", "LayerNorm"))
 
     norms = [child for layer in layers for child in layer.children() if is_norm(child)]
-    from llama_cp.models import base_causal_lm
+    from llama_cp.modules.causal_lm import base_causal_lm
 
     final = getattr(base_causal_lm(model).get_decoder(), "norm", None)
     if final is not None and is_norm(final):

@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from llama_cp.data import (
+from llama_cp.data.loading import (
     FILE_BUILDERS,
     PASSKEY,
     REQUIRED_COLUMNS,
@@ -46,8 +46,8 @@ from llama_cp.data import (
     tokenize_example,
     truncate_document,
 )
-from llama_cp.loss import IGNORE_INDEX
-from llama_cp.sharding import check_context_length
+from llama_cp.model.loss import IGNORE_INDEX
+from llama_cp.parallel.sharding import check_context_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -27,7 +27,7 @@ Backends, chosen per call by :func:`select_backend`:
 - ``math``: a float32 reference that materialises the (Sq, Sk) scores of the
   block; used on other devices and as the reference in tests.
 
-A :class:`llama_cp.kernel_workspace.ModelledBackend` (what the memory planner passes) runs a
+A :class:`llama_cp.attention.workspace.ModelledBackend` (what the memory planner passes) runs a
 CUDA backend's CPU stand-in in place of the library call, through the same code around it.
 
 Note [Soft-capped attention]
@@ -44,21 +44,21 @@ backward's ``set_params_dgrad`` calls too) a positive softcap only turns the
 scales into softmax_scale / softcap (inside the tanh) and softcap (outside), so
 the kernels allocate what they allocate without it, and the planner's stand-ins
 (``kernel_workspace.py``) compute the values with the CPU kernel below. On CPU,
-sdpa_cpu and math have no cap: the exact kernel of ``llama_cp/dense.py``
+sdpa_cpu and math have no cap: the exact kernel of ``llama_cp/attention/dense.py``
 materialises the float32 scores of DENSE_ROWS queries at
 a time. torch's CUDA kernels (sdpa_flash, sdpa_efficient) have no cap and are
 refused in one line.
 
-``lag`` (a sliding window, Note [Sliding windows under CP] in ``llama_cp/documents.py``)
+``lag`` (a sliding window, Note [Sliding windows under CP] in ``llama_cp/attention/documents.py``)
 hides key j from query i, in the call's own indices, when i - j > lag. A windowed call
 becomes at most two kernel calls in which every row sees a key (``_window_parts``); rows
 that see nothing get out = 0, lse = -inf and no gradient. flash_attn takes the window as
 ``window_size_left`` / ``window_size_right`` (``_flash_window``); the CPU backends use the
-exact kernel of ``llama_cp/dense.py``; torch's CUDA kernels are refused in one line.
+exact kernel of ``llama_cp/attention/dense.py``; torch's CUDA kernels are refused in one line.
 
 The backends in ``VARLEN`` also compute many independent attention segments in one call
 (:func:`varlen_forward` / :func:`varlen_backward`, packed layout ``(total, H, D)``): packed
-documents use them, Note [Varlen document calls] in ``llama_cp/documents.py``.
+documents use them, Note [Varlen document calls] in ``llama_cp/attention/documents.py``.
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ from typing import Literal
 
 import torch
 
-from llama_cp.kernel_workspace import FLASH_ATTN, SDPA_OPS, ModelledBackend
-from llama_cp.dense import dense_backward as _dense_backward
-from llama_cp.dense import dense_forward as _dense_forward
+from llama_cp.attention.dense import dense_backward as _dense_backward
+from llama_cp.attention.dense import dense_forward as _dense_forward
+from llama_cp.attention.workspace import FLASH_ATTN, SDPA_OPS, ModelledBackend
 
 Backend = Literal["flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"]
 #: Every backend, fastest first: :func:`select_backend` takes the first that can run.
@@ -440,7 +440,7 @@ def _window_parts(num_q: int, num_k: int, causal: bool, lag: int | None) -> list
 
 def _dense_backend(backend: Backend, softcap: float) -> Backend:
     """The backend that computes a soft-capped or windowed call in place of ``backend``:
-    flash_attn itself, the exact CPU kernel (``llama_cp/dense.py``) for sdpa_cpu and math;
+    flash_attn itself, the exact CPU kernel (``llama_cp/attention/dense.py``) for sdpa_cpu and math;
     torch's CUDA kernels are refused in one line."""
     if backend == "flash_attn":
         return backend

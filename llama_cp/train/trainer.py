@@ -7,7 +7,7 @@ One optimizer step: ``gradient_accumulation_steps`` micro-batches per
 data-parallel rank, each sharded over the cp group; the loss of every
 micro-batch is its summed token loss divided by the valid tokens of the whole
 step (all ranks, all micro-batches), so FSDP's gradient sum is the
-single-process gradient of the mean loss (see ``llama_cp.loss``).
+single-process gradient of the mean loss (see ``llama_cp.model.loss``).
 """
 
 from __future__ import annotations
@@ -26,18 +26,17 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from llama_cp.build import model_path
 from llama_cp.config import TrainConfig
-from llama_cp.flops import model_flops, peak_flops, throughput
-from llama_cp.fsdp_wrap import export_pretrained
-from llama_cp.loss import causal_lm_loss_sum, count_valid_tokens
-from llama_cp.mesh import init_distributed, local_peers, machine_device_type, submesh
-from llama_cp.optim import build_optimizer
-from llama_cp.run_dir import (
+from llama_cp.model.build import model_path
+from llama_cp.model.flops import model_flops, peak_flops, throughput
+from llama_cp.model.loss import causal_lm_loss_sum, count_valid_tokens
+from llama_cp.optim.optimizers import build_optimizer
+from llama_cp.parallel.mesh import init_distributed, local_peers, machine_device_type, submesh
+from llama_cp.train.run_dir import (
     check_resume_settings, lock_output_dir, plot_losses, truncate_metrics, write_atomically, yaml_dump,
 )
-from llama_cp.sharding import shard_batch
-from llama_cp.step import clip_gradients, forward_backward
+from llama_cp.optim.step import clip_gradients, forward_backward
+from llama_cp.parallel.sharding import shard_batch
 
 
 #: Signals that stop training gracefully: finish the step, save, exit (Note [Stopping on a signal]).
@@ -60,7 +59,7 @@ class CollectiveFailed(RuntimeError):
     def end_job(self) -> None:
         """After the message is out: end the job's other ranks on this machine and this process
         now, without Python's teardown (see Note [Stuck ranks]). Does not return."""
-        from llama_cp.mesh import end_processes
+        from llama_cp.parallel.mesh import end_processes
 
         end_processes(self.local_peers)
         sys.stdout.flush()
@@ -156,8 +155,8 @@ def build_tokenizer(path: str | None):
     tokenizer for None."""
     from transformers import AutoTokenizer
 
-    from llama_cp.models import check_tokenizer_files
-    from llama_cp.tokenizer import byte_tokenizer
+    from llama_cp.data.tokenizer import byte_tokenizer
+    from llama_cp.modules.causal_lm import check_tokenizer_files
 
     if path is None:
         return byte_tokenizer()
@@ -187,7 +186,7 @@ class Trainer:
         self.model_path = model_path(cfg.model.model_name)
         self.tokenizer = self._build_tokenizer()
         self.model = self._build_model()
-        from llama_cp.build import cp_strategy
+        from llama_cp.model.build import cp_strategy
 
         self.cp_strategy, ulysses_degree = cp_strategy(cfg, self.model.config)
         if cfg.parallel.cp_strategy == "auto" and cfg.parallel.cp > 1:
@@ -203,13 +202,13 @@ class Trainer:
         return build_tokenizer(self.model_path)
 
     def _build_model(self):
-        from llama_cp.build import build_model
+        from llama_cp.model.build import build_model
 
         return build_model(self.cfg, self.mesh, self.device, self.model_path)
 
     def _start_flops_count(self) -> None:
         """The model FLOPs per token and per attention pair, and the GPU's peak (Note [Model FLOPs])."""
-        from llama_cp.models import base_causal_lm
+        from llama_cp.modules.causal_lm import base_causal_lm
 
         p = self.cfg.peft
         self.flops = model_flops(base_causal_lm(self.model).config, lora_r=p.lora_r if p.use_peft else 0,
@@ -217,7 +216,7 @@ class Trainer:
         device_name = torch.cuda.get_device_name(self.device) if self.device_type == "cuda" else None
         self.peak_flops = self.cfg.peak_tflops * 1e12 or peak_flops(device_name)
         if device_name is not None and self.peak_flops is None:  # names match exactly: say why no mfu, once
-            self._say(f"no MFU is reported: {device_name!r} is not in llama_cp.flops.PEAK_BF16_FLOPS; pass "
+            self._say(f"no MFU is reported: {device_name!r} is not in llama_cp.model.flops.PEAK_BF16_FLOPS; pass "
                       "--peak_tflops (its dense bf16 TFLOP/s) for one")
         self._run_totals = []  # (seconds, tokens, model FLOPs) of each step of this run: the summary
 
@@ -226,8 +225,8 @@ class Trainer:
         return build_optimizer(o.optimizer, self.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
     def _build_data(self) -> None:
-        from llama_cp.data import PASSKEY, DistributedRowLoader, build_rows, passkey_warmup_stages
-        from llama_cp.prepared import RowBatches, StreamingRowLoader, load_prepared_rows, streaming_eval_rows
+        from llama_cp.data.loading import PASSKEY, DistributedRowLoader, build_rows, passkey_warmup_stages
+        from llama_cp.data.prepared import RowBatches, StreamingRowLoader, load_prepared_rows, streaming_eval_rows
 
         cfg, d, dims = self.cfg, self.cfg.data, self.dims
         dp = submesh(self.mesh, "dp")
@@ -409,7 +408,7 @@ class Trainer:
                 self._lock = None
 
     def _fit(self) -> dict[str, Any]:
-        from llama_cp.data import PASSKEY
+        from llama_cp.data.loading import PASSKEY
 
         self.setup()
         cfg = self.cfg
@@ -496,8 +495,8 @@ class Trainer:
         message, now that the number of processes is known (``ParallelConfig.check``)."""
         from transformers import AutoConfig
 
-        from llama_cp.build import check_attention_backend
-        from llama_cp.models import apply_rope_settings, check_tokenizer_files, embedded_llama_config
+        from llama_cp.model.build import check_attention_backend
+        from llama_cp.modules.causal_lm import apply_rope_settings, check_tokenizer_files, embedded_llama_config
 
         name = os.path.expanduser(self.cfg.model.model_name)
         local = self.cfg.model.model_name != "embedded" and os.path.isdir(name)
@@ -512,8 +511,8 @@ class Trainer:
         self.cfg.parallel.check(self.cfg.data.context_length, world)
 
     def _collective_failure_message(self, error: BaseException) -> str:
-        from llama_cp.checkpoint import latest_checkpoint
-        from llama_cp.mesh import peer_states
+        from llama_cp.parallel.mesh import peer_states
+        from llama_cp.train.checkpoint import latest_checkpoint
 
         saved = latest_checkpoint(self.cfg.output_dir)
         reason = " ".join(str(error).split())
@@ -562,8 +561,8 @@ class Trainer:
         --overwrite, hold a lock for the run (rank 0), compare a --resume's settings with
         those of the newest checkpoint (Note [Changing settings on resume]), save the
         resolved config."""
-        from llama_cp.checkpoint import CHECKPOINTS_DIR, checkpoint_config, complete_checkpoints
-        from llama_cp.reporting import TENSORBOARD_DIR, WANDB_ID_FILE
+        from llama_cp.train.checkpoint import CHECKPOINTS_DIR, checkpoint_config, complete_checkpoints
+        from llama_cp.train.reporting import TENSORBOARD_DIR, WANDB_ID_FILE
 
         cfg, rank = self.cfg, _global_rank()
         out = cfg.output_dir
@@ -602,7 +601,7 @@ class Trainer:
             write_atomically(os.path.join(out, "config.yaml"), yaml_dump(cfg.to_dict()))
     def _resume(self) -> int:
         """Load the newest intact checkpoint when --resume asks for it; returns the step to go on from."""
-        from llama_cp.checkpoint import load_checkpoint, resumable_checkpoint
+        from llama_cp.train.checkpoint import load_checkpoint, resumable_checkpoint
 
         cfg = self.cfg
         if cfg.resume == "false":
@@ -632,7 +631,7 @@ class Trainer:
             tqdm.write(message)
 
     def _save(self, step: int) -> str:
-        from llama_cp.checkpoint import save_checkpoint
+        from llama_cp.train.checkpoint import save_checkpoint
 
         return save_checkpoint(
             self.cfg.output_dir, step, self.model, self.optimizer, scheduler=self.scheduler,
@@ -659,13 +658,13 @@ class Trainer:
         name = signal.Signals(int(received.item())).name
         if step == 0:
             raise TrainingStopped(f"stopped by {name} before the first step: nothing to save")
-        from llama_cp.checkpoint import checkpoint_dir
+        from llama_cp.train.checkpoint import checkpoint_dir
 
         path = self._save(step) if saved_step != step else checkpoint_dir(self.cfg.output_dir, step)
         raise TrainingStopped(f"stopped by {name} after step {step}: saved {path}; resume with --resume")
 
     def _stop_nonfinite(self, steps: list[int]) -> None:
-        from llama_cp.checkpoint import latest_checkpoint
+        from llama_cp.train.checkpoint import latest_checkpoint
 
         saved = latest_checkpoint(self.cfg.output_dir)
         if saved:
@@ -686,7 +685,7 @@ class Trainer:
     def _build_reporter(self, step: int):
         """TensorBoard / W&B (``--report_to``) on rank 0, and ``run_info.json`` (the resolved
         config, versions and layout of the run, and its start-up peak memory) beside ``config.yaml``."""
-        from llama_cp.reporting import Reporter, run_info
+        from llama_cp.train.reporting import Reporter, run_info
 
         load_peak = self._max_over_ranks(self.peak_memory.read())  # Note [Peak memory in metrics]
         info = run_info(self.cfg.to_dict(), world_size=dist.get_world_size(), device_type=self.device_type,
@@ -713,6 +712,8 @@ class Trainer:
 
             shutil.rmtree(path)  # the previous export of this output_dir
         dist.barrier()
+        from llama_cp.train.checkpoint import export_pretrained
+
         export_pretrained(self.model, path)
         if self.rank == 0:
             self.tokenizer.save_pretrained(path)

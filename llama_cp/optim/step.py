@@ -5,8 +5,8 @@
     # or both: total, grad_norm = optimizer_step(model, optimizer, micro_batches, num_tokens, max_grad_norm=1.0)
 
 ``num_tokens`` is the number of valid labels of the whole step (every rank, every
-micro-batch: :func:`llama_cp.loss.count_valid_tokens`), so that FSDP's gradient sum is
-the single-process gradient of the mean loss (``llama_cp.loss``).
+micro-batch: :func:`llama_cp.model.loss.count_valid_tokens`), so that FSDP's gradient sum is
+the single-process gradient of the mean loss (``llama_cp.model.loss``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from llama_cp.fsdp_wrap import activation_offload
-from llama_cp.loss import causal_lm_loss_sum, router_loss_share
+from llama_cp.model.loss import causal_lm_loss_sum, router_loss_share
 
 
 def forward_backward(

@@ -1,12 +1,11 @@
 """Run :meth:`Trainer.fit` on several local processes from a notebook or a script.
 
-    from llama_cp import TrainConfig
-    from llama_cp.launcher import launch
+    from llama_cp import TrainConfig, launch
     row = launch(TrainConfig.from_flags(cp=2, max_steps=3), nprocs=2)
 
 The in-process equivalent of ``torchrun --standalone --nproc_per_node N``:
 each child gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), so :func:`llama_cp.mesh.init_distributed` is the
+MASTER_ADDR, MASTER_PORT), so :func:`llama_cp.parallel.mesh.init_distributed` is the
 same code path as under torchrun; on a CUDA machine child ``i`` uses GPU ``i``.
 """
 
@@ -22,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llama_cp.config import TrainConfig
-from llama_cp.mesh import end_distributed, free_port
+from llama_cp.parallel.mesh import end_distributed, free_port
 
 _RESULT_FILE = "rank0_metrics.json"
 
@@ -53,7 +52,7 @@ def launch(cfg: TrainConfig, nprocs: int, *, master_port: int | None = None) -> 
 
 def _run_rank(rank: int, cfg: TrainConfig, world_size: int, port: int, result_dir: str) -> None:
     """One child: torchrun's environment, fit, rank 0 writes its row, leave with :func:`end_distributed`."""
-    from llama_cp.trainer import Trainer
+    from llama_cp.train.trainer import Trainer
 
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -75,7 +74,7 @@ def _run_rank(rank: int, cfg: TrainConfig, world_size: int, port: int, result_di
             json.dump(row, f)
         os.replace(path + ".tmp", path)
     # A spawned child's interpreter finalizes like a script's, where a gloo worker can abort the
-    # finished rank (Note [Leaving a gloo job] in llama_cp/mesh.py): this function is the child's
+    # finished rank (Note [Leaving a gloo job] in llama_cp/parallel/mesh.py): this function is the child's
     # whole program, so it leaves the way a script does.
     end_distributed()
 

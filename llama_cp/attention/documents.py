@@ -30,7 +30,7 @@ start d meets a chunk [c, c + m) in at most two pieces of ordinary attention:
 Keys after the span or before its document are never computed, so a block that
 no local query can see costs nothing but its transfer, and packed rows of short
 documents do far less work than one document of the same length. Each piece
-runs through ``llama_cp.kernels`` and the pieces of a row are merged by their
+runs through ``llama_cp.attention.kernels`` and the pieces of a row are merged by their
 log-sum-exp (``kernels.merge_block``), starting from out = 0, lse = -inf. The
 backward of a piece takes the final (out, lse) of its rows, as the ring does.
 Pieces longer than ``--attention_block_size`` are cut into tiles: Note [Tiled
@@ -62,7 +62,7 @@ layer gets the pieces of its own window from the one layout of the batch.
 
 The kernels take the lag of a call (``kernels.attention_forward(lag=)``); rows that see
 no key of a call get out = 0, lse = -inf, as document masks already have. On CUDA,
-flash-attn's ``window_size``; on CPU, the exact kernel of ``llama_cp/dense.py``
+flash-attn's ``window_size``; on CPU, the exact kernel of ``llama_cp/attention/dense.py``
 (Sq x Sk scores, 512 query rows at a time, so tiles bound it). Windowed pieces are not
 put into varlen calls: flash-attn's window is one pair of numbers per call, aligned to
 each segment's bottom-right corner, and the pieces' bands differ; they take one call
@@ -193,9 +193,10 @@ from typing import NamedTuple
 
 import torch
 
-from llama_cp import kernels
-from llama_cp.kernels import Backend
-from llama_cp.tiling import planning
+from llama_cp.attention import kernels
+from llama_cp.attention.kernels import Backend
+from llama_cp.modules.tiling import planning
+from llama_cp.parallel.sharding import visible_pairs_per_token
 
 
 class Span(NamedTuple):
@@ -234,23 +235,6 @@ class Piece(NamedTuple):
     def queries(self) -> tuple[int | None, int, int]:
         """Which queries the piece computes, as a key for grouping: (row, first, end)."""
         return self.row, self.q.start, self.q.stop
-
-
-def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, L) position_ids -> (B, L): the row index where each token's document starts
-    (Note [Document masks under CP])."""
-    seq_len = position_ids.shape[-1]
-    index = torch.arange(seq_len, device=position_ids.device).expand_as(position_ids)
-    new = torch.ones_like(position_ids, dtype=torch.bool)
-    new[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
-    return torch.where(new, index, torch.zeros_like(index)).cummax(dim=-1).values
-
-
-def visible_pairs_per_token(starts: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """(B, L) document starts -> (L,): the keys each query sees, t - start[t] + 1 (at most
-    ``window``, a sliding window), summed over the batch."""
-    seen = torch.arange(starts.shape[-1], device=starts.device) - starts + 1
-    return (seen if window is None else seen.clamp(max=window)).sum(0)
 
 
 def spans(starts: torch.Tensor, rows: torch.Tensor) -> list[list[Span]]:

@@ -11,7 +11,7 @@ shows the traceback. Mistakes in the input (``ValueError``, ``FileNotFoundError`
 alike, so only rank 0 prints them; anything else is printed by each rank it
 happens on, with the rank. A rank that gave up on a stuck collective then ends the
 job's other ranks on its machine and itself at once (Note [Stuck ranks] in
-``llama_cp/trainer.py``).
+``llama_cp/train/trainer.py``).
 """
 
 from __future__ import annotations

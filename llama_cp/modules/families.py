@@ -2,7 +2,7 @@
 
 llama-cp swaps two pieces of an HF causal LM: the attention function (causal,
 no mask, a sliding window and soft-capped scores where the family has them) and the loss path (the chunked
-cross-entropy of ``llama_cp.loss``, which must repeat what the family's
+cross-entropy of ``llama_cp.model.loss``, which must repeat what the family's
 ``*ForCausalLM.forward`` does to the ``lm_head`` output). A family is supported
 only where both were checked against the plain single-process transformers
 model (``tests/test_families.py``: logits, loss and every gradient, ring and
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import transformers
 from torch import nn
 
-from llama_cp.models import base_causal_lm
+from llama_cp.modules.causal_lm import base_causal_lm
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "phi3": _plain,  # fused qkv_proj / gate_up_proj: attention still receives q, k, v
     "gemma3_text": _final_softcap,  # Gemma3ForCausalLM: windowed and full layers, a RoPE per layer type
     # mixture of experts: the experts are per token (nothing to change under CP); the router's
-    # load-balancing loss is reduced over every rank (Note [Router loss under CP] in llama_cp/loss.py)
+    # load-balancing loss is reduced over every rank (Note [Router loss under CP] in llama_cp/model/loss.py)
     "mixtral": _plain,
     "qwen3_moe": _plain,
     "olmoe": _plain,

@@ -32,7 +32,7 @@ its own rows' sum: the shares add up to aux, and so do their gradients, which re
 the router only through prob (``router_loss_share``). FSDP's gradient sum then
 gives the single-process gradient, as for the cross-entropy. With gradient
 accumulation the loss is computed per micro-batch (its rows on every rank) and
-averaged over the micro-batches (``llama_cp.step``).
+averaged over the micro-batches (``llama_cp.optim.step``).
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from llama_cp.families import LogitTransform, RouterLoss, check_supported, router_loss
-from llama_cp.kernels import accumulation_dtype
-from llama_cp.models import base_causal_lm
-from llama_cp.sharding import SEQ_INDEX
-from llama_cp.tiling import tile_starts
+from llama_cp.attention.kernels import accumulation_dtype
+from llama_cp.modules.causal_lm import base_causal_lm
+from llama_cp.modules.families import LogitTransform, RouterLoss, check_supported, router_loss
+from llama_cp.modules.tiling import tile_starts
+from llama_cp.parallel.sharding import SEQ_INDEX
 
 IGNORE_INDEX = -100
 
@@ -187,7 +187,7 @@ def linear_cross_entropy(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sum over valid tokens of cross_entropy(logits, labels), a float32 scalar (float64 for
     float64 inputs), where logits are ``hidden @ weight.T`` through the model family's
-    ``transform`` (scale, soft-cap; see ``llama_cp.families``).
+    ``transform`` (scale, soft-cap; see ``llama_cp.modules.families``).
 
     hidden: (..., d), weight: (V, d), labels: (...) already shifted. Never holds
     more than ``chunk_size`` x V logits. With ``return_correct`` also a bool tensor like
@@ -256,7 +256,7 @@ def enable_chunked_loss(model: nn.Module, chunk_size: int = 0) -> nn.Module:
     ``modules_to_save`` copy of ``lm_head`` works too. Works on a peft model.
     What the family's forward does to the logits (Granite's scaling, Gemma2's
     soft-cap, ...) is done inside each chunk; unsupported families are refused
-    (``llama_cp.families``).
+    (``llama_cp.modules.families``).
     """
     causal_lm = base_causal_lm(model)
     transform = check_supported(model)

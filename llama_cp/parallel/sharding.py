@@ -53,13 +53,28 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from llama_cp.documents import document_starts, visible_pairs_per_token
-
 CpGroup = DeviceMesh | dist.ProcessGroup | None
 #: The layouts of :func:`shard_batch`.
 LAYOUTS: tuple[str, ...] = ("zigzag", "documents")
 #: Batch key (and model keyword) of the rows of a rank's tokens, (S/cp,), made by ``layout="documents"``.
 SEQ_INDEX = "seq_index"
+
+
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) position_ids -> (B, L): the row index where each token's document starts
+    (Note [Document masks under CP] in llama_cp/attention/documents.py)."""
+    seq_len = position_ids.shape[-1]
+    index = torch.arange(seq_len, device=position_ids.device).expand_as(position_ids)
+    new = torch.ones_like(position_ids, dtype=torch.bool)
+    new[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
+    return torch.where(new, index, torch.zeros_like(index)).cummax(dim=-1).values
+
+
+def visible_pairs_per_token(starts: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(B, L) document starts -> (L,): the keys each query sees, t - start[t] + 1 (at most
+    ``window``, a sliding window), summed over the batch."""
+    seen = torch.arange(starts.shape[-1], device=starts.device) - starts + 1
+    return (seen if window is None else seen.clamp(max=window)).sum(0)
 
 
 def cp_rank_and_size(cp: CpGroup) -> tuple[int, int]:

@@ -185,7 +185,7 @@ def quantize_model(model: nn.Module) -> nn.Module:
     on the meta device, not yet wrapped by peft or FSDP) by an :class:`NF4Linear`; the
     embeddings, norms and ``lm_head`` stay in full precision (as transformers' 4-bit loading
     keeps ``lm_head``). Returns ``model``."""
-    from llama_cp.models import decoder_layers
+    from llama_cp.modules.causal_lm import decoder_layers
 
     if any(isinstance(p, NF4Linear) for p in model.modules()):
         raise ValueError("the model is quantized already")

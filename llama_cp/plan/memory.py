@@ -45,8 +45,8 @@ Note [GPU attention kernels' workspace]
 The CUDA attention kernels allocate tensors of their own, which the CPU kernel does not: a
 plan that ran torch's CPU attention would leave them out of every GPU figure. The planner
 runs each attention call through a CPU stand-in of the planned backend
-(``llama_cp/kernel_workspace.py``, selected by passing a ``ModelledBackend`` down to
-``llama_cp.kernels``): it allocates the tensors below, with their shapes, dtypes and
+(``llama_cp/attention/workspace.py``, selected by passing a ``ModelledBackend`` down to
+``llama_cp.attention.kernels``): it allocates the tensors below, with their shapes, dtypes and
 layouts, and computes the values with torch's CPU kernel. The code around the library call
 (``kernels``' layout copies, GQA expansion, lse padding) is the trainer's own and runs as is.
 B batch, H query heads, Hkv key/value heads, Sq/Sk query/key rows, D head size, e the
@@ -120,12 +120,12 @@ from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from llama_cp.build import cp_strategy, parallelize_model
+from llama_cp.attention.kernels import BACKENDS, backend_problem, check_backend
+from llama_cp.attention.workspace import MODELLED, ModelledBackend
 from llama_cp.config import TrainConfig
-from llama_cp.kernel_workspace import MODELLED, ModelledBackend
-from llama_cp.kernels import BACKENDS, backend_problem, check_backend
-from llama_cp.loss import causal_lm_loss_sum
-from llama_cp.step import apply_gradients, forward_backward
+from llama_cp.model.build import cp_strategy, parallelize_model
+from llama_cp.model.loss import causal_lm_loss_sum
+from llama_cp.optim.step import apply_gradients, forward_backward
 
 GiB = 1 << 30
 
@@ -178,7 +178,7 @@ class MemoryBreakdown:
     the peak + buffers; ``gradients``: sharded and unsharded gradients;
     ``optimizer``: optimizer state, and in the optimizer phase what the step allocates too (the
     foreach AdamW's sqrt(exp_avg_sq), 4 bytes per trainable parameter: Note [AdamW's
-    implementation, pinned] in llama_cp/optim.py); ``activations``: tensors saved for backward
+    implementation, pinned] in llama_cp/optim/optimizers.py); ``activations``: tensors saved for backward
     (and the batch); ``temporary``: short-lived tensors of backward;
     ``communication``: FSDP all-gather / reduce-scatter buffers. ``total`` is
     their sum, the tracked peak. ``host``: bytes kept in host memory instead
@@ -248,7 +248,7 @@ def load_model_config(model_name: str):
     directory with a config.json."""
     from transformers import AutoConfig, LlamaConfig
 
-    from llama_cp.models import embedded_llama_config
+    from llama_cp.modules.causal_lm import embedded_llama_config
 
     if model_name == "embedded":
         return embedded_llama_config()
@@ -370,9 +370,9 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from llama_cp.fsdp_wrap import _reinit_rotary_buffers
-    from llama_cp.models import build_causal_lm
-    from llama_cp.optim import build_optimizer
-    from llama_cp.sharding import shard_batch
+    from llama_cp.modules.causal_lm import build_causal_lm
+    from llama_cp.optim.optimizers import build_optimizer
+    from llama_cp.parallel.sharding import shard_batch
 
     config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
     p, o = cfg.parallel, cfg.optim
@@ -434,7 +434,7 @@ def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
     the trainer picks on an sm80+ GPU with flash-attn installed (flash_attn for bf16/fp16).
     A CUDA backend that could not run there, or that the planner cannot model, is refused in
     one line; sdpa_cpu and math are planned as they run on CPU (the planner's own checks)."""
-    from llama_cp.models import compute_dtype
+    from llama_cp.modules.causal_lm import compute_dtype
 
     dtype = compute_dtype(cfg.model.dtype, "cuda") or torch.float32
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads

@@ -1,0 +1,1 @@
+"""The memory planner: a whole job's step run under fake tensors and a fake process group (memory)."""
