@@ -21,7 +21,7 @@ import time
 import fire
 import torch
 
-from llama_cp.cp_attention import local_attention
+from llama_cp.attention.local import local_attention
 from llama_cp.plan.memory import track_peak_memory
 
 MiB = 1 << 20

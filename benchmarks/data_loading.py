@@ -21,7 +21,7 @@ START = time.perf_counter()
 
 import torch  # noqa: E402
 
-from llama_cp.data.loading import DistributedRowLoader, build_rows  # noqa: E402
+from llama_cp.data.loader import DistributedRowLoader, build_rows  # noqa: E402
 from llama_cp.data.tokenizer import byte_tokenizer  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def main() -> None:
     if args.mode == "prepare":  # into a new cache directory; the dataset's own Arrow conversion done beforehand
         import tempfile
 
-        from llama_cp.data.loading import load_examples
+        from llama_cp.data.sources import load_examples
         from llama_cp.data.prepared import prepare_dataset
 
         load_examples(args.dataset)

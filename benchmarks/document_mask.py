@@ -5,7 +5,7 @@ rows of short documents against one-document rows of the same length.
     python benchmarks/document_mask.py speed --seq_lens 8192,16384 # 2 gloo ranks, CPU
 
 ``balance`` packs documents drawn from a few length mixes (Note [Packed rows] in
-``llama_cp/data/loading.py``: a stream of documents cut into rows, a document continuing
+``llama_cp/data/packing.py``: a stream of documents cut into rows, a document continuing
 into the next row) and counts, per cp rank, the (query, key) pairs its queries see
 (``DocumentLayout.visible_pairs``): the attention work of the rank. It prints the
 imbalance max/mean over the ranks (1.00 = balanced), averaged over rows and for the
@@ -18,11 +18,11 @@ document-aware sharding (``shard_batch(layout="documents")``, each row on its ow
 ``calls`` counts the attention kernel calls of one layer's forward + backward on the busiest
 cp rank, summed over the ring's steps, as the per-piece path makes them (CPU backends) and as
 the varlen path does (flash_attn, sdpa_flash; Note [Varlen document calls] in
-``llama_cp/attention/documents.py``), with the default 16384-token attention blocks and untiled.
+``llama_cp/attention/pieces.py``), with the default 16384-token attention blocks and untiled.
 
 ``bytes`` prints the bytes each cp rank sends per training step (forward + backward of every
 layer) for each strategy on packed rows of each mix, from the formulas of Note [Ring
-transfers] in ``llama_cp/cp_attention.py`` for Llama-3-8B shapes (bf16, float32 dK/dV), and
+transfers] in ``llama_cp/attention/ring.py`` for Llama-3-8B shapes (bf16, float32 dK/dV), and
 checks them on real gloo runs of the embedded Llama (4 ranks, cp 4, ``wire_bytes()``).
 
 ``windows`` prints the ring's bytes per rank per step with a sliding window on every layer
@@ -54,7 +54,8 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
-from llama_cp.attention.documents import DocumentLayout, tiles, varlen_windows
+from llama_cp.attention.documents import DocumentLayout, tiles
+from llama_cp.attention.pieces import varlen_windows
 from llama_cp.modules.causal_lm import embedded_llama_config
 from llama_cp.parallel.mesh import end_distributed, free_port
 from llama_cp.parallel.sharding import document_starts, visible_pairs_per_token
@@ -221,7 +222,7 @@ def bytes(seq_len: int = 131072, cps: str | int | tuple = "2,4,8", rows: int = 1
 
 
 def _bytes_worker(rank: int, port: int, seq_len: int) -> None:
-    from llama_cp.cp_attention import wire_bytes
+    from llama_cp.attention.wire import wire_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)

@@ -17,7 +17,7 @@ What a training loop of your own needs (README, "The building blocks"):
 
 from llama_cp.config import TrainConfig
 from llama_cp.cp_attention import apply_context_parallel
-from llama_cp.data.loading import DistributedRowLoader, build_rows
+from llama_cp.data.loader import DistributedRowLoader, build_rows
 from llama_cp.fsdp_wrap import activation_offload, gather_full_state_dict, load_full_weights, shard_model
 from llama_cp.model.build import build_model, parallelize_model
 from llama_cp.model.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss, linear_cross_entropy

@@ -28,7 +28,7 @@ from llama_cp.parallel.sharding import check_context_length
 
 #: ``--dataset`` value of the built-in synthetic long-context task (passkey retrieval).
 PASSKEY = "passkey"
-#: A ``--dataset`` ending like this names a local file (llama_cp.data.loading.FILE_BUILDERS
+#: A ``--dataset`` ending like this names a local file (llama_cp.data.sources.FILE_BUILDERS
 #: says which of them it reads), never a hub id.
 LOCAL_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt", ".csv", ".tsv", ".arrow", ".gz", ".zst")
 #: ``--report_to``'s trackers (llama_cp.train.reporting writes to them).
@@ -84,7 +84,7 @@ class ParallelConfig:
         """ValueError naming every parallel rule broken, in one message: --context_length a
         multiple of 2 x cp, and (when ``world_size`` is known) the degrees multiplying to it;
         a single process asked for more is told how to launch them."""
-        from llama_cp.cp_attention import check_ulysses_degree
+        from llama_cp.attention.hybrid import check_ulysses_degree
 
         problems = []
         for check in (lambda: check_context_length(context_length, self.cp),

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from llama_cp.data.loading import PASSKEY_DIGITS, PASSKEY_FILLER, passkey_example
+from llama_cp.data.passkey import PASSKEY_DIGITS, PASSKEY_FILLER, passkey_example
 from llama_cp.model.loss import IGNORE_INDEX, causal_lm_loss_sum
 from llama_cp.parallel.mesh import end_distributed, submesh
 from llama_cp.parallel.sharding import check_context_length, shard_batch

@@ -17,7 +17,7 @@ from peft import LoraConfig, get_peft_model
 
 from fsdp_checks import check_cp_against_reference, tiny_config_as, tiny_model
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
-from llama_cp.cp_attention import wire_bytes
+from llama_cp.attention.wire import wire_bytes
 from llama_cp.parallel.sharding import SEQ_INDEX
 
 VOCAB, SEQ_LEN = 96, 96  # 96 is a multiple of 2 x cp for cp 1, 2, 3 and 4

@@ -36,6 +36,10 @@ LAYERS = (("train",), ("plan",), ("optim",), ("data",), ("model",), ("config",),
           ("attention",), ("modules",), ("parallel",))
 
 
+#: llama_cp/__init__.py in the import graph: the public API, above every layer.
+FACE = "__init__"
+
+
 def package_modules() -> dict[str, str]:
     """Every llama_cp module but the package faces (``__init__.py``): dotted name under llama_cp -> path."""
     package = os.path.join(ROOT, "llama_cp")
@@ -61,10 +65,11 @@ def import_graph() -> dict[str, set[str]]:
                 base = node.module.partition(".")[2]
                 for alias in node.names:  # from llama_cp.attention import kernels: a module; else a name of base
                     imported.add(f"{base}.{alias.name}".lstrip(".") if f"{base}.{alias.name}".lstrip(".") in modules
-                                 else base)
+                                 else base or FACE)
             elif isinstance(node, ast.Import):
-                imported |= {alias.name.partition(".")[2] for alias in node.names if alias.name.startswith("llama_cp.")}
-        graph[module] = (imported & set(modules)) - {module}
+                imported |= {alias.name.partition(".")[2] or FACE for alias in node.names
+                             if alias.name.split(".")[0] == "llama_cp"}
+        graph[module] = (imported & {*modules, FACE}) - {module}
     return graph
 
 
@@ -78,6 +83,7 @@ def import_cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
                 todo.append(nxt)
         return seen
 
+    graph = {module: imported - {FACE} for module, imported in graph.items()}
     reach = {module: reachable(module) for module in graph}
     return {tuple(sorted(m for m in graph if m in reach[module] and module in reach[m]))
             for module in graph if module in reach[module]}
@@ -85,7 +91,7 @@ def import_cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
 
 def imports_up(graph: dict[str, set[str]], layers=LAYERS) -> set[tuple[str, str]]:
     """The imports ``(module, imported)`` that run up: to a layer above the module's own."""
-    height = {name: i for i, names in enumerate(layers) for name in names}
+    height = {FACE: -1, **{name: i for i, names in enumerate(layers) for name in names}}
     return {(module, other) for module, imported in graph.items() for other in imported
             if height[other.split(".")[0]] < height[module.split(".")[0]]}
 
@@ -104,6 +110,7 @@ def test_imports_only_run_down_the_layers():
     assert imports_up(toy, layers=(("top",), ("low",))) == {("low.b", "top.a")}
     graph = import_graph()
     layered = {name for names in LAYERS for name in names}
+    assert imports_up({"low.b": {FACE}}, layers=(("low",),)) == {("low.b", FACE)}  # import llama_cp, from below
     assert {module.split(".")[0] for module in graph} == layered, "a new folder or top-level file needs its place in LAYERS"
     assert imports_up(graph) == set()
 

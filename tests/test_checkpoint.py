@@ -183,7 +183,7 @@ def _write_texts(root: str, name: str, texts: list[str]) -> str:
 
 @checks.add
 def prepared_rows_are_made_once_while_the_other_rank_waits():
-    from llama_cp.data.loading import build_rows
+    from llama_cp.data.loader import build_rows
     from llama_cp.data.prepared import load_prepared_rows
     from llama_cp.data.tokenizer import byte_tokenizer
 

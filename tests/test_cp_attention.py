@@ -135,7 +135,7 @@ def check_tiled_kernel(strategy, causal, kv_heads, block_size, documents, dtype)
     """Tiled CP attention (Note [Tiled attention]) at cp 2 equals the untiled CP attention and the
     single-process full-sequence attention: out, dq, dk, dv; with packed documents too."""
     from llama_cp.attention.documents import DocumentLayout
-    from llama_cp.cp_attention import local_attention
+    from llama_cp.attention.local import local_attention
     from llama_cp.parallel.sharding import document_starts
 
     cp, seq = 2, 32

@@ -9,16 +9,12 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from llama_cp.data import loading as data
-from llama_cp.data.loading import (
-    DistributedRowLoader,
-    build_rows,
-    load_examples,
-    pack_documents,
-    passkey_example,
-    passkey_rows,
-    tokenize_example,
-)
+from llama_cp.data import passkey as data
+from llama_cp.data.formats import tokenize_example
+from llama_cp.data.loader import DistributedRowLoader, build_rows
+from llama_cp.data.packing import pack_documents
+from llama_cp.data.passkey import passkey_example, passkey_rows
+from llama_cp.data.sources import load_examples
 from llama_cp.data.tokenizer import _byte_alphabet, byte_tokenizer
 
 IGNORE = -100

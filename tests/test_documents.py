@@ -24,7 +24,8 @@ from document_checks import (
     reference_forward, shard_bytes, shard_randomly, sparse_batch,
 )
 from fsdp_checks import tiny_model
-from llama_cp import apply_context_parallel, cp_attention, shard_batch, unshard
+from llama_cp import apply_context_parallel, shard_batch, unshard
+from llama_cp.attention import hybrid
 
 WORLD_SIZE = 4
 checks = Checks()
@@ -229,15 +230,15 @@ def groups_run_a_collective_before_partial_p2p():
         return batch_isend_irecv(ops)
 
     dist.all_reduce, dist.batch_isend_irecv = recording_all_reduce, checking_batch
-    cached = dict(cp_attention._HYBRID_GROUPS)
-    cp_attention._HYBRID_GROUPS.clear()  # made anew below, under the recording
+    cached = dict(hybrid._HYBRID_GROUPS)
+    hybrid._HYBRID_GROUPS.clear()  # made anew below, under the recording
     try:
         check_documents("ring", mesh_for(4, WORLD_SIZE), False, torch.float64, data=sparse_batch())
         check_documents("hybrid", mesh_for(4, WORLD_SIZE), False, torch.float64, data=sparse_batch(),
                         ulysses_degree=2)
     finally:
         dist.all_reduce, dist.batch_isend_irecv = all_reduce, batch_isend_irecv
-        cp_attention._HYBRID_GROUPS.update(cached)
+        hybrid._HYBRID_GROUPS.update(cached)
     assert not unwarmed, f"batched P2P on groups with no collective before: {sorted(set(unwarmed))}"
 
 

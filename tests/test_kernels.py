@@ -240,8 +240,9 @@ TILED_CASES = [
 def test_tiled_attention_equals_untiled(backend, block_size, causal, heads, dtype):
     """out, lse, dq, dk, dv of the tiled local attention equal the untiled calls' (block sizes
     that divide the 16 queries, that do not, 1, and the whole block)."""
-    from llama_cp.attention.documents import Piece, pieces_forward, tiles
-    from llama_cp.cp_attention import local_attention
+    from llama_cp.attention.documents import Piece, tiles
+    from llama_cp.attention.pieces import pieces_forward
+    from llama_cp.attention.local import local_attention
 
     seq = 16
     sk = seq if causal else 13
@@ -291,7 +292,7 @@ class _LargestFloat32(TorchDispatchMode):
 def test_tiled_bf16_attention_keeps_float32_per_query_block(backend):
     """bf16 in and out; the float32 tensors are per tile or query block, or the dK/dV sums at the
     KV head count: never the float32 output or dQ of the whole sequence (Note [Tiled attention])."""
-    from llama_cp.cp_attention import local_attention
+    from llama_cp.attention.local import local_attention
 
     seq, block_size = 64, 8
     q, k, v = (t.requires_grad_() for t in _inputs(4, 1, seq, seq, torch.bfloat16))
@@ -384,7 +385,8 @@ def test_softcap_through_flash_attn_glue_and_its_refusals():
 def test_softcapped_document_pieces_in_tiles_are_exact():
     """Packed documents cut into tiles of 5 (the pieces the ring, Ulysses and all-gather compute),
     with a cap: equal to dense attention with the document mask, forward and backward."""
-    from llama_cp.attention.documents import DocumentLayout, pieces_attention, tiles
+    from llama_cp.attention.documents import DocumentLayout, tiles
+    from llama_cp.attention.pieces import pieces_attention
     from llama_cp.parallel.sharding import document_starts
 
     lengths = [7, 1, 12, 4]
@@ -498,7 +500,8 @@ def test_windowed_document_pieces_are_exact_and_skip_what_the_band_misses(block_
     """Pieces of packed rows with a window, tiled or not, give the dense masked attention in fp64
     (logits and every gradient); no tile lies wholly outside the band, and tiles compute fewer
     pairs than without the window."""
-    from llama_cp.attention.documents import Chunk, pieces, pieces_attention, spans, tiles
+    from llama_cp.attention.documents import Chunk, pieces, spans, tiles
+    from llama_cp.attention.pieces import pieces_attention
     from llama_cp.parallel.sharding import document_starts
 
     seq = 32

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from llama_cp.config import TrainConfig
-from llama_cp.data.loading import DistributedRowLoader, build_rows, pack_documents, tokenize_example
+from llama_cp.data.formats import tokenize_example
+from llama_cp.data.loader import DistributedRowLoader, build_rows
+from llama_cp.data.packing import pack_documents
 from llama_cp.data.prepared import (
     EVAL_EVERY,
     PreparedRows,

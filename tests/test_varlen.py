@@ -1,4 +1,4 @@
-"""Varlen document calls (Note [Varlen document calls] in llama_cp/attention/documents.py) without a GPU:
+"""Varlen document calls (Note [Varlen document calls] in llama_cp/attention/pieces.py) without a GPU:
 
 - the glue against the real schemas: torch's ``aten._flash_attention_forward`` /
   ``_flash_attention_backward`` run their meta kernels on the tensors our packing code makes,
@@ -21,9 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from document_checks import SEQ_LEN, TOLERANCE, packed_batch
 from llama_cp.attention import kernels
-from llama_cp.attention.documents import (
-    DocumentLayout, _varlen_plan, pieces_attention, pieces_backward, pieces_forward, tiles,
-    varlen_calls,
+from llama_cp.attention.documents import DocumentLayout, tiles
+from llama_cp.attention.pieces import (
+    _varlen_plan, pieces_attention, pieces_backward, pieces_forward, varlen_calls,
 )
 from llama_cp.attention.workspace import FLASH_ATTN, ModelledBackend, flash_attention_forward
 from llama_cp.parallel.sharding import document_starts

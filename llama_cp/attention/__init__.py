@@ -1,3 +1,5 @@
-"""Context-parallel attention's parts, below the entry in ``llama_cp/cp_attention.py``: the local
-kernels and their backends (kernels, dense), what they allocate (workspace), and packed
-documents, windows and their layouts under CP (documents)."""
+"""Context-parallel attention's parts, below the entry in ``llama_cp/cp_attention.py``: the
+strategies, one file each (ring, ulysses, allgather, hybrid; local: one process's attention;
+choose: which strategy ``auto`` picks; wire: the bytes they send), the local kernels and their
+backends (kernels, dense), what they allocate (workspace), packed documents, windows and
+their layouts under CP (documents), and attention over exactly their pieces (pieces)."""

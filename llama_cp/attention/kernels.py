@@ -58,7 +58,7 @@ exact kernel of ``llama_cp/attention/dense.py``; torch's CUDA kernels are refuse
 
 The backends in ``VARLEN`` also compute many independent attention segments in one call
 (:func:`varlen_forward` / :func:`varlen_backward`, packed layout ``(total, H, D)``): packed
-documents use them, Note [Varlen document calls] in ``llama_cp/attention/documents.py``.
+documents use them, Note [Varlen document calls] in ``llama_cp/attention/pieces.py``.
 """
 
 from __future__ import annotations

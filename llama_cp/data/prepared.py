@@ -31,21 +31,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from llama_cp.data.loading import (
-    FILE_BUILDERS,
-    PASSKEY,
-    REQUIRED_COLUMNS,
-    Row,
-    RowPacker,
-    _pad_id,
-    _quiet_datasets,
-    detect_format,
-    load_examples,
-    load_hub_dataset,
-    local_files,
-    tokenize_example,
-    truncate_document,
-)
+from llama_cp.config import PASSKEY
+from llama_cp.data.formats import REQUIRED_COLUMNS, detect_format, tokenize_example
+from llama_cp.data.packing import Row, RowPacker, _pad_id, truncate_document
+from llama_cp.data.sources import _quiet_datasets, load_examples, load_hub_dataset, local_files
 from llama_cp.model.loss import IGNORE_INDEX
 from llama_cp.parallel.sharding import check_context_length
 

@@ -19,9 +19,10 @@ import warnings
 import torch
 from torch import nn
 
+from llama_cp.attention.choose import choose_strategy
 from llama_cp.attention.kernels import check_backend
 from llama_cp.config import PASSKEY, TrainConfig
-from llama_cp.cp_attention import apply_context_parallel, choose_strategy
+from llama_cp.cp_attention import apply_context_parallel
 from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, shard_model
 from llama_cp.model.loss import enable_chunked_loss
 from llama_cp.modules.families import set_router_loss_coef
@@ -144,7 +145,7 @@ def check_lora_targets(model: nn.Module, targets, parameters=()) -> None:
 
 def cp_strategy(cfg: TrainConfig, config) -> tuple[str, int]:
     """(strategy, ulysses_degree) of a run: --cp_strategy and --ulysses_degree, or what ``auto``
-    picks for ``config``'s heads (Note [Choosing a strategy] in ``llama_cp/cp_attention.py``)."""
+    picks for ``config``'s heads (Note [Choosing a strategy] in ``llama_cp/attention/choose.py``)."""
     p = cfg.parallel
     if p.cp_strategy != "auto":
         return p.cp_strategy, p.ulysses_degree

@@ -1,2 +1,2 @@
 """One optimizer step: forward/backward with the global token count, clipping and the update
-(step), and the optimizers themselves (optimizers)."""
+(step), the optimizers themselves (optimizers), and the learning-rate schedule (schedule)."""

@@ -48,8 +48,8 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: dist.P
 # "if this API is the first collective call in the group passed to dist.P2POp, all ranks of the
 # group must participate in this API call; otherwise, the behavior is undefined". The ring's
 # transfers are batched P2P, and with packed documents (Note [Ring transfers] in
-# cp_attention.py) a rank posts nothing at a step where none of its queries sees the block in
-# flight: were that the group's first call, the ranks that did post would wait for a
+# llama_cp/attention/ring.py) a rank posts nothing at a step where none of its queries sees the
+# block in flight: were that the group's first call, the ranks that did post would wait for a
 # communicator the others never create, until the watchdog ends the job. Nothing else may run
 # on a ring's group first: the cp group of the mesh carries only attention traffic (FSDP uses
 # dp_shard_cp), and hybrid's outer groups are made by ``new_group`` for the ring alone. So each

@@ -182,7 +182,7 @@ def end_distributed() -> None:
 
 
 # ----------------------------------------------------------------------------- ending a stuck job
-# See Note [Stuck ranks] in llama_cp/train/trainer.py.
+# See Note [Stuck ranks] in llama_cp/train/failures.py.
 
 
 def local_peers() -> list[tuple[int, int, int]]:

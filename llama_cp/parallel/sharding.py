@@ -2,7 +2,7 @@
 
 ``layout="zigzag"`` (ring, Ulysses; the default): the sequence is cut into 2 x cp
 equal chunks and cp rank r keeps chunks r and 2cp-1-r (see Note [Zigzag ring
-attention] in ``cp_attention.py``)::
+attention] in ``llama_cp/attention/ring.py``)::
 
     L = 16, cp = 2:   chunks  [0..3] [4..7] [8..11] [12..15]
                       rank 0:  [0..3]                [12..15]

@@ -120,6 +120,13 @@ def checkpoint_config(path: str) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
+def yaml_dump(values: dict[str, Any]) -> str:
+    """``values`` as YAML in their own order, tuples as lists: the text of a config.yaml."""
+    import yaml
+
+    return yaml.safe_dump(json.loads(json.dumps(values)), sort_keys=False)  # tuples -> lists
+
+
 def latest_checkpoint(output_dir: str) -> str | None:
     """The complete checkpoint with the highest step under ``output_dir``, or None."""
     found = complete_checkpoints(output_dir)
@@ -232,8 +239,6 @@ def save_checkpoint(
             }
             torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE_FILE))
             if config is not None:
-                from llama_cp.train.run_dir import yaml_dump
-
                 with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
                     f.write(yaml_dump(config))
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - a full disk, a lost mount: tell every rank

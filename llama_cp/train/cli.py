@@ -11,7 +11,7 @@ shows the traceback. Mistakes in the input (``ValueError``, ``FileNotFoundError`
 alike, so only rank 0 prints them; anything else is printed by each rank it
 happens on, with the rank. A rank that gave up on a stuck collective then ends the
 job's other ranks on its machine and itself at once (Note [Stuck ranks] in
-``llama_cp/train/trainer.py``).
+``llama_cp/train/failures.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +51,6 @@ def run_cli(main: Callable, usage: str, argv: list[str] | None = None, defaults:
             prefix = f"error (rank {rank})" if many else "error"
             message = " ".join(str(error).split()) or type(error).__name__
             print(f"{prefix}: {message} (rerun with --debug for the traceback)", file=sys.stderr, flush=True)
-        if callable(getattr(error, "end_job", None)):  # a stuck rank: end the whole job now (trainer.CollectiveFailed)
+        if callable(getattr(error, "end_job", None)):  # a stuck rank: end the whole job now (failures.CollectiveFailed)
             error.end_job()
         sys.exit(1)

@@ -35,14 +35,18 @@ WANDB_ID_FILE = "wandb_run_id"
 
 def run_info(config: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """The resolved config and the versions that produced a run (logged with it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import peft
     import torch
     import transformers
 
-    import llama_cp
-
+    try:  # the installed distribution's (llama_cp/__init__.py's __version__, which setup.cfg reads)
+        ours = version("llama-cp")
+    except PackageNotFoundError:  # run from a checkout that was never pip-installed
+        ours = "unknown"
     versions = {
-        "llama_cp": llama_cp.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "llama_cp": ours, "torch": torch.__version__, "transformers": transformers.__version__,
         "peft": peft.__version__, "python": platform.python_version(),
         "cuda": torch.version.cuda, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }

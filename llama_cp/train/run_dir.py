@@ -1,5 +1,7 @@
-"""The output directory of a run: one run at a time (a lock), its resolved config, its
-metrics rows and the loss plot. Files are written to a temporary name and renamed.
+"""The output directory of a run: claiming it (one run at a time, under a lock; an earlier
+run's artefacts refused or cleared; a --resume's settings compared with its checkpoints'),
+its resolved config, its metrics rows and the loss plot. Files are written to a temporary
+name and renamed.
 """
 
 from __future__ import annotations
@@ -8,15 +10,13 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import yaml
 
 from llama_cp.config import TrainConfig
-
-
-def yaml_dump(values: dict[str, Any]) -> str:
-    return yaml.safe_dump(json.loads(json.dumps(values)), sort_keys=False)  # tuples -> lists
+from llama_cp.train.checkpoint import CHECKPOINTS_DIR, checkpoint_config, complete_checkpoints, yaml_dump
 
 
 # Note [Changing settings on resume]
@@ -123,6 +123,101 @@ def lock_output_dir(path: str):
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
     lock.flush()
     return lock
+
+
+class OutputDirClaim:
+    """One run's hold on its output_dir: :meth:`claim` it, :meth:`leave_as_found` when the run
+    fails while setting up, :meth:`release` at the end. Made before the claim: rank 0 records
+    what the directory held then (``found``)."""
+
+    def __init__(self, cfg: TrainConfig, rank: int):
+        self.cfg, self.rank = cfg, rank
+        self.lock = None  # rank 0's lock_output_dir while the run holds the directory
+        self.found = self._before() if rank == 0 else None
+
+    def _before(self) -> dict[str, Any]:
+        """Whether output_dir and its .lock existed, and the text of its config.yaml (None: none)."""
+        out = self.cfg.output_dir
+        config = os.path.join(out, "config.yaml")
+        text = None
+        if os.path.isfile(config):
+            with open(config) as f:
+                text = f.read()
+        return {"dir": os.path.isdir(out), "lock": os.path.exists(os.path.join(out, ".lock")), "config": text}
+
+    def claim(self, say: Callable[[str], None]) -> None:
+        """One run per output_dir: refuse an earlier run's artefacts unless --resume or
+        --overwrite (which deletes them), hold a lock for the run (rank 0), compare a --resume's
+        settings with those of the newest checkpoint (Note [Changing settings on resume]; its
+        changes are passed to ``say``), save the resolved config."""
+        from llama_cp.train.reporting import TENSORBOARD_DIR, WANDB_ID_FILE
+
+        cfg, rank = self.cfg, self.rank
+        out = cfg.output_dir
+        if rank == 0:
+            try:
+                os.makedirs(out, exist_ok=True)
+                self.lock = lock_output_dir(out)
+            except OSError as error:  # read-only filesystem, no permission: found now, not at the first save
+                raise PermissionError(
+                    f"--output_dir {out} is not writable ({error.strerror or error}); choose another --output_dir"
+                ) from None
+        found = complete_checkpoints(out)
+        if cfg.resume == "false":
+            earlier = [f"checkpoints up to step {found[-1][0]}"] if found else []
+            earlier += [name for name in ("final/", "metrics.jsonl", TENSORBOARD_DIR + "/", "loss.png")
+                        if os.path.exists(os.path.join(out, name))]
+            if earlier and not cfg.overwrite:
+                raise ValueError(
+                    f"--output_dir {out} holds an earlier run ({', '.join(earlier)}); pass --resume to continue it, "
+                    "--overwrite to start over (deletes them), or choose another --output_dir"
+                )
+            if earlier and rank == 0:
+                import shutil
+
+                for name in (CHECKPOINTS_DIR, "final", TENSORBOARD_DIR):
+                    shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+                for name in ("metrics.jsonl", "loss.png", "run_info.json", WANDB_ID_FILE):
+                    if os.path.exists(os.path.join(out, name)):
+                        os.remove(os.path.join(out, name))
+        else:
+            # the newest recorded config; every rank compares (a checkpoint never changes), so all refuse together
+            saved = next((c for c in (checkpoint_config(path) for _, path in reversed(found)) if c is not None), None)
+            for line in check_resume_settings(saved, cfg, os.path.join(out, CHECKPOINTS_DIR)) if saved else []:
+                say(f"--resume with a changed setting, in effect from the resumed step on: {line}")
+        if rank == 0:
+            write_atomically(os.path.join(out, "config.yaml"), yaml_dump(cfg.to_dict()))
+
+    def leave_as_found(self) -> None:
+        """A run that fails before its first step (bad data, model or flags found while setting
+        up) takes back what it wrote into output_dir: config.yaml, .lock, the directory itself.
+        Rank 0 only; a failure to do so is ignored (the error being raised is the one to report)."""
+        found = self.found
+        if found is None:
+            return
+        try:
+            out = self.cfg.output_dir
+            config = os.path.join(out, "config.yaml")
+            if found["config"] is None:
+                if os.path.exists(config):
+                    os.remove(config)
+            elif os.path.isfile(config):
+                write_atomically(config, found["config"])
+            if not found["lock"] and os.path.exists(os.path.join(out, ".lock")):
+                os.remove(os.path.join(out, ".lock"))
+            if not found["dir"]:
+                try:
+                    os.rmdir(out)  # only when nothing else is in it
+                except OSError:
+                    pass
+        except OSError:
+            pass
+
+    def release(self) -> None:
+        """Release the output_dir for the next run (also in this process)."""
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
 
 
 def truncate_metrics(path: str, step: int) -> None:

@@ -13,12 +13,9 @@ single-process gradient of the mean loss (see ``llama_cp.model.loss``).
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
-import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -31,76 +28,13 @@ from llama_cp.model.build import model_path
 from llama_cp.model.flops import model_flops, peak_flops, throughput
 from llama_cp.model.loss import causal_lm_loss_sum, count_valid_tokens
 from llama_cp.optim.optimizers import build_optimizer
-from llama_cp.parallel.mesh import init_distributed, local_peers, machine_device_type, submesh
-from llama_cp.train.run_dir import (
-    check_resume_settings, lock_output_dir, plot_losses, truncate_metrics, write_atomically, yaml_dump,
-)
+from llama_cp.optim.schedule import lr_factor, start_schedule
 from llama_cp.optim.step import clip_gradients, forward_backward
+from llama_cp.parallel.mesh import init_distributed, local_peers, machine_device_type, submesh
 from llama_cp.parallel.sharding import shard_batch
-
-
-#: Signals that stop training gracefully: finish the step, save, exit (Note [Stopping on a signal]).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class TrainingStopped(RuntimeError):
-    """Training stopped on purpose (a stop signal, a run of non-finite steps); raised on every rank."""
-
-    same_on_every_rank = True
-
-
-class CollectiveFailed(RuntimeError):
-    """A collective timed out or lost a peer: another rank is stuck or gone (Note [Stuck ranks])."""
-
-    def __init__(self, message: str, local_peers: list[tuple[int, int, int]] = ()):
-        super().__init__(message)
-        self.local_peers = list(local_peers)
-
-    def end_job(self) -> None:
-        """After the message is out: end the job's other ranks on this machine and this process
-        now, without Python's teardown (see Note [Stuck ranks]). Does not return."""
-        from llama_cp.parallel.mesh import end_processes
-
-        end_processes(self.local_peers)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-
-# Note [Stuck ranks]
-# ~~~~~~~~~~~~~~~~~~
-# A rank that stops answering (SIGSTOP, hung storage, a dead node) leaves the others
-# blocked in their next collective. --collective_timeout bounds that wait (it is the
-# process group's timeout, inherited by the mesh's groups); the rank that gives up
-# raises CollectiveFailed, naming itself, the step it was in and what the job's other
-# ranks on its machine are doing ("rank 1 is stopped"), and the command line prints it.
-# Then the job must end now, and two things would delay it:
-#
-#   timeout ──> message ──> Python's teardown ──> exit ──> torchrun: SIGTERM to the rest,
-#                           (GC of the model,              30 s for them to exit, SIGKILL
-#                            seconds on a busy CPU)        (a stopped rank ignores SIGTERM)
-#
-# so CollectiveFailed.end_job SIGKILLs the job's other ranks on this machine (pid and
-# start time exchanged at setup, so no other process can be hit; the healthy ones were
-# about to time out too) and leaves with os._exit(1). torchrun finds every worker gone
-# and ends the job at once: timeout + about a second (docs/reliability.md). The message
-# is printed before anything is killed, so when two ranks give up together, the first
-# to kill has already spoken. Other machines' ranks time out on their own and do the
-# same there (srun --kill-on-bad-exit ends a node whose only rank is the stuck one).
-# With gloo the failing collective raises; with NCCL its watchdog aborts the process
-# after the same timeout with NCCL's own report, and torchrun's --shutdown_timeout
-# (default 30 s) bounds the wait for a stopped rank.
-
-
-# Note [Stopping on a signal]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Clusters stop jobs with SIGTERM (SLURM at pre-emption or the time limit, k8s on
-# eviction; torchrun forwards it to its workers and waits 30 s before SIGKILL), and
-# SLURM can send SIGUSR1 ahead of time (``#SBATCH --signal=USR1@300``). The handler
-# only records the signal. Before each step the ranks agree (an all-reduce MAX of
-# the signal number: one rank's signal stops them all at the same step); then they
-# save the current step, unless it is saved already, and raise TrainingStopped:
-# "stopped by SIGTERM after step N: saved ...; resume with --resume".
+from llama_cp.train.failures import StopSignals, collective_failure, stop_nonfinite
+from llama_cp.train.resume import load_resumed_state, resume_checkpoint
+from llama_cp.train.run_dir import OutputDirClaim, plot_losses, truncate_metrics, write_atomically
 
 
 # Note [Peak memory in metrics]
@@ -177,7 +111,7 @@ class Trainer:
         self.peak_memory = PeakMemory(self.device_type)
         self.peak_memory.reset()  # start-up's window: not what ran before in this process (a notebook)
         self.rank = dist.get_rank()
-        self._local_peers = local_peers() if dist.get_world_size() > 1 else []  # Note [Stuck ranks]
+        self._local_peers = local_peers() if dist.get_world_size() > 1 else []  # Note [Stuck ranks] in failures.py
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda" else torch.device("cpu")
         )
@@ -225,7 +159,9 @@ class Trainer:
         return build_optimizer(o.optimizer, self.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
     def _build_data(self) -> None:
-        from llama_cp.data.loading import PASSKEY, DistributedRowLoader, build_rows, passkey_warmup_stages
+        from llama_cp.config import PASSKEY
+        from llama_cp.data.loader import DistributedRowLoader, build_rows
+        from llama_cp.data.passkey import passkey_warmup_stages
         from llama_cp.data.prepared import RowBatches, StreamingRowLoader, load_prepared_rows, streaming_eval_rows
 
         cfg, d, dims = self.cfg, self.cfg.data, self.dims
@@ -275,23 +211,12 @@ class Trainer:
 
     def _start_schedule(self, step: int) -> None:
         """The lr schedule (and weight decay) of this run's flags, at ``step``: a resumed optimizer
-        keeps its moments but takes --lr and --weight_decay from this run."""
-        for group in self.optimizer.param_groups:
-            group.update(initial_lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
-        # LambdaLR steps once on creation: last_epoch becomes `step`, lr = --lr * _lr_factor(step)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor, last_epoch=step - 1)
+        keeps its moments but takes --lr and --weight_decay from this run (``llama_cp.optim.schedule``)."""
+        self.scheduler = start_schedule(self.optimizer, self.cfg.optim, self.total_steps, step)
 
     def _lr_factor(self, step: int) -> float:
-        o = self.cfg.optim
-        if step < o.warmup_steps:
-            return (step + 1) / (o.warmup_steps + 1)
-        progress = min(1.0, (step - o.warmup_steps) / max(1, self.total_steps - o.warmup_steps))
-        floor = o.min_lr_ratio
-        if o.lr_scheduler == "cosine":
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-        if o.lr_scheduler == "linear":
-            return 1.0 - (1 - floor) * progress
-        return 1.0
+        """The fraction of --lr that step ``step`` uses (``llama_cp.optim.schedule.lr_factor``)."""
+        return lr_factor(step, self.total_steps, self.cfg.optim)
 
     # ------------------------------------------------------------ loop
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -386,29 +311,23 @@ class Trainer:
         """Train to ``max_steps`` (or ``num_epochs``), evaluate, checkpoint and export. Returns the
         last metrics row (with the final eval)."""
         self._check_before_start()
-        found = self._output_dir_before() if _global_rank() == 0 else None
+        claim = OutputDirClaim(self.cfg, _global_rank())  # rank 0 notes what output_dir holds before the run
         self._where = "while setting up"
         try:
-            self._claim_output_dir()  # inside: a refused run releases the output_dir's lock at once
+            claim.claim(self._say)  # inside: a refused run releases the output_dir's lock at once
             return self._fit()
         except BaseException as error:
-            if found is not None and self._where == "while setting up":
-                try:
-                    self._leave_output_dir_as_found(found)
-                except OSError:  # the error being raised is the one to report
-                    pass
-            if isinstance(error, RuntimeError) and not getattr(error, "same_on_every_rank", False) \
-                    and _is_collective_failure(error):
-                peers = getattr(self, "_local_peers", [])
-                raise CollectiveFailed(self._collective_failure_message(error), peers) from error
+            if self._where == "while setting up":
+                claim.leave_as_found()
+            failed = collective_failure(error, self.cfg, self._where, getattr(self, "_local_peers", []))
+            if failed is not None:  # Note [Stuck ranks] in llama_cp/train/failures.py
+                raise failed from error
             raise
         finally:
-            if getattr(self, "_lock", None) is not None:
-                self._lock.close()  # releases the output_dir for the next run (also in this process)
-                self._lock = None
+            claim.release()  # releases the output_dir for the next run (also in this process)
 
     def _fit(self) -> dict[str, Any]:
-        from llama_cp.data.loading import PASSKEY
+        from llama_cp.config import PASSKEY
 
         self.setup()
         cfg = self.cfg
@@ -424,7 +343,8 @@ class Trainer:
         # line per step; there the metrics row printed every --log_every steps is the progress
         progress = tqdm(total=self.total_steps, initial=step, desc="train", unit="step",
                         disable=self.rank != 0 or not sys.stderr.isatty())
-        handlers = self._catch_stop_signals()
+        signals = StopSignals()
+        signals.catch()
         try:
             row: dict[str, Any] = {}
             nonfinite: list[int] = []  # the current run of skipped steps
@@ -432,7 +352,7 @@ class Trainer:
             steps_peak = 0  # the largest step peak since the last row that has one
             while step < self.total_steps:
                 self._where = f"in step {step + 1}"
-                self._stop_if_signalled(step, saved_step)
+                signals.stop_if_signalled(step, saved_step, self.device, self._save, cfg.output_dir)
                 self.peak_memory.reset()  # Note [Peak memory in metrics]
                 row = {"step": step + 1, **self.train_step()}
                 steps_peak = max(steps_peak, self.peak_memory.read())
@@ -446,7 +366,7 @@ class Trainer:
                 if nonfinite:  # a skipped step is logged, never evaluated or saved
                     self._log(metrics_path, row)
                     if len(nonfinite) >= cfg.max_nonfinite_steps:
-                        self._stop_nonfinite(nonfinite)
+                        stop_nonfinite(nonfinite, cfg, self.rank)
                     continue
                 last = step == self.total_steps
                 if (cfg.eval_every and step % cfg.eval_every == 0) or last:
@@ -461,8 +381,7 @@ class Trainer:
         finally:
             progress.close()  # also on an error, so the bar does not garble its message
             self.reporter.close()
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
+            signals.restore()
         self._say_throughput()
         self._where = "while exporting final/"
         self.export(os.path.join(cfg.output_dir, "final"))
@@ -510,121 +429,16 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.cfg.parallel.check(self.cfg.data.context_length, world)
 
-    def _collective_failure_message(self, error: BaseException) -> str:
-        from llama_cp.parallel.mesh import peer_states
-        from llama_cp.train.checkpoint import latest_checkpoint
-
-        saved = latest_checkpoint(self.cfg.output_dir)
-        reason = " ".join(str(error).split())
-        reason = reason[reason.rfind("] ") + 2:] if "] " in reason else reason  # drop gloo's source location
-        states = peer_states(getattr(self, "_local_peers", []))
-        seen = "".join(f"; on this machine rank {rank} is {state}" for rank, state in sorted(states.items()))
-        return (
-            f"gave up waiting for a collective {self._where} ({reason[:200]}): another rank is stuck "
-            f"(stopped, hung I/O), died or lost its network{seen}; "
-            f"--collective_timeout is {self.cfg.collective_timeout:g} s. "
-            + (f"The newest checkpoint is {saved}: resume with --resume once the faulty rank is gone"
-               if saved else "No checkpoint was saved yet")
-        )
-
-    def _output_dir_before(self) -> dict[str, Any]:
-        """What :meth:`_leave_output_dir_as_found` needs: whether output_dir and its .lock
-        existed, and the text of its config.yaml (None: there was none)."""
-        out = self.cfg.output_dir
-        config = os.path.join(out, "config.yaml")
-        text = None
-        if os.path.isfile(config):
-            with open(config) as f:
-                text = f.read()
-        return {"dir": os.path.isdir(out), "lock": os.path.exists(os.path.join(out, ".lock")), "config": text}
-
-    def _leave_output_dir_as_found(self, found: dict[str, Any]) -> None:
-        """A run that fails before its first step (bad data, model or flags found while setting
-        up) takes back what it wrote into output_dir: config.yaml, .lock, the directory itself."""
-        out = self.cfg.output_dir
-        config = os.path.join(out, "config.yaml")
-        if found["config"] is None:
-            if os.path.exists(config):
-                os.remove(config)
-        elif os.path.isfile(config):
-            write_atomically(config, found["config"])
-        if not found["lock"] and os.path.exists(os.path.join(out, ".lock")):
-            os.remove(os.path.join(out, ".lock"))
-        if not found["dir"]:
-            try:
-                os.rmdir(out)  # only when nothing else is in it
-            except OSError:
-                pass
-
-    def _claim_output_dir(self) -> None:
-        """One run per output_dir: refuse an earlier run's artefacts unless --resume or
-        --overwrite, hold a lock for the run (rank 0), compare a --resume's settings with
-        those of the newest checkpoint (Note [Changing settings on resume]), save the
-        resolved config."""
-        from llama_cp.train.checkpoint import CHECKPOINTS_DIR, checkpoint_config, complete_checkpoints
-        from llama_cp.train.reporting import TENSORBOARD_DIR, WANDB_ID_FILE
-
-        cfg, rank = self.cfg, _global_rank()
-        out = cfg.output_dir
-        if rank == 0:
-            try:
-                os.makedirs(out, exist_ok=True)
-                self._lock = lock_output_dir(out)
-            except OSError as error:  # read-only filesystem, no permission: found now, not at the first save
-                raise PermissionError(
-                    f"--output_dir {out} is not writable ({error.strerror or error}); choose another --output_dir"
-                ) from None
-        found = complete_checkpoints(out)
-        if cfg.resume == "false":
-            earlier = [f"checkpoints up to step {found[-1][0]}"] if found else []
-            earlier += [name for name in ("final/", "metrics.jsonl", TENSORBOARD_DIR + "/", "loss.png")
-                        if os.path.exists(os.path.join(out, name))]
-            if earlier and not cfg.overwrite:
-                raise ValueError(
-                    f"--output_dir {out} holds an earlier run ({', '.join(earlier)}); pass --resume to continue it, "
-                    "--overwrite to start over (deletes them), or choose another --output_dir"
-                )
-            if earlier and rank == 0:
-                import shutil
-
-                for name in (CHECKPOINTS_DIR, "final", TENSORBOARD_DIR):
-                    shutil.rmtree(os.path.join(out, name), ignore_errors=True)
-                for name in ("metrics.jsonl", "loss.png", "run_info.json", WANDB_ID_FILE):
-                    if os.path.exists(os.path.join(out, name)):
-                        os.remove(os.path.join(out, name))
-        else:
-            # the newest recorded config; every rank compares (a checkpoint never changes), so all refuse together
-            saved = next((c for c in (checkpoint_config(path) for _, path in reversed(found)) if c is not None), None)
-            for line in check_resume_settings(saved, cfg, os.path.join(out, CHECKPOINTS_DIR)) if saved else []:
-                self._say(f"--resume with a changed setting, in effect from the resumed step on: {line}")
-        if rank == 0:
-            write_atomically(os.path.join(out, "config.yaml"), yaml_dump(cfg.to_dict()))
     def _resume(self) -> int:
-        """Load the newest intact checkpoint when --resume asks for it; returns the step to go on from."""
-        from llama_cp.train.checkpoint import load_checkpoint, resumable_checkpoint
-
-        cfg = self.cfg
-        if cfg.resume == "false":
-            return 0
-        path, skipped = resumable_checkpoint(cfg.output_dir, allow_unverified=cfg.allow_unverified_checkpoint)
-        for bad, why in skipped:
-            self._say(f"skipped checkpoint {bad}: {why}")
+        """Load the newest intact checkpoint when --resume asks for it (``llama_cp.train.resume``) and
+        rebuild the schedule at its step; returns the step to go on from."""
+        path = resume_checkpoint(self.cfg, self._say)
         if path is None:
-            where = os.path.join(cfg.output_dir, "checkpoints")
-            if cfg.resume == "true":
-                raise FileNotFoundError(
-                    f"--resume: no intact checkpoint under {where}"
-                    f"{' (all ' + str(len(skipped)) + ' failed verification)' if skipped else ''}; "
-                    "use --resume auto to start from step 0 when there is none"
-                )
-            self._say(f"--resume auto: no checkpoint under {where}, starting from step 0")
             return 0
-        # the schedule is not restored: it is rebuilt from this run's flags (Note [Changing settings on resume])
-        state = load_checkpoint(path, self.model, self.optimizer)
-        self._start_schedule(state["step"])
-        self.loader.load_state_dict(state["extra"]["loader"])
-        self._say(f"resumed from step {state['step']} ({path})")
-        return state["step"]
+        step = load_resumed_state(path, self.model, self.optimizer, self.loader)
+        self._start_schedule(step)  # from this run's flags (Note [Changing settings on resume])
+        self._say(f"resumed from step {step} ({path})")
+        return step
 
     def _say(self, message: str) -> None:
         if _global_rank() == 0:
@@ -636,50 +450,6 @@ class Trainer:
         return save_checkpoint(
             self.cfg.output_dir, step, self.model, self.optimizer, scheduler=self.scheduler,
             extra={"loader": self.loader.state_dict()}, config=self.cfg.to_dict(), keep_last=self.cfg.keep_last,
-        )
-
-    def _catch_stop_signals(self) -> dict:
-        """Record STOP_SIGNALS instead of dying on them (main thread only); returns the previous handlers."""
-        self._signal = 0
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def record(signum, frame):
-            self._signal = signum
-
-        return {signum: signal.signal(signum, record) for signum in STOP_SIGNALS}
-
-    def _stop_if_signalled(self, step: int, saved_step: int | None) -> None:
-        """See Note [Stopping on a signal]; a collective, before every step."""
-        received = torch.tensor([self._signal], dtype=torch.int64, device=self.device)
-        dist.all_reduce(received, op=dist.ReduceOp.MAX)
-        if not received.item():
-            return
-        name = signal.Signals(int(received.item())).name
-        if step == 0:
-            raise TrainingStopped(f"stopped by {name} before the first step: nothing to save")
-        from llama_cp.train.checkpoint import checkpoint_dir
-
-        path = self._save(step) if saved_step != step else checkpoint_dir(self.cfg.output_dir, step)
-        raise TrainingStopped(f"stopped by {name} after step {step}: saved {path}; resume with --resume")
-
-    def _stop_nonfinite(self, steps: list[int]) -> None:
-        from llama_cp.train.checkpoint import latest_checkpoint
-
-        saved = latest_checkpoint(self.cfg.output_dir)
-        if saved:
-            where = f"the newest checkpoint, {saved}, holds the last finite weights"
-            then = "then continue from it with --resume"
-        else:
-            where = "no checkpoint was saved, so there is nothing to resume"
-            then = "then start again (--overwrite, or another --output_dir)"
-        if self.rank == 0:  # the plot marks the skipped steps
-            plot_losses(os.path.join(self.cfg.output_dir, "metrics.jsonl"), os.path.join(self.cfg.output_dir, "loss.png"))
-        raise TrainingStopped(
-            f"loss or gradient norm was NaN/inf at steps {steps[0]}-{steps[-1]} ({len(steps)} steps in a row, "
-            f"--max_nonfinite_steps {self.cfg.max_nonfinite_steps}); those steps changed no weight, and training "
-            f"stopped without saving or exporting; {where}. Lower --lr (now {self.cfg.optim.lr:g}) or "
-            f"--max_grad_norm, or check the data, {then}"
         )
 
     def _build_reporter(self, step: int):
@@ -717,15 +487,6 @@ class Trainer:
         export_pretrained(self.model, path)
         if self.rank == 0:
             self.tokenizer.save_pretrained(path)
-
-
-def _is_collective_failure(error: BaseException) -> bool:
-    """Whether ``error`` is a collective that timed out or lost its peer (gloo raises
-    RuntimeError, NCCL DistBackendError)."""
-    text = str(error).lower()
-    return isinstance(error, dist.DistBackendError) or any(
-        marker in text for marker in ("timed out", "timeout", "connection closed by peer", "connection reset by peer")
-    )
 
 
 def _global_rank() -> int:

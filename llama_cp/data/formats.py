@@ -1,0 +1,136 @@
+"""The formats of a dataset's examples, told apart by their columns, and the columns each
+needs; one example made into a document: its token ids and which of them are trained.
+
+    text          {"text": str}                                  every token is trained
+    instruction   {"instruction": str, "input": str (optional), "output": str}   (alpaca)
+                  the prompt is not trained, only the response and eos
+    chat          {"messages": [{"role": str, "content": str}, ...]}
+                  only the assistant turns (and the eos that closes them) are trained
+                  (llama_cp.data.chat)
+    passkey       {"passkey": int, "depth": float, "length": int (optional)}
+                  the synthetic task (llama_cp.data.passkey), only the answer is trained
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from llama_cp.data.chat import chat_segments
+from llama_cp.data.packing import Document, _eos_id
+from llama_cp.data.passkey import passkey_document
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerBase
+
+#: The accepted example formats, as the error for rows that match none lists them.
+ACCEPTED_FORMATS = (
+    "text: a 'text' column",
+    "instruction (alpaca): 'instruction' and 'output' columns, optional 'input'",
+    "chat: a 'messages' column, a list of {'role', 'content'}",
+)
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+ALPACA_PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+
+#: The columns each example format needs a value in (a missing key is read as null).
+REQUIRED_COLUMNS = {"text": ("text",), "instruction": ("instruction", "output"), "chat": ("messages",)}
+
+
+def check_required_values(examples: datasets.Dataset, dataset: str) -> None:
+    """ValueError when rows lack a value their format needs (a JSON row without the key, or
+    null): such a row would otherwise be dropped or trained as empty without a word. Row
+    numbers count from 1 over the loaded rows (a JSONL file's lines, blank lines aside)."""
+    import pyarrow.compute as pc
+
+    kind = detect_format(examples.column_names)
+    for column in REQUIRED_COLUMNS.get(kind, ()):
+        values = examples.data.column(column)
+        if values.null_count == 0:
+            continue
+        missing = pc.indices_nonzero(pc.is_null(values)).to_pylist()
+        shown = ", ".join(str(i + 1) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(
+            f"--dataset {dataset!r}: {len(missing)} of {len(examples)} rows have no {column!r} value "
+            f"(missing or null; rows {shown}), which the {kind} format needs; fix or drop those rows"
+        )
+
+
+def detect_format(columns: Iterable[str]) -> str:
+    """"chat", "instruction", "text" or "passkey" from the column names; ValueError otherwise."""
+    columns = set(columns)
+    if "messages" in columns:
+        return "chat"
+    if {"instruction", "output"} <= columns:
+        return "instruction"
+    if "text" in columns:
+        return "text"
+    if {"passkey", "depth"} <= columns:
+        return "passkey"
+    raise ValueError(
+        f"--dataset rows have columns {sorted(columns)}, which match none of the accepted formats: "
+        + "; ".join(ACCEPTED_FORMATS)
+    )
+
+
+def tokenize_example(
+    example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase, context_length: int | None = None
+) -> Document:
+    """(input_ids, label_mask) of one example: ``[bos] + tokens + [eos]``, bos only if the tokenizer has one.
+
+    ``label_mask[t]`` is True when token t is a training target: every token but
+    bos for text, the response and eos for instruction, the assistant turns for
+    chat. A passkey example has exactly its ``length`` tokens, or fills a row of
+    ``context_length`` when it has none. An empty text gives an empty document
+    (skipped by packing).
+    """
+    kind = detect_format(example.keys())
+    if kind == "passkey":
+        length = example.get("length") or context_length
+        if length is None:
+            raise ValueError("a passkey example fills a whole row: pass context_length to tokenize_example")
+        return passkey_document(example["passkey"], example["depth"], length, tokenizer)
+    if kind == "text":
+        if not example["text"]:
+            return [], []
+        segments = [(example["text"], True)]
+    elif kind == "instruction":
+        template = ALPACA_PROMPT_WITH_INPUT if example.get("input") else ALPACA_PROMPT
+        prompt = template.format(instruction=example["instruction"], input=example.get("input") or "")
+        segments = [(prompt, False), (example["output"] or "", True)]
+    else:
+        segments = chat_segments(example["messages"], tokenizer)
+    return _encode_document(segments, tokenizer)
+
+
+def _encode_document(segments: Sequence[tuple[str, bool]], tokenizer: PreTrainedTokenizerBase) -> Document:
+    """Encode (text, trained) segments one by one and close the document with bos / eos.
+
+    eos is appended unless the text already ends with it (chat templates often
+    do) and is trained when the last segment is.
+    """
+    eos = _eos_id(tokenizer)
+    input_ids: list[int] = []
+    label_mask: list[bool] = []
+    for text, trained in segments:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        input_ids += tokens
+        label_mask += [trained] * len(tokens)
+    bos = tokenizer.bos_token_id
+    if bos is not None and input_ids[:1] != [bos]:
+        input_ids.insert(0, bos)
+        label_mask.insert(0, False)
+    if input_ids[-1:] != [eos]:
+        input_ids.append(eos)
+        label_mask.append(bool(segments) and segments[-1][1])
+    label_mask[0] = False  # the first token of a document is never a target: no token of the document precedes it
+    return input_ids, label_mask
