@@ -27,7 +27,7 @@ checks them on real gloo runs of the embedded Llama (4 ranks, cp 4, ``wire_bytes
 
 ``windows`` prints the ring's bytes per rank per step with a sliding window on every layer
 (Mistral 7B v0.1: 4096 tokens) against the same rows without one, from the same formulas
-(``tests/test_windows.py`` checks them on gloo ranks).
+(``tests/attention/test_windows.py`` checks them on gloo ranks).
 
 ``strategies`` times one forward+backward step of the embedded Llama (fp32, batch 1, one
 thread per rank) with each strategy at cp 2 and cp 4 (a world of cp gloo ranks), on a

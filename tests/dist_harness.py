@@ -20,7 +20,7 @@ check fails if it raised on any rank, and the test shows that rank's traceback.
 
 Selecting tests selects checks: the ranks run only the checks whose tests pytest
 collected (node ids, ``-k``, ``-m``, ``--lf``; tests/conftest.py hands them to each
-module's ``Checks.select``). So ``pytest "tests/test_windows.py::test_check[ring_cp2_plain_float32]"``
+module's ``Checks.select``). So ``pytest "tests/attention/test_windows.py::test_check[ring_cp2_plain_float32]"``
 starts one process group that runs that one check, and a module none of whose tests
 is selected starts none.
 """

@@ -3,7 +3,7 @@ scores (Note [Soft-capped attention] in ``llama_cp/attention/kernels.py``) and s
 [Sliding windows under CP] in ``llama_cp/attention/documents.py``). It returns out and the lse of a
 block, and takes the final (out, lse) in its backward, as every kernel of ``kernels`` does.
 Layout as in ``kernels``: q (B, H, Sq, D), k/v (B, Hkv, Sk, D). Its own module so that
-``kernels`` and the planner's stand-ins (``kernel_workspace``) both use it without importing
+``kernels`` and the planner's stand-ins (``workspace``) both use it without importing
 each other.
 
 The mask, in the call's own indices (query i, key j): ``causal`` hides j > i; ``lag``

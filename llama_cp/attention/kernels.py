@@ -43,7 +43,7 @@ varlen: in csrc/flash_attn/flash_api.cpp (``set_params_fprop``, which the
 backward's ``set_params_dgrad`` calls too) a positive softcap only turns the
 scales into softmax_scale / softcap (inside the tanh) and softcap (outside), so
 the kernels allocate what they allocate without it, and the planner's stand-ins
-(``kernel_workspace.py``) compute the values with the CPU kernel below. On CPU,
+(``workspace.py``) compute the values with the CPU kernel below. On CPU,
 sdpa_cpu and math have no cap: the exact kernel of ``llama_cp/attention/dense.py``
 materialises the float32 scores of DENSE_ROWS queries at
 a time. torch's CUDA kernels (sdpa_flash, sdpa_efficient) have no cap and are

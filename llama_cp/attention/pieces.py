@@ -47,7 +47,7 @@ so that no round writes a row twice (an indexed write of repeated rows keeps onl
 one of them). In backward, dq of repeated rows adds up (``index_add_``), as do
 dK/dV of keys that several pieces see (``index_put_`` with ``accumulate``). Each
 segment is computed as its per-piece call is, so the two paths agree to rounding
-(tests/test_varlen.py: 1e-5 in float32, 1e-10 in float64, through the CPU stand-ins).
+(tests/attention/test_varlen.py: 1e-5 in float32, 1e-10 in float64, through the CPU stand-ins).
 
 The varlen path is taken when the backend has varlen kernels, every piece belongs
 to one batch row (documents: a block without them is tiles that fill their calls

@@ -54,7 +54,7 @@ Both ends decide from the layout, which every rank holds whole
 (``DocumentLayout.sees``: the block's piece list for the receiver is not empty),
 so every posted send has its receive. When every rank sees every block (one
 document per row, or documents that cross every chunk) the neighbour ring runs
-unchanged. ``wire_bytes()`` counts what a rank sends (tests/test_documents.py
+unchanged. ``wire_bytes()`` counts what a rank sends (tests/attention/test_documents.py
 checks it against the formula; docs/benchmarks.md has the figures).
 
 Packed documents (position_ids that restart) change only which pairs each block computes:

@@ -1,7 +1,7 @@
 """Metering of context-parallel attention's communication: the bytes this rank sends to other
 ranks, by transfer kind. ``with wire_bytes() as meter`` counts what the attention calls inside
 the block send; every strategy reports its transfers here (``_count``) as it posts them
-(tests/test_documents.py checks the counts against the formulas; docs/benchmarks.md has the
+(tests/attention/test_documents.py checks the counts against the formulas; docs/benchmarks.md has the
 figures)."""
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTr
 # meta registrations), so the vocabulary is walked in slices whose fp32 product is at most one
 # chunk of fp32 logits (n x V x 4 bytes), made after the chunk's fp32 logit gradient is freed,
 # so the backward's peak does not grow
-# (the planner's baselines, tests/memory/baselines.json, are unchanged by it). Only CUDA has the
+# (the planner's baselines, tests/plan/baselines.json, are unchanged by it). Only CUDA has the
 # out_dtype kernel (torch's CPU build has none: "Could not run 'aten::mm.dtype' with arguments
 # from the 'CPU' backend"), so on CPU the fp32 GEMM stays, and fp32/fp64 models are one in-place
 # fp32/fp64 addmm as before.

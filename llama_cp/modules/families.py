@@ -5,7 +5,7 @@ no mask, a sliding window and soft-capped scores where the family has them) and 
 cross-entropy of ``llama_cp.model.loss``, which must repeat what the family's
 ``*ForCausalLM.forward`` does to the ``lm_head`` output). A family is supported
 only where both were checked against the plain single-process transformers
-model (``tests/test_families.py``: logits, loss and every gradient, ring and
+model (``tests/modules/test_families.py``: logits, loss and every gradient, ring and
 Ulysses, cp 2 and 4, with and without FSDP). Any other model, a supported
 one configured with a feature the kernel does not compute, or one whose code in
 the installed transformers does not call the attention function (Note [A
@@ -131,7 +131,7 @@ _REFUSAL_REASONS = {
 # first release that calls through the interface. Read in the released wheels'
 # models/olmoe/modeling_olmoe.py: 4.56.2, 4.57.0 and 4.57.6 have OLMOE_ATTENTION_CLASSES,
 # 5.0.0 has ALL_ATTENTION_FUNCTIONS. Every other family of SUPPORTED_FAMILIES calls through
-# the interface in 4.56.2 already. tests/test_families.py checks the refusal.
+# the interface in 4.56.2 already. tests/modules/test_families.py checks the refusal.
 
 #: Family -> the first transformers release whose code of it calls the attention interface.
 _NEEDS_TRANSFORMERS = {"olmoe": (5, 0)}

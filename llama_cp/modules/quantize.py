@@ -33,7 +33,7 @@ In forward and backward the gathered codes are dequantized with bitsandbytes' ow
 bitsandbytes' ``Linear4bit`` computes when it trains (``matmul_4bit``: dequantize, then
 ``linear``; backward: dequantize again, then ``grad @ W``); only the codes are saved for
 backward, never the dequantized weight. So gradients equal those of the single-process
-bitsandbytes + peft model (``tests/test_qlora.py``). bitsandbytes registers fake kernels for
+bitsandbytes + peft model (``tests/modules/test_qlora.py``). bitsandbytes registers fake kernels for
 that op, so the memory planner runs this same code under fake tensors and sees the dequantized
 weight it allocates per Linear, in forward and again in backward (and in recompute).
 
@@ -62,7 +62,7 @@ naming the installed and the needed versions) below torch 2.12 or bitsandbytes 0
   registered from bitsandbytes 0.46.0; 0.45.x has no such op.
 
 ``tests/test_config.py`` checks the refusal for given version strings and runs it where the
-installed versions lack support; ``tests/test_qlora.py`` skips there with the same reason.
+installed versions lack support; ``tests/modules/test_qlora.py`` skips there with the same reason.
 """
 
 from __future__ import annotations

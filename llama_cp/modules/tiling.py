@@ -42,7 +42,7 @@ tiles write or add into (out/lse/dQ of a query slice, the whole output, dK/dV, t
 weight gradients, the loss) is allocated once, whatever the number of tiles, by the first
 tile or before the loop; and tiles of one shape allocate the same bytes. So the peak over a
 loop is that of its first tile (which allocates the sums), of a later one (which adds into
-them), or of the ragged last one. tests/test_kernel_workspace.py checks plans with every tile
+them), or of the ragged last one. tests/attention/test_workspace.py checks plans with every tile
 (``PLAN_EVERY_TILE``) and with the shortcut equal, phase by phase and category by category.
 Real tensors always run every tile.
 """

@@ -21,7 +21,7 @@ import torch.distributed as dist
 # concatenation of the ranks' parts (reduce-scatter, a sum by default), so the call is the same
 # under either name. The name is looked up at each call, not once at import, so a test can take
 # the new names away and run the all-gather strategy as torch 2.10 would
-# (tests/test_documents.py). tests/test_torch_floor.py holds every torch.distributed name the
+# (tests/attention/test_documents.py). tests/test_torch_floor.py holds every torch.distributed name the
 # package uses to what torch 2.10.0 has.
 
 
@@ -56,7 +56,7 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: dist.P
 # group the package makes gets a one-element all-reduce on its device right after it is made:
 # every rank of the group takes part, the communicator exists before any partial batch. On gloo
 # (CPU) the all-reduce is harmless and cheap; there communicators are made eagerly anyway, so
-# no CPU test can show the hang: tests/test_documents.py checks the rule instead (no
+# no CPU test can show the hang: tests/attention/test_documents.py checks the rule instead (no
 # batched P2P on a group before a collective of all of its ranks).
 
 

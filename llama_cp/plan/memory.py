@@ -100,7 +100,7 @@ On real CPU tensors the stand-ins compute the values one query head (forward) or
 key/value head group (backward) at a time, into the kernel's own tensors, so they hold at
 most that slice on top of the kernel's allocations. Under fake tensors (the planner) there
 are no values and nothing is computed: the tracked peak is the kernel's exactly (and the
-planner's many tile calls cost no per-head loop). tests/test_kernel_workspace.py
+planner's many tile calls cost no per-head loop). tests/attention/test_workspace.py
 checks each formula against the tracked peak.
 """
 

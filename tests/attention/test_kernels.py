@@ -441,7 +441,7 @@ WINDOW_CALLS = [(12, 12, True, 3), (12, 12, True, 0), (9, 12, False, 4), (12, 5,
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
 def test_windowed_attention_is_exact(backend, num_q, num_k, causal, lag, heads, monkeypatch):
     """fp64 to 1e-10 on the CPU backends (the dense kernel in several row steps); flash_attn through
-    its stand-in, which reads window_size as flash-attn 2.8.3 does (kernel_workspace._flash_bounds),
+    its stand-in, which reads window_size as flash-attn 2.8.3 does (workspace._flash_bounds),
     so the glue's translation of the lag to flash-attn's bottom-right windows is checked too."""
     from llama_cp.attention.workspace import ModelledBackend
 

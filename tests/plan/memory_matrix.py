@@ -3,7 +3,7 @@ Llama over cp x dp_shard x (full, LoRA) x checkpointing x sequence length, kept 
 
 Refresh the baselines after an intentional memory change (and say why in the commit):
 
-    python tests/memory/memory_matrix.py
+    python tests/plan/memory_matrix.py
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def case_config(cp: int, dp_shard: int, tuning: str, checkpointing: bool, seq_le
     return TrainConfig.from_flags(
         context_length=seq_len, cp=cp, dp_shard=dp_shard, use_peft=tuning == "lora",
         activation_checkpointing=checkpointing, dtype="bfloat16",
-        attention_backend="sdpa_cpu",  # FSDP/CP accounting; the GPU kernels' workspace: tests/test_kernel_workspace.py
+        attention_backend="sdpa_cpu",  # FSDP/CP accounting; the GPU kernels' workspace: tests/attention/test_workspace.py
     )
 
 

@@ -1,7 +1,7 @@
 """The long-context levers in one process: tiled MLP / norms against the untiled modules,
 checkpoint-input offload against plain checkpointing (bit-identical), the automatic loss
 chunk, and the config errors. The sharded (FSDP2 + CP) checks are in test_levers_world2.py,
-the memory checks in tests/memory/."""
+the memory checks in tests/plan/."""
 
 from __future__ import annotations
 

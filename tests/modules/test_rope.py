@@ -1,6 +1,6 @@
 """--rope_theta and --rope_scaling: parsed, checked against --context_length, written into the
 model's config before it is built and into the exported config.json. Exactness under CP of a
-model built from them is tests/test_families.py's (``rope_flags_*`` checks)."""
+model built from them is tests/modules/test_families.py's (``rope_flags_*`` checks)."""
 
 import json
 
@@ -118,7 +118,7 @@ def test_per_layer_type_rope_is_refused():
 def test_yarn_preset_extends_an_8k_llama_to_64k():
     import os
 
-    preset = os.path.join(os.path.dirname(__file__), "..", "configs", "llama3_8b_yarn_64k.yaml")
+    preset = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "llama3_8b_yarn_64k.yaml")
     cfg = TrainConfig.from_flags(preset)
     assert cfg.data.context_length == 65536
     config = apply_rope_settings(llama_8k(), cfg.model.rope_theta, cfg.model.rope_scaling, cfg.data.context_length)

@@ -12,7 +12,7 @@ from llama_cp.config import TrainConfig
 from llama_cp.train.cli import run_cli
 from recipes import finetune_longctx, plan_memory
 
-ROOT = os.path.dirname(os.path.dirname(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("module", [finetune_longctx, plan_memory])

@@ -253,7 +253,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIGNAL_RUN = ["--cp", "2", "--context_length", "256", "--max_steps", "24", "--log_every", "1", "--warmup_steps", "1",
               "--num_passkey_samples", "48", "--num_eval_samples", "2", "--lr", "3e-3"]
 

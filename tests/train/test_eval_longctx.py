@@ -13,7 +13,7 @@ import torch
 from llama_cp.data.tokenizer import byte_tokenizer
 from recipes.eval_longctx import parse_grid, read_haystack, retrieval_row, write_results
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_grid_flags_are_checked():

@@ -48,7 +48,7 @@ def run_cli(output_dir, *flags, nproc=1, check=True, launcher_name="torchrun"):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [*launcher, *SMALL, "--output_dir", str(output_dir), *flags],
-        capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=600,
+        capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), timeout=600,
     )
     if check:
         assert result.returncode == 0, result.stderr[-4000:]
@@ -307,7 +307,7 @@ def lora_export_reloads_with_peft_and_reproduces_logits():
 def full_finetune_of_a_bf16_checkpoint_keeps_fp32_shards_and_state():
     """A bf16 checkpoint is trained with float32 sharded parameters and AdamW state (bf16 would
     round every update away) and loads its bf16 values exactly. (The planner's side:
-    tests/memory/test_plan_cli.py.)"""
+    tests/plan/test_plan_cli.py.)"""
     from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM
 

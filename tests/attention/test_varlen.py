@@ -6,7 +6,7 @@
   signatures of 2.6.3, 2.7.4 and 2.8.3 (transcribed below from flash_attn/flash_attn_interface.py);
 - the CPU stand-ins of both ops (llama_cp/attention/workspace.py) make the varlen path equal the
   per-piece path (sdpa_cpu) in outputs, lse and gradients for the packed rows of
-  tests/test_documents.py: one process, and every ring step's block at cp 2 and 4;
+  tests/attention/test_documents.py: one process, and every ring step's block at cp 2 and 4;
 - the stand-ins' workspace is mha_varlen_bwd's.
 """
 
@@ -103,7 +103,7 @@ def test_one_process_varlen_equals_per_piece(backend, block_size, dtype):
 def test_ring_step_blocks_varlen_equals_per_piece(backend, cp, block_size, dtype):
     """Every (rank, source) block of the ring at cp 2 and 4: merged into given float32 accumulators
     (out, lse, dq) and dk/dv, as the ring does, from a state already holding earlier blocks. Blocks
-    that keep the per-piece path (one piece, or no fewer calls) are left to tests/test_kernels.py."""
+    that keep the per-piece path (one piece, or no fewer calls) are left to tests/attention/test_kernels.py."""
     g = torch.Generator().manual_seed(2)
     acc = kernels.accumulation_dtype(torch.zeros((), dtype=dtype))
     shard = SEQ_LEN // cp
@@ -359,7 +359,7 @@ def test_varlen_backward_workspace_is_mha_varlen_bwds(backend):
 
 
 def test_model_logits_and_gradients_varlen_equal_per_piece():
-    """The tiny Llama of tests/test_documents.py on its packed rows at cp 1 (16-token attention
+    """The tiny Llama of tests/attention/test_documents.py on its packed rows at cp 1 (16-token attention
     blocks): logits and every parameter gradient with the flash_attn stand-in (varlen calls)
     equal those with sdpa_cpu (one call per piece)."""
     import copy

@@ -49,7 +49,7 @@ def test_growth_and_large_drops_are_both_flagged():
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_baseline(planned, name):
     baselines = load_baselines()
-    assert name in baselines, f"no baseline for {name}: run `python tests/memory/memory_matrix.py`"
+    assert name in baselines, f"no baseline for {name}: run `python tests/plan/memory_matrix.py`"
     now, before = planned[name].to_dict(), baselines[name]
     worse, dropped = regressions(now, before)
     if worse or dropped:
@@ -64,7 +64,7 @@ def test_matches_baseline(planned, name):
         pytest.fail(
             f"{name}: per-rank peak memory grew more than {TOLERANCE:.0%} or fell more than {DROP_TOLERANCE:.0%} "
             f"(is something no longer counted?):\n{rows}\n"
-            "If intended, refresh with `python tests/memory/memory_matrix.py` and say why in the commit."
+            "If intended, refresh with `python tests/plan/memory_matrix.py` and say why in the commit."
         )
 
 
