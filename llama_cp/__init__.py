@@ -26,7 +26,8 @@ from llama_cp.optim.optimizers import build_optimizer
 from llama_cp.optim.step import forward_backward, optimizer_step
 from llama_cp.parallel.mesh import ParallelDims, end_distributed, init_distributed
 from llama_cp.parallel.sharding import shard_batch, unshard
-from llama_cp.train.checkpoint import export_pretrained, load_checkpoint, resumable_checkpoint, save_checkpoint
+from llama_cp.train.checkpoint import load_checkpoint, resumable_checkpoint, save_checkpoint
+from llama_cp.train.export import export_pretrained
 from llama_cp.train.launcher import launch
 from llama_cp.train.trainer import Trainer
 

@@ -18,7 +18,7 @@ from fsdp_checks import (
 )
 from llama_cp import ParallelDims
 from llama_cp.fsdp_wrap import gather_full_state_dict, load_full_weights, shard_model
-from llama_cp.train.checkpoint import export_pretrained
+from llama_cp.train.export import export_pretrained
 from probes import bnb_cpu_optimizer_problem
 
 WORLD_SIZE = 4

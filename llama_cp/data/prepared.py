@@ -1,4 +1,5 @@
-"""Data at corpus scale: rows prepared once into Arrow files, or packed on the fly from a stream.
+"""Data at corpus scale: rows prepared once into Arrow files (packed on the fly from a stream
+instead: ``llama_cp/data/streaming.py``).
 
 ``build_rows`` tokenizes and packs a whole dataset in every rank's memory on every
 start (24 bytes per token as three int64 tensors). This module gives the same rows
@@ -10,8 +11,6 @@ without that cost, two ways:
                         a drop-in ``rows`` for ``DistributedRowLoader``
     load_prepared_rows  what the trainer calls: one process per node (or per job, on shared
                         storage) prepares while the others wait, then every rank opens the rows
-    StreamingRowLoader  ``--streaming``: documents from a ``datasets`` stream, split over dp
-                        ranks, packed as they arrive; its position goes into the checkpoint
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +31,7 @@ import pyarrow as pa
 import torch
 
 from llama_cp.config import PASSKEY
-from llama_cp.data.formats import REQUIRED_COLUMNS, detect_format, tokenize_example
+from llama_cp.data.formats import detect_format, tokenize_example
 from llama_cp.data.packing import Row, RowPacker, _pad_id, truncate_document
 from llama_cp.data.sources import _quiet_datasets, load_examples, load_hub_dataset, local_files
 from llama_cp.model.loss import IGNORE_INDEX
@@ -44,8 +43,6 @@ if TYPE_CHECKING:
 #: Version of the files' layout (Note [Prepared rows]); a change makes every cache key new.
 LAYOUT_VERSION = 1
 SPLITS = ("train", "eval")
-#: With --streaming, every EVAL_EVERY-th document of the stream (the 20th, 40th, ...) is held out for eval.
-EVAL_EVERY = 20
 
 
 # ----------------------------------------------------------------------------- cache key
@@ -360,167 +357,3 @@ def load_prepared_rows(
         root = Path(cache_dir or default_cache_dir()).expanduser()
         directory = root / key_hash(cache_key(dataset, tokenizer, context_length, cp, truncate))
     return open_prepared(directory, "train"), open_prepared(directory, "eval")
-
-
-# ----------------------------------------------------------------------------- streaming
-
-# Note [Streaming rows]
-# ~~~~~~~~~~~~~~~~~~~~~
-# With --streaming, nothing is prepared: every rank reads the documents of the
-# stream in order, keeps its share and packs it as it goes (RowPacker, the rows
-# of Note [Packed rows] over that share). Which rank takes which document
-# depends only on its place in the stream, so it is the same on every start:
-#
-#   stream       d0  d1  d2 ... d18 d19 d20 ... d38 d39 ...
-#   eval         every 20th: d19, d39, ...  (the first --num_eval_samples rows of them)
-#   train        the others, t0 t1 t2 t3 ...; dp rank r takes t_j for j % dp == r
-#
-# There is no shuffling (the stream's order is the order) and batches are whole:
-# rows left over at the end of a rank's share are dropped, and the rank starts
-# its share again (the next epoch). Ranks take different numbers of batches per
-# pass, hence --max_steps. The position after a batch is, per dp rank, (epoch,
-# document, offset): the document of the rank's share that holds the next token
-# and how many of its tokens are already in batches. A resumed run skips that
-# many documents of its share (read, not tokenized) and packs on from the
-# offset, so it continues with exactly the batches the first run would have had.
-
-
-def stream_examples(dataset: str) -> datasets.IterableDataset:
-    """The training documents of ``--dataset`` as datasets' stream (``streaming=True``): a
-    local file or directory, a ``save_to_disk`` directory, or a hub id (its "train" split)."""
-    path = Path(dataset).expanduser()
-    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
-        loaded = datasets.load_from_disk(str(path))
-        part = loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
-        return part.to_iterable_dataset()
-    if path.exists():
-        builder, files = local_files(path)
-        options = {"sample_by": "document"} if builder == "text" else {}
-        stream = datasets.load_dataset(builder, data_files=[str(file) for file in files], streaming=True, **options)
-    else:
-        stream = datasets.load_dataset(dataset, streaming=True)
-    if isinstance(stream, datasets.IterableDatasetDict):
-        stream = stream["train"] if "train" in stream else next(iter(stream.values()))
-    return stream
-
-
-def _checked(example: Mapping[str, Any], index: int, dataset: str) -> Mapping[str, Any]:
-    """ValueError when document ``index`` of the stream lacks a value its format needs."""
-    kind = detect_format(example.keys())
-    for column in REQUIRED_COLUMNS.get(kind, ()):
-        if example.get(column) is None:
-            raise ValueError(
-                f"--dataset {dataset!r}: document {index} of the stream has no {column!r} value, which the "
-                f"{kind} format needs; fix or drop it"
-            )
-    if kind == "passkey":
-        raise ValueError(f"--dataset {dataset!r}: --streaming reads text, instruction or chat documents")
-    return example
-
-
-def _stream_documents(dataset: str, eval_part: bool, dp_rank: int = 0, dp_size: int = 1) -> Iterator[Mapping]:
-    """The stream's eval documents, or dp rank ``dp_rank``'s share of its train documents
-    (Note [Streaming rows])."""
-    train_index = 0
-    for index, example in enumerate(stream_examples(dataset)):
-        if (index % EVAL_EVERY == EVAL_EVERY - 1) != eval_part:
-            continue
-        if eval_part or train_index % dp_size == dp_rank:
-            yield _checked(example, index, dataset)
-        train_index += not eval_part
-
-
-def streaming_eval_rows(
-    dataset: str, tokenizer: PreTrainedTokenizerBase, context_length: int, num_rows: int, truncate: bool = False
-) -> list[Row]:
-    """The first ``num_rows`` packed rows of the stream's eval documents (every 20th); a stream
-    of fewer than 20 documents has none, and its eval reads the first documents instead."""
-    rows: list[Row] = []
-    for eval_part in (True, False):
-        packer = RowPacker(context_length, _pad_id(tokenizer))
-        for example in _stream_documents(dataset, eval_part):
-            document = tokenize_example(example, tokenizer)
-            rows += [row for row, _ in packer.add(truncate_document(document, context_length) if truncate else document)]
-            if len(rows) >= num_rows:
-                return rows[:num_rows]
-        rows += [row for row, _ in packer.finish()]
-        if rows:
-            return rows[:num_rows]
-    raise ValueError(f"--dataset {dataset!r}: the stream holds no documents")
-
-
-class StreamingRowLoader:
-    """(batch_size, L) batches packed on the fly from dp rank ``dp_rank``'s share of a stream.
-
-    The counterpart of ``DistributedRowLoader`` for ``--streaming`` (Note [Streaming
-    rows]): iterating never ends (each pass over the share is an epoch); ``state_dict``
-    is the position of the next batch of every dp rank (gathered from all ranks, so it
-    must be called on all of them, as saving a checkpoint does).
-    """
-
-    def __init__(self, dataset: str, tokenizer: PreTrainedTokenizerBase, context_length: int, batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1, truncate: bool = False):
-        if batch_size < 1:
-            raise ValueError(f"--batch_size must be at least 1, got {batch_size}")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} is outside 0..dp_size-1 = 0..{dp_size - 1}")
-        self.dataset, self.tokenizer, self.context_length = dataset, tokenizer, context_length
-        self.batch_size, self.dp_rank, self.dp_size, self.truncate = batch_size, dp_rank, dp_size, truncate
-        self.epoch = self.document = self.offset = 0
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        while True:
-            start = (self.document, self.offset)
-            packer = RowPacker(self.context_length, _pad_id(self.tokenizer))
-            packer.next_document = self.document
-            rows, yielded = [], False
-            documents = _stream_documents(self.dataset, False, self.dp_rank, self.dp_size)
-            for index, example in enumerate(documents):
-                if index < start[0]:
-                    continue  # before the resumed position: read, not tokenized
-                document = tokenize_example(example, self.tokenizer)
-                if self.truncate:
-                    document = truncate_document(document, self.context_length)
-                rows += packer.add(document, start[1] if index == start[0] else 0)
-                while len(rows) >= self.batch_size:
-                    batch, rows = rows[: self.batch_size], rows[self.batch_size :]
-                    # advance before yielding: a checkpoint taken while this batch trains resumes at the next one
-                    self.document, self.offset = batch[-1][1]
-                    yielded = True
-                    yield {key: torch.stack([row[key] for row, _ in batch]) for key in batch[0][0]}  # (B, L)
-            rows += packer.finish()
-            while len(rows) >= self.batch_size:
-                batch, rows = rows[: self.batch_size], rows[self.batch_size :]
-                self.document, self.offset = batch[-1][1]
-                yielded = True
-                yield {key: torch.stack([row[key] for row, _ in batch]) for key in batch[0][0]}
-            if not yielded and start == (0, 0):
-                raise ValueError(
-                    f"--streaming: dp rank {self.dp_rank}'s share of --dataset {self.dataset!r} packs into fewer "
-                    f"than --batch_size {self.batch_size} rows; lower --batch_size or give more data"
-                )
-            self.epoch, self.document, self.offset = self.epoch + 1, 0, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"streaming": [[epoch, document, offset] of dp rank 0, of dp rank 1, ...]}``."""
-        import torch.distributed as dist
-
-        mine = [self.dp_rank, [self.epoch, self.document, self.offset]]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
-        positions = dict(gathered)  # the ranks of one cp group share their dp rank and position
-        return {"streaming": [positions[rank] for rank in range(self.dp_size)]}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at ``state`` (from :meth:`state_dict`, saved by a run with the same dp size)."""
-        positions = state.get("streaming")
-        if positions is None or len(positions) != self.dp_size:
-            saved = "a run without --streaming" if positions is None else f"{len(positions)} dp ranks"
-            raise ValueError(
-                f"the checkpoint's data position was saved by {saved}; this run streams with {self.dp_size} dp "
-                "ranks: resume with the same --streaming and data-parallel size"
-            )
-        self.epoch, self.document, self.offset = (int(value) for value in positions[self.dp_rank])

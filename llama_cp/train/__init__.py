@@ -1,4 +1,4 @@
-"""Running a job: the training loop (trainer), its output directory (run_dir), checkpoints and
-exports (checkpoint), resuming from one (resume), signals, non-finite losses and failed
-collectives (failures), metrics (reporting), the command line (cli) and local multi-process
-launch (launcher)."""
+"""Running a job: the training loop (trainer), its output directory (run_dir), checkpoints
+(checkpoint), resuming from one (resume), the trained model written out (export), signals,
+non-finite losses and failed collectives (failures), metrics (reporting), the command line
+(cli) and local multi-process launch (launcher)."""

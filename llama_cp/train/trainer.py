@@ -162,12 +162,13 @@ class Trainer:
         from llama_cp.config import PASSKEY
         from llama_cp.data.loader import DistributedRowLoader, build_rows
         from llama_cp.data.passkey import passkey_warmup_stages
-        from llama_cp.data.prepared import RowBatches, StreamingRowLoader, load_prepared_rows, streaming_eval_rows
+        from llama_cp.data.prepared import RowBatches, load_prepared_rows
+        from llama_cp.data.streaming import StreamingRowLoader, streaming_eval_rows
 
         cfg, d, dims = self.cfg, self.cfg.data, self.dims
         dp = submesh(self.mesh, "dp")
         dp_rank, dp_size = dp.get_local_rank(), dp.size()
-        if d.streaming:  # Note [Streaming rows]
+        if d.streaming:  # Note [Streaming rows] in llama_cp/data/streaming.py
             self.loader = StreamingRowLoader(d.dataset, self.tokenizer, d.context_length, d.batch_size, dp_rank, dp_size,
                                              truncate=d.truncate_documents)
             eval_rows = streaming_eval_rows(d.dataset, self.tokenizer, d.context_length, d.num_eval_samples,
@@ -482,7 +483,7 @@ class Trainer:
 
             shutil.rmtree(path)  # the previous export of this output_dir
         dist.barrier()
-        from llama_cp.train.checkpoint import export_pretrained
+        from llama_cp.train.export import export_pretrained
 
         export_pretrained(self.model, path)
         if self.rank == 0:

@@ -12,16 +12,14 @@ from llama_cp.data.formats import tokenize_example
 from llama_cp.data.loader import DistributedRowLoader, build_rows
 from llama_cp.data.packing import pack_documents
 from llama_cp.data.prepared import (
-    EVAL_EVERY,
     PreparedRows,
     RowBatches,
-    StreamingRowLoader,
     cache_key,
     key_hash,
     load_prepared_rows,
     prepare_dataset,
-    streaming_eval_rows,
 )
+from llama_cp.data.streaming import EVAL_EVERY, StreamingRowLoader, streaming_eval_rows
 from llama_cp.data.tokenizer import byte_tokenizer
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]

@@ -146,7 +146,7 @@ def check_one_step(export: bool = False, **flags) -> None:
 def check_export(model, reference, final: str) -> None:
     from peft import PeftModel
 
-    from llama_cp.train.checkpoint import export_pretrained
+    from llama_cp.train.export import export_pretrained
 
     for m in (model, reference):
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
