@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,31 @@ def shard_randomly(batch, cp_mesh):
     return {**{key: value.index_select(1, index) for key, value in batch.items()}, SEQ_INDEX: index}
 
 
+def _data_key(data: dict[str, torch.Tensor]) -> tuple:
+    return tuple((key, value.dtype, tuple(value.shape), value.numpy().tobytes()) for key, value in sorted(data.items()))
+
+
+_REFERENCES: dict = {}
+
+
+def reference_for(dtype: torch.dtype, use_lora: bool, window: int | None, data: dict[str, torch.Tensor]):
+    """(pristine, reference, logits, loss): the model of :func:`check_documents` (tiny, or
+    :func:`windowed_model`; LoRA), ``pristine`` an untouched copy of it, ``reference`` the same
+    after single-process transformers' forward on ``data`` and its backward. Built once per rank
+    for each (dtype, LoRA, window, batch) and shared by every check of that case: the checks copy
+    ``pristine`` and only read ``reference``'s gradients."""
+    key = (dtype, use_lora, window, _data_key(data))
+    if key not in _REFERENCES:
+        reference = (tiny_model(**HEADS) if window is None else windowed_model(window)).to(dtype)
+        if use_lora:
+            reference = lora(reference)
+        pristine = copy.deepcopy(reference)
+        ref_logits, ref_loss = reference_forward(reference, data)
+        ref_loss.backward()
+        _REFERENCES[key] = (pristine, reference, ref_logits.detach(), ref_loss.detach())
+    return _REFERENCES[key]
+
+
 def check_documents(strategy: str, mesh, sharded: bool, dtype: torch.dtype, use_lora: bool = False, *,
                     data: dict[str, torch.Tensor] | None = None, shard=None, block_size: int = 0,
                     ulysses_degree: int = 0, window: int | None = None):
@@ -121,20 +147,21 @@ def check_documents(strategy: str, mesh, sharded: bool, dtype: torch.dtype, use_
     ``block_size``: the attention's tiles (Note [Tiled attention]); ``window``: the model of
     :func:`windowed_model`."""
     tol = TOLERANCE[dtype]
-    reference = (tiny_model(**HEADS) if window is None else windowed_model(window)).to(dtype)
-    if use_lora:
-        reference = lora(reference)
-    model = copy.deepcopy(reference)
     data = packed_batch()[0] if data is None else data
-    ref_logits, ref_loss = reference_forward(reference, data)
-    ref_loss.backward()
-
-    check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mesh, strategy=strategy,
-                               sharded=sharded, tol=tol, max_seq_len=SEQ_LEN, shard=shard, block_size=block_size,
-                               ulysses_degree=ulysses_degree)
+    pristine, reference, ref_logits, ref_loss = reference_for(dtype, use_lora, window, data)
+    check_cp_against_reference(copy.deepcopy(pristine), reference, data, ref_logits, ref_loss, mesh,
+                               strategy=strategy, sharded=sharded, tol=tol, max_seq_len=SEQ_LEN, shard=shard,
+                               block_size=block_size, ulysses_degree=ulysses_degree)
 
 
+@functools.cache
 def mesh_for(cp: int, world_size: int):
+    """A (1, world_size / cp, cp) mesh, built once per cp in the same order on every rank."""
+    return new_mesh(cp, world_size)
+
+
+def new_mesh(cp: int, world_size: int):
+    """A mesh built anew (its groups made now)."""
     return ParallelDims(dp_shard=world_size // cp, cp=cp).build_mesh("cpu")
 
 

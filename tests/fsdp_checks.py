@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
@@ -145,23 +146,27 @@ def check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mes
     if shard is None:
         layout = "documents" if strategy == "allgather" else "zigzag"
         shard = functools.partial(shard_batch, layout=layout)
-    apply_context_parallel(model, mesh["cp"], strategy=strategy, max_seq_len=max_seq_len, block_size=block_size,
+    cp_mesh = mesh["cp"]  # slicing a mesh makes a new sub-mesh each time: once here
+    apply_context_parallel(model, cp_mesh, strategy=strategy, max_seq_len=max_seq_len, block_size=block_size,
                            ulysses_degree=ulysses_degree)
     enable_chunked_loss(model, chunk_size=7)  # several chunks with a ragged last one
     if sharded:
         shard_model(model, mesh, param_dtype=None, reduce_dtype=None)
-        (local,) = local_batches(data, mesh, shard=shard)  # this dp rank's rows, sharded over cp
-        per_rank = data["input_ids"].shape[0] // mesh["dp"].size()
-        rows = slice(mesh["dp"].get_local_rank() * per_rank, (mesh["dp"].get_local_rank() + 1) * per_rank)
+        dp_mesh = mesh["dp"]
+        dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+        # this dp rank's rows (as local_batches takes them), sharded over cp
+        local = shard({k: v.chunk(dp)[dp_rank] for k, v in data.items()}, cp_mesh)
+        per_rank = data["input_ids"].shape[0] // dp
+        rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         loss_group = None  # every rank: dp and cp
     else:
-        local, rows, loss_group = shard(data, mesh["cp"]), slice(None), mesh["cp"].get_group()
+        local, rows, loss_group = shard(data, cp_mesh), slice(None), cp_mesh.get_group()
 
     seq_index = local.get(SEQ_INDEX)
     with torch.no_grad():
         extra = {} if seq_index is None else {SEQ_INDEX: seq_index}
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], **extra).logits
-    torch.testing.assert_close(unshard(logits, mesh["cp"], seq_index=seq_index), ref_logits[rows].detach(), **tol)
+    torch.testing.assert_close(unshard(logits, cp_mesh, seq_index=seq_index), ref_logits[rows].detach(), **tol)
 
     loss = causal_lm_loss_sum(model, local) / count_valid_tokens([local["labels"]], group=loss_group)
     router = router_loss_share(model, group=loss_group)  # MoE: this rank's share of the router's loss
@@ -171,15 +176,30 @@ def check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mes
     total = loss.detach().clone()
     dist.all_reduce(total, group=loss_group)
     torch.testing.assert_close(total, ref_loss.detach(), **tol)
-    compared = 0
+    trainable = []
     for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
         if ref_param.grad is None:
             assert param.grad is None, f"{name} has a gradient but should be frozen"
             continue
-        grad = full_grad(param)
-        if not sharded:
-            grad = grad.clone()
-            dist.all_reduce(grad, group=loss_group)
-        torch.testing.assert_close(grad, ref_param.grad, **tol, msg=lambda m: f"{name}: {m}")
-        compared += 1
+        assert param.grad is not None, f"{name} has no gradient"
+        trainable.append((name, param.grad, ref_param.grad))
+    if sharded:
+        # FSDP: each rank compares the shard of every gradient it holds with the same slice of
+        # the reference's; together the ranks compare every element (no gathers needed)
+        for name, grad, ref_grad in trainable:
+            if isinstance(grad, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
+                assert tuple(grad.shape) == tuple(ref_grad.shape), (name, grad.shape, ref_grad.shape)
+                ref_grad = ref_grad[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+                grad = grad.to_local()
+            torch.testing.assert_close(grad, ref_grad, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    else:
+        # each cp rank holds its tokens' share of every gradient: sum the shares, all in one all-reduce
+        dtypes = {grad.dtype for _, grad, _ in trainable}
+        assert len(dtypes) == 1, dtypes
+        summed = torch.cat([grad.reshape(-1) for _, grad, _ in trainable])
+        dist.all_reduce(summed, group=loss_group)
+        for (name, grad, ref_grad), flat in zip(trainable, summed.split([g.numel() for _, g, _ in trainable])):
+            torch.testing.assert_close(flat.view(grad.shape), ref_grad, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    compared = len(trainable)
     assert compared == sum(p.requires_grad for p in reference.parameters()) > 0, compared

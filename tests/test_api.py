@@ -170,11 +170,11 @@ init_distributed()
 
 class DeletedSlowly:
     def __del__(self, sleep=time.sleep):  # the module's globals may be gone by then
-        sleep(3)
+        sleep(1)
 
 
 if dist.get_rank() == 1:
-    time.sleep(1.5)
+    time.sleep(0.5)
 tensor = torch.ones(4)
 dist.all_reduce(tensor, async_op=True)  # its work object dropped: the gloo worker holds the last one
 kept = DeletedSlowly()  # cleared after `tensor` (the globals go in order), its deletion outlasts rank 1's wait

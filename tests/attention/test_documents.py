@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from dist_harness import Checks
 from document_checks import (
-    HEADS, check_documents, check_ring_skips, mesh_for, one_document_batch, one_step_wire_bytes, packed_batch,
-    reference_forward, shard_bytes, shard_randomly, sparse_batch,
+    HEADS, check_documents, check_ring_skips, mesh_for, new_mesh, one_document_batch, one_step_wire_bytes,
+    packed_batch, reference_forward, shard_bytes, shard_randomly, sparse_batch,
 )
 from fsdp_checks import tiny_model
 from llama_cp import apply_context_parallel, shard_batch, unshard
@@ -233,8 +233,8 @@ def groups_run_a_collective_before_partial_p2p():
     cached = dict(hybrid._HYBRID_GROUPS)
     hybrid._HYBRID_GROUPS.clear()  # made anew below, under the recording
     try:
-        check_documents("ring", mesh_for(4, WORLD_SIZE), False, torch.float64, data=sparse_batch())
-        check_documents("hybrid", mesh_for(4, WORLD_SIZE), False, torch.float64, data=sparse_batch(),
+        check_documents("ring", new_mesh(4, WORLD_SIZE), False, torch.float64, data=sparse_batch())
+        check_documents("hybrid", new_mesh(4, WORLD_SIZE), False, torch.float64, data=sparse_batch(),
                         ulysses_degree=2)
     finally:
         dist.all_reduce, dist.batch_isend_irecv = all_reduce, batch_isend_irecv

@@ -187,10 +187,14 @@ def batch() -> dict[str, torch.Tensor]:
     return {"input_ids": tokens[:, :-1], "labels": labels}
 
 
-def check_family(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.dtype):
-    tol = TOLERANCE[torch.float32 if FAMILIES[name][0] in FLOAT32_NORMS else dtype]
+@functools.cache
+def family_reference(name: str, dtype: torch.dtype):
+    """(pristine, reference, logits, loss) of family ``name`` in ``dtype``, built once per rank and
+    shared by every strategy, cp and sharding of it: ``pristine`` is an untouched copy of the model
+    (each check makes its CP model from a copy of it), ``reference`` the same model after HF's own
+    forward and ``labels=`` loss and its backward (the checks only read its gradients)."""
     reference = family_model(name, dtype)
-    model = copy.deepcopy(reference)
+    pristine = copy.deepcopy(reference)  # before the reference's forward (dynamic RoPE updates its buffers)
     data = batch()
     # the reference: HF's own forward and loss (labels unshifted; HF shifts them). HF computes
     # the loss in float32 whatever the model's dtype, so the float64 reference is the same
@@ -203,9 +207,14 @@ def check_family(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.
         ref_loss = ref_loss + reference.config.router_aux_loss_coef * ref.aux_loss
     torch.testing.assert_close(ref_loss.float(), ref.loss.float(), **TOLERANCE[torch.float32])
     ref_loss.backward()
+    return pristine, reference, ref.logits.detach(), ref_loss.detach()
 
-    check_cp_against_reference(model, reference, data, ref.logits, ref_loss, mesh_for(cp), strategy=strategy,
-                               sharded=sharded, tol=tol, max_seq_len=SEQ_LEN)
+
+def check_family(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.dtype):
+    tol = TOLERANCE[torch.float32 if FAMILIES[name][0] in FLOAT32_NORMS else dtype]
+    pristine, reference, ref_logits, ref_loss = family_reference(name, dtype)
+    check_cp_against_reference(copy.deepcopy(pristine), reference, batch(), ref_logits, ref_loss, mesh_for(cp),
+                               strategy=strategy, sharded=sharded, tol=tol, max_seq_len=SEQ_LEN)
 
 
 for _name in FAMILIES:

@@ -147,15 +147,37 @@ def test_state_is_sharded_over_dp_shard_x_cp(phases, tuning):
         assert optimizer_phase.optimizer >= 3 * trainable, (name, optimizer_phase.optimizer, trainable)
 
 
-def test_layer_extrapolation_is_exact():
-    """Note [Planning from a few layers]: 2 and 3 simulated layers predict 6 layers exactly."""
-    config = mid_size_config(num_hidden_layers=6)
+def test_layer_extrapolation_is_exact(phases, monkeypatch):
+    """Note [Planning from a few layers]: 2 and 3 simulated layers predict 6 layers exactly.
+
+    Each case is a case of the matrix, whose 3-layer simulation ``phases`` already holds: the
+    planner's 3-layer simulation of the same configuration (equal TrainConfig, equal model config,
+    same world size) is that one, reused; the 2- and 6-layer ones run here."""
+    import llama_cp.plan.memory as memory
+
+    simulate, three_layers = memory.simulate_step_phases, mid_size_config()
+    matrix = [(case_config(*case), case[0] * case[1], name) for name, case in CASES.items()]
+    reused = []
+
+    def simulate_or_reuse(cfg, world_size, *, model_config=None):
+        same = [name for case_cfg, world, name in matrix if (case_cfg, world) == (cfg, world_size)]
+        name = same[0] if same and model_config == three_layers else None
+        if name is None:
+            return simulate(cfg, world_size, model_config=model_config)
+        reused.append(name)
+        return phases[name]
+
+    monkeypatch.setattr(memory, "simulate_step_phases", simulate_or_reuse)
     for case in [(2, 1, "lora", True, 2048), (1, 2, "full", False, 2048), (4, 2, "full", True, 4096)]:
+        # a fresh model config per case, as each matrix case has (the planner's model build sets
+        # its attention implementation and dtype fields on the config it is given)
+        config = mid_size_config(num_hidden_layers=6)
         cfg = case_config(*case)
         world = case[0] * case[1]
         assert plan_step_memory(cfg, world, model_config=config) == simulate_step_memory(
             cfg, world, model_config=config
         ), case
+    assert len(reused) == 3, reused
 
 
 def test_each_lever_cuts_the_planned_peak():

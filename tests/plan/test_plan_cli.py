@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 from llama_cp.config import TrainConfig
 from llama_cp.modules.causal_lm import embedded_llama_config
 from llama_cp.modules.quantize import installed_qlora_refusal
-from llama_cp.plan.memory import GiB, find_max_context, plan_step_memory, with_context
+from llama_cp.plan.memory import GiB, find_max_context, with_context
 from recipes.plan_memory import main
 
 KEYS = {"parameters", "gradients", "optimizer", "activations", "temporary", "total"}
@@ -39,15 +39,36 @@ def test_llama3_8b_lora_131k_cp8_json_and_activation_cut(capsys):
     assert cp1["per_rank_bytes"]["optimizer"] == cp8["per_rank_bytes"]["optimizer"]
 
 
+def once_per_arguments(monkeypatch, module, name: str) -> list:
+    """Replace ``module.name`` (a deterministic planner function) for the test by one that computes
+    each set of arguments (compared by equality) once and returns the same result for it after.
+    Returns the list of (args, kwargs, result) computed."""
+    function, done = getattr(module, name), []
+
+    def once(*args, **kwargs):
+        for done_args, done_kwargs, result in done:
+            if (done_args, done_kwargs) == (args, kwargs):
+                return result
+        done.append((args, kwargs, function(*args, **kwargs)))
+        return done[-1][2]
+
+    monkeypatch.setattr(module, name, once)
+    return done
+
+
 @pytest.mark.slow
-def test_find_max_context_is_the_largest_that_fits():
+def test_find_max_context_is_the_largest_that_fits(monkeypatch):
+    import llama_cp.plan.memory as memory
+
+    # the search's own plans of `length` and `length + 512` answer the checks below
+    once_per_arguments(monkeypatch, memory, "plan_step_memory")
     config = embedded_llama_config(num_hidden_layers=3)  # 3 layers: each plan is one simulation
     cfg = TrainConfig.from_flags(cp=2, context_length=1024)
     budget = int(0.2 * GiB)
     length, at_max = find_max_context(cfg, 2, budget, model_config=config, granularity=512)
     assert length > 0 and length % 512 == 0 and at_max.total <= budget
-    assert plan_step_memory(with_context(cfg, length), 2, model_config=config) == at_max
-    assert plan_step_memory(with_context(cfg, length + 512), 2, model_config=config).total > budget
+    assert memory.plan_step_memory(with_context(cfg, length), 2, model_config=config) == at_max
+    assert memory.plan_step_memory(with_context(cfg, length + 512), 2, model_config=config).total > budget
 
 
 def test_errors_name_the_flag(capsys):
@@ -70,6 +91,8 @@ def test_plot_max_context_fsdp_only_vs_cp(tmp_path, monkeypatch):
     import recipes.plan_memory as plan_memory
 
     monkeypatch.setattr(plan_memory, "PLOT_GPUS", (1, 2))
+    # on 1 GPU both layouts are cp=1 over 1 rank, the same search (equal TrainConfig and arguments): run it once
+    searched = once_per_arguments(monkeypatch, plan_memory, "search_max_context")
     config = embedded_llama_config(num_hidden_layers=3)
     cfg = TrainConfig.from_flags(context_length=1024)
     png = tmp_path / "max_context.png"
@@ -78,6 +101,7 @@ def test_plot_max_context_fsdp_only_vs_cp(tmp_path, monkeypatch):
     assert lengths[1, "FSDP only"] == lengths[1, "FSDP + CP"] > 0  # cp=1 either way
     assert lengths[2, "FSDP + CP"] > lengths[2, "FSDP only"] >= lengths[1, "FSDP only"]
     assert png.stat().st_size > 0
+    assert len(searched) == 3  # 1 GPU (once), 2 GPUs FSDP only, 2 GPUs FSDP + CP
 
 
 def test_bf16_checkpoint_is_planned_with_float32_shards(tmp_path):

@@ -206,7 +206,7 @@ def prepared_rows_are_made_once_while_the_other_rank_waits():
 
 @checks.add
 def streaming_position_of_every_dp_rank_resumes_from_a_checkpoint():
-    from llama_cp.data.prepared import StreamingRowLoader
+    from llama_cp.data.streaming import StreamingRowLoader
     from llama_cp.data.tokenizer import byte_tokenizer
 
     model, _, optimizer, scheduler = trainer(dict(dp_shard=2), tiny_model())

@@ -34,7 +34,10 @@ same_network: true
 """
 
 
-def run_cli(output_dir, *flags, nproc=1, check=True, launcher_name="torchrun"):
+def start_cli(output_dir, *flags, nproc=1, launcher_name="torchrun") -> subprocess.Popen:
+    """Start the recipe on ``nproc`` processes (plain python, torchrun or `accelerate launch`);
+    :func:`finish_cli` waits for it. Runs started together share the cores: a one-process run
+    leaves one of two idle."""
     launcher = [sys.executable, "-m", "recipes.finetune_longctx"]
     if nproc > 1 and launcher_name == "torchrun":
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -46,13 +49,27 @@ def run_cli(output_dir, *flags, nproc=1, check=True, launcher_name="torchrun"):
             f.write(ACCELERATE_CONFIG.replace("num_processes: 2", f"num_processes: {nproc}"))
         launcher = ["accelerate", "launch", "--config_file", config, "-m", "recipes.finetune_longctx"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
+    return subprocess.Popen(
         [*launcher, *SMALL, "--output_dir", str(output_dir), *flags],
-        capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), timeout=600,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
+
+
+def finish_cli(proc: subprocess.Popen, check=True) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     if check:
         assert result.returncode == 0, result.stderr[-4000:]
     return result
+
+
+def run_cli(output_dir, *flags, nproc=1, check=True, launcher_name="torchrun"):
+    return finish_cli(start_cli(output_dir, *flags, nproc=nproc, launcher_name=launcher_name), check=check)
 
 
 def read_metrics(output_dir):
@@ -63,13 +80,19 @@ def read_metrics(output_dir):
 @pytest.fixture(scope="module")
 def single_runs(tmp_path_factory):
     """The single-process reference runs: batch 1 and batch 2 per step."""
-    runs = {}
-    for batch_size in (1, 2):
-        out = tmp_path_factory.mktemp(f"single_b{batch_size}")
+    runs, started = {}, {}
+    for batch_size in (1, 2):  # side by side: each takes one core (OMP_NUM_THREADS=1)
+        runs[batch_size] = out = tmp_path_factory.mktemp(f"single_b{batch_size}")
         # --peak_tflops: an mfu on CPU too (Note [Model FLOPs]); it changes no loss
-        result = run_cli(out, "--batch_size", str(batch_size), *(["--peak_tflops", "0.5"] if batch_size == 1 else []))
-        (out / "stdout.txt").write_text(result.stdout)
-        runs[batch_size] = out
+        started[batch_size] = start_cli(out, "--batch_size", str(batch_size),
+                                        *(["--peak_tflops", "0.5"] if batch_size == 1 else []))
+    try:
+        for batch_size, proc in started.items():
+            result = finish_cli(proc)
+            (runs[batch_size] / "stdout.txt").write_text(result.stdout)
+    finally:
+        for proc in started.values():
+            proc.kill()  # none is left running when one failed (a no-op on one that exited)
     return runs
 
 
@@ -147,11 +170,16 @@ def test_packed_chat_rows_on_two_processes_match_one(tmp_path):
     """Document masks (on by default) under cp 2, ring and Ulysses, give the single-process
     trajectory on packed rows of short chat examples."""
     data = write_chat_jsonl(tmp_path / "chat.jsonl")
-    runs = {}
-    for name, flags, nproc in [("single", [], 1), ("ring", ["--cp", "2"], 2),
-                               ("ulysses", ["--cp", "2", "--cp_strategy", "ulysses"], 2)]:
-        runs[name] = tmp_path / name
-        run_cli(runs[name], "--dataset", data, "--context_length", "128", *flags, nproc=nproc)
+    runs = {name: tmp_path / name for name in ("single", "ring", "ulysses")}
+    # the one-process run beside the ring run (one core each), then the Ulysses run
+    single = start_cli(runs["single"], "--dataset", data, "--context_length", "128")
+    try:
+        run_cli(runs["ring"], "--dataset", data, "--context_length", "128", "--cp", "2", nproc=2)
+        finish_cli(single)
+    finally:
+        single.kill()
+    run_cli(runs["ulysses"], "--dataset", data, "--context_length", "128", "--cp", "2", "--cp_strategy", "ulysses",
+            nproc=2)
     want = read_metrics(runs["single"])
     for name in ("ring", "ulysses"):
         got = read_metrics(runs[name])
