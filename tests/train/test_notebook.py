@@ -9,6 +9,7 @@ import ast
 import json
 import math
 import os
+import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -127,18 +128,21 @@ def test_a_launched_child_leaves_before_finalization(tmp_path, monkeypatch, fail
     def leave(status):
         raise _Left(status)
 
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)  # restored after the test; _run_rank sets them
     monkeypatch.setattr(llama_cp.train.trainer, "Trainer", Trainer)
     monkeypatch.setattr(os, "_exit", leave)
     run = lambda: llama_cp.train.launcher._run_rank(0, TrainConfig(), 1, free_port(), str(tmp_path))  # noqa: E731
-    if fails:
-        with pytest.raises(ValueError, match="the step failed"):
-            run()
-        assert not (tmp_path / llama_cp.train.launcher._RESULT_FILE).exists()
-    else:
-        with pytest.raises(_Left) as left:
-            run()
-        assert left.value.args == (0,)
-        assert json.loads((tmp_path / llama_cp.train.launcher._RESULT_FILE).read_text()) == {"step": 1}
+    # _run_rank sets RANK, WORLD_SIZE, MASTER_PORT, ... in this process: the environment is put back
+    # afterwards (a later test's subprocesses must not inherit this MASTER_PORT)
+    with unittest.mock.patch.dict(os.environ):
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(name, None)
+        if fails:
+            with pytest.raises(ValueError, match="the step failed"):
+                run()
+            assert not (tmp_path / llama_cp.train.launcher._RESULT_FILE).exists()
+        else:
+            with pytest.raises(_Left) as left:
+                run()
+            assert left.value.args == (0,)
+            assert json.loads((tmp_path / llama_cp.train.launcher._RESULT_FILE).read_text()) == {"step": 1}
     assert not dist.is_initialized()
