@@ -1,7 +1,6 @@
 """benchmarks/gpu_acceptance.py --dry_run: the GPU acceptance pipeline end to end on the CPU
 (gloo, 2 ranks, tiny shapes), so that the command a GPU owner runs cannot rot."""
 
-import gc
 import json
 import os
 import runpy
@@ -35,23 +34,19 @@ def _installed(name: str) -> str:
         return "not installed"
 
 
-def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch):
+def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, frozen_heap):
     # `python benchmarks/gpu_acceptance.py --dry_run` run as that script, in this process (runpy
     # makes it __main__, so its spawned ranks start from the script as they do from the command):
     # this process has torch and transformers imported already. Its planning, here while the
-    # ranks run, collects garbage before each tracked phase: the objects alive before the test
-    # are frozen, not traversed by each collection.
+    # ranks run, collects garbage before each tracked phase (``frozen_heap``, tests/conftest.py).
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the ranks' threads, as the command's subprocess had
     monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repository first
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["benchmarks/gpu_acceptance.py", "--dry_run", "--output_dir", str(tmp_path)])
-    gc.freeze()
     try:
         runpy.run_path(os.path.join(ROOT, "benchmarks", "gpu_acceptance.py"), run_name="__main__")
     except SystemExit as exit_info:
         assert exit_info.code in (0, None), exit_info
-    finally:
-        gc.unfreeze()
     with open(tmp_path / "gpu_acceptance.json") as f:
         report = json.load(f)
     env = report["environment"]

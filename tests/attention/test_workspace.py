@@ -2,7 +2,6 @@
 against the math backend, the tracked peak of each equal to Note [GPU attention kernels'
 workspace] in llama_cp/plan/memory.py, and the planner including that workspace."""
 
-import gc
 import itertools
 
 import pytest
@@ -19,15 +18,7 @@ def _round_up(x, m):
     return -(-x // m) * m
 
 
-@pytest.fixture(autouse=True)
-def _untraced_heap():
-    """The planner runs gc.collect() before each tracked phase, to drop the garbage of earlier
-    steps; in a test process that has imported the suite, every collection also traverses the
-    hundreds of thousands of objects alive before the test (0.2 s or more each, a dozen times
-    a plan). They are frozen for the test: its own garbage is collected as before."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # the planner tests below: tests/conftest.py
 
 
 @pytest.mark.parametrize(

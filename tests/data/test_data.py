@@ -9,12 +9,12 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from llama_cp.data import passkey as data
+from llama_cp.config import LOCAL_FILE_SUFFIXES
 from llama_cp.data.formats import tokenize_example
 from llama_cp.data.loader import DistributedRowLoader, build_rows
 from llama_cp.data.packing import pack_documents
-from llama_cp.data.passkey import passkey_example, passkey_rows
-from llama_cp.data.sources import load_examples
+from llama_cp.data.passkey import PASSKEY_FILLER, passkey_example, passkey_rows, passkey_warmup_lengths
+from llama_cp.data.sources import FILE_BUILDERS, load_examples
 from llama_cp.data.tokenizer import _byte_alphabet, byte_tokenizer
 
 IGNORE = -100
@@ -193,7 +193,7 @@ def test_passkey_key_sits_at_the_requested_depth(tokenizer, depth):
     needle = "The pass key is 12345. Remember it. 12345 is the pass key. "
     question = "What is the pass key? The pass key is "
     filler = context_length - len(needle) - len(question) - len("12345") - 2  # bos, eos
-    longest_sentence = max(len(sentence) for sentence in data.PASSKEY_FILLER)
+    longest_sentence = max(len(sentence) for sentence in PASSKEY_FILLER)
     filler_before = needle_start(row, tokenizer) - 1
     # the key goes in at the last sentence boundary at or before depth x filler (the first one, for depth 0)
     assert depth * filler - longest_sentence < filler_before <= max(depth * filler, longest_sentence)
@@ -243,13 +243,13 @@ def test_passkey_warmup_packs_shorter_documents_first(tokenizer):
     """Note [Passkey length warm-up]: rows 0..11 of 1024 tokens hold 8, then 4, then 2 whole
     passkey documents, each its own task (bos, needle, question, answer), rows 12.. one; the
     last document of a row takes the row's remainder when the length does not divide."""
-    assert data.passkey_warmup_lengths(16, 1024, 12) == [128] * 32 + [256] * 16 + [512] * 8 + [1024] * 4
-    assert data.passkey_warmup_lengths(3, 1100, 3) == [137] * 7 + [141] + [275] * 4 + [550] * 2
-    assert data.passkey_warmup_lengths(4, 512, 4) == [128] * 8 + [256] * 4  # 512 / 8 = 64 holds no task
-    assert data.passkey_warmup_lengths(4, 200, 4) == [200] * 4  # no length holds the task: full rows
-    assert data.passkey_warmup_lengths(4, 1024, 0) == [1024] * 4
+    assert passkey_warmup_lengths(16, 1024, 12) == [128] * 32 + [256] * 16 + [512] * 8 + [1024] * 4
+    assert passkey_warmup_lengths(3, 1100, 3) == [137] * 7 + [141] + [275] * 4 + [550] * 2
+    assert passkey_warmup_lengths(4, 512, 4) == [128] * 8 + [256] * 4  # 512 / 8 = 64 holds no task
+    assert passkey_warmup_lengths(4, 200, 4) == [200] * 4  # no length holds the task: full rows
+    assert passkey_warmup_lengths(4, 1024, 0) == [1024] * 4
     with pytest.raises(ValueError, match="warmup_rows must be in 0..4"):
-        data.passkey_warmup_lengths(4, 1024, 5)
+        passkey_warmup_lengths(4, 1024, 5)
 
     rows = build_rows("passkey", tokenizer, 1024, cp=2, split="train", seed=5, num_samples=16,
                       passkey_digits=1, passkey_warmup_rows=12)
@@ -374,7 +374,7 @@ def test_unknown_names_are_tried_as_hub_ids(monkeypatch):
     def offline(name, *args, **kwargs):
         raise ConnectionError(f"Couldn't reach '{name}' on the Hub")
 
-    monkeypatch.setattr(data.datasets, "load_dataset", offline)
+    monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(ConnectionError, match="Couldn't reach 'someone/corpus'") as caught:
         load_examples("someone/corpus")
     assert "treated as a HuggingFace hub dataset id" in "".join(getattr(caught.value, "__notes__", [str(caught.value)]))
@@ -382,7 +382,7 @@ def test_unknown_names_are_tried_as_hub_ids(monkeypatch):
     # a hub dataset with its own validation split uses it for eval instead of holding out
     splits = {"train": [f"train {i}" for i in range(4)], "validation": ["held out"]}
     hub = datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": texts}) for name, texts in splits.items()})
-    monkeypatch.setattr(data.datasets, "load_dataset", lambda name, *args, **kwargs: hub)
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, *args, **kwargs: hub)
     assert load_examples("someone/corpus", split="train")["text"] == splits["train"]
     assert load_examples("someone/corpus", split="eval")["text"] == ["held out"]
 
@@ -443,3 +443,9 @@ def test_loader_without_drop_last_and_too_few_rows():
     assert [row_numbers(batch) for batch in loader] == [[0, 1], [4, 0]]
     with pytest.raises(ValueError, match=r"3 rows are fewer than one global batch of batch_size\(2\) x dp\(2\) = 4"):
         DistributedRowLoader(numbered_rows(3), batch_size=2, dp_rank=0, dp_size=2)
+
+
+def test_every_file_type_read_is_one_a_dataset_path_is_checked_for():
+    # --dataset ending like a file that loading reads is checked as a local path when the flag is given
+    # (llama_cp.config.check_dataset_path), never taken for a hub id
+    assert set(FILE_BUILDERS) <= set(LOCAL_FILE_SUFFIXES), set(FILE_BUILDERS) - set(LOCAL_FILE_SUFFIXES)

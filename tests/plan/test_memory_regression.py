@@ -12,7 +12,7 @@ import torch
 
 from llama_cp.config import TrainConfig
 from llama_cp.plan.memory import plan_step_memory, simulate_step_memory, simulate_step_phases, step_peak
-from memory_matrix import CASES, case_config, case_name, load_baselines, mid_size_config, run_case
+from memory_matrix import CASES, case_config, case_name, load_baselines, mid_size_config, once_per_arguments, run_case
 
 MiB = 1 << 20
 TOLERANCE = 0.02  # a category more than 2% above its baseline fails
@@ -155,19 +155,9 @@ def test_layer_extrapolation_is_exact(phases, monkeypatch):
     same world size) is that one, reused; the 2- and 6-layer ones run here."""
     import llama_cp.plan.memory as memory
 
-    simulate, three_layers = memory.simulate_step_phases, mid_size_config()
-    matrix = [(case_config(*case), case[0] * case[1], name) for name, case in CASES.items()]
-    reused = []
-
-    def simulate_or_reuse(cfg, world_size, *, model_config=None):
-        same = [name for case_cfg, world, name in matrix if (case_cfg, world) == (cfg, world_size)]
-        name = same[0] if same and model_config == three_layers else None
-        if name is None:
-            return simulate(cfg, world_size, model_config=model_config)
-        reused.append(name)
-        return phases[name]
-
-    monkeypatch.setattr(memory, "simulate_step_phases", simulate_or_reuse)
+    matrix = [((case_config(*case), case[0] * case[1]), {"model_config": mid_size_config()}, phases[name])
+              for name, case in CASES.items()]
+    simulated = once_per_arguments(monkeypatch, memory, "simulate_step_phases", known=matrix)
     for case in [(2, 1, "lora", True, 2048), (1, 2, "full", False, 2048), (4, 2, "full", True, 4096)]:
         # a fresh model config per case, as each matrix case has (the planner's model build sets
         # its attention implementation and dtype fields on the config it is given)
@@ -177,7 +167,10 @@ def test_layer_extrapolation_is_exact(phases, monkeypatch):
         assert plan_step_memory(cfg, world, model_config=config) == simulate_step_memory(
             cfg, world, model_config=config
         ), case
-    assert len(reused) == 3, reused
+    # per case a 2-layer simulation (the planner's) and a 6-layer one (the check's): the planner's
+    # 3-layer one was the matrix's
+    computed = [kwargs["model_config"].num_hidden_layers for _, kwargs, _ in simulated[len(matrix):]]
+    assert computed == [2, 6] * 3, computed
 
 
 def test_each_lever_cuts_the_planned_peak():

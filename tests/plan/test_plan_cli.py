@@ -14,6 +14,7 @@ from llama_cp.config import TrainConfig
 from llama_cp.modules.causal_lm import embedded_llama_config
 from llama_cp.modules.quantize import installed_qlora_refusal
 from llama_cp.plan.memory import GiB, find_max_context, with_context
+from memory_matrix import once_per_arguments
 from recipes.plan_memory import main
 
 KEYS = {"parameters", "gradients", "optimizer", "activations", "temporary", "total"}
@@ -37,23 +38,6 @@ def test_llama3_8b_lora_131k_cp8_json_and_activation_cut(capsys):
     assert ratio >= 6, f"cp=8 cut activations only {ratio:.2f}x"
     # the same LoRA state on every rank layout of 8 GPUs: sharded over all 8 either way
     assert cp1["per_rank_bytes"]["optimizer"] == cp8["per_rank_bytes"]["optimizer"]
-
-
-def once_per_arguments(monkeypatch, module, name: str) -> list:
-    """Replace ``module.name`` (a deterministic planner function) for the test by one that computes
-    each set of arguments (compared by equality) once and returns the same result for it after.
-    Returns the list of (args, kwargs, result) computed."""
-    function, done = getattr(module, name), []
-
-    def once(*args, **kwargs):
-        for done_args, done_kwargs, result in done:
-            if (done_args, done_kwargs) == (args, kwargs):
-                return result
-        done.append((args, kwargs, function(*args, **kwargs)))
-        return done[-1][2]
-
-    monkeypatch.setattr(module, name, once)
-    return done
 
 
 @pytest.mark.slow
