@@ -573,7 +573,7 @@ def training_step(s: Settings, *, context_length: int, cp: int, strategy: str = 
     first), the per-step peak memory, and the throughput figures."""
     from llama_cp import build_causal_lm, count_valid_tokens, optimizer_step, parallelize_model, shard_batch
     from llama_cp.optim.optimizers import build_optimizer
-    from llama_cp.train.trainer import PeakMemory
+    from llama_cp.train.reporting import PeakMemory
 
     world = dist.get_world_size()
     cfg = TrainConfig()

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from llama_cp.config import TrainConfig
 from llama_cp.data.prepared import prepare_dataset
+from llama_cp.data.tokenizer import build_tokenizer
 from llama_cp.model.build import model_path
 from llama_cp.train.cli import run_cli
-from llama_cp.train.trainer import build_tokenizer
 
 
 def main(config: str | None = None, **flags) -> None:

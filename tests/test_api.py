@@ -124,6 +124,25 @@ def test_the_layers_folders_are_faces():
             assert len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), init
 
 
+def test_the_package_face_imports_a_layer_when_a_name_is_read():
+    """Note [A lazy package face]: ``import llama_cp`` (and a low layer) leaves transformers, datasets and
+    the trainer unimported; reading a name imports its module only. The names type checkers see
+    (the imports under TYPE_CHECKING) are the names served."""
+    probe = ("import sys, llama_cp.parallel.mesh, llama_cp; heavy = ('transformers', 'datasets', 'llama_cp.train.trainer'); "
+             "print(sorted(m for m in heavy if m in sys.modules)); llama_cp.ParallelDims; "
+             "print(sorted(m for m in heavy if m in sys.modules)); llama_cp.Trainer; "
+             "print(sorted(m for m in heavy if m in sys.modules))")
+    lines = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                           check=True).stdout.splitlines()
+    assert lines == ["[]", "[]", "['llama_cp.train.trainer', 'transformers']"], lines
+    tree = ast.parse(open(os.path.join(ROOT, "llama_cp", "__init__.py")).read())
+    typed = {alias.name: node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             for alias in node.names if (node.module or "").startswith("llama_cp")}
+    assert typed == llama_cp._MODULES and sorted(typed) == llama_cp.__all__ and set(typed) <= set(dir(llama_cp))
+    with pytest.raises(AttributeError, match="no attribute 'ContextParallelAttention'"):
+        llama_cp.ContextParallelAttention
+
+
 def readme_loop() -> str:
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()

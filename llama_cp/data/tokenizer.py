@@ -64,3 +64,16 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
+
+
+def build_tokenizer(path: str | None):
+    """The tokenizer of the model directory ``path`` (``build.model_path``), the embedded byte
+    tokenizer for None."""
+    from transformers import AutoTokenizer
+
+    from llama_cp.modules.causal_lm import check_tokenizer_files
+
+    if path is None:
+        return byte_tokenizer()
+    check_tokenizer_files(path)
+    return AutoTokenizer.from_pretrained(path)

@@ -1,4 +1,5 @@
-"""Where a run's metrics go besides ``metrics.jsonl``: TensorBoard and Weights & Biases.
+"""Where a run's metrics go besides ``metrics.jsonl`` (TensorBoard and Weights & Biases), and the
+peak memory a metrics row carries (:class:`PeakMemory`).
 
     reporter = Reporter(output_dir, ("tensorboard",), run_info=run_info(cfg), start_step=0)
     reporter.log({"loss": 2.3, "lr": 1e-4}, step=1)
@@ -24,8 +25,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from llama_cp.config import REPORTERS
 
@@ -37,17 +41,17 @@ def run_info(config: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """The resolved config and the versions that produced a run (logged with it)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    import peft
-    import torch
     import transformers
 
-    try:  # the installed distribution's (llama_cp/__init__.py's __version__, which setup.cfg reads)
-        ours = version("llama-cp")
-    except PackageNotFoundError:  # run from a checkout that was never pip-installed
-        ours = "unknown"
+    def installed(distribution: str) -> str:  # read from its metadata: importing peft costs ~1 s of a start-up
+        try:
+            return version(distribution)
+        except PackageNotFoundError:  # llama-cp run from a checkout that was never pip-installed
+            return "unknown"
+
     versions = {
-        "llama_cp": ours, "torch": torch.__version__, "transformers": transformers.__version__,
-        "peft": peft.__version__, "python": platform.python_version(),
+        "llama_cp": installed("llama-cp"), "torch": torch.__version__, "transformers": transformers.__version__,
+        "peft": installed("peft"), "python": platform.python_version(),
         "cuda": torch.version.cuda, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
     return {"config": config, "versions": versions, **extra}
@@ -105,3 +109,50 @@ class Reporter:
 def _tag(key: str) -> str:
     """``eval/...`` for eval metrics, ``train/...`` for the rest."""
     return f"eval/{key}" if key.startswith(("eval_", "passkey")) else f"train/{key}"
+
+
+# Note [Peak memory in metrics]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Start-up (building and loading the model, rank 0 quantizing a QLoRA checkpoint, the
+# optimizer, a resume) is reported once, as ``load_peak_memory_bytes`` in run_info.json
+# (and in TensorBoard's / W&B's copy of it). Each training step starts a new window: the
+# peak is reset before the step and read after it, and a metrics row's
+# ``peak_memory_bytes`` is the largest step peak since the previous row that carries one
+# (log_every > 1 covers several steps); eval and checkpoint saving fall between windows.
+# Both are the maximum over ranks. What a peak is depends on the device:
+#
+#   cuda  torch.cuda.max_memory_allocated (tensors only, not the allocator's cache),
+#         reset by torch.cuda.reset_peak_memory_stats
+#   cpu   the process's peak resident set (VmHWM in /proc/self/status), reset by writing
+#         5 to /proc/self/clear_refs (Linux >= 4.0); it counts the weights and everything
+#         else resident during the step. Where that file cannot be written (not Linux, a
+#         locked-down sandbox) it is the peak since the process started, as getrusage says.
+
+
+class PeakMemory:
+    """This process's peak memory since :meth:`reset` (Note [Peak memory in metrics])."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    def reset(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:  # not Linux, or not allowed: the peak stays the process's
+            pass
+
+    def read(self) -> int:
+        if self.device_type == "cuda":
+            return torch.cuda.max_memory_allocated()
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024  # kB
+        except OSError:
+            pass
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

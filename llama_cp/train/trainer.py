@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 from typing import Any
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from llama_cp.config import TrainConfig
+from llama_cp.data.tokenizer import build_tokenizer
 from llama_cp.model.build import model_path
 from llama_cp.model.flops import model_flops, peak_flops, throughput
 from llama_cp.model.loss import causal_lm_loss_sum, count_valid_tokens
@@ -33,69 +33,9 @@ from llama_cp.optim.step import clip_gradients, forward_backward
 from llama_cp.parallel.mesh import init_distributed, local_peers, machine_device_type, submesh
 from llama_cp.parallel.sharding import shard_batch
 from llama_cp.train.failures import StopSignals, collective_failure, stop_nonfinite
+from llama_cp.train.reporting import PeakMemory
 from llama_cp.train.resume import load_resumed_state, resume_checkpoint
 from llama_cp.train.run_dir import OutputDirClaim, plot_losses, truncate_metrics, write_atomically
-
-
-# Note [Peak memory in metrics]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Start-up (building and loading the model, rank 0 quantizing a QLoRA checkpoint, the
-# optimizer, a resume) is reported once, as ``load_peak_memory_bytes`` in run_info.json
-# (and in TensorBoard's / W&B's copy of it). Each training step starts a new window: the
-# peak is reset before the step and read after it, and a metrics row's
-# ``peak_memory_bytes`` is the largest step peak since the previous row that carries one
-# (log_every > 1 covers several steps); eval and checkpoint saving fall between windows.
-# Both are the maximum over ranks. What a peak is depends on the device:
-#
-#   cuda  torch.cuda.max_memory_allocated (tensors only, not the allocator's cache),
-#         reset by torch.cuda.reset_peak_memory_stats
-#   cpu   the process's peak resident set (VmHWM in /proc/self/status), reset by writing
-#         5 to /proc/self/clear_refs (Linux >= 4.0); it counts the weights and everything
-#         else resident during the step. Where that file cannot be written (not Linux, a
-#         locked-down sandbox) it is the peak since the process started, as getrusage says.
-
-
-class PeakMemory:
-    """This process's peak memory since :meth:`reset` (Note [Peak memory in metrics])."""
-
-    def __init__(self, device_type: str):
-        self.device_type = device_type
-
-    def reset(self) -> None:
-        if self.device_type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:  # not Linux, or not allowed: the peak stays the process's
-            pass
-
-    def read(self) -> int:
-        if self.device_type == "cuda":
-            return torch.cuda.max_memory_allocated()
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024  # kB
-        except OSError:
-            pass
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def build_tokenizer(path: str | None):
-    """The tokenizer of the model directory ``path`` (``build.model_path``), the embedded byte
-    tokenizer for None."""
-    from transformers import AutoTokenizer
-
-    from llama_cp.data.tokenizer import byte_tokenizer
-    from llama_cp.modules.causal_lm import check_tokenizer_files
-
-    if path is None:
-        return byte_tokenizer()
-    check_tokenizer_files(path)
-    return AutoTokenizer.from_pretrained(path)
 
 
 class Trainer:

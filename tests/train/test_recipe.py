@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 
+import peft
 import pytest
 import torch
 
@@ -127,6 +128,7 @@ def test_single_process_run_writes_everything(single_runs):
     with open(os.path.join(out, "run_info.json")) as f:
         info = json.load(f)
     assert info["config"]["data"]["context_length"] == 256 and info["versions"]["torch"] == torch.__version__
+    assert info["versions"]["peft"] == peft.__version__  # read from its metadata, not imported
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
@@ -270,7 +272,7 @@ def adamw8bit_runs_on_cpu_and_resumes():
 
 
 class ScriptedPeakMemory:
-    """Stands in for ``llama_cp.train.trainer.PeakMemory`` and records its calls: the window before the first
+    """Stands in for ``llama_cp.train.reporting.PeakMemory`` (as the trainer reads it) and records its calls: the window before the first
     reset after start-up (loading) peaks at 10**9 bytes, the window of step k at 1000 k bytes."""
 
     calls: list[str] = []

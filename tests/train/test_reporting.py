@@ -76,7 +76,7 @@ def test_wandb_without_the_package_names_the_fix(monkeypatch):
 
 
 def test_peak_memory_on_cuda_resets_and_reads_the_allocator_peak(monkeypatch):
-    from llama_cp.train.trainer import PeakMemory
+    from llama_cp.train.reporting import PeakMemory
 
     calls = []
     monkeypatch.setattr("torch.cuda.reset_peak_memory_stats", lambda: calls.append("reset"))
@@ -91,7 +91,7 @@ def test_peak_memory_on_cuda_resets_and_reads_the_allocator_peak(monkeypatch):
 PEAK_RSS = """
 import torch
 
-from llama_cp.train.trainer import PeakMemory
+from llama_cp.train.reporting import PeakMemory
 
 peak, size = PeakMemory("cpu"), 256 * 2**20
 peak.reset()
