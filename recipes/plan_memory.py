@@ -19,7 +19,7 @@ tensors (``llama_cp.plan.memory``), in seconds on a CPU. Training flags are the 
 
 --attention_backend names the GPU attention kernel whose workspace the plan includes; "auto"
 (default) plans what an sm80+ GPU with flash-attn installed runs: flash_attn in bf16/fp16
-(Note [GPU attention kernels' workspace] in llama_cp/plan/memory.py). sdpa_cpu plans the CPU kernel.
+(Note [GPU attention kernels' workspace] in llama_cp/attention/workspace.py). sdpa_cpu plans the CPU kernel.
 """
 
 from __future__ import annotations

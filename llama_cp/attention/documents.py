@@ -77,7 +77,7 @@ Note [Tiled attention]
 A kernel call over Sq queries and Sk keys allocates workspace in proportion to
 them: flash-attn's backward a float32 dq_accum [B, round_up(Sq, 128), H, D] and,
 with GQA, dK/dV expanded to every query head [B, Sk, H, D]; torch's SDPA ops K/V
-expanded to every query head (``kernels._expand_kv``); the math kernel the whole
+expanded to every query head (``kernel_calls.expand_kv``); the math kernel the whole
 (Sq, Sk) score matrix. At cp 1 a call covers the whole sequence, so for
 Llama-3-8B (32 heads of 128, 8 KV heads) at 512K tokens that is 8 GiB of
 dq_accum and 8 GiB of expanded dK/dV. ``tiles`` cuts every piece (a whole

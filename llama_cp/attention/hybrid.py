@@ -30,7 +30,7 @@ import math
 
 import torch.distributed as dist
 
-from llama_cp.attention import kernels
+from llama_cp.attention import kernel_calls
 from llama_cp.attention.documents import DocumentLayout
 from llama_cp.attention.kernels import Backend
 from llama_cp.attention.local import local_attention
@@ -88,7 +88,7 @@ def hybrid_attention(
     the outer ring (``cp_size`` its size). Differentiable."""
     u = dist.get_world_size(inner)
     kv_repeat = u // math.gcd(k.shape[1], u)
-    k, v = kernels._expand_kv(k, kv_repeat), kernels._expand_kv(v, kv_repeat)
+    k, v = kernel_calls.expand_kv(k, kv_repeat), kernel_calls.expand_kv(v, kv_repeat)
     q, k, v = (_AllToAll.apply(t, inner, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
     if dist.get_world_size(outer) == 1:  # u = cp: Ulysses
         block = None if documents is None else documents.ring_pieces(0, window)

@@ -53,7 +53,7 @@ refused in one line.
 hides key j from query i, in the call's own indices, when i - j > lag. A windowed call
 becomes at most two kernel calls in which every row sees a key (``_window_parts``); rows
 that see nothing get out = 0, lse = -inf and no gradient. flash_attn takes the window as
-``window_size_left`` / ``window_size_right`` (``_flash_window``); the CPU backends use the
+``window_size_left`` / ``window_size_right`` (``flash_window``); the CPU backends use the
 exact kernel of ``llama_cp/attention/dense.py``; torch's CUDA kernels are refused in one line.
 
 The backends in ``VARLEN`` also compute many independent attention segments in one call
@@ -64,13 +64,22 @@ documents use them, Note [Varlen document calls] in ``llama_cp/attention/pieces.
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Literal
 
 import torch
 
 from llama_cp.attention.dense import dense_backward as _dense_backward
 from llama_cp.attention.dense import dense_forward as _dense_forward
+from llama_cp.attention.kernel_calls import (
+    accumulation_dtype,
+    call_by_keyword,
+    flash_attn_backward,
+    flash_attn_forward,
+    math_backward,
+    math_forward,
+    sdpa_cuda_backward,
+    sdpa_cuda_forward,
+)
 from llama_cp.attention.workspace import FLASH_ATTN, SDPA_OPS, ModelledBackend
 
 Backend = Literal["flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"]
@@ -182,7 +191,7 @@ def _forward(q, k, v, causal, scale, backend, softcap, lag):
     if softcap or lag is not None:
         backend = _dense_backend(backend, softcap)
         if backend == "flash_attn":
-            return _flash_attn_forward(q, k, v, causal, scale, fa=_flash_attn_module(backend), softcap=softcap,
+            return flash_attn_forward(q, k, v, causal, scale, fa=_flash_attn_module(backend), softcap=softcap,
                                        lag=lag)
         return _dense_forward(q, k, v, causal, scale, softcap, lag)
     if backend == "sdpa_cpu":
@@ -191,10 +200,10 @@ def _forward(q, k, v, causal, scale, backend, softcap, lag):
         )
         return out, lse.to(accumulation_dtype(q))
     if backend in ("sdpa_flash", "sdpa_efficient"):
-        return _sdpa_cuda_forward(q, k, v, causal, scale, flash=backend == "sdpa_flash", ops=_sdpa_ops(backend))
+        return sdpa_cuda_forward(q, k, v, causal, scale, flash=backend == "sdpa_flash", ops=_sdpa_ops(backend))
     if backend == "flash_attn":
-        return _flash_attn_forward(q, k, v, causal, scale, fa=_flash_attn_module(backend))
-    return _math_forward(q, k, v, causal, scale)
+        return flash_attn_forward(q, k, v, causal, scale, fa=_flash_attn_module(backend))
+    return math_forward(q, k, v, causal, scale)
 
 
 def attention_backward(
@@ -244,7 +253,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, softcap, lag):
     if softcap or lag is not None:
         backend = _dense_backend(backend, softcap)
         if backend == "flash_attn":
-            return _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, fa=_flash_attn_module(backend),
+            return flash_attn_backward(dout, q, k, v, out, lse, causal, scale, fa=_flash_attn_module(backend),
                                         softcap=softcap, lag=lag)
         return _dense_backward(dout, q, k, v, out, lse, causal, scale, softcap, lag)
     if backend == "sdpa_cpu":
@@ -252,12 +261,12 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, softcap, lag):
             dout.to(q.dtype).contiguous(), q, k, v, out, lse.to(accumulation_dtype(q)), 0.0, causal, scale=scale
         )
     if backend in ("sdpa_flash", "sdpa_efficient"):
-        return _sdpa_cuda_backward(
+        return sdpa_cuda_backward(
             dout, q, k, v, out, lse, causal, scale, flash=backend == "sdpa_flash", ops=_sdpa_ops(backend)
         )
     if backend == "flash_attn":
-        return _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, fa=_flash_attn_module(backend))
-    return _math_backward(dout, q, k, v, out, lse, causal, scale)
+        return flash_attn_backward(dout, q, k, v, out, lse, causal, scale, fa=_flash_attn_module(backend))
+    return math_backward(dout, q, k, v, out, lse, causal, scale)
 
 
 def has_varlen(backend: Backend) -> bool:
@@ -284,7 +293,7 @@ def varlen_forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale
         )
     elif backend == "flash_attn":
-        result = _call_by_keyword(
+        result = call_by_keyword(
             _flash_attn_module(backend)._flash_attn_varlen_forward, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0,
             softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1, softcap=softcap,
@@ -315,7 +324,7 @@ def varlen_backward(
         )
     if backend == "flash_attn":
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call_by_keyword(
+        call_by_keyword(
             _flash_attn_module(backend)._flash_attn_varlen_backward, dout=dout, q=q, k=k, v=v, out=out,
             softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
@@ -346,11 +355,6 @@ def _flash_attn_module(backend: Backend):
     return FLASH_ATTN if isinstance(backend, ModelledBackend) else _flash_attn_interface()
 
 
-def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
-    """float64 for float64 tensors, else float32: the dtype of lse and of every accumulator."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(
@@ -361,57 +365,6 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal blocks must be square; got Sq={q.shape[2]}, Sk={k.shape[2]}")
-
-
-def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(B, Hkv, S, D) -> (B, Hkv * n_rep, S, D), each KV head repeated for its query group."""
-    if n_rep == 1:
-        return x
-    b, h, s, d = x.shape
-    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
-
-
-def _reduce_kv_grad(dx: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Inverse of :func:`_expand_kv` for gradients: sum each query group."""
-    if n_rep == 1:
-        return dx
-    b, h, s, d = dx.shape
-    return dx.view(b, h // n_rep, n_rep, s, d).sum(2)
-
-
-# ---------------------------------------------------------------- math reference
-def _math_forward(q, k, v, causal, scale):
-    n_rep = q.shape[1] // k.shape[1]
-    acc = accumulation_dtype(q)
-    scores = q.to(acc) @ _expand_kv(k, n_rep).to(acc).transpose(-1, -2) * scale  # (B, H, Sq, Sk)
-    if causal:
-        scores = scores.masked_fill(_causal_block_mask(q.shape[2], q.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None])
-    out = probs @ _expand_kv(v, n_rep).to(acc)
-    return out.to(q.dtype), lse
-
-
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
-    n_rep = q.shape[1] // k.shape[1]
-    acc = accumulation_dtype(q)
-    qa, ka, va = q.to(acc), _expand_kv(k, n_rep).to(acc), _expand_kv(v, n_rep).to(acc)
-    da, oa = dout.to(acc), out.to(acc)
-    scores = qa @ ka.transpose(-1, -2) * scale
-    if causal:
-        scores = scores.masked_fill(_causal_block_mask(q.shape[2], q.device), float("-inf"))
-    probs = torch.exp(scores - lse.to(acc)[..., None])  # (B, H, Sq, Sk)
-    dv = probs.transpose(-1, -2) @ da
-    dprobs = da @ va.transpose(-1, -2)
-    delta = (da * oa).sum(-1, keepdim=True)  # rowsum(dO * O) = sum_j P_ij dP_ij
-    dscores = probs * (dprobs - delta) * scale
-    dq = dscores @ ka
-    dk = dscores.transpose(-1, -2) @ qa
-    return (
-        dq.to(q.dtype),
-        _reduce_kv_grad(dk, n_rep).to(k.dtype),
-        _reduce_kv_grad(dv, n_rep).to(v.dtype),
-    )
 
 
 # ---------------------------------------------------------------- soft caps and windows
@@ -457,92 +410,6 @@ def _dense_backend(backend: Backend, softcap: float) -> Backend:
         f"sliding-window attention needs --attention_backend flash_attn on CUDA, and llama-cp does not pass windows "
         f"to {backend!r}: install flash-attn (pip install flash-attn --no-build-isolation)"
     )
-
-
-def _causal_block_mask(s: int, device: torch.device) -> torch.Tensor:
-    """(s, s) boolean, True above the diagonal (masked). Only for the math block."""
-    return torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
-
-
-# ---------------------------------------------------------------- torch CUDA ops
-def _sdpa_cuda_forward(q, k, v, causal, scale, *, flash: bool, ops=_aten):
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
-    if flash:
-        out, lse, *_ = ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-    else:
-        out, lse, *_ = ops._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-        lse = lse[..., : q.shape[2]]  # the efficient kernel pads the lse rows to a multiple of 32
-    return out, lse.float()
-
-
-def _sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale, *, flash: bool, ops=_aten):
-    n_rep = q.shape[1] // k.shape[1]
-    ke, ve = _expand_kv(k, n_rep), _expand_kv(v, n_rep)
-    dout = dout.to(q.dtype).contiguous()
-    zero = torch.zeros((), dtype=torch.int64, device=q.device)
-    if flash:
-        sq, sk = q.shape[2], k.shape[2]
-        dq, dk, dv = ops._scaled_dot_product_flash_attention_backward(
-            dout, q, ke, ve, out, lse.float().contiguous(), None, None, sq, sk, 0.0, causal,
-            zero, zero, scale=scale,
-        )
-    else:
-        # The efficient backward reads lse rows up to a multiple of 32, padded with +inf by its
-        # forward (pytorch mem_eff_attention kernel_backward.h); ROCm's kernel takes them unpadded.
-        pad = 0 if torch.version.hip else -q.shape[2] % 32
-        lse = torch.nn.functional.pad(lse.float(), (0, pad), value=float("inf")).contiguous()
-        dq, dk, dv, _ = ops._scaled_dot_product_efficient_attention_backward(
-            dout, q, ke, ve, None, out, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale,
-        )
-    return dq, _reduce_kv_grad(dk, n_rep), _reduce_kv_grad(dv, n_rep)
-
-
-# ---------------------------------------------------------------- flash-attn
-# flash-attn works in (B, S, H, D) and supports GQA natively. Its private
-# forward/backward changed their argument lists across 2.x releases, so they
-# are called by keyword, with only the arguments the installed version takes.
-# From 2.7 they are torch custom ops whose own signature is (*args, **kwargs):
-# the Python function they wrap is ``_init_fn``.
-def _call_by_keyword(fn, **kwargs):
-    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
-    if "window_size" in params:  # flash-attn < 2.7 takes a (left, right) tuple
-        kwargs["window_size"] = (kwargs["window_size_left"], kwargs["window_size_right"])
-    return fn(**{name: value for name, value in kwargs.items() if name in params})
-
-
-def _flash_window(lag: int | None, num_q: int, num_k: int, causal: bool) -> dict[str, int]:
-    """flash-attn's window arguments for ``lag`` (Note [Sliding windows under CP]): its windows
-    are aligned bottom-right, key j seen by query i iff i + Sk - Sq - left <= j <= i + Sk - Sq
-    + right (csrc/flash_attn/src/mask.h), and a right of -1 becomes Sk (flash_api.cpp), which
-    hides no key only when Sq <= Sk + 1: ``_window_parts`` makes such calls; causal ones are square."""
-    if lag is None:
-        return dict(window_size_left=-1, window_size_right=-1)
-    return dict(window_size_left=lag + num_k - num_q, window_size_right=0 if causal else -1)
-
-
-def _flash_attn_forward(q, k, v, causal, scale, *, fa, softcap: float = 0.0, lag: int | None = None):
-    q_, k_, v_ = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    result = _call_by_keyword(
-        fa._flash_attn_forward, q=q_, k=k_, v=v_, dropout_p=0.0, softmax_scale=scale,
-        causal=causal, **_flash_window(lag, q.shape[2], k.shape[2], causal), softcap=softcap,
-        alibi_slopes=None, return_softmax=False,
-    )
-    out, lse = (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
-    return out.transpose(1, 2), lse.float()
-
-
-def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, *, fa, softcap: float = 0.0,
-                         lag: int | None = None):
-    dout_, q_, k_, v_, out_ = (t.transpose(1, 2).contiguous() for t in (dout.to(q.dtype), q, k, v, out))
-    dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
-    _call_by_keyword(
-        fa._flash_attn_backward, dout=dout_, q=q_, k=k_, v=v_, out=out_,
-        softmax_lse=lse.float().contiguous(), dq=dq, dk=dk, dv=dv, dropout_p=0.0,
-        softmax_scale=scale, causal=causal, **_flash_window(lag, q.shape[2], k.shape[2], causal),
-        softcap=softcap, alibi_slopes=None, deterministic=False, rng_state=None,
-    )
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def merge_block(

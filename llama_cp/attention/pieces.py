@@ -74,7 +74,7 @@ What the glue relies on, read in the libraries' sources:
   forward returns (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state);
   2.7.4 and 2.8.3 (identical here) are torch custom ops taking
   ``window_size_left/right`` and ``zero_tensors``, the forward returning (out,
-  softmax_lse, S_dmask, rng_state). ``kernels._call_by_keyword`` passes only the
+  softmax_lse, S_dmask, rng_state). ``kernel_calls.call_by_keyword`` passes only the
   names a release takes. softmax_lse is (H, total_q) float32 in all three.
 """
 

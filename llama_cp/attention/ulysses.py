@@ -16,7 +16,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from llama_cp.attention import kernels
+from llama_cp.attention import kernel_calls
 from llama_cp.attention.documents import DocumentLayout
 from llama_cp.attention.kernels import Backend
 from llama_cp.attention.local import local_attention
@@ -83,7 +83,7 @@ def ulysses_attention(
     Note [Tiled attention]."""
     cp = dist.get_world_size(group)
     kv_repeat = cp // math.gcd(k.shape[1], cp)  # make the KV heads split evenly across cp
-    k, v = kernels._expand_kv(k, kv_repeat), kernels._expand_kv(v, kv_repeat)
+    k, v = kernel_calls.expand_kv(k, kv_repeat), kernel_calls.expand_kv(v, kv_repeat)
     q, k, v = (_AllToAll.apply(t, group, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
     block = None if documents is None else documents.full_row_pieces(window)
     out = local_attention(q, k, v, causal=causal, scale=scale, backend=backend, block_size=block_size, block=block,

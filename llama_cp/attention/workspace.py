@@ -10,8 +10,70 @@ and their backward ops) that allocates the tensors the CUDA code allocates, with
 dtypes and layouts, and computes the values with torch's CPU attention kernel, so it is exact
 on real CPU tensors as well (tests compare it with the math backend). Everything ``kernels``
 does around the call (layout copies, GQA expansion, lse padding) is the same code for the
-stand-in and the real kernel. What each term is and where it comes from: Note [GPU attention
-kernels' workspace] in ``llama_cp/plan/memory.py``.
+stand-in and the real kernel. What each term is and where it comes from: the Note below.
+
+Note [GPU attention kernels' workspace]
+=======================================
+
+The CUDA attention kernels allocate tensors of their own, which the CPU kernel does not: a
+plan that ran torch's CPU attention would leave them out of every GPU figure. The planner
+runs each attention call through a CPU stand-in of the planned backend (this module's,
+selected by passing a ``ModelledBackend`` down to ``llama_cp.attention.kernels``): it allocates the tensors below, with their shapes, dtypes and
+layouts, and computes the values with torch's CPU kernel. The code around the library call
+(``kernels``' and ``kernel_calls``' layout copies, GQA expansion, lse padding) is the trainer's own and runs as is.
+B batch, H query heads, Hkv key/value heads, Sq/Sk query/key rows, D head size, e the
+input dtype's bytes, r(x, m) = x rounded up to a multiple of m.
+
+flash_attn (flash-attn 2.8.3: flash_attn/flash_attn_interface.py, csrc/flash_attn/flash_api.cpp)
+  forward   ours: contiguous (B, S, H, D) copies of q, k, v (a copy only where the input
+            is not laid out so already);  mha_fwd: out (B, Sq, H, D) e,
+            softmax_lse (B, H, Sq) fp32, rng_state 2 x int64.
+  backward  ours: contiguous (B, S, H, D) copies of dout, q, k, v, out (same rule), dq, dk,
+            dv like them;  mha_bwd: softmax_d (B, H, r(Sq, 128)) fp32,
+            dq_accum (B, r(Sq, 128), H, r(D, 32 if D <= 128 else 64)) fp32 (the
+            non-deterministic path), and with GQA (Hkv < H) dk_expanded and dv_expanded
+            (B, Sk, H, D) e each, summed into dk/dv over each group (at::sum_out, no copy).
+  Not modelled: the split-KV forward's out_accum/lse_accum, allocated only when
+  B x H x ceil(Sq / 64) < 0.8 x 2 x SMs (fewer than ~6 query blocks per head on an H100):
+  never at the context lengths this planner is for.
+
+sdpa_flash (torch's CUDA flash: aten/src/ATen/native/transformers/cuda/attention.cu,
+attention_backward.cu, flash_attn/flash_api.cpp, which is flash-attn 2.x's mha_fwd/mha_bwd;
+torch/_meta_registrations.py of torch 2.13 for the outputs; the .cu/.cpp files read at
+pytorch main: attention_backward.cu 00afd8f2, flash_api.cpp 03b7c19d)
+  ours: K and V expanded to H heads (B, H, Sk, D) e each, in forward and again in
+  backward; dK/dV summed back to Hkv heads.
+  forward   out like q (empty_like of the (B, S, H, D) view), logsumexp (B, H, Sq) fp32,
+            philox seed and offset.
+  backward  _flash_attention_backward: dout and out made contiguous in (B, S, H, D) (a
+            copy unless they are laid out so); mha_bwd: dq, dk, dv like q and the expanded
+            k, v, softmax_d and dq_accum as flash_attn's (no dk_expanded: K/V arrive with
+            H heads).
+
+sdpa_efficient (torch's CUDA memory-efficient kernel: attention.cu
+_efficient_attention_forward, attention_backward.cu _efficient_attention_backward,
+mem_eff_attention/kernel_backward.h, kernels/cutlassB.h, at pytorch main; the kernel choice
+and the gradQ tile shape (block_i x block_j) are read from those files, not measured)
+  ours: K and V expanded as for sdpa_flash; the backward pads our lse back to r(Sq, 32)
+  rows (a new (B, H, r(Sq, 32)) fp32 tensor).
+  forward   out (B, Sq, H, D) e, logsumexp (B, H, r(Sq, 32)) fp32. The fp32 output
+            accumulator is needed only for head sizes above 128 (kernels whose kMaxK
+            exceeds their key block), which the planner refuses for this backend.
+  backward  dout made contiguous in (B, S, H, D); grad q, k, v (B, S, H, D) e; delta
+            (B, H, Sq) fp32 (computed by the kernel in half precision); the workspace of
+            AttentionBackwardKernel::workspace_size: per (batch, head), for each of
+            ceil(Sq / b) x ceil(D / b) tiles, a 16-byte lock header and a b x b fp32 dq
+            accumulator (GradQTempStorage), rounded to 16 bytes; b = 64 for D <= 64 and
+            128 for D <= 128 (the sm80 bf16/fp16 kernels cutlassB dispatches first for
+            those head sizes; their dK/dV stay in registers, kOutputInRF, so no dK/dV
+            workspace). Half precision only: the planner refuses float32 for it.
+
+On real CPU tensors the stand-ins compute the values one query head (forward) or one
+key/value head group (backward) at a time, into the kernel's own tensors, so they hold at
+most that slice on top of the kernel's allocations. Under fake tensors (the planner) there
+are no values and nothing is computed: the tracked peak is the kernel's exactly (and the
+planner's many tile calls cost no per-head loop). tests/attention/test_workspace.py
+checks each formula against the tracked peak.
 """
 
 from __future__ import annotations
@@ -275,7 +337,7 @@ def flash_attn_varlen_backward(
                            softmax_scale, softcap)
 
 
-#: Stands in for ``flash_attn.flash_attn_interface`` in ``kernels._flash_attn_forward/backward``
+#: Stands in for ``flash_attn.flash_attn_interface`` in ``kernel_calls.flash_attn_forward/backward``
 #: and ``kernels.varlen_forward/backward``.
 FLASH_ATTN = types.SimpleNamespace(
     _flash_attn_forward=flash_attn_forward, _flash_attn_backward=flash_attn_backward,
@@ -409,7 +471,7 @@ def flash_attention_backward(
     return dq, dk, dv
 
 
-#: Stands in for ``torch.ops.aten`` in ``kernels._sdpa_cuda_forward/backward`` and
+#: Stands in for ``torch.ops.aten`` in ``kernel_calls.sdpa_cuda_forward/backward`` and
 #: ``kernels.varlen_forward/backward``.
 SDPA_OPS = types.SimpleNamespace(
     _flash_attention_forward=flash_attention_forward,

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from dist_harness import map_in_processes
 from llama_cp.config import TrainConfig
 from llama_cp.plan.memory import plan_step_memory, simulate_step_memory, simulate_step_phases, step_peak
 from memory_matrix import CASES, case_config, case_name, load_baselines, mid_size_config, once_per_arguments, run_case
@@ -24,7 +25,7 @@ DROP_TOLERANCE = 0.10
 
 @pytest.fixture(scope="module")
 def phases():
-    return {name: run_case(name) for name in CASES}
+    return dict(zip(CASES, map_in_processes(run_case, list(CASES)), strict=True))
 
 
 @pytest.fixture(scope="module")

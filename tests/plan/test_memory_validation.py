@@ -2,8 +2,9 @@
 4-layer embedded model extrapolated from 2 and 3 layers) equals the peak tracked in real
 2-rank gloo runs of the same configurations within 5%.
 
-The plans are made here, in the pytest process (the planner needs torch.distributed
-uninitialised), and handed to the ranks through a JSON file named in an environment variable.
+The plans are made before the ranks start, in two processes of their own (the planner needs
+torch.distributed uninitialised), and handed to the ranks through a JSON file named in an
+environment variable.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import Checks
+from dist_harness import Checks, map_in_processes
 from llama_cp.config import TrainConfig
 from llama_cp.modules.causal_lm import embedded_llama_config
 from llama_cp.modules.quantize import installed_qlora_refusal
@@ -48,6 +49,12 @@ def case_config(name: str) -> TrainConfig:
     # the real runs are on CPU, so the plan models the CPU attention kernel they run
     return TrainConfig.from_flags(**{"context_length": 2048, "dtype": "float32", "attention_backend": "sdpa_cpu",
                                      **CASES[name]})
+
+
+def plan_case(name: str) -> tuple[int, int]:
+    """The planned peak and host bytes of the busiest rank of the case."""
+    plan = plan_step_memory(case_config(name), WORLD_SIZE, model_config=embedded_llama_config())
+    return plan.total, plan.host
 
 
 def measure_real_peak(name: str) -> int:
@@ -102,10 +109,8 @@ for _name in CASES:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     path = tmp_path_factory.mktemp("memory_plans") / "plans.json"
-    plans = {}
-    for name in checks.to_run:  # the cases the ranks will run: selected (tests/conftest.py), not skipped
-        plan = plan_step_memory(case_config(name), WORLD_SIZE, model_config=embedded_llama_config())
-        plans[name] = (plan.total, plan.host)
+    names = checks.to_run  # the cases the ranks will run: selected (tests/conftest.py), not skipped
+    plans = dict(zip(names, map_in_processes(plan_case, names), strict=True))
     path.write_text(json.dumps(plans))
     os.environ[PLANS_ENV] = str(path)  # spawned ranks inherit the environment
     try:

@@ -3,13 +3,16 @@ Llama-3-8B shape, the max-context search, and its errors."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import json
 import os
 
 import pytest
 from transformers import LlamaForCausalLM
 
+from dist_harness import map_in_processes
 from llama_cp.config import TrainConfig
 from llama_cp.modules.causal_lm import embedded_llama_config
 from llama_cp.modules.quantize import installed_qlora_refusal
@@ -109,18 +112,39 @@ def test_bf16_checkpoint_is_planned_with_float32_shards(tmp_path):
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "*.yaml")))
 
 
+def preset_and_gpus(path: str) -> tuple[TrainConfig, int]:
+    cfg = TrainConfig.from_flags(path, model_name="llama3-8b")
+    p = cfg.parallel
+    return cfg, p.cp * max(p.dp_shard, 1) * p.dp_replicate
+
+
+def plan_preset(path: str) -> dict:
+    """The planner CLI's JSON line for preset ``path`` on the GPUs it names, its context shortened."""
+    cfg, num_gpus = preset_and_gpus(path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(json=True, config=path, num_gpus=num_gpus, context_length=1024 * cfg.parallel.cp)
+    return json.loads(out.getvalue().strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def preset_plans() -> dict[str, dict]:
+    """Every preset that can be planned here, planned in two processes (``map_in_processes``)."""
+    plannable = [path for path in CONFIGS
+                 if preset_and_gpus(path)[0].peft.quantization == "none" or installed_qlora_refusal() is None]
+    return dict(zip(plannable, map_in_processes(plan_preset, plannable), strict=True))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
-def test_every_shipped_config_plans(capsys, path):
+def test_every_shipped_config_plans(preset_plans, path):
     """Each preset in configs/ goes through the planner CLI with its own flags (gradient
     accumulation, levers, parallel degrees) on the Llama-3-8B shape; only the context is
     shortened, to keep the suite fast (the full-length figures: docs/memory.md)."""
-    cfg = TrainConfig.from_flags(path, model_name="llama3-8b")
+    cfg, num_gpus = preset_and_gpus(path)
     if cfg.peft.quantization != "none" and installed_qlora_refusal() is not None:
         pytest.skip(installed_qlora_refusal())  # Note [QLoRA's version floor] in llama_cp/modules/quantize.py
-    p = cfg.parallel
-    num_gpus = p.cp * max(p.dp_shard, 1) * p.dp_replicate
-    result = run_json(capsys, config=path, num_gpus=num_gpus, context_length=1024 * p.cp)
+    result = preset_plans[path]
     assert result["per_rank_bytes"]["total"] > 0
     assert (result["host_bytes_per_rank"] > 0) == cfg.model.offload_checkpoints
     # a preset that names no model is planned as the planner's default model, not the tiny embedded one

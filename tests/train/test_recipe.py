@@ -136,9 +136,9 @@ def test_single_process_run_writes_everything(single_runs):
     assert model.config.vocab_size >= len(tokenizer)
 
 
-@pytest.mark.parametrize("flags, reference_batch, launcher", [
-    (["--cp", "2"], 1, "torchrun"), (["--cp", "2", "--cp_strategy", "ulysses"], 1, "torchrun"),
-    (["--dp_shard", "2"], 2, "torchrun"), (["--cp", "2"], 1, "accelerate"),
+@pytest.mark.parametrize("flags, reference_batch, launcher", [  # the ring under accelerate, which runs torchrun
+    (["--cp", "2", "--cp_strategy", "ulysses"], 1, "torchrun"), (["--dp_shard", "2"], 2, "torchrun"),
+    (["--cp", "2"], 1, "accelerate"),
 ])
 def test_two_processes_match_the_single_process_trajectory(tmp_path, single_runs, flags, reference_batch, launcher):
     """torchrun, or `accelerate launch` with an accelerate config file, on 2 processes."""

@@ -1,0 +1,156 @@
+"""How each local attention backend's kernel is called (:mod:`llama_cp.attention.kernels` chooses the
+backend and handles windows and soft-caps): the float32 math reference, torch's CUDA SDPA aten ops
+that return the log-sum-exp, and flash-attn's private forward/backward, in the layouts, argument
+lists and GQA handling each one takes. Layouts as in ``kernels``: q (B, H, Sq, D), k and v
+(B, Hkv, Sk, D), lse (B, H, Sq).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+_aten = torch.ops.aten
+
+
+def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 for float64 tensors, else float32: the dtype of lse and of every accumulator."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, Hkv, S, D) -> (B, Hkv * n_rep, S, D), each KV head repeated for its query group."""
+    if n_rep == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def reduce_kv_grad(dx: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Inverse of :func:`expand_kv` for gradients: sum each query group."""
+    if n_rep == 1:
+        return dx
+    b, h, s, d = dx.shape
+    return dx.view(b, h // n_rep, n_rep, s, d).sum(2)
+
+
+# ---------------------------------------------------------------- the math reference
+def math_forward(q, k, v, causal, scale):
+    n_rep = q.shape[1] // k.shape[1]
+    acc = accumulation_dtype(q)
+    scores = q.to(acc) @ expand_kv(k, n_rep).to(acc).transpose(-1, -2) * scale  # (B, H, Sq, Sk)
+    if causal:
+        scores = scores.masked_fill(causal_block_mask(q.shape[2], q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    out = probs @ expand_kv(v, n_rep).to(acc)
+    return out.to(q.dtype), lse
+
+
+def math_backward(dout, q, k, v, out, lse, causal, scale):
+    n_rep = q.shape[1] // k.shape[1]
+    acc = accumulation_dtype(q)
+    qa, ka, va = q.to(acc), expand_kv(k, n_rep).to(acc), expand_kv(v, n_rep).to(acc)
+    da, oa = dout.to(acc), out.to(acc)
+    scores = qa @ ka.transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(causal_block_mask(q.shape[2], q.device), float("-inf"))
+    probs = torch.exp(scores - lse.to(acc)[..., None])  # (B, H, Sq, Sk)
+    dv = probs.transpose(-1, -2) @ da
+    dprobs = da @ va.transpose(-1, -2)
+    delta = (da * oa).sum(-1, keepdim=True)  # rowsum(dO * O) = sum_j P_ij dP_ij
+    dscores = probs * (dprobs - delta) * scale
+    dq = dscores @ ka
+    dk = dscores.transpose(-1, -2) @ qa
+    return (
+        dq.to(q.dtype),
+        reduce_kv_grad(dk, n_rep).to(k.dtype),
+        reduce_kv_grad(dv, n_rep).to(v.dtype),
+    )
+
+
+def causal_block_mask(s: int, device: torch.device) -> torch.Tensor:
+    """(s, s) boolean, True above the diagonal (masked). Only for the math block."""
+    return torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
+
+
+# ---------------------------------------------------------------- torch CUDA ops
+def sdpa_cuda_forward(q, k, v, causal, scale, *, flash: bool, ops=_aten):
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = expand_kv(k, n_rep), expand_kv(v, n_rep)
+    if flash:
+        out, lse, *_ = ops._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    else:
+        out, lse, *_ = ops._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        lse = lse[..., : q.shape[2]]  # the efficient kernel pads the lse rows to a multiple of 32
+    return out, lse.float()
+
+
+def sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale, *, flash: bool, ops=_aten):
+    n_rep = q.shape[1] // k.shape[1]
+    ke, ve = expand_kv(k, n_rep), expand_kv(v, n_rep)
+    dout = dout.to(q.dtype).contiguous()
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    if flash:
+        sq, sk = q.shape[2], k.shape[2]
+        dq, dk, dv = ops._scaled_dot_product_flash_attention_backward(
+            dout, q, ke, ve, out, lse.float().contiguous(), None, None, sq, sk, 0.0, causal,
+            zero, zero, scale=scale,
+        )
+    else:
+        # The efficient backward reads lse rows up to a multiple of 32, padded with +inf by its
+        # forward (pytorch mem_eff_attention kernel_backward.h); ROCm's kernel takes them unpadded.
+        pad = 0 if torch.version.hip else -q.shape[2] % 32
+        lse = torch.nn.functional.pad(lse.float(), (0, pad), value=float("inf")).contiguous()
+        dq, dk, dv, _ = ops._scaled_dot_product_efficient_attention_backward(
+            dout, q, ke, ve, None, out, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale,
+        )
+    return dq, reduce_kv_grad(dk, n_rep), reduce_kv_grad(dv, n_rep)
+
+
+# ---------------------------------------------------------------- flash-attn
+# flash-attn works in (B, S, H, D) and supports GQA natively. Its private
+# forward/backward changed their argument lists across 2.x releases, so they
+# are called by keyword, with only the arguments the installed version takes.
+# From 2.7 they are torch custom ops whose own signature is (*args, **kwargs):
+# the Python function they wrap is ``_init_fn``.
+def call_by_keyword(fn, **kwargs):
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    if "window_size" in params:  # flash-attn < 2.7 takes a (left, right) tuple
+        kwargs["window_size"] = (kwargs["window_size_left"], kwargs["window_size_right"])
+    return fn(**{name: value for name, value in kwargs.items() if name in params})
+
+
+def flash_window(lag: int | None, num_q: int, num_k: int, causal: bool) -> dict[str, int]:
+    """flash-attn's window arguments for ``lag`` (Note [Sliding windows under CP]): its windows
+    are aligned bottom-right, key j seen by query i iff i + Sk - Sq - left <= j <= i + Sk - Sq
+    + right (csrc/flash_attn/src/mask.h), and a right of -1 becomes Sk (flash_api.cpp), which
+    hides no key only when Sq <= Sk + 1: ``_window_parts`` makes such calls; causal ones are square."""
+    if lag is None:
+        return dict(window_size_left=-1, window_size_right=-1)
+    return dict(window_size_left=lag + num_k - num_q, window_size_right=0 if causal else -1)
+
+
+def flash_attn_forward(q, k, v, causal, scale, *, fa, softcap: float = 0.0, lag: int | None = None):
+    q_, k_, v_ = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    result = call_by_keyword(
+        fa._flash_attn_forward, q=q_, k=k_, v=v_, dropout_p=0.0, softmax_scale=scale,
+        causal=causal, **flash_window(lag, q.shape[2], k.shape[2], causal), softcap=softcap,
+        alibi_slopes=None, return_softmax=False,
+    )
+    out, lse = (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
+    return out.transpose(1, 2), lse.float()
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, *, fa, softcap: float = 0.0,
+                         lag: int | None = None):
+    dout_, q_, k_, v_, out_ = (t.transpose(1, 2).contiguous() for t in (dout.to(q.dtype), q, k, v, out))
+    dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
+    call_by_keyword(
+        fa._flash_attn_backward, dout=dout_, q=q_, k=k_, v=v_, out=out_,
+        softmax_lse=lse.float().contiguous(), dq=dq, dk=dk, dv=dv, dropout_p=0.0,
+        softmax_scale=scale, causal=causal, **flash_window(lag, q.shape[2], k.shape[2], causal),
+        softcap=softcap, alibi_slopes=None, deterministic=False, rng_state=None,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
