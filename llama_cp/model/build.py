@@ -173,6 +173,11 @@ def resolve_frozen_dtype(cfg: TrainConfig, compute: torch.dtype | None) -> torch
     return {"float32": None, "bfloat16": torch.bfloat16}[choice]
 
 
+#: What a hub snapshot of a model fetches: weights, configs, and every tokenizer file (a chat
+#: template saved apart, as transformers writes it, is chat_template.jinja; tiktoken vocabularies).
+HUB_MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
 def model_path(name: str) -> str | None:
     """The local directory of ``--model_name`` (None for "embedded"): the directory itself, or
     the hub snapshot of a hub id (downloaded when online, else from the local cache)."""
@@ -183,7 +188,7 @@ def model_path(name: str) -> str | None:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        return snapshot_download(name, allow_patterns=HUB_MODEL_FILES)
     except Exception as error:  # noqa: BLE001 - offline, unknown id, gated repo: one message for all
         raise FileNotFoundError(
             f"--model_name {name!r} is not a local directory, and as a hub id it could not be fetched "
