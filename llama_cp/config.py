@@ -139,6 +139,8 @@ class PeftConfig:
 class DataConfig:
     dataset: str = PASSKEY
     """passkey (built-in synthetic), a local json/jsonl/parquet/txt file or directory, or a hub id."""
+    chat_template: str = ""
+    """A Jinja chat template file for chat (messages) data, in place of the tokenizer's own (e.g. the instruct model's chat_template.jinja when fine-tuning its base model); chat data on a tokenizer without a template is refused unless this names one. "" = the tokenizer's."""
     context_length: int = 1024
     """Tokens per row; must be a multiple of 2 x cp."""
     batch_size: int = 1
@@ -316,6 +318,9 @@ class TrainConfig:
             )
         parse_rope_scaling(self.model.rope_scaling)  # the form; what it reaches is checked with the model's config
         check_dataset_path(self.data.dataset)
+        if self.data.chat_template and not Path(self.data.chat_template).expanduser().is_file():
+            raise FileNotFoundError(f"--chat_template {self.data.chat_template!r}: no such file (a Jinja chat template, "
+                                    "e.g. an instruct model's chat_template.jinja)")
 
     @classmethod
     def flag_docs(cls) -> list[tuple[str, Any, str]]:

@@ -22,7 +22,7 @@ def main(config: str | None = None, **flags) -> None:
     """``--config preset.yaml`` then any flag of :class:`llama_cp.config.TrainConfig`."""
     cfg = TrainConfig.from_flags(config, **flags)
     d = cfg.data
-    tokenizer = build_tokenizer(model_path(cfg.model.model_name))
+    tokenizer = build_tokenizer(model_path(cfg.model.model_name), cfg.data.chat_template)
     directory, summary = prepare_dataset(
         d.dataset, tokenizer, d.context_length, cfg.parallel.cp, d.data_cache_dir, d.num_proc, progress=True,
         truncate=d.truncate_documents,

@@ -1,6 +1,6 @@
 """Chat conversations as (text, trained) segments, only the assistant turns trained: rendered
-with the tokenizer's chat template, turn by turn so that each turn's text is found, or as
-``role: content`` lines when the tokenizer has no template.
+with the tokenizer's chat template (or ``--chat_template``'s), turn by turn so that each turn's
+text is found. A tokenizer without a template is refused: there is no format to render in.
 """
 
 from __future__ import annotations
@@ -18,18 +18,16 @@ def chat_segments(messages: Sequence[Mapping[str, Any]], tokenizer: PreTrainedTo
     With a chat template, a turn's text is the difference between the rendering
     of the conversation up to it and the rendering up to the previous turn; an
     assistant turn is split after its header (the ``add_generation_prompt``
-    rendering), so the header is not trained. Without a template the rendering
-    is ``role: content\\n`` per message.
+    rendering), so the header is not trained.
     """
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
             raise ValueError(f"chat message {index} must be a {{'role', 'content'}} dict, got {message!r}")
     if not getattr(tokenizer, "chat_template", None):
-        segments = []
-        for message in messages:
-            segments.append((f"{message['role']}: ", False))
-            segments.append((f"{message['content']}\n", message["role"] == "assistant"))
-        return segments
+        raise ValueError(
+            "chat (messages) data needs a chat template and the tokenizer has none (base models usually have none): "
+            "pass --chat_template FILE, a Jinja chat template such as the instruct model's chat_template.jinja"
+        )
 
     def render(prefix: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False) -> str:
         if not prefix and not add_generation_prompt:

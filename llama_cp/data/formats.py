@@ -5,8 +5,9 @@ needs; one example made into a document: its token ids and which of them are tra
     instruction   {"instruction": str, "input": str (optional), "output": str}   (alpaca)
                   the prompt is not trained, only the response and eos
     chat          {"messages": [{"role": str, "content": str}, ...]}
-                  only the assistant turns (and the eos that closes them) are trained
-                  (llama_cp.data.chat)
+                  only the assistant turns (and the eos that closes them) are trained;
+                  rendered with the tokenizer's chat template or --chat_template's, refused
+                  without one (llama_cp.data.chat)
     passkey       {"passkey": int, "depth": float, "length": int (optional)}
                   the synthetic task (llama_cp.data.passkey), only the answer is trained
 """

@@ -15,6 +15,8 @@ code puts bos / eos around each document itself.
 
 from __future__ import annotations
 
+import os
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -66,14 +68,20 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tokenizer(path: str | None):
+def build_tokenizer(path: str | None, chat_template: str = ""):
     """The tokenizer of the model directory ``path`` (``build.model_path``), the embedded byte
-    tokenizer for None."""
+    tokenizer for None; ``chat_template``: a Jinja file whose template replaces the tokenizer's
+    (``--chat_template``)."""
     from transformers import AutoTokenizer
 
     from llama_cp.modules.causal_lm import check_tokenizer_files
 
     if path is None:
-        return byte_tokenizer()
-    check_tokenizer_files(path)
-    return AutoTokenizer.from_pretrained(path)
+        tokenizer = byte_tokenizer()
+    else:
+        check_tokenizer_files(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template:
+        with open(os.path.expanduser(chat_template)) as f:
+            tokenizer.chat_template = f.read()
+    return tokenizer

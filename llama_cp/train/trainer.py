@@ -73,7 +73,7 @@ class Trainer:
         os.makedirs(cfg.output_dir, exist_ok=True)
 
     def _build_tokenizer(self):
-        return build_tokenizer(self.model_path)
+        return build_tokenizer(self.model_path, self.cfg.data.chat_template)
 
     def _build_model(self):
         from llama_cp.model.build import build_model

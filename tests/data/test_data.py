@@ -9,13 +9,13 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from llama_cp.config import LOCAL_FILE_SUFFIXES
+from llama_cp.config import LOCAL_FILE_SUFFIXES, TrainConfig
 from llama_cp.data.formats import tokenize_example
 from llama_cp.data.loader import DistributedRowLoader, build_rows
 from llama_cp.data.packing import pack_documents
 from llama_cp.data.passkey import PASSKEY_FILLER, passkey_example, passkey_rows, passkey_warmup_lengths
 from llama_cp.data.sources import FILE_BUILDERS, load_examples
-from llama_cp.data.tokenizer import _byte_alphabet, byte_tokenizer
+from llama_cp.data.tokenizer import _byte_alphabet, build_tokenizer, byte_tokenizer
 
 IGNORE = -100
 TEXTS = ["plain ascii", "héllo wörld, 日本語 and 🎉", "  leading spaces\n\ttabs\r\n\x00nul", ""]
@@ -100,14 +100,24 @@ def test_chat_trains_only_assistant_turns_with_template(tokenizer):
     assert trained_text(document, tokenizer) == "yo!<|eos|>ciao<|eos|>"  # not the "<|bos|>assistant\n" headers
 
 
-def test_chat_without_template_renders_role_colon_content():
+def test_chat_without_template_is_refused_and_chat_template_names_one(tmp_path):
+    """A tokenizer without a chat template used to render chat as ``role: content`` lines and train
+    on that, a format no one prompts the model in: refused, naming --chat_template, which sets one."""
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = None
-    document = tokenize_example({"messages": CHAT[1:3]}, tokenizer)
-    assert tokenizer.decode(document[0]) == "<|bos|>user: hi\nassistant: yo!\n<|eos|>"
-    assert trained_text(document, tokenizer) == "yo!\n<|eos|>"
+    with pytest.raises(ValueError, match="needs a chat template and the tokenizer has none.*--chat_template FILE"):
+        tokenize_example({"messages": CHAT[1:3]}, tokenizer)
     with pytest.raises(ValueError, match="chat message 0 must be a"):
         tokenize_example({"messages": [{"text": "hi"}]}, tokenizer)
+    template = tmp_path / "chat_template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    tokenizer = build_tokenizer(None, str(template))
+    document = tokenize_example({"messages": CHAT[1:3]}, tokenizer)
+    assert tokenizer.decode(document[0]).endswith("[user] hi<|eos|>[assistant] yo!<|eos|>")
+    assert trained_text(document, tokenizer) == "yo!<|eos|>"
+    with pytest.raises(FileNotFoundError, match="--chat_template 'missing.jinja': no such file"):
+        TrainConfig.from_flags(chat_template="missing.jinja")
 
 
 # ----------------------------------------------------------------------------- packing
