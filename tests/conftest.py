@@ -79,19 +79,18 @@ def pytest_collection_finish(session):
 
 @pytest.fixture(scope="module")
 def frozen_heap():
-    """For a module that plans (``llama_cp.plan.memory``): the objects alive before it, after a full
-    collection (so none of them is garbage), are frozen out of the collector's walk until the
-    module ends. The planner collects before each tracked phase, and a full collection walks every
-    object of the process: ~0.3 s each once torch, transformers and peft are imported, a third of
-    a small plan. Everything a plan makes is collected exactly as before (a plan's figures with and
-    without the freeze are equal, checked on the memory matrix)."""
+    """For a module that plans (``llama_cp.plan.memory``): the objects alive before it are frozen out
+    of the collector's walk until the module ends (``dist_harness.freeze_heap``). Everything a plan
+    makes is collected exactly as before (a plan's figures with and without the freeze are equal,
+    checked on the memory matrix)."""
     import gc
 
     import peft  # noqa: F401  imported by the first plan otherwise, and left in the walk
     from transformers import LlamaForCausalLM  # noqa: F401
 
-    gc.collect()
-    gc.freeze()
+    from dist_harness import freeze_heap
+
+    freeze_heap()
     try:
         yield
     finally:

@@ -3,24 +3,22 @@
 The planner (``llama_cp.plan.memory``) runs on CPU fake tensors, where the CUDA kernels cannot
 run. A :class:`ModelledBackend` passed as ``backend`` to :mod:`llama_cp.attention.kernels` makes every
 attention call of a model run the stand-in of that CUDA backend instead: a function with the
-signature of the library call ``kernels`` makes (flash-attn's ``_flash_attn_forward`` /
+signature of the library call ``kernel_calls`` makes (flash-attn's ``_flash_attn_forward`` /
 ``_flash_attn_backward`` and their varlen forms, torch's
 ``_scaled_dot_product_{flash,efficient}_attention``, ``_flash_attention_forward`` (varlen)
 and their backward ops) that allocates the tensors the CUDA code allocates, with their shapes,
 dtypes and layouts, and computes the values with torch's CPU attention kernel, so it is exact
-on real CPU tensors as well (tests compare it with the math backend). Everything ``kernels``
-does around the call (layout copies, GQA expansion, lse padding) is the same code for the
-stand-in and the real kernel. What each term is and where it comes from: the Note below.
+on real CPU tensors as well (tests compare it with the math backend).
 
 Note [GPU attention kernels' workspace]
 =======================================
 
 The CUDA attention kernels allocate tensors of their own, which the CPU kernel does not: a
-plan that ran torch's CPU attention would leave them out of every GPU figure. The planner
-runs each attention call through a CPU stand-in of the planned backend (this module's,
-selected by passing a ``ModelledBackend`` down to ``llama_cp.attention.kernels``): it allocates the tensors below, with their shapes, dtypes and
-layouts, and computes the values with torch's CPU kernel. The code around the library call
-(``kernels``' and ``kernel_calls``' layout copies, GQA expansion, lse padding) is the trainer's own and runs as is.
+plan that ran torch's CPU attention would leave them out of every GPU figure, so the planner
+runs each attention call through this module's stand-in of the planned backend. What
+``kernels`` and ``kernel_calls`` do around the library call (layout copies, GQA expansion, lse
+padding) is the trainer's own code and runs as is for the stand-in; the stand-in allocates
+what the library allocates, listed below.
 B batch, H query heads, Hkv key/value heads, Sq/Sk query/key rows, D head size, e the
 input dtype's bytes, r(x, m) = x rounded up to a multiple of m.
 

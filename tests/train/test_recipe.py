@@ -272,8 +272,9 @@ def adamw8bit_runs_on_cpu_and_resumes():
 
 
 class ScriptedPeakMemory:
-    """Stands in for ``llama_cp.train.reporting.PeakMemory`` (as the trainer reads it) and records its calls: the window before the first
-    reset after start-up (loading) peaks at 10**9 bytes, the window of step k at 1000 k bytes."""
+    """Stands in for ``llama_cp.train.reporting.PeakMemory`` (as the trainer reads it) and records its
+    calls: the window before the first reset after start-up (loading) peaks at 10**9 bytes, the
+    window of step k at 1000 k bytes."""
 
     calls: list[str] = []
 
