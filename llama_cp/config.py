@@ -24,13 +24,9 @@ from typing import Any, Literal
 
 import yaml
 
+from llama_cp.data_flags import LOCAL_FILE_SUFFIXES, PASSKEY, check_sources, parse_sources  # noqa: F401
 from llama_cp.parallel.sharding import check_context_length
 
-#: ``--dataset`` value of the built-in synthetic long-context task (passkey retrieval).
-PASSKEY = "passkey"
-#: A ``--dataset`` ending like this names a local file (llama_cp.data.sources.FILE_BUILDERS
-#: says which of them it reads), never a hub id.
-LOCAL_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt", ".csv", ".tsv", ".arrow", ".gz", ".zst")
 #: ``--report_to``'s trackers (llama_cp.train.reporting writes to them).
 REPORTERS = ("tensorboard", "wandb")
 
@@ -138,7 +134,15 @@ class PeftConfig:
 @dataclass
 class DataConfig:
     dataset: str = PASSKEY
-    """passkey (built-in synthetic), a local json/jsonl/parquet/txt file or directory, or a hub id."""
+    """passkey (built-in synthetic), a local json/jsonl/parquet/txt file or directory, or a hub id; each with :options (config=, split=, revision=, data_files=, FORMAT_COLUMN=COLUMN) and comma-separated with :WEIGHT for a mixture, e.g. a.jsonl:0.7,org/b:config=en:0.3 (docs/data.md)."""
+    dataset_columns: str = ""
+    """Read a format's column from another column of every source, e.g. text=body or prompt=question,completion=answer ("" = the formats' own names: text, prompt, completion, messages, instruction, input, output)."""
+    eval_dataset: str = ""
+    """The eval set, any source(s) --dataset accepts, all of its rows (its split=, else its validation/test split); nothing is held out of training. "" = each source's validation/test split, else an --eval_fraction hold-out."""
+    eval_fraction: float = 0.05
+    """Share of each source's documents held out for eval, drawn at random with --seed, when it has no eval split and no --eval_dataset is given; 0 = no hold-out and no eval."""
+    on_bad_row: Literal["skip", "error"] = "skip"
+    """A row that cannot be rendered or masked (a chat template error, an assistant turn not found): skip it (counted and the first ones named in the log) or stop with its row number."""
     chat_template: str = ""
     """A Jinja chat template file for chat (messages) data, in place of the tokenizer's own (e.g. the instruct model's chat_template.jinja when fine-tuning its base model); chat data on a tokenizer without a template is refused unless this names one. "" = the tokenizer's."""
     context_length: int = 1024
@@ -152,7 +156,7 @@ class DataConfig:
     passkey_warmup: float = 0.9
     """Share of the training steps whose passkey rows pack shorter documents (--context_length / 8, / 4, / 2, at least 128 tokens, shortest first) before full-length ones: a model learning the task from scratch gets its signal from short documents (Note [Passkey length warm-up]); 0, or --document_mask false = full-length rows only."""
     num_eval_samples: int = 16
-    """Held-out rows evaluated at each eval."""
+    """Eval rows (of --context_length tokens) evaluated at each eval, the first of the eval set for every source: an eval's cost does not grow with the corpus."""
     document_mask: bool = True
     """Packed documents (position_ids restart) attend only within themselves, as in transformers; false: across the row."""
     truncate_documents: bool = False
@@ -317,7 +321,13 @@ class TrainConfig:
                 "--streaming reads a file or hub --dataset of unknown length: give such a --dataset and --max_steps > 0"
             )
         parse_rope_scaling(self.model.rope_scaling)  # the form; what it reaches is checked with the model's config
-        check_dataset_path(self.data.dataset)
+        check_sources(parse_sources(self.data.dataset, "--dataset", self.data.dataset_columns))
+        if self.data.eval_dataset:
+            if self.data.dataset == PASSKEY:
+                raise ValueError("--eval_dataset needs a file or hub --dataset: the passkey task makes its own eval rows")
+            check_sources(parse_sources(self.data.eval_dataset, "--eval_dataset", self.data.dataset_columns))
+        if not 0 <= self.data.eval_fraction < 1:
+            raise ValueError(f"--eval_fraction {self.data.eval_fraction}: give a share of the documents in [0, 1)")
         if self.data.chat_template and not Path(self.data.chat_template).expanduser().is_file():
             raise FileNotFoundError(f"--chat_template {self.data.chat_template!r}: no such file (a Jinja chat template, "
                                     "e.g. an instruct model's chat_template.jinja)")
@@ -392,6 +402,8 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
         if origin is tuple:
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(str(item).strip() for item in items if str(item).strip())
+        if kind is str and isinstance(value, (tuple, list)):  # fire reads --dataset a.jsonl,b.jsonl as a tuple
+            return ",".join(str(item) for item in value)
         if kind is str and isinstance(value, dict):  # a YAML mapping or fire's parse of a JSON object
             return json.dumps(value)
         if kind is str or origin is Literal:
@@ -422,15 +434,6 @@ def _importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
-
-
-def check_dataset_path(dataset: str) -> None:
-    """FileNotFoundError when ``--dataset`` names a local file or directory (a path, or a file
-    name ending like one) that does not exist; run at config time, before anything is built."""
-    path = Path(dataset).expanduser()
-    looks_local = dataset.startswith(("/", "./", "../", "~")) or dataset.endswith(LOCAL_FILE_SUFFIXES)
-    if dataset != PASSKEY and looks_local and not path.exists():
-        raise FileNotFoundError(f"--dataset {dataset!r}: no such file or directory ({path.absolute()})")
 
 
 def flag_table() -> str:

@@ -4,7 +4,8 @@
         --model_name /path/to/Llama-3.1-8B --num_proc 16
 
 Takes the training recipe's flags (the same --config preset works); what the rows depend
-on is --dataset, --model_name (its tokenizer), --context_length, --cp and --truncate_documents; they are
+on is the data flags (--dataset, --eval_dataset, --dataset_columns, --eval_fraction, --seed,
+--on_bad_row, --chat_template), --model_name (its tokenizer), --context_length, --cp and --truncate_documents; they are
 written under --data_cache_dir, where a training run with the same flags finds and reuses
 them (Note [Prepared rows] in llama_cp/data/prepared.py). Prints a summary per split.
 """
@@ -12,7 +13,8 @@ them (Note [Prepared rows] in llama_cp/data/prepared.py). Prints a summary per s
 from __future__ import annotations
 
 from llama_cp.config import TrainConfig
-from llama_cp.data.prepared import prepare_dataset
+from llama_cp.data.mixture import DataSpec
+from llama_cp.data.prepared import prepare_dataset, summary_lines
 from llama_cp.data.tokenizer import build_tokenizer
 from llama_cp.model.build import model_path
 from llama_cp.train.cli import run_cli
@@ -24,17 +26,12 @@ def main(config: str | None = None, **flags) -> None:
     d = cfg.data
     tokenizer = build_tokenizer(model_path(cfg.model.model_name), cfg.data.chat_template)
     directory, summary = prepare_dataset(
-        d.dataset, tokenizer, d.context_length, cfg.parallel.cp, d.data_cache_dir, d.num_proc, progress=True,
-        truncate=d.truncate_documents,
+        DataSpec.of(d, cfg.seed), tokenizer, d.context_length, cfg.parallel.cp, d.data_cache_dir, d.num_proc,
+        progress=True, truncate=d.truncate_documents,
     )
     print(f"{'already prepared, reused' if summary['reused'] else 'prepared'}: {directory}")
-    for split in ("train", "eval"):
-        s = summary[split]
-        print(
-            f"{split}: {s['documents']} documents -> {s['rows']} rows of {d.context_length} tokens, "
-            f"{s['tokens']} tokens, padding {100 * s['padding_fraction']:.2f}%, "
-            f"{s['split_documents']} documents split over rows, {s['truncated_documents']} truncated"
-        )
+    for line in summary_lines(summary, d.context_length):
+        print(line)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def test_exports_are_what_a_loop_needs_and_nothing_test_only():
 #: folder or a file at the top of the package (the product card's cp_attention.py and
 #: fsdp_wrap.py share one). config stands above the parts whose rules it checks when a flag is
 #: given, and below everything that reads a TrainConfig: the layers under it take plain values.
-LAYERS = (("train",), ("plan",), ("optim",), ("data",), ("model",), ("config",), ("cp_attention", "fsdp_wrap"),
+LAYERS = (("train",), ("plan",), ("optim",), ("data",), ("model",), ("config", "data_flags"), ("cp_attention", "fsdp_wrap"),
           ("attention",), ("modules",), ("parallel",))
 
 

@@ -2,10 +2,15 @@
 needs; one example made into a document: its token ids and which of them are trained.
 
     text          {"text": str}                                  every token is trained
+    prompt_completion
+                  {"prompt": str, "completion": str}             TRL's prompt-completion format:
+                  only the completion and eos are trained; or both message lists
+                  {"prompt": [{"role", "content"}, ...], "completion": [{"role": "assistant", ...}]},
+                  rendered as one conversation, only the completion's assistant turns trained
     instruction   {"instruction": str, "input": str (optional), "output": str}   (alpaca)
                   the prompt is not trained, only the response and eos
     chat          {"messages": [{"role": str, "content": str}, ...]}
-                  only the assistant turns (and the eos that closes them) are trained;
+                  only the assistant turns (and the end of each turn) are trained;
                   rendered with the tokenizer's chat template or --chat_template's, refused
                   without one (llama_cp.data.chat)
     passkey       {"passkey": int, "depth": float, "length": int (optional)}
@@ -17,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from llama_cp.data.chat import chat_segments
+from llama_cp.data.chat import ChatRenderError, chat_segments
 from llama_cp.data.packing import Document, _eos_id
 from llama_cp.data.passkey import passkey_document
+from llama_cp.data_flags import FORMAT_COLUMNS  # noqa: F401 - the columns these formats read
 
 if TYPE_CHECKING:
     import datasets
@@ -28,6 +34,7 @@ if TYPE_CHECKING:
 #: The accepted example formats, as the error for rows that match none lists them.
 ACCEPTED_FORMATS = (
     "text: a 'text' column",
+    "prompt_completion: 'prompt' and 'completion' columns (strings, or message lists)",
     "instruction (alpaca): 'instruction' and 'output' columns, optional 'input'",
     "chat: a 'messages' column, a list of {'role', 'content'}",
 )
@@ -44,10 +51,11 @@ ALPACA_PROMPT_WITH_INPUT = (
 )
 
 #: The columns each example format needs a value in (a missing key is read as null).
-REQUIRED_COLUMNS = {"text": ("text",), "instruction": ("instruction", "output"), "chat": ("messages",)}
+REQUIRED_COLUMNS = {"text": ("text",), "prompt_completion": ("prompt", "completion"),
+                    "instruction": ("instruction", "output"), "chat": ("messages",)}
 
 
-def check_required_values(examples: datasets.Dataset, dataset: str) -> None:
+def check_required_values(examples: datasets.Dataset, dataset: str, flag: str = "--dataset") -> None:
     """ValueError when rows lack a value their format needs (a JSON row without the key, or
     null): such a row would otherwise be dropped or trained as empty without a word. Row
     numbers count from 1 over the loaded rows (a JSONL file's lines, blank lines aside)."""
@@ -61,16 +69,20 @@ def check_required_values(examples: datasets.Dataset, dataset: str) -> None:
         missing = pc.indices_nonzero(pc.is_null(values)).to_pylist()
         shown = ", ".join(str(i + 1) for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
         raise ValueError(
-            f"--dataset {dataset!r}: {len(missing)} of {len(examples)} rows have no {column!r} value "
+            f"{flag} {dataset!r}: {len(missing)} of {len(examples)} rows have no {column!r} value "
             f"(missing or null; rows {shown}), which the {kind} format needs; fix or drop those rows"
         )
 
 
 def detect_format(columns: Iterable[str]) -> str:
-    """"chat", "instruction", "text" or "passkey" from the column names; ValueError otherwise."""
+    """"chat", "prompt_completion", "instruction", "text" or "passkey" from the column names;
+    ValueError otherwise. The most specific format wins (messages before prompt/completion
+    before instruction before text)."""
     columns = set(columns)
     if "messages" in columns:
         return "chat"
+    if {"prompt", "completion"} <= columns:
+        return "prompt_completion"
     if {"instruction", "output"} <= columns:
         return "instruction"
     if "text" in columns:
@@ -80,6 +92,7 @@ def detect_format(columns: Iterable[str]) -> str:
     raise ValueError(
         f"--dataset rows have columns {sorted(columns)}, which match none of the accepted formats: "
         + "; ".join(ACCEPTED_FORMATS)
+        + " (--dataset_columns text=COLUMN, or a source's :text=COLUMN, reads a format's column from another)"
     )
 
 
@@ -89,8 +102,9 @@ def tokenize_example(
     """(input_ids, label_mask) of one example: ``[bos] + tokens + [eos]``, bos only if the tokenizer has one.
 
     ``label_mask[t]`` is True when token t is a training target: every token but
-    bos for text, the response and eos for instruction, the assistant turns for
-    chat. A passkey example has exactly its ``length`` tokens, or fills a row of
+    bos for text, the completion (or response) and eos for prompt_completion and
+    instruction, the assistant turns for chat. A row that cannot be rendered raises
+    ``ChatRenderError`` (the caller names the row). A passkey example has exactly its ``length`` tokens, or fills a row of
     ``context_length`` when it has none. An empty text gives an empty document
     (skipped by packing).
     """
@@ -104,6 +118,8 @@ def tokenize_example(
         if not example["text"]:
             return [], []
         segments = [(example["text"], True)]
+    elif kind == "prompt_completion":
+        segments = prompt_completion_segments(example["prompt"], example["completion"], tokenizer)
     elif kind == "instruction":
         template = ALPACA_PROMPT_WITH_INPUT if example.get("input") else ALPACA_PROMPT
         prompt = template.format(instruction=example["instruction"], input=example.get("input") or "")
@@ -111,6 +127,20 @@ def tokenize_example(
     else:
         segments = chat_segments(example["messages"], tokenizer)
     return _encode_document(segments, tokenizer)
+
+
+def prompt_completion_segments(prompt: Any, completion: Any, tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, bool]]:
+    """(text, trained) pieces of a prompt-completion example: two strings, the prompt untrained;
+    or two message lists rendered as one conversation with the chat template, only the
+    completion's assistant turns trained (TRL's conversational prompt-completion)."""
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return [(prompt, False), (completion, True)]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return chat_segments([*prompt, *completion], tokenizer, first_trained=len(prompt))
+    raise ChatRenderError(
+        f"'prompt' and 'completion' must both be strings or both be message lists, got "
+        f"{type(prompt).__name__} and {type(completion).__name__}"
+    )
 
 
 def _encode_document(segments: Sequence[tuple[str, bool]], tokenizer: PreTrainedTokenizerBase) -> Document:

@@ -3,7 +3,8 @@ row of a split in memory, and ``DistributedRowLoader``, those rows as shuffled, 
 
 Pipeline (``build_rows`` runs the first three steps, ``DistributedRowLoader`` the last)::
 
-    load_examples      "passkey", a local file / directory, or a hub id -> datasets.Dataset (sources)
+    load_source        one source of --dataset: a local file / directory or a hub id -> datasets.Dataset
+                       (sources; "passkey": load_examples), mixed with the others (mixture)
     tokenize_example   one example -> (input_ids, label_mask), a document: [bos] ... eos (formats)
     pack_documents     documents -> rows of exactly context_length tokens (packing, Note [Packed rows])
     DistributedRowLoader   rows -> (batch_size, context_length) batches of one dp rank
@@ -18,6 +19,7 @@ import torch
 
 from llama_cp.config import PASSKEY
 from llama_cp.data.formats import tokenize_example
+from llama_cp.data.mixture import DataSpec, spec_documents
 from llama_cp.data.packing import Row, _pack, _pad_id, truncate_document
 from llama_cp.data.passkey import DEFAULT_PASSKEY_SAMPLES, PASSKEY_DIGITS, passkey_warmup_lengths
 from llama_cp.data.sources import _check_split, load_examples
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
 
 
 def build_rows(
-    dataset: str,
+    dataset: str | DataSpec,
     tokenizer: PreTrainedTokenizerBase,
     context_length: int,
     cp: int = 1,
@@ -38,15 +40,18 @@ def build_rows(
     truncate: bool = False,
     passkey_digits: int = PASSKEY_DIGITS,
     passkey_warmup_rows: int = 0,
+    say=None,
 ) -> list[Row]:
     """The packed rows of one split of ``--dataset``: what the trainer feeds the loader.
 
     ``"passkey"``: ``num_samples`` rows (default ``DEFAULT_PASSKEY_SAMPLES``), the
     same as ``passkey_rows(num_samples, ..., seed, passkey_digits)`` for train, with seed +
     ``PASSKEY_EVAL_SEED_OFFSET`` for eval; on train, the first ``passkey_warmup_rows``
-    pack shorter documents (``passkey_warmup_lengths``). Files and hub ids: every packed row of
-    the split (``num_samples`` does not apply); eval holds out the last ~5% of
-    the documents, which always gives at least one row. A document longer than
+    pack shorter documents (``passkey_warmup_lengths``). Files, hub ids and mixtures (a
+    :class:`DataSpec` for --eval_dataset, --eval_fraction, --dataset_columns, --on_bad_row):
+    every packed row of the split, in mixture order (``num_samples`` does not apply); eval is
+    the sources' eval splits or their hold-out (``load_source``), no rows when there is none.
+    ``say`` hears the skipped rows and a mixture's counts. A document longer than
     ``context_length`` goes on in the next row, or with ``truncate`` keeps only its first
     ``context_length`` tokens (``truncate_document``).
     """
@@ -55,8 +60,15 @@ def build_rows(
     lengths = None
     if dataset == PASSKEY and passkey_warmup_rows and _check_split(split) == "train":
         lengths = passkey_warmup_lengths(num_passkey, context_length, passkey_warmup_rows)
-    examples = load_examples(dataset, split, seed, num_passkey, passkey_digits, lengths)
-    documents = (tokenize_example(example, tokenizer, context_length) for example in examples)
+    if dataset == PASSKEY:
+        examples = load_examples(dataset, split, seed, num_passkey, passkey_digits, lengths)
+        documents = (tokenize_example(example, tokenizer, context_length) for example in examples)
+    else:
+        spec = dataset if isinstance(dataset, DataSpec) else DataSpec(dataset, seed=seed)
+        documents = list(spec_documents(spec, _check_split(split), tokenizer, say))
+        if not documents and _check_split(split) == "eval":
+            return []  # --eval_fraction 0 and no eval split: no eval
+        dataset = spec.dataset if split == "train" or not spec.eval_dataset else spec.eval_dataset
     if truncate:
         documents = (truncate_document(document, context_length) for document in documents)
     try:

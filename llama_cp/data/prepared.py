@@ -6,9 +6,10 @@ start (24 bytes per token as three int64 tensors). This module gives the same ro
 without that cost, two ways:
 
     prepare_dataset     tokenize (``datasets.map``, ``num_proc`` processes) and pack once,
-                        into ``<cache>/<key>/{train,eval}.arrow`` (Note [Prepared rows])
-    PreparedRows        the rows of one such file, read one row at a time from disk:
-                        a drop-in ``rows`` for ``DistributedRowLoader``
+                        into ``<cache>/<key>/{train,eval}.arrow`` (Note [Prepared rows] in
+                        ``llama_cp/data/row_files.py``, with their checks)
+    PreparedRows        the rows of one such file, read one row at a time from disk
+                        (row_files): a drop-in ``rows`` for ``DistributedRowLoader``
     load_prepared_rows  what the trainer calls: one process per node (or per job, on shared
                         storage) prepares while the others wait, then every rank opens the rows
 """
@@ -16,70 +17,66 @@ without that cost, two ways:
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
 import pyarrow as pa
-import torch
 
-from llama_cp.config import PASSKEY
-from llama_cp.data.formats import detect_format, tokenize_example
+from llama_cp.data.formats import detect_format
+from llama_cp.data.mixture import DataSpec, mixture_line, mixture_order, skipped_rows_line, tokenize_row
 from llama_cp.data.packing import Row, RowPacker, _pad_id, truncate_document
-from llama_cp.data.sources import _quiet_datasets, load_examples, load_hub_dataset, local_files
-from llama_cp.model.loss import IGNORE_INDEX
+from llama_cp.data.row_files import (  # noqa: F401 - PreparedRows, RowBatches: the rows read back
+    DIGEST_BYTES,
+    ROW_SCHEMA,
+    SPLITS,
+    DamagedRowsError,
+    PreparedRows,
+    RowBatches,
+    checked_summary,
+    file_checks,
+    open_prepared,
+    row_batch,
+)
+from llama_cp.data.sources import ROW_NUMBER, _quiet_datasets, is_saved_dataset, load_hub_dataset, local_files
+from llama_cp.data_flags import PASSKEY, Source
 from llama_cp.parallel.sharding import check_context_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-#: Version of the files' layout (Note [Prepared rows]); a change makes every cache key new.
-LAYOUT_VERSION = 1
-SPLITS = ("train", "eval")
+#: Version of the files' layout (Note [Prepared rows] in row_files.py); a change makes every cache key new.
+#: 2: a checksum per row (``<split>.rowsums``) and the files' sizes in summary.json.
+LAYOUT_VERSION = 2
 
 
 # ----------------------------------------------------------------------------- cache key
 
-# Note [Prepared rows]
-# ~~~~~~~~~~~~~~~~~~~~
-# One Arrow IPC *file* per split, one record batch per packed row, read back with
-# positioned reads (not a memory map, so a rank's resident memory holds only the
-# rows it is using, whatever the file's size). A row of L tokens is stored as
-#
-#   input_ids          int32[L]   the tokens (vocabularies < 2^31)
-#   target             bool[L]    labels[t] != -100 (one bit per token in Arrow)
-#   next_id            int32      the first token of the next row (or pad)
-#   segment_starts     int32[S]   where position_ids jump: 0 and every document start
-#   segment_positions  int32[S]   position_ids at those indices
-#
-# ~4.2 bytes per token instead of 24, and the three tensors of Note [Packed rows]
-# come back exactly: labels = where(target, input_ids shifted left by one with
-# next_id appended, -100), since a trained label is always the next token of the
-# same document, which may start the next row; position_ids go up by one from
-# each segment start. The directory is named by a hash of everything the rows
-# depend on (cache_key); it is written under a temporary name and renamed.
-
-
-def dataset_fingerprint(dataset: str) -> dict[str, Any]:
-    """What identifies ``--dataset``'s content without reading it: every local file's path,
-    size and modification time; for a hub id, datasets' fingerprint of each split."""
-    path = Path(dataset).expanduser()
+def dataset_fingerprint(source: Source | str) -> dict[str, Any]:
+    """What identifies a source's content without reading it: every local file's path, size
+    and modification time; for a hub id, datasets' fingerprint of each split it loads."""
+    source = Source(source) if isinstance(source, str) else source
+    path = Path(source.path).expanduser()
     if path.exists():
-        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        if is_saved_dataset(path) or source.hub_options() or path.is_dir() and (path / "README.md").exists():
             files = sorted(file for file in path.rglob("*") if file.is_file())
         else:
             files = local_files(path)[1]
         return {"files": [[str(file.absolute()), file.stat().st_size, file.stat().st_mtime_ns] for file in files]}
-    loaded = load_hub_dataset(dataset)
+    loaded = load_hub_dataset(source)
     parts = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [("train", loaded)]
-    return {"hub": dataset, "splits": {name: part._fingerprint for name, part in parts}}
+    return {"hub": source.path, "splits": {name: part._fingerprint for name, part in parts}}
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -93,13 +90,17 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def cache_key(
-    dataset: str, tokenizer: PreTrainedTokenizerBase, context_length: int, cp: int, truncate: bool = False
+    dataset: str | DataSpec, tokenizer: PreTrainedTokenizerBase, context_length: int, cp: int, truncate: bool = False
 ) -> dict[str, Any]:
-    """Everything the prepared rows depend on; ``key_hash`` of it names their directory. The
-    example format (text / instruction / chat) is read from the files, so it changes with them."""
+    """Everything the prepared rows depend on; ``key_hash`` of it names their directory: the
+    data flags (sources, options, weights, eval set, seed, ...) and each source's content. The
+    example format (text / instruction / chat ...) is read from the files, so it changes with them."""
+    spec = DataSpec(dataset) if isinstance(dataset, str) else dataset
+    sources = dict.fromkeys([*spec.sources("train"), *spec.sources("eval")])
     return {
         "layout": LAYOUT_VERSION,
-        "dataset": dataset_fingerprint(dataset),
+        "data": spec.key(),
+        "dataset": [dataset_fingerprint(source) for source in sources],
         "tokenizer": {"name": getattr(tokenizer, "name_or_path", ""), "sha256": tokenizer_fingerprint(tokenizer)},
         "context_length": context_length,
         "cp": cp,
@@ -121,7 +122,7 @@ def default_cache_dir() -> str:
 
 
 def prepare_dataset(
-    dataset: str,
+    dataset: str | DataSpec,
     tokenizer: PreTrainedTokenizerBase,
     context_length: int,
     cp: int = 1,
@@ -129,71 +130,193 @@ def prepare_dataset(
     num_proc: int = 1,
     progress: bool = False,
     truncate: bool = False,
+    say=print,
 ) -> tuple[Path, dict[str, Any]]:
     """Tokenize and pack both splits of ``dataset`` into ``cache_dir`` unless they are there.
 
     Returns (the directory, its summary: per split documents, rows, tokens, padding
     fraction, documents split over rows; ``"reused": True`` when nothing was done).
     The rows are those of ``build_rows(dataset, ..., split=..., truncate=...)``, in the same order.
+    One preparer per key at a time on a node (Note [One preparer per key]); a directory
+    that fails the checks of Note [Prepared rows] is moved aside and prepared anew, and
+    ``say`` is told.
     """
-    if dataset == PASSKEY:
+    spec = DataSpec(dataset) if isinstance(dataset, str) else dataset
+    if spec.dataset == PASSKEY:
         raise ValueError("--dataset passkey is generated from the seed at start (fast): there is nothing to prepare")
     check_context_length(context_length, cp)
-    key = cache_key(dataset, tokenizer, context_length, cp, truncate)
+    key = cache_key(spec, tokenizer, context_length, cp, truncate)
     root = Path(cache_dir or default_cache_dir()).expanduser()
     final = root / key_hash(key)
-    if (final / "summary.json").exists():
-        return final, {**json.loads((final / "summary.json").read_text()), "reused": True}
+    with contextlib.suppress(DamagedRowsError):  # looked at again under the lock
+        if (summary := checked_summary(final)) is not None:
+            return final, {**summary, "reused": True}
     root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
-        summary = {"dataset": dataset, "key": key}
-        for split in SPLITS:
-            summary[split] = _prepare_split(dataset, split, tokenizer, context_length, work, num_proc, progress,
-                                            truncate)
-        (work / "summary.json").write_text(json.dumps(summary, indent=1))
+    temporary = f".{final.name}.tmp-{_host()}-"
+    with _exclusive(root / f".{final.name}.lock", say) as locked:
         try:
-            os.rename(work, final)
-        except OSError:  # another node finished first (shared storage): its rows are the same
-            if not (final / "summary.json").exists():
-                raise
+            if (summary := checked_summary(final)) is not None:  # another preparer made them while we waited
+                return final, {**summary, "reused": True}
+        except DamagedRowsError as damage:
+            _remove_aside(final, temporary)
+            say(f"prepared rows {final}: {damage.problem}: removed, preparing anew")
+        if locked:  # left by a preparer of this key on this node that was killed (none is running now)
+            for stale in root.iterdir():
+                if stale.name.startswith(temporary):
+                    shutil.rmtree(stale, ignore_errors=True)
+        work = Path(tempfile.mkdtemp(prefix=temporary, dir=root))
+        try:
+            summary = {"dataset": spec.dataset, "key": key}
+            for split in SPLITS:
+                summary[split] = _prepare_split(spec, split, tokenizer, context_length, work, num_proc, progress,
+                                                truncate)
+            summary["checks"] = {split: file_checks(work, split) for split in SPLITS}
+            (work / "summary.json").write_text(json.dumps(summary, indent=1))
+            try:
+                os.rename(work, final)
+            except OSError:  # another node finished first (shared storage): its rows are the same
+                if not (final / "summary.json").exists():
+                    raise
+                shutil.rmtree(work, ignore_errors=True)
+        except BaseException:
             shutil.rmtree(work, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+            raise
     return final, {**summary, "reused": False}
 
 
+# Note [One preparer per key]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Two jobs on a node with one --data_cache_dir and one key would each tokenize
+# everything; the rows are the same, so the second one should wait and reuse.
+# An advisory lock (flock) on <root>/.<key>.lock orders them:
+#
+#   job A: check -- lock -- check: none -- write .<key>.tmp-<host>-XXXX -- rename to <key> -- unlock
+#   job B: check -- lock ......................(waits)..................................... -- check: reuse
+#
+# The rename into place stays: a preparer killed mid-write leaves a temporary
+# directory, never a <key> that looks complete. Whoever holds the lock next removes
+# this node's temporaries of the key (.<key>.tmp-<host>-*: no other preparer of the
+# key runs on this node while it holds the lock; other nodes' temporaries on shared
+# storage are left alone, their preparers may be alive). The lock file is removed
+# on release, so the cache holds only prepared directories; a waiter whose lock file
+# was removed under it locks the new one instead (the inode check in _exclusive).
+# Where the file system refuses locks the preparers go on unlocked, as before the
+# lock: the rename still keeps the directory whole, only the work may be done twice.
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path, say=print):
+    """Hold an exclusive flock on ``path`` (made, and removed on release; Note [One preparer per key]).
+    Yields whether the lock is held: False where the file system refuses locks."""
+    told = False
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+        except OSError:  # e.g. a read-only or foreign cache root: unlocked
+            yield False
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not told:
+                    say(f"waiting for another preparer of {path.parent / path.name[1:].removesuffix('.lock')} "
+                        f"(it holds {path})")
+                told = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as error:
+            os.close(fd)
+            if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                yield False
+                return
+            raise
+        try:
+            same = os.path.samestat(os.stat(path), os.fstat(fd))
+        except FileNotFoundError:  # the holder before us removed it on release
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(OSError):  # gone, or not ours to remove: harmless either way
+            os.unlink(path)  # while still held: a waiter on this file sees it gone and retries
+        os.close(fd)
+
+
+def _remove_aside(final: Path, temporary: str) -> None:
+    """Rename ``final`` out of the way (at once: its name is free for the new rows), then delete it."""
+    aside = Path(tempfile.mkdtemp(prefix=f"{temporary}damaged-", dir=final.parent))
+    try:
+        os.rename(final, aside / final.name)
+    except FileNotFoundError:  # moved already, by a preparer on another node
+        pass
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _prepare_split(
-    dataset: str, split: str, tokenizer: PreTrainedTokenizerBase, context_length: int, work: Path, num_proc: int,
+    spec: DataSpec, split: str, tokenizer: PreTrainedTokenizerBase, context_length: int, work: Path, num_proc: int,
     progress: bool, truncate: bool,
 ) -> dict[str, Any]:
-    examples = load_examples(dataset, split)
-    with contextlib.nullcontext() if progress else _quiet_datasets():
-        documents = examples.map(
-            _tokenize,
-            fn_kwargs={"tokenizer": tokenizer},
-            remove_columns=examples.column_names,
-            features=datasets.Features(
-                {"input_ids": datasets.Sequence(datasets.Value("int32")), "label_mask": datasets.Sequence(datasets.Value("bool"))}
-            ),
-            num_proc=num_proc if num_proc > 1 else None,
-            cache_file_name=str(work / f"{split}-documents.arrow"),
-            new_fingerprint=f"{work.name}-{split}",  # the key is ours: datasets need not hash the tokenizer
-            desc=f"tokenizing {split}",
-        )
+    parts = spec.examples(split)
+    tokenized, seen = [], {"formats": {}, "sources": [], "skipped_rows": 0, "bad_rows": []}
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "label_mask": datasets.Sequence(datasets.Value("bool")),
+        "bad": datasets.Value("string"),  # why the row was skipped (--on_bad_row skip), else null
+    })
+    for index, (source, examples) in enumerate(parts):
+        if len(examples) == 0:  # no eval set (--eval_fraction 0): map would not apply the features
+            tokenized.append(datasets.Dataset.from_dict({name: [] for name in features}, features=features))
+            continue
+        with contextlib.nullcontext() if progress else _quiet_datasets():
+            part = examples.map(
+                _tokenize,
+                fn_kwargs={"tokenizer": tokenizer, "spec": spec, "source": source},
+                remove_columns=examples.column_names,
+                features=features,
+                num_proc=num_proc if num_proc > 1 and len(examples) > 1 else None,
+                cache_file_name=str(work / f"{split}-documents-{index}.arrow"),
+                new_fingerprint=f"{work.name}-{split}-{index}",  # the key is ours: datasets need not hash the tokenizer
+                desc=f"tokenizing {split} ({source.name})" if len(parts) > 1 else f"tokenizing {split}",
+            )
+        tokenized.append(part)
+        bad = part.data.column("bad")
+        if bad.null_count < len(bad):
+            reasons = [reason for reason in bad.drop_null().to_pylist()[:3]]
+            seen["skipped_rows"] += len(bad) - bad.null_count
+            seen["bad_rows"] += reasons
+    sizes = [len(part) for part in tokenized]
+    weights = None if parts[0][0].weight is None else [source.weight for source, _ in parts]
+    order = mixture_order(sizes, weights, spec.seed)
+    starts = np.cumsum([0, *sizes])
+    for (source, examples), start, end in zip(parts, starts[:-1], starts[1:]):
+        used = int(((order >= start) & (order < end)).sum())
+        kind = detect_format(examples.column_names) if len(examples) else "none"
+        seen["formats"][kind] = seen["formats"].get(kind, 0) + used
+        seen["sources"].append({"name": source.name, "documents": int(end - start), "used": used})
+    documents = datasets.concatenate_datasets(tokenized) if len(tokenized) > 1 else tokenized[0]
+    if weights is not None:
+        documents = documents.select(order)
     packer = RowPacker(context_length, _pad_id(tokenizer))
     rows = truncated = 0
     bar = _progress_bar(progress, len(documents), f"packing {split}")
     with pa.OSFile(str(work / f"{split}.arrow.tmp"), "wb") as sink, \
-            pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
+            pa.ipc.new_file(sink, ROW_SCHEMA) as writer, open(work / f"{split}.rowsums", "wb") as rowsums:
         waiting = None  # a row is written once the next one (its next_id) is known
 
         def write(row: Row | None) -> None:
             nonlocal waiting, rows
             if waiting is not None:
                 next_id = _pad_id(tokenizer) if row is None else int(row["input_ids"][0])
-                writer.write_batch(_row_batch(waiting, next_id))
+                batch, digest = row_batch(waiting, next_id)
+                writer.write_batch(batch)
+                rowsums.write(digest)
                 rows += 1
             waiting = row
 
@@ -210,18 +333,19 @@ def _prepare_split(
             write(row)
         write(None)
     bar.close()
-    if not packer.trainable:
+    if not packer.trainable and not (split == "eval" and len(documents) == 0):  # no eval set: an empty file
         raise ValueError(
-            f"--dataset {dataset!r} ({split} split): no usable text: the documents hold no trainable token "
+            f"--dataset {spec.dataset!r} ({split} split): no usable text: the documents hold no trainable token "
             "(every label would be -100)"
         )
     os.rename(work / f"{split}.arrow.tmp", work / f"{split}.arrow")
-    del documents
+    del documents, tokenized
     for leftover in work.glob(f"{split}-documents*"):
         leftover.unlink()
     padding = rows * context_length - packer.tokens
     return {
-        "documents": len(examples), "rows": rows, "tokens": packer.tokens,
+        **seen, "documents": sum(source["used"] for source in seen["sources"]),
+        "rows": rows, "tokens": packer.tokens,
         "padding_fraction": round(padding / max(1, rows * context_length), 6),
         "split_documents": packer.split_documents, "truncated_documents": truncated,
     }
@@ -233,91 +357,37 @@ def _progress_bar(enabled: bool, total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="doc", disable=not enabled)
 
 
-def _tokenize(example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase) -> dict[str, list]:
-    input_ids, label_mask = tokenize_example(example, tokenizer)
-    return {"input_ids": input_ids, "label_mask": label_mask}
+def _tokenize(example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase, spec: DataSpec,
+              source: Source) -> dict[str, Any]:
+    where = f"row {example.get(ROW_NUMBER)} of {source.flag} {source.name!r}"
+    (input_ids, label_mask), reason = tokenize_row(example, tokenizer, where, spec)
+    return {"input_ids": input_ids, "label_mask": label_mask, "bad": reason}
 
 
-ROW_SCHEMA = pa.schema([
-    ("input_ids", pa.list_(pa.int32())),
-    ("target", pa.list_(pa.bool_())),
-    ("next_id", pa.int32()),
-    ("segment_starts", pa.list_(pa.int32())),
-    ("segment_positions", pa.list_(pa.int32())),
-])
-
-
-def _row_batch(row: Row, next_id: int) -> pa.RecordBatch:
-    """One packed row in the layout of Note [Prepared rows]."""
-    ids, positions = row["input_ids"].numpy(), row["position_ids"].numpy()
-    starts = np.flatnonzero(np.concatenate([[True], positions[1:] != positions[:-1] + 1]))
-    columns = [
-        [ids.astype(np.int32)], [(row["labels"] != IGNORE_INDEX).numpy()], [next_id],
-        [starts.astype(np.int32)], [positions[starts].astype(np.int32)],
-    ]
-    return pa.record_batch([pa.array(column, type=field.type) for column, field in zip(columns, ROW_SCHEMA)],
-                           schema=ROW_SCHEMA)
-
-
-# ----------------------------------------------------------------------------- reading
-
-
-class PreparedRows(Sequence):
-    """The packed rows of one prepared split, read from disk one row (record batch) at a time.
-
-    ``rows[i]`` is ``{"input_ids", "labels", "position_ids"}`` of (L,) LongTensors,
-    equal to ``build_rows(...)[i]``; nothing else is held in memory but the file's
-    footer (Note [Prepared rows]).
-    """
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = str(path)
-        self._file = pa.OSFile(self.path, "rb")  # positioned reads, no memory map
-        self._reader = pa.ipc.open_file(self._file)
-
-    def __len__(self) -> int:
-        return self._reader.num_record_batches
-
-    def __getitem__(self, index: int) -> Row:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"row {index} of {len(self)}")
-        batch = self._reader.get_batch(index % len(self))
-        ids = torch.from_numpy(batch.column(0).flatten().to_numpy().astype(np.int64))  # (L,)
-        target = torch.from_numpy(batch.column(1).flatten().to_numpy(zero_copy_only=False))
-        following = torch.cat([ids[1:], torch.tensor([batch.column(2)[0].as_py()])])
-        labels = torch.where(target, following, IGNORE_INDEX)
-        starts = torch.from_numpy(batch.column(3).flatten().to_numpy().astype(np.int64))
-        first = torch.from_numpy(batch.column(4).flatten().to_numpy().astype(np.int64))
-        lengths = torch.diff(starts, append=torch.tensor([len(ids)]))
-        positions = torch.arange(len(ids)) - torch.repeat_interleave(starts - first, lengths)
-        return {"input_ids": ids, "labels": labels, "position_ids": positions}
-
-    def close(self) -> None:
-        self._file.close()
-
-
-class RowBatches(Sequence):
-    """(batch_size, L) batches of ``rows[i]`` for i in ``indices``, read and stacked on access."""
-
-    def __init__(self, rows: Sequence[Row], indices: Sequence[int], batch_size: int):
-        self.rows, self.indices, self.batch_size = rows, indices, batch_size
-
-    def __len__(self) -> int:
-        return -(-len(self.indices) // self.batch_size)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if not 0 <= index < len(self):
-            raise IndexError(f"batch {index} of {len(self)}")
-        mine = [self.rows[i] for i in self.indices[index * self.batch_size : (index + 1) * self.batch_size]]
-        return {key: torch.stack([row[key] for row in mine]) for key in mine[0]}
-
-
-def open_prepared(directory: str | os.PathLike, split: str) -> PreparedRows:
-    return PreparedRows(Path(directory) / f"{split}.arrow")
+def summary_lines(summary: Mapping[str, Any], context_length: int) -> list[str]:
+    """What the prepared rows hold, per split: documents and their formats, rows, tokens,
+    padding, documents split or truncated, a mixture's share of each source, skipped rows."""
+    lines = []
+    for split in SPLITS:
+        s = summary[split]
+        formats = ", ".join(f"{kind} {count}" for kind, count in s.get("formats", {}).items())
+        lines.append(
+            f"{split}: {s['documents']} documents ({formats}) -> {s['rows']} rows of {context_length} tokens, "
+            f"{s['tokens']} tokens, padding {100 * s['padding_fraction']:.2f}%, "
+            f"{s['split_documents']} documents split over rows, {s['truncated_documents']} truncated"
+        )
+        sources = s.get("sources", [])
+        if len(sources) > 1:
+            lines.append(mixture_line(split, [Source(x["name"]) for x in sources], [x["used"] for x in sources],
+                                      [x["documents"] for x in sources]))
+        if s.get("skipped_rows"):
+            lines.append(f"{split}: " + skipped_rows_line(s["skipped_rows"], sum(x["documents"] for x in sources),
+                                                          s["bad_rows"]))
+    return lines
 
 
 def load_prepared_rows(
-    dataset: str,
+    dataset: str | DataSpec,
     tokenizer: PreTrainedTokenizerBase,
     context_length: int,
     cp: int,
@@ -327,7 +397,8 @@ def load_prepared_rows(
     say=print,
     truncate: bool = False,
 ) -> tuple[PreparedRows, PreparedRows]:
-    """(train, eval) rows of ``dataset``, prepared on first use: by local rank 0 of each node,
+    """(train, eval) rows of ``dataset`` (a ``--dataset`` value or a :class:`DataSpec`), prepared
+    on first use, their summary said on rank 0: by local rank 0 of each node,
     or by global rank 0 alone when ``shared`` (one cache directory every node sees), while
     the other ranks wait; an error there is raised on every rank with the same message."""
     import torch.distributed as dist
@@ -338,9 +409,11 @@ def load_prepared_rows(
     if preparer:
         try:
             directory, summary = prepare_dataset(dataset, tokenizer, context_length, cp, cache_dir, num_proc,
-                                                 progress=rank == 0, truncate=truncate)
+                                                 progress=rank == 0, truncate=truncate, say=say)
             if rank == 0:
                 say(f"{'prepared rows reused' if summary['reused'] else 'prepared'}: {directory}")
+                for line in summary_lines(summary, context_length):  # the packing summary, as prepare_data prints it
+                    say(line)
         except Exception as error:  # told to the other ranks before it is raised here
             failure = error
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,28 +1,36 @@
-"""Where examples come from: local files and directories (``FILE_BUILDERS``), directories
-written by ``Dataset.save_to_disk``, and hub datasets, read with ``datasets`` and checked;
-and the train / eval split of each (a real eval split, or a held-out tail).
+"""Where examples come from: ``--dataset`` and ``--eval_dataset`` parsed into sources (a local
+file or directory, a ``Dataset.save_to_disk`` directory, a hub dataset, each with its options
+and a mixture weight), read with ``datasets`` and checked; and the train / eval part of each
+(a real eval split, or a seeded random hold-out).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import datasets
+import numpy as np
 
-from llama_cp.config import PASSKEY, check_dataset_path
 from llama_cp.data.formats import check_required_values, detect_format
-from llama_cp.data.passkey import DEFAULT_PASSKEY_SAMPLES, PASSKEY_DIGITS, passkey_examples
+from llama_cp.data.passkey import (
+    DEFAULT_PASSKEY_SAMPLES,
+    PASSKEY_DIGITS,
+    passkey_examples,
+)
+from llama_cp.data_flags import PASSKEY, Source, check_sources, parse_sources
 
 #: Local file extensions and the ``datasets`` builder that reads them. A ``.txt``
 #: file is one document (the whole file), which is what long-context data wants.
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
-#: Fraction of the documents of a local or hub dataset held out for the eval split.
+#: The column ``load_source`` adds: each example's row number in its split, counted from 1.
+ROW_NUMBER = "_row_number"
+#: ``--eval_fraction``'s default: the share of a source's documents held out for eval when it
+#: has no eval split of its own and no ``--eval_dataset`` is given.
 EVAL_FRACTION = 0.05
-
-
 def load_examples(
     dataset: str,
     split: str = "train",
@@ -30,40 +38,79 @@ def load_examples(
     num_passkey: int = DEFAULT_PASSKEY_SAMPLES,
     passkey_digits: int = PASSKEY_DIGITS,
     passkey_lengths: Sequence[int] | None = None,
+    eval_fraction: float = EVAL_FRACTION,
 ) -> datasets.Dataset:
-    """The examples of ``split`` ("train" or "eval") of ``--dataset``.
+    """The examples of ``split`` ("train" or "eval") of a ``--dataset`` of one source.
 
     - ``"passkey"``: ``num_passkey`` draws of the synthetic task
       (``llama_cp.data.passkey.passkey_examples``: its columns, and what the
       passkey arguments do);
     - a local .json / .jsonl / .parquet / .txt file, a directory of such files,
       or a directory written by ``Dataset.save_to_disk``;
-    - anything else is a hub id for ``datasets.load_dataset``.
-
-    Files have no splits: eval is the last ~5% of the documents and train the
-    rest (a single text document is cut at 95% of its characters instead). A
-    hub dataset with a "validation" or "test" split uses it for eval.
+    - anything else is a hub id for ``datasets.load_dataset``;
+    each with the options of Note [Dataset sources]. See :func:`load_source` for the
+    split; several sources are read with :func:`llama_cp.data.mixture.source_examples`.
     """
     split = _check_split(split)
     if dataset == PASSKEY:
         return passkey_examples(split, seed, num_passkey, passkey_digits, passkey_lengths)
-    check_dataset_path(dataset)
-    path = Path(dataset).expanduser()
-    loaded = _load_local(path) if path.exists() else load_hub_dataset(dataset)
-    for part in loaded.values() if isinstance(loaded, datasets.DatasetDict) else [loaded]:
-        if len(part) == 0:
-            raise ValueError(f"--dataset {dataset!r} is empty: it holds no rows")
-        check_required_values(part, dataset)  # also fails on unusable columns, before any tokenization
-    return _select_split(loaded, split)
+    sources = parse_sources(dataset)
+    if len(sources) > 1:
+        raise ValueError(f"--dataset {dataset!r} is a mixture: read its sources one by one (load_source)")
+    return load_source(sources[0], split, seed, eval_fraction)
 
 
-def load_hub_dataset(dataset: str) -> datasets.Dataset | datasets.DatasetDict:
-    """``datasets.load_dataset(dataset)``; its error says that the name was taken for a hub id."""
+def load_source(source: Source, part: str, seed: int = 0, eval_fraction: float = EVAL_FRACTION) -> datasets.Dataset:
+    """The examples of one source, columns mapped to the format's names, checked.
+
+    ``part``: "train" or "eval" of a training source: a real eval split ("validation" /
+    "test") when the source has one and no ``split=`` picks one, else a hold-out of
+    ``eval_fraction`` of the documents drawn at random with ``seed`` ("train" is the rest;
+    a single text document is cut at 1 - eval_fraction of its characters instead);
+    "all": every example of an ``--eval_dataset`` source (its ``split=``, else its
+    validation / test split, else its first).
+    """
+    if part not in ("train", "eval", "all"):
+        raise ValueError(f"part must be 'train', 'eval' or 'all', got {part!r}")
+    check_sources([source])
+    path = Path(source.path).expanduser()
+    loaded = _load_local(path, source) if path.exists() else load_hub_dataset(source)
+    if source.columns:
+        loaded = _map_columns(loaded, source)
+    pieces = dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"": loaded}
+    for name, piece in pieces.items():
+        if len(piece) == 0:
+            raise ValueError(f"{source.flag} {source.name!r} is empty: it holds no rows")
+        check_required_values(piece, source.name, source.flag)  # also fails on unusable columns, before tokenizing
+        # each example's row number (from 1, in its split) goes along, for messages about the row
+        pieces[name] = piece.add_column(ROW_NUMBER, np.arange(1, len(piece) + 1))
+    loaded = datasets.DatasetDict(pieces) if isinstance(loaded, datasets.DatasetDict) else pieces[""]
+    return _select_part(loaded, part, seed, eval_fraction)
+
+
+def _map_columns(loaded: datasets.Dataset | datasets.DatasetDict, source: Source):
+    """Rename the source's columns to the format's names (``text=body``: body becomes text)."""
+    columns = loaded.column_names
+    columns = next(iter(columns.values())) if isinstance(columns, dict) else columns
+    for key, column in source.columns:
+        if column not in columns:
+            raise ValueError(f"{source.flag} {source.name!r}: {key}={column} maps a column the data does not have; "
+                             f"its columns are {sorted(columns)}")
+    renames = {column: key for key, column in source.columns if column != key}
+    clashes = sorted(key for key in renames.values() if key in columns and key not in renames)
+    dropped = loaded.remove_columns(clashes) if clashes else loaded  # the mapped column replaces it
+    return dropped.rename_columns(renames) if renames else dropped
+
+
+def load_hub_dataset(source: Source | str, streaming: bool = False):
+    """``datasets.load_dataset`` of a hub id with the source's options; its error says that the
+    name was taken for a hub id."""
+    source = Source(source) if isinstance(source, str) else source
     try:
-        return datasets.load_dataset(dataset)
+        return datasets.load_dataset(source.path, streaming=streaming, **source.hub_options())
     except Exception as error:
         note = (
-            f"--dataset {dataset!r} is not a local path (no such file or directory), "
+            f"{source.flag} {source.path!r} is not a local path (no such file or directory), "
             "so it was treated as a HuggingFace hub dataset id"
         )
         if not hasattr(error, "add_note"):  # Python 3.10
@@ -80,20 +127,52 @@ def _check_split(split: str) -> str:
     return split
 
 
-def _load_local(path: Path) -> datasets.Dataset | datasets.DatasetDict:
-    """Read a local file or directory with the ``datasets`` builder its extension names."""
-    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
-        return datasets.load_from_disk(str(path))
+def _load_local(path: Path, source: Source | None = None) -> datasets.Dataset | datasets.DatasetDict:
+    """Read a local file or directory: a ``save_to_disk`` directory with ``load_from_disk``; a
+    directory with options (config, split, data_files) or a dataset card declaring configs as
+    a dataset repository, with ``datasets.load_dataset`` as a hub id would be; else every data
+    file, with the ``datasets`` builder its extension names."""
+    source = source or Source(str(path))
+    if is_saved_dataset(path):
+        loaded = datasets.load_from_disk(str(path))
+        if source.split is None:
+            return loaded
+        if not isinstance(loaded, datasets.DatasetDict) or source.split not in loaded:
+            held = list(loaded) if isinstance(loaded, datasets.DatasetDict) else ["(one unnamed split)"]
+            raise ValueError(f"{source.flag} {source.name!r}: split={source.split} is not among its splits {held}")
+        return loaded[source.split]
+    if path.is_dir() and (source.hub_options() or _declares_configs(path)):
+        with _quiet_datasets():
+            return datasets.load_dataset(str(path), **source.hub_options())
     builder, files = local_files(path)
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
         with _quiet_datasets():
-            return datasets.load_dataset(builder, data_files=[str(file) for file in files], **options)
+            loaded = datasets.load_dataset(builder, data_files=[str(file) for file in files], **options)
     except Exception:
         if builder == "json":
             for file in files:
                 _check_json_file(file)  # names the file and line when that is what failed
         raise
+    if source.split not in (None, "train"):
+        raise ValueError(f"{source.flag} {source.name!r}: a file's rows are one split, 'train'; "
+                         f"split={source.split} applies to dataset directories and hub datasets")
+    return loaded
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a directory written by ``Dataset(Dict).save_to_disk``."""
+    return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
+
+
+def _declares_configs(path: Path) -> bool:
+    """Whether the directory's dataset card (README.md) declares configs or data files in its
+    YAML header, as hub dataset repositories do."""
+    card = path / "README.md"
+    if not card.is_file():
+        return False
+    header = card.read_text(errors="replace").split("---")
+    return len(header) > 2 and re.search(r"^configs:", header[1], re.MULTILINE) is not None
 
 
 def local_files(path: Path) -> tuple[str, list[Path]]:
@@ -177,28 +256,36 @@ def _check_json_file(file: Path) -> None:
             ) from None
 
 
-def _select_split(loaded: datasets.Dataset | datasets.DatasetDict, split: str) -> datasets.Dataset:
-    """A real eval split when the data has one ("validation" / "test"), else hold out the tail."""
+def _select_part(loaded: datasets.Dataset | datasets.DatasetDict, part: str, seed: int,
+                 eval_fraction: float) -> datasets.Dataset:
+    """``load_source``'s part of what was loaded: a real eval split ("validation" / "test") when
+    there is one, else the hold-out."""
     if isinstance(loaded, datasets.Dataset):
-        return _hold_out(loaded, split)
+        return loaded if part == "all" else _hold_out(loaded, part, seed, eval_fraction)
     train_name = "train" if "train" in loaded else next(iter(loaded))
     eval_name = next((name for name in ("validation", "test") if name in loaded and name != train_name), None)
+    if part == "all":
+        return loaded[eval_name or train_name]
     if eval_name is not None:
-        return loaded[train_name if split == "train" else eval_name]
-    return _hold_out(loaded[train_name], split)
+        return loaded[train_name if part == "train" else eval_name]
+    return _hold_out(loaded[train_name], part, seed, eval_fraction)
 
 
-def _hold_out(examples: datasets.Dataset, split: str) -> datasets.Dataset:
-    """The first ~95% of the documents for train, the last ~5% (at least one) for eval."""
+def _hold_out(examples: datasets.Dataset, part: str, seed: int, fraction: float) -> datasets.Dataset:
+    """``fraction`` of the documents (at least one) drawn at random with ``seed`` for eval, the rest,
+    in their order, for train; nothing held out when ``fraction`` is 0."""
     count = len(examples)
+    if fraction == 0:
+        return examples if part == "train" else examples.select([])
     if count >= 2:
-        num_eval = max(1, round(EVAL_FRACTION * count))
-        kept = range(count - num_eval) if split == "train" else range(count - num_eval, count)
-        return examples.select(kept)
+        num_eval = min(count - 1, max(1, round(fraction * count)))
+        held = np.zeros(count, dtype=bool)
+        held[np.random.default_rng(seed).choice(count, num_eval, replace=False)] = True
+        return examples.select(np.flatnonzero(held if part == "eval" else ~held))
     if count == 1 and detect_format(examples.column_names) == "text":
-        # one long document: its last 5% of characters is the held-out text
+        # one long document: its last fraction of characters is the held-out text
         text = examples[0]["text"] or ""
-        cut = round((1 - EVAL_FRACTION) * len(text))
-        return datasets.Dataset.from_dict({"text": [text[:cut] if split == "train" else text[cut:]]})
+        cut = round((1 - fraction) * len(text))
+        return datasets.Dataset.from_dict({"text": [text[:cut] if part == "train" else text[cut:]], ROW_NUMBER: [1]})
     warnings.warn(f"only {count} example(s): no eval split can be held out, eval reuses the training data")
     return examples

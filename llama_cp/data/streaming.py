@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 import datasets
 import torch
 
-from llama_cp.data.formats import REQUIRED_COLUMNS, detect_format, tokenize_example
+from llama_cp.data.formats import REQUIRED_COLUMNS, detect_format
+from llama_cp.data.mixture import DataSpec, mixed_stream, tokenize_row
 from llama_cp.data.packing import Row, RowPacker, _pad_id, truncate_document
-from llama_cp.data.sources import local_files
+from llama_cp.data.sources import is_saved_dataset, load_hub_dataset, local_files
+from llama_cp.data_flags import Source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -31,8 +33,9 @@ EVAL_EVERY = 20
 # of Note [Packed rows] over that share). Which rank takes which document
 # depends only on its place in the stream, so it is the same on every start:
 #
-#   stream       d0  d1  d2 ... d18 d19 d20 ... d38 d39 ...
-#   eval         every 20th: d19, d39, ...  (the first --num_eval_samples rows of them)
+#   stream       d0  d1  d2 ... d18 d19 d20 ... d38 d39 ...   (a mixture: Note [Mixtures])
+#   eval         every 20th: d19, d39, ...  (the first --num_eval_samples rows of them;
+#                with --eval_dataset, its documents, and none held out)
 #   train        the others, t0 t1 t2 t3 ...; dp rank r takes t_j for j % dp == r
 #
 # There is no shuffling (the stream's order is the order) and batches are whole:
@@ -45,68 +48,92 @@ EVAL_EVERY = 20
 # offset, so it continues with exactly the batches the first run would have had.
 
 
-def stream_examples(dataset: str) -> datasets.IterableDataset:
-    """The training documents of ``--dataset`` as datasets' stream (``streaming=True``): a
-    local file or directory, a ``save_to_disk`` directory, or a hub id (its "train" split)."""
-    path = Path(dataset).expanduser()
-    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+def stream_examples(source: Source | str) -> datasets.IterableDataset:
+    """One source's documents as datasets' stream (``streaming=True``): a local file or directory,
+    a ``save_to_disk`` directory, or a hub id, with its options (its ``split=``, else "train")."""
+    source = Source(source) if isinstance(source, str) else source
+    path = Path(source.path).expanduser()
+    if is_saved_dataset(path):
         loaded = datasets.load_from_disk(str(path))
-        part = loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
-        return part.to_iterable_dataset()
-    if path.exists():
+        if isinstance(loaded, datasets.DatasetDict):
+            loaded = loaded[source.split or ("train" if "train" in loaded else next(iter(loaded)))]
+        return loaded.to_iterable_dataset()
+    if path.is_dir() and source.hub_options():
+        stream = datasets.load_dataset(str(path), streaming=True, **source.hub_options())
+    elif path.exists():
         builder, files = local_files(path)
         options = {"sample_by": "document"} if builder == "text" else {}
         stream = datasets.load_dataset(builder, data_files=[str(file) for file in files], streaming=True, **options)
     else:
-        stream = datasets.load_dataset(dataset, streaming=True)
+        stream = load_hub_dataset(source, streaming=True)
     if isinstance(stream, datasets.IterableDatasetDict):
         stream = stream["train"] if "train" in stream else next(iter(stream.values()))
     return stream
 
 
-def _checked(example: Mapping[str, Any], index: int, dataset: str) -> Mapping[str, Any]:
-    """ValueError when document ``index`` of the stream lacks a value its format needs."""
+def _checked(example: Mapping[str, Any], index: int, source: Source) -> Mapping[str, Any]:
+    """Document ``index`` of the stream with the source's columns mapped; ValueError when it
+    lacks a value its format needs."""
+    if source.columns:
+        example = dict(example)
+        for key, column in source.columns:
+            if column not in example:
+                raise ValueError(f"{source.flag} {source.name!r}: {key}={column} maps a column the data does "
+                                 f"not have; its columns are {sorted(example)}")
+            example[key] = example.pop(column)
     kind = detect_format(example.keys())
     for column in REQUIRED_COLUMNS.get(kind, ()):
         if example.get(column) is None:
             raise ValueError(
-                f"--dataset {dataset!r}: document {index} of the stream has no {column!r} value, which the "
-                f"{kind} format needs; fix or drop it"
+                f"{source.flag} {source.name!r}: document {index} of the stream has no {column!r} value, which "
+                f"the {kind} format needs; fix or drop it"
             )
     if kind == "passkey":
-        raise ValueError(f"--dataset {dataset!r}: --streaming reads text, instruction or chat documents")
+        raise ValueError(f"{source.flag} {source.name!r}: --streaming reads text, prompt/completion, instruction or "
+                         "chat documents")
     return example
 
 
-def _stream_documents(dataset: str, eval_part: bool, dp_rank: int = 0, dp_size: int = 1) -> Iterator[Mapping]:
+def _stream_documents(spec: DataSpec, eval_part: bool, dp_rank: int = 0, dp_size: int = 1) -> Iterator[Mapping]:
     """The stream's eval documents, or dp rank ``dp_rank``'s share of its train documents
-    (Note [Streaming rows])."""
+    (Note [Streaming rows]); the sources mixed as Note [Mixtures] says."""
+    own_eval = eval_part and bool(spec.eval_dataset)
+    sources = spec.sources("eval" if own_eval else "train")
+    weights = None if sources[0].weight is None else [source.weight for source in sources]
+    mixed = mixed_stream([stream_examples(source) for source in sources], weights, spec.seed)
+    held_out = not spec.eval_dataset and spec.eval_fraction > 0
     train_index = 0
-    for index, example in enumerate(stream_examples(dataset)):
-        if (index % EVAL_EVERY == EVAL_EVERY - 1) != eval_part:
+    for index, (which, example) in enumerate(mixed):
+        if not own_eval and held_out and (index % EVAL_EVERY == EVAL_EVERY - 1) != eval_part:
             continue
+        if not held_out and eval_part and not own_eval:
+            return  # --eval_fraction 0: no eval documents
         if eval_part or train_index % dp_size == dp_rank:
-            yield _checked(example, index, dataset)
+            yield _checked(example, index, sources[which])
         train_index += not eval_part
 
 
 def streaming_eval_rows(
-    dataset: str, tokenizer: PreTrainedTokenizerBase, context_length: int, num_rows: int, truncate: bool = False
+    dataset: str | DataSpec, tokenizer: PreTrainedTokenizerBase, context_length: int, num_rows: int, truncate: bool = False
 ) -> list[Row]:
-    """The first ``num_rows`` packed rows of the stream's eval documents (every 20th); a stream
-    of fewer than 20 documents has none, and its eval reads the first documents instead."""
+    """The first ``num_rows`` packed rows of the stream's eval documents (every 20th, or
+    --eval_dataset's); a stream of fewer than 20 documents has none, and its eval reads the first
+    documents instead; none at all with --eval_fraction 0 and no --eval_dataset."""
+    spec = dataset if isinstance(dataset, DataSpec) else DataSpec(dataset)
+    if not spec.eval_dataset and spec.eval_fraction == 0:
+        return []
     rows: list[Row] = []
     for eval_part in (True, False):
         packer = RowPacker(context_length, _pad_id(tokenizer))
-        for example in _stream_documents(dataset, eval_part):
-            document = tokenize_example(example, tokenizer)
+        for index, example in enumerate(_stream_documents(spec, eval_part)):
+            document, _ = tokenize_row(example, tokenizer, f"eval document {index} of the stream", spec)
             rows += [row for row, _ in packer.add(truncate_document(document, context_length) if truncate else document)]
             if len(rows) >= num_rows:
                 return rows[:num_rows]
         rows += [row for row, _ in packer.finish()]
         if rows:
             return rows[:num_rows]
-    raise ValueError(f"--dataset {dataset!r}: the stream holds no documents")
+    raise ValueError(f"--dataset {spec.dataset!r}: the stream holds no documents")
 
 
 class StreamingRowLoader:
@@ -118,13 +145,14 @@ class StreamingRowLoader:
     must be called on all of them, as saving a checkpoint does).
     """
 
-    def __init__(self, dataset: str, tokenizer: PreTrainedTokenizerBase, context_length: int, batch_size: int,
+    def __init__(self, dataset: str | DataSpec, tokenizer: PreTrainedTokenizerBase, context_length: int, batch_size: int,
                  dp_rank: int = 0, dp_size: int = 1, truncate: bool = False):
         if batch_size < 1:
             raise ValueError(f"--batch_size must be at least 1, got {batch_size}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside 0..dp_size-1 = 0..{dp_size - 1}")
-        self.dataset, self.tokenizer, self.context_length = dataset, tokenizer, context_length
+        self.spec = dataset if isinstance(dataset, DataSpec) else DataSpec(dataset)
+        self.dataset, self.tokenizer, self.context_length = self.spec.dataset, tokenizer, context_length
         self.batch_size, self.dp_rank, self.dp_size, self.truncate = batch_size, dp_rank, dp_size, truncate
         self.epoch = self.document = self.offset = 0
 
@@ -134,11 +162,12 @@ class StreamingRowLoader:
             packer = RowPacker(self.context_length, _pad_id(self.tokenizer))
             packer.next_document = self.document
             rows, yielded = [], False
-            documents = _stream_documents(self.dataset, False, self.dp_rank, self.dp_size)
+            documents = _stream_documents(self.spec, False, self.dp_rank, self.dp_size)
             for index, example in enumerate(documents):
                 if index < start[0]:
                     continue  # before the resumed position: read, not tokenized
-                document = tokenize_example(example, self.tokenizer)
+                where = f"document {index} of dp rank {self.dp_rank}'s share of the stream"
+                document, _ = tokenize_row(example, self.tokenizer, where, self.spec)
                 if self.truncate:
                     document = truncate_document(document, self.context_length)
                 rows += packer.add(document, start[1] if index == start[0] else 0)

@@ -56,7 +56,8 @@ _STATE = "the checkpoint holds another model or optimizer state"
 RESUME_REFUSES = {
     "dataset": _DATA, "context_length": _DATA, "batch_size": _DATA, "gradient_accumulation_steps": _DATA,
     "seed": _DATA, "num_passkey_samples": _DATA, "document_mask": _DATA, "streaming": _DATA,
-    "truncate_documents": _DATA,
+    "truncate_documents": _DATA, "chat_template": _DATA, "dataset_columns": _DATA, "eval_dataset": _DATA,
+    "eval_fraction": _DATA, "on_bad_row": _DATA,
     "model_name": _STATE, "use_peft": _STATE, "lora_r": _STATE, "lora_alpha": _STATE,
     "lora_target_modules": _STATE, "quantization": _STATE, "optimizer": _STATE,
     "rope_theta": _STATE, "rope_scaling": _STATE,

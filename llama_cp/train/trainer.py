@@ -101,17 +101,19 @@ class Trainer:
     def _build_data(self) -> None:
         from llama_cp.config import PASSKEY
         from llama_cp.data.loader import DistributedRowLoader, build_rows
+        from llama_cp.data.mixture import DataSpec
         from llama_cp.data.passkey import passkey_warmup_stages
-        from llama_cp.data.prepared import RowBatches, load_prepared_rows
+        from llama_cp.data.prepared import load_prepared_rows
         from llama_cp.data.streaming import StreamingRowLoader, streaming_eval_rows
 
         cfg, d, dims = self.cfg, self.cfg.data, self.dims
         dp = submesh(self.mesh, "dp")
         dp_rank, dp_size = dp.get_local_rank(), dp.size()
+        spec = DataSpec.of(d, cfg.seed)
         if d.streaming:  # Note [Streaming rows] in llama_cp/data/streaming.py
-            self.loader = StreamingRowLoader(d.dataset, self.tokenizer, d.context_length, d.batch_size, dp_rank, dp_size,
+            self.loader = StreamingRowLoader(spec, self.tokenizer, d.context_length, d.batch_size, dp_rank, dp_size,
                                              truncate=d.truncate_documents)
-            eval_rows = streaming_eval_rows(d.dataset, self.tokenizer, d.context_length, d.num_eval_samples,
+            eval_rows = streaming_eval_rows(spec, self.tokenizer, d.context_length, d.num_eval_samples,
                                             truncate=d.truncate_documents)
         else:
             warmup_rows = 0
@@ -128,27 +130,45 @@ class Trainer:
                 eval_rows = build_rows(d.dataset, split="eval", num_samples=d.num_eval_samples, **common)
             else:  # tokenized and packed once, read from disk (Note [Prepared rows])
                 train_rows, eval_rows = load_prepared_rows(
-                    d.dataset, self.tokenizer, d.context_length, dims.cp, d.data_cache_dir, d.data_cache_shared,
+                    spec, self.tokenizer, d.context_length, dims.cp, d.data_cache_dir, d.data_cache_shared,
                     d.num_proc, say=self._say, truncate=d.truncate_documents,
                 )
             # a warm-up is an order: the rows are independent draws, so nothing is lost by not shuffling
             self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed,
                                                shuffle=not warmup_rows)
-        # every rank must run the same number of eval forwards (FSDP collectives): whole global batches only
-        per_step = cfg.data.batch_size * dp_size
-        usable = len(eval_rows) // per_step * per_step
-        if usable == 0:
-            raise ValueError(
-                f"{len(eval_rows)} eval rows are fewer than one global batch ({per_step}); "
-                "raise --num_eval_samples or lower --batch_size"
-            )
-        self.eval_batches = RowBatches(eval_rows, range(dp_rank, usable, dp_size), cfg.data.batch_size)
+        self.eval_batches = self._eval_batches(eval_rows, dp_rank, dp_size)
         if d.streaming:  # a stream's length is unknown: --max_steps is required (config.validate)
             self.total_steps = cfg.max_steps
             return
         micro_per_epoch = self.loader.steps_per_epoch
         steps_per_epoch = max(1, micro_per_epoch // cfg.optim.gradient_accumulation_steps)
         self.total_steps = cfg.max_steps or steps_per_epoch * cfg.num_epochs
+
+    def _eval_batches(self, eval_rows, dp_rank: int, dp_size: int):
+        """This rank's share of the first --num_eval_samples eval rows, in whole global batches
+        (every rank must run the same number of eval forwards: FSDP collectives); None when the
+        data has no eval set (--eval_fraction 0, no eval split, no --eval_dataset)."""
+        from llama_cp.data.row_files import RowBatches
+
+        d = self.cfg.data
+        if len(eval_rows) == 0:
+            self._say("no eval set: --eval_fraction 0, no eval split and no --eval_dataset, so nothing is evaluated")
+            return None
+        per_step = d.batch_size * dp_size
+        usable = min(len(eval_rows), d.num_eval_samples) // per_step * per_step
+        if usable == 0:
+            raise ValueError(
+                f"{min(len(eval_rows), d.num_eval_samples)} eval rows are fewer than one global batch ({per_step}); "
+                "raise --num_eval_samples or lower --batch_size" + (" (or give more eval data)" if
+                                                                   len(eval_rows) < per_step else "")
+            )
+        if d.dataset != "passkey":
+            where = (f"--eval_dataset {d.eval_dataset!r}" if d.eval_dataset else
+                     f"each source's validation/test split, else {d.eval_fraction:g} of its documents held out "
+                     f"at random (--eval_fraction, --seed {self.cfg.seed})")
+            self._say(f"eval: {usable} of {len(eval_rows)} rows of {d.context_length} tokens (--num_eval_samples "
+                      f"{d.num_eval_samples}), from {where}")
+        return RowBatches(eval_rows, range(dp_rank, usable, dp_size), d.batch_size)
 
     def _start_schedule(self, step: int) -> None:
         """The lr schedule (and weight decay) of this run's flags, at ``step``: a resumed optimizer
@@ -222,6 +242,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out loss, and for the passkey task the exact-match accuracy of the answer (from the
         loss's own logit chunks: no full logits either way)."""
+        if self.eval_batches is None:
+            return {}
         passkey = self.cfg.data.dataset == "passkey"
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct_rows = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -4,6 +4,7 @@ import json
 import random
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from tokenizers import pre_tokenizers
@@ -301,10 +302,15 @@ def test_local_files_and_directories_load_in_every_format(tokenizer, tmp_path):
         train = build_rows(str(tmp_path / source), tokenizer, 64, cp=2, split="train")
         evaluation = build_rows(str(tmp_path / source), tokenizer, 64, cp=2, split="eval")
         train_text, eval_text = row_text(train, tokenizer), row_text(evaluation, tokenizer)
-        # 5% of 20 documents: the last one is held out for eval
-        assert train_text.count("<|bos|>document") == 19 and "document 19" not in train_text, source
-        assert eval_text.startswith("<|bos|>document 19 " + "x" * 19 + "<|eos|>"), source
+        # 5% of 20 documents: one, drawn with the seed (not the tail), is held out for eval
+        held = int(np.random.default_rng(0).choice(20, 1, replace=False)[0])
+        assert train_text.count("<|bos|>document") == 19 and f"document {held:02d}" not in train_text, source
+        assert eval_text.startswith(f"<|bos|>document {held:02d} " + "x" * held + "<|eos|>"), source
         assert len(evaluation) == 1 and all(row["input_ids"].shape == (64,) for row in train + evaluation)
+    assert held != 19  # the old hold-out was the last document
+    # another seed holds out another document; the held-out one is never trained on
+    other = row_text(build_rows(str(tmp_path / "data.jsonl"), tokenizer, 64, split="eval", seed=3), tokenizer)
+    assert other.split("<|eos|>")[0] != eval_text.split("<|eos|>")[0]
 
 
 def test_text_file_is_one_document_and_eval_is_its_tail(tokenizer, tmp_path):

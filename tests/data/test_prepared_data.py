@@ -1,23 +1,32 @@
 """Prepared rows (tokenized and packed once, read from disk) and --streaming, against build_rows."""
 
+import hashlib
 import json
 import os
 import random
+import re
+import time
 
+import pyarrow as pa
 import pytest
 import torch
 
 from llama_cp.config import TrainConfig
 from llama_cp.data.formats import tokenize_example
 from llama_cp.data.loader import DistributedRowLoader, build_rows
+from llama_cp.data.mixture import DataSpec
 from llama_cp.data.packing import pack_documents
+from dist_harness import map_in_processes
 from llama_cp.data.prepared import (
+    DamagedRowsError,
     PreparedRows,
+    _host,
     RowBatches,
     cache_key,
     key_hash,
     load_prepared_rows,
     prepare_dataset,
+    summary_lines,
 )
 from llama_cp.data.streaming import EVAL_EVERY, StreamingRowLoader, streaming_eval_rows
 from llama_cp.data.tokenizer import byte_tokenizer
@@ -77,21 +86,29 @@ def test_prepared_rows_and_batches_equal_build_rows_and_resume_alike(tokenizer, 
 
 
 def test_summary_counts_documents_tokens_padding_and_splits(tokenizer, tmp_path):
-    dataset = tmp_path / "three.jsonl"  # train: two documents (the third is held out for eval)
-    dataset.write_text(json.dumps({"text": "a" * 100}) + "\n" + json.dumps({"text": "b" * 10}) + "\n"
-                       + json.dumps({"text": "c"}) + "\n")
-    _, summary = prepare_dataset(str(dataset), tokenizer, 64, cache_dir=str(tmp_path / "cache"))
+    dataset = tmp_path / "two.jsonl"  # train: two documents; eval: --eval_dataset's one
+    dataset.write_text(json.dumps({"text": "a" * 100}) + "\n" + json.dumps({"text": "b" * 10}) + "\n")
+    (tmp_path / "dev.jsonl").write_text(json.dumps({"text": "c"}) + "\n")
+    spec = DataSpec(str(dataset), eval_dataset=str(tmp_path / "dev.jsonl"))
+    _, summary = prepare_dataset(spec, tokenizer, 64, cache_dir=str(tmp_path / "cache"))
+    counts = ("documents", "rows", "tokens", "padding_fraction", "split_documents", "truncated_documents", "formats")
     # 102 + 12 tokens (bos ... eos) in 2 rows of 64: 14 padding tokens; the first document crosses a row end
-    assert summary["train"] == {"documents": 2, "rows": 2, "tokens": 114, "padding_fraction": round(14 / 128, 6),
-                                "split_documents": 1, "truncated_documents": 0}
-    assert summary["eval"] == {"documents": 1, "rows": 1, "tokens": 3, "padding_fraction": round(61 / 64, 6),
-                               "split_documents": 0, "truncated_documents": 0}
+    assert {key: summary["train"][key] for key in counts} == {
+        "documents": 2, "rows": 2, "tokens": 114, "padding_fraction": round(14 / 128, 6), "split_documents": 1,
+        "truncated_documents": 0, "formats": {"text": 2}}
+    assert {key: summary["eval"][key] for key in counts} == {
+        "documents": 1, "rows": 1, "tokens": 3, "padding_fraction": round(61 / 64, 6), "split_documents": 0,
+        "truncated_documents": 0, "formats": {"text": 1}}
+    assert summary_lines(summary, 64)[0] == (
+        "train: 2 documents (text 2) -> 2 rows of 64 tokens, 114 tokens, padding 10.94%, 1 documents split over "
+        "rows, 0 truncated")
     # --truncate_documents: the first document keeps its first 64 tokens, the second starts the next row
-    directory, summary = prepare_dataset(str(dataset), tokenizer, 64, cache_dir=str(tmp_path / "cache"), truncate=True)
-    assert summary["train"] == {"documents": 2, "rows": 2, "tokens": 76, "padding_fraction": round(52 / 128, 6),
-                                "split_documents": 0, "truncated_documents": 1}
+    directory, summary = prepare_dataset(spec, tokenizer, 64, cache_dir=str(tmp_path / "cache"), truncate=True)
+    assert {key: summary["train"][key] for key in counts} == {
+        "documents": 2, "rows": 2, "tokens": 76, "padding_fraction": round(52 / 128, 6), "split_documents": 0,
+        "truncated_documents": 1, "formats": {"text": 2}}
     rows = PreparedRows(directory / "train.arrow")
-    assert_rows_equal(build_rows(str(dataset), tokenizer, 64, truncate=True), rows)
+    assert_rows_equal(build_rows(spec, tokenizer, 64, truncate=True), rows)
     assert rows[0]["input_ids"].tolist() == [tokenizer.bos_token_id] + [ord("a")] * 63
     assert rows[0]["labels"].tolist() == [ord("a")] * 63 + [-100]  # its eos is gone: the last token has no target
     assert rows[1]["input_ids"][:13].tolist() == [tokenizer.bos_token_id] + [ord("b")] * 10 + [tokenizer.eos_token_id, 256]
@@ -153,6 +170,177 @@ def test_load_prepared_rows_in_one_process_and_bad_data_errors(tokenizer, tmp_pa
     assert sorted(os.listdir(tmp_path / "cache")) == [train.path.split(os.sep)[-2]]  # the failed one left nothing
 
 
+# ----------------------------------------------------------------------------- checks and the lock
+
+
+def prepared_texts(tokenizer, tmp_path, count=30):
+    """(the dataset, the cache, the prepared directory) of ``count`` texts in rows of 64 tokens."""
+    dataset, cache = write_texts(tmp_path / "texts.jsonl", count=count), str(tmp_path / "cache")
+    directory, _ = prepare_dataset(dataset, tokenizer, 64, cache_dir=cache)
+    return dataset, cache, directory
+
+
+def damage_message(directory, problem):
+    """The start of a DamagedRowsError's message, as a regex: the directory, ``problem`` (a regex), the fix."""
+    where = re.escape(str(directory))
+    return rf"^prepared rows {where}: {problem}: delete {where} and run again \(or recipes\.prepare_data\)"
+
+
+def read_or_raise(rows, expected, path, indices=None):
+    """Read the rows of ``indices`` (default: all) of ``rows``: each equals ``expected``'s, or raises
+    naming its file and index. Returns the indices that raised."""
+    raised = []
+    for index in range(len(expected)) if indices is None else indices:
+        try:
+            row = rows[index]
+        except DamagedRowsError as error:
+            assert re.match(damage_message(path.parent, rf"row {index} of {path.name} (differs from its checksum|"
+                                                        r"cannot be read \(.*\))"), str(error)), str(error)
+            raised.append(index)
+        else:
+            assert_rows_equal([expected[index]], [row])
+    return raised
+
+
+def row_messages(data):
+    """[start, end) in the bytes ``data`` of an Arrow file of each record batch's message (row)."""
+    source = pa.BufferReader(data)
+    source.seek(8)  # the magic "ARROW1" and its padding; then the schema, the batches, the footer
+    messages, reader, start = [], pa.ipc.MessageReader.open_stream(source), 8
+    for message in iter(reader.read_next_message, None):
+        if message.type == "record batch":
+            messages.append((start, source.tell()))
+        start = source.tell()
+        if start >= len(data) - 16:
+            break
+    return messages
+
+
+def test_damaged_bytes_in_a_row_raise_when_it_is_read_and_never_give_other_rows(tokenizer, tmp_path):
+    dataset, _, directory = prepared_texts(tokenizer, tmp_path)
+    expected, path = build_rows(dataset, tokenizer, 64), directory / "train.arrow"
+    original = path.read_bytes()
+    messages = row_messages(original)
+    assert len(messages) == len(expected)
+    # random bytes over 4 of one row's tokens, in the middle of the file: that row raises, naming the file
+    # and the row; every other row reads as written
+    row = len(expected) // 2
+    tokens = expected[row]["input_ids"].numpy().astype("<i4").tobytes()
+    assert original.count(tokens) == 1
+    at, rng = original.index(tokens) + 64, random.Random(0)
+    path.write_bytes(original[:at] + bytes(b ^ rng.randrange(1, 256) for b in original[at : at + 16])
+                     + original[at + 16 :])
+    assert read_or_raise(PreparedRows(path), expected, path) == [row]
+    # each byte of that row's message changed in turn (its metadata, buffers, Arrow's padding), and a few
+    # of its neighbours': the row holding the byte reads as written or raises, the others read as written.
+    # A byte of the row's tokens always raises.
+    tokens_at = range(original.index(tokens), original.index(tokens) + len(tokens))
+    start, end = messages[row]
+    for at in range(start - 8, end + 8):
+        path.write_bytes(original[:at] + bytes([original[at] ^ 0x5A]) + original[at + 1 :])
+        holder = next(index for index, (first, last) in enumerate(messages) if first <= at < last)
+        raised = read_or_raise(PreparedRows(path), expected, path, (row - 1, row, row + 1))
+        assert raised == [row] if at in tokens_at else raised in ([], [holder])
+
+
+def test_a_truncated_or_unreadable_file_is_refused_and_prepared_anew(tokenizer, tmp_path):
+    dataset, cache, directory = prepared_texts(tokenizer, tmp_path)
+    path, expected = directory / "train.arrow", build_rows(dataset, tokenizer, 64)
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes()[: size // 2])
+    with pytest.raises(DamagedRowsError, match=damage_message(directory, rf"train\.arrow is {size // 2} bytes, "
+                                                                         rf"its summary says {size}")):
+        PreparedRows(path)
+    # a stale temporary directory of a killed preparer on this node is removed, another node's is left
+    key = directory.name
+    for stale in (f".{key}.tmp-{_host()}-killed", f".{key}.tmp-othernode-alive"):
+        os.makedirs(os.path.join(cache, stale, "train.arrow.tmp"))
+    said = []
+    again, summary = prepare_dataset(dataset, tokenizer, 64, cache_dir=cache, say=said.append)
+    assert again == directory and not summary["reused"]
+    assert said == [(f"prepared rows {directory}: train.arrow is {size // 2} bytes, its summary says {size}: "
+                     "removed, preparing anew")]
+    assert_rows_equal(expected, PreparedRows(path))
+    assert sorted(os.listdir(cache)) == sorted([f".{key}.tmp-othernode-alive", key])  # no lock file either
+    # the same size, the footer overwritten: refused in one line naming the file, not Arrow's bare error
+    original = path.read_bytes()
+    path.write_bytes(original[:-64] + bytes(64))
+    with pytest.raises(DamagedRowsError, match=damage_message(directory, r"train\.arrow cannot be opened \(.+\)")):
+        PreparedRows(path)
+    train, _ = load_prepared_rows(dataset, tokenizer, 64, 1, cache_dir=cache, say=said.append)
+    assert [line for line in said if line.startswith(f"prepared rows {directory}: train.arrow cannot be opened (")]
+    assert_rows_equal(expected, train)
+
+
+def test_missing_or_mismatched_rowsums_and_summary_are_caught(tokenizer, tmp_path):
+    dataset, cache, directory = prepared_texts(tokenizer, tmp_path)
+    summary_path, rowsums = directory / "summary.json", directory / "train.rowsums"
+    summary, digests = json.loads(summary_path.read_text()), rowsums.read_bytes()
+    rows = summary["checks"]["train"]["rows"]
+    assert rows == summary["train"]["rows"] and len(digests) == 8 * rows
+
+    def refused(problem, split="train"):
+        with pytest.raises(DamagedRowsError, match=damage_message(directory, problem)):
+            PreparedRows(directory / f"{split}.arrow")
+
+    (directory / "eval.rowsums").rename(directory / "eval.rowsums.away")
+    refused(r"eval\.rowsums is missing", "eval")
+    (directory / "eval.rowsums.away").rename(directory / "eval.rowsums")
+    rowsums.write_bytes(digests[:8] + bytes([digests[8] ^ 1]) + digests[9:])
+    refused(r"train\.rowsums differs from its sha256 in the summary")
+    rowsums.write_bytes(digests)
+
+    def summarise(change):
+        changed = json.loads(json.dumps(summary))
+        change(changed)
+        summary_path.write_text(json.dumps(changed))
+
+    summarise(lambda s: s["checks"]["train"].update(rows=rows + 1))
+    refused(rf"train\.arrow holds {rows} rows, its summary says {rows + 1}")
+    rowsums.write_bytes(digests[:-8])  # a digest short, the summary's sha256 its own
+    summarise(lambda s: s["checks"]["train"].update(rowsums_sha256=hashlib.sha256(digests[:-8]).hexdigest()))
+    refused(rf"train\.rowsums holds {rows - 1} digests for {rows} rows")
+    rowsums.write_bytes(digests)
+    summarise(lambda s: s.pop("checks"))  # a summary without checks (written before them)
+    refused(r"summary\.json has no checks for train\.arrow")
+    summary_path.unlink()
+    refused(r"summary\.json is missing")
+    # the preparer never reuses such a directory: it says so and prepares anew
+    said = []
+    again, prepared = prepare_dataset(dataset, tokenizer, 64, cache_dir=cache, say=said.append)
+    assert again == directory and not prepared["reused"]
+    assert said == [f"prepared rows {directory}: summary.json is missing: removed, preparing anew"]
+    assert json.loads(summary_path.read_text())["checks"] == summary["checks"]  # the same rows again
+    assert_rows_equal(build_rows(dataset, tokenizer, 64), PreparedRows(directory / "train.arrow"))
+
+
+def prepare_at_once(job):
+    """One of two preparers (test_two_preparers_...): it waits until both have started, then prepares."""
+    dataset, cache, started, index = job
+    open(os.path.join(started, str(index)), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(started)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    said = []
+    directory, summary = prepare_dataset(dataset, byte_tokenizer(), 64, cache_dir=cache, say=said.append)
+    return str(directory), summary["reused"], said
+
+
+def test_two_preparers_of_one_key_at_once_prepare_it_once(tokenizer, tmp_path):
+    dataset, cache, started = write_texts(tmp_path / "texts.jsonl", count=40), str(tmp_path / "cache"), tmp_path / "go"
+    started.mkdir()
+    results = map_in_processes(prepare_at_once, [(dataset, cache, str(started), index) for index in range(2)])
+    (directory, *others), reused, said = zip(*results)
+    assert set(others) == {directory}
+    # one prepared; the other waited on the lock (unless it came after the first had finished), then reused
+    assert sorted(reused) == [False, True] and said[reused.index(False)] == []
+    lock = f"{cache}/.{os.path.basename(directory)}.lock"
+    assert said[reused.index(True)] in ([], [f"waiting for another preparer of {directory} (it holds {lock})"])
+    assert os.listdir(cache) == [os.path.basename(directory)]  # no temporary directory, no lock file
+    for split in ("train", "eval"):
+        assert_rows_equal(build_rows(dataset, tokenizer, 64, split=split), PreparedRows(f"{directory}/{split}.arrow"))
+
+
 def test_prepare_data_recipe_prints_a_summary_and_reuses_the_cache(tmp_path, capsys):
     from llama_cp.train.cli import run_cli
     from recipes import prepare_data
@@ -164,7 +352,8 @@ def test_prepare_data_recipe_prints_a_summary_and_reuses_the_cache(tmp_path, cap
     run_cli(prepare_data.main, usage="x", argv=argv)
     out = capsys.readouterr().out
     assert "prepared: " in out
-    assert ("train: 2 documents -> 2 rows of 64 tokens, 114 tokens, padding 10.94%, "
+    # the seed's hold-out is the third document here
+    assert ("train: 2 documents (text 2) -> 2 rows of 64 tokens, 114 tokens, padding 10.94%, "
             "1 documents split over rows, 0 truncated") in out
     run_cli(prepare_data.main, usage="x", argv=argv)
     assert "already prepared, reused: " in capsys.readouterr().out

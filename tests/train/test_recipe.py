@@ -5,6 +5,7 @@ in one world-1 gloo process group (dist_harness), like a notebook would.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -438,6 +439,76 @@ def packed_chat_rows_train_with_document_masks_by_default():
         want = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100).item()
         assert abs(losses[True] - want) <= 1e-5 * want, (losses, want)
         assert abs(losses[False] - want) > 1e-3, (losses, want)
+
+
+def _write_rows(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return path
+
+
+def _data_run(out, **flags):
+    """Train 2 steps on ``flags``' data; (the last metrics row, what the run said, the trainer)."""
+    from llama_cp import Trainer
+
+    said = []
+    trainer = Trainer(_config(out, max_steps=2, data_cache_dir=os.path.join(out, "cache"), **flags))
+    trainer._say = said.append
+    row = trainer.fit()
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and all(math.isfinite(r["loss"]) for r in read_metrics(out))
+    return row, said, trainer
+
+
+@checks.add
+def every_data_format_source_mixture_and_eval_option_trains_end_to_end():
+    """A run on each kind of data the README lists: a weighted mixture of five formats (one with
+    mapped columns), a hub-style repository read by config and split, an --eval_dataset, a
+    held-out --eval_fraction, none, and a streamed mixture; each trains 2 steps."""
+    with tempfile.TemporaryDirectory() as root:
+        chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+        sources = {
+            "notes.jsonl:text=body": [{"body": f"note {i} " * 20} for i in range(40)],
+            "qa.jsonl": [{"prompt": f"q{i}?", "completion": f"a{i}"} for i in range(40)],
+            "turns.jsonl": [{"prompt": chat[:1], "completion": chat[1:]} for _ in range(40)],
+            "chat.jsonl": [{"messages": chat} for _ in range(40)],
+            "alpaca.jsonl": [{"instruction": "Echo.", "input": f"{i}", "output": f"{i}"} for i in range(40)],
+        }
+        mixture = ",".join(f"{_write_rows(os.path.join(root, name.split(':')[0]), rows)}"
+                           f"{name[len(name.split(':')[0]):]}:0.2" for name, rows in sources.items())
+        repo = os.path.join(root, "repo")
+        for config in ("en", "fr"):
+            os.makedirs(os.path.join(repo, config))
+            for split in ("train", "dev"):
+                _write_rows(os.path.join(repo, config, f"{split}.jsonl"),
+                            [{"text": f"{config} {split} {i} " * 10} for i in range(30)])
+        with open(os.path.join(repo, "README.md"), "w") as f:
+            f.write("---\nconfigs:\n" + "".join(
+                f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train.jsonl\n"
+                f"  - split: dev\n    path: {c}/dev.jsonl\n" for c in ("en", "fr")) + "---\n")
+
+        row, said, trainer = _data_run(os.path.join(root, "mix"), dataset=mixture,
+                                       eval_dataset=f"{repo}:config=fr:split=dev", num_eval_samples=2)
+        assert "eval_loss" in row and math.isfinite(row["eval_loss"])
+        assert len(trainer.eval_batches) == 2  # --num_eval_samples rows of the eval set
+        assert any(line.startswith("train mixture: ") for line in said), said
+        summary = next(line for line in said if line.startswith("train: "))
+        for kind in ("text", "prompt_completion", "chat", "instruction"):
+            assert kind in summary, summary
+        assert any(line.startswith(f"eval: 2 of ") and "--eval_dataset" in line for line in said), said
+
+        row, said, trainer = _data_run(os.path.join(root, "repo_run"), dataset=f"{repo}:config=en:split=train",
+                                       eval_fraction=0.2, num_eval_samples=1)
+        texts = "".join(trainer.tokenizer.decode(r["input_ids"]) for r in trainer.loader.rows)
+        assert "en train" in texts and "fr" not in texts and "dev" not in texts
+        assert texts.count("<|bos|>") == 24 and "eval_loss" in row  # 6 of 30 held out
+
+        row, said, _ = _data_run(os.path.join(root, "no_eval"), dataset=f"{repo}:config=en:split=dev",
+                                 eval_fraction=0)
+        assert "eval_loss" not in row and any(line.startswith("no eval set") for line in said), said
+
+        row, said, _ = _data_run(os.path.join(root, "stream"), dataset=mixture, streaming=True,
+                                 eval_dataset=f"{repo}:config=fr:split=dev", num_eval_samples=1)
+        assert "eval_loss" in row
 
 
 def _nan_at(bad_steps):
