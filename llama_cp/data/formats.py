@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from llama_cp.data.chat import ChatRenderError, chat_segments
 from llama_cp.data.packing import Document, _eos_id
 from llama_cp.data.passkey import passkey_document
@@ -143,19 +145,26 @@ def prompt_completion_segments(prompt: Any, completion: Any, tokenizer: PreTrain
     )
 
 
+# Note [Encoding the whole text]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A document's segments (prompt, completion, a chat's turns) are encoded as one
+# text, as the model will see it at inference, and each token is trained when its
+# first character lies in a trained segment; encoding the segments one by one
+# would give other tokens where they meet (SentencePiece tokenizers start every
+# piece with a word boundary, "▁"; a BPE merge may span the border), so the model
+# would be trained on token sequences it never meets. Where the tokenizer gives no
+# character offsets (a slow tokenizer), the segments are encoded one by one.
+
+
 def _encode_document(segments: Sequence[tuple[str, bool]], tokenizer: PreTrainedTokenizerBase) -> Document:
-    """Encode (text, trained) segments one by one and close the document with bos / eos.
+    """Encode the (text, trained) segments as one text (Note [Encoding the whole text]) and close
+    the document with bos / eos.
 
     eos is appended unless the text already ends with it (chat templates often
     do) and is trained when the last segment is.
     """
     eos = _eos_id(tokenizer)
-    input_ids: list[int] = []
-    label_mask: list[bool] = []
-    for text, trained in segments:
-        tokens = tokenizer.encode(text, add_special_tokens=False)
-        input_ids += tokens
-        label_mask += [trained] * len(tokens)
+    input_ids, label_mask = _encode_segments(segments, tokenizer)
     bos = tokenizer.bos_token_id
     if bos is not None and input_ids[:1] != [bos]:
         input_ids.insert(0, bos)
@@ -164,4 +173,23 @@ def _encode_document(segments: Sequence[tuple[str, bool]], tokenizer: PreTrained
         input_ids.append(eos)
         label_mask.append(bool(segments) and segments[-1][1])
     label_mask[0] = False  # the first token of a document is never a target: no token of the document precedes it
+    return input_ids, label_mask
+
+
+def _encode_segments(segments: Sequence[tuple[str, bool]], tokenizer: PreTrainedTokenizerBase) -> Document:
+    if len(segments) > 1 and getattr(tokenizer, "is_fast", False):
+        text = "".join(piece for piece, _ in segments)
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        trained_chars = np.zeros(len(text) + 1, dtype=bool)  # (chars + 1,): a token starting at the end is not
+        start = 0
+        for piece, trained in segments:
+            trained_chars[start : start + len(piece)] = trained
+            start += len(piece)
+        return list(encoding["input_ids"]), [bool(trained_chars[first]) for first, _ in encoding["offset_mapping"]]
+    input_ids: list[int] = []
+    label_mask: list[bool] = []
+    for text, trained in segments:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        input_ids += tokens
+        label_mask += [trained] * len(tokens)
     return input_ids, label_mask

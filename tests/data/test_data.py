@@ -101,6 +101,25 @@ def test_chat_trains_only_assistant_turns_with_template(tokenizer):
     assert trained_text(document, tokenizer) == "yo!<|eos|>ciao<|eos|>"  # not the "<|bos|>assistant\n" headers
 
 
+def test_a_document_is_encoded_as_one_text_as_inference_sees_it():
+    """Note [Encoding the whole text]: with a SentencePiece-style tokenizer, encoding the prompt and
+    the completion apart starts the completion with an extra word boundary "▁" and splits the
+    "ab" merge across them; the whole text's tokens are trained from where the completion starts."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, "▁": 2, "a": 3, "b": 4, "x": 5, "y": 6, "ab": 7, "▁x": 8}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b"), ("▁", "x")]))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    assert tokenizer.encode("xa", add_special_tokens=False) + tokenizer.encode("by", add_special_tokens=False) == \
+        [8, 3, 2, 4, 6]  # apart: "▁x a" + "▁ b y"
+    input_ids, label_mask = tokenize_example({"prompt": "xa", "completion": "by"}, tokenizer)
+    assert input_ids == [0, 8, 7, 6, 1]  # <s> ▁x ab y </s>: the text's own tokens
+    assert label_mask == [False, False, False, True, True]  # "ab" starts in the prompt: not trained
+
+
 def test_chat_without_template_is_refused_and_chat_template_names_one(tmp_path):
     """A tokenizer without a chat template used to render chat as ``role: content`` lines and train
     on that, a format no one prompts the model in: refused, naming --chat_template, which sets one."""

@@ -230,15 +230,16 @@ def test_eval_fraction_zero_holds_nothing_out(tokenizer, tmp_path):
 
 def test_a_row_the_template_cannot_render_is_skipped_or_refused(tokenizer, tmp_path):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
-    path = write_jsonl(tmp_path / "chat.jsonl", [good, {"messages": [{"text": "no role"}]}, good, good])
+    broken = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}
+    path = write_jsonl(tmp_path / "chat.jsonl", [good, broken, good, good])
     said = []
     rows = build_rows(DataSpec(str(path), eval_fraction=0), tokenizer, 64, say=said.append)
     assert trained(rows, tokenizer) == "yo<|eos|>" * 3
     assert len(said) == 1 and said[0].startswith(
         f"skipped 1 of 4 rows that could not be rendered (--on_bad_row skip); the first: row 2 of --dataset '{path}': "
-        "chat message 0 must be a")
-    with pytest.raises(ValueError, match=rf"row 2 of --dataset '{path}': chat message 0 .*the tokenizer's chat "
-                                         "template.*--on_bad_row skip to train on the others"):
+        "the chat template cannot render this conversation"), said
+    with pytest.raises(ValueError, match=rf"row 2 of --dataset '{path}': .*cannot render.*\(the tokenizer's chat "
+                                         r"template\); fix the row, or pass --on_bad_row skip to train on the others"):
         build_rows(DataSpec(str(path), eval_fraction=0, on_bad_row="error"), tokenizer, 64)
 
 
