@@ -166,8 +166,8 @@ class Trainer:
             where = (f"--eval_dataset {d.eval_dataset!r}" if d.eval_dataset else
                      f"each source's validation/test split, else {d.eval_fraction:g} of its documents held out "
                      f"at random (--eval_fraction, --seed {self.cfg.seed})")
-            self._say(f"eval: {usable} of {len(eval_rows)} rows of {d.context_length} tokens (--num_eval_samples "
-                      f"{d.num_eval_samples}), from {where}")
+            self._say(f"each eval reads {usable} of {len(eval_rows)} eval rows of {d.context_length} tokens "
+                      f"(--num_eval_samples {d.num_eval_samples}), from {where}")
         return RowBatches(eval_rows, range(dp_rank, usable, dp_size), d.batch_size)
 
     def _start_schedule(self, step: int) -> None:

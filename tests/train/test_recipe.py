@@ -494,7 +494,7 @@ def every_data_format_source_mixture_and_eval_option_trains_end_to_end():
         summary = next(line for line in said if line.startswith("train: "))
         for kind in ("text", "prompt_completion", "chat", "instruction"):
             assert kind in summary, summary
-        assert any(line.startswith("eval: 2 of ") and "--eval_dataset" in line for line in said), said
+        assert any(line.startswith("each eval reads 2 of ") and "--eval_dataset" in line for line in said), said
 
         row, said, trainer = _data_run(os.path.join(root, "repo_run"), dataset=f"{repo}:config=en:split=train",
                                        eval_fraction=0.2, num_eval_samples=1)
