@@ -142,8 +142,12 @@ def _load_local(path: Path, source: Source | None = None) -> datasets.Dataset | 
             raise ValueError(f"{source.flag} {source.name!r}: split={source.split} is not among its splits {held}")
         return loaded[source.split]
     if path.is_dir() and (source.hub_options() or _declares_configs(path)):
+        # datasets keys its Arrow cache of a local repository by the folder's name and card, not by the
+        # files' content: another folder of that name, or edited files, would read the old rows (and
+        # fail the split sizes it recorded for them). Converted anew each time, unchecked against those.
         with _quiet_datasets():
-            return datasets.load_dataset(str(path), **source.hub_options())
+            return datasets.load_dataset(str(path), download_mode="force_redownload", verification_mode="no_checks",
+                                         **source.hub_options())
     builder, files = local_files(path)
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
