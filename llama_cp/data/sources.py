@@ -142,12 +142,8 @@ def _load_local(path: Path, source: Source | None = None) -> datasets.Dataset | 
             raise ValueError(f"{source.flag} {source.name!r}: split={source.split} is not among its splits {held}")
         return loaded[source.split]
     if path.is_dir() and (source.hub_options() or _declares_configs(path)):
-        # datasets keys its Arrow cache of a local repository by the folder's name and card, not by the
-        # files' content: another folder of that name, or edited files, would read the old rows (and
-        # fail the split sizes it recorded for them). Converted anew each time, unchecked against those.
         with _quiet_datasets():
-            return datasets.load_dataset(str(path), download_mode="force_redownload", verification_mode="no_checks",
-                                         **source.hub_options())
+            return datasets.load_dataset(str(path), cache_dir=_private_cache(), **source.hub_options())
     builder, files = local_files(path)
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
@@ -162,6 +158,26 @@ def _load_local(path: Path, source: Source | None = None) -> datasets.Dataset | 
         raise ValueError(f"{source.flag} {source.name!r}: a file's rows are one split, 'train'; "
                          f"split={source.split} applies to dataset directories and hub datasets")
     return loaded
+
+
+def _private_cache() -> str:
+    """A new cache directory for one load of a local dataset repository, removed at exit.
+
+    datasets keys its cache of a local repository by the folder's name and card, not by the
+    files: a second folder of that name (or the files edited) reads the first one's rows, or
+    fails on the features and split sizes it recorded for them, even with
+    ``download_mode="force_redownload"`` (datasets 5.2). A directory of its own per load
+    cannot be stale; it lives until the process ends, since ``map(num_proc=N)`` reopens the
+    Arrow files in its workers."""
+    import atexit
+    import shutil
+    import tempfile
+
+    root = Path(datasets.config.HF_DATASETS_CACHE) / "llama_cp" / ".local-repositories"
+    root.mkdir(parents=True, exist_ok=True)
+    directory = tempfile.mkdtemp(dir=root)
+    atexit.register(shutil.rmtree, directory, True)
+    return directory
 
 
 def is_saved_dataset(path: Path) -> bool:

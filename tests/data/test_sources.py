@@ -161,16 +161,18 @@ def test_configs_splits_and_data_files_pick_the_rows(tokenizer, repository):
 
 def test_two_repositories_of_one_name_are_read_apart(tokenizer, repository, tmp_path):
     """datasets caches a local repository's rows under its folder name and card: a second
-    folder named alike (or the same folder's files edited) read the first one's rows."""
+    folder named alike (or the same folder's files edited) read the first one's rows, or
+    failed on the first one's columns (sources._private_cache)."""
     other = tmp_path / "elsewhere" / "repo"
     other.mkdir(parents=True)
     (other / "README.md").write_text((repository / "README.md").read_text())
     for config in ("en", "fr"):
         (other / config).mkdir()
         for split in ("train", "dev"):
-            write_jsonl(other / config / f"{split}.jsonl", [{"body": f"other {i}"} for i in range(3)])
-    for root, want in ((repository, "fr dev 0"), (other, "other 0")):
-        rows = build_rows(DataSpec(f"{root}:config=fr:split=dev:text=body", eval_fraction=0), tokenizer, 64)
+            write_jsonl(other / config / f"{split}.jsonl", [{"text": f"other {i}"} for i in range(3)])
+    for root, want in ((repository, "fr dev 0"), (other, "other 0"), (repository, "fr dev 0")):
+        mapping = ":text=body" if root == repository else ""  # the other's column is text itself
+        rows = build_rows(DataSpec(f"{root}:config=fr:split=dev{mapping}", eval_fraction=0), tokenizer, 64)
         assert documents(rows, tokenizer)[0] == f"<|bos|>{want}<|eos|>"
 
 
