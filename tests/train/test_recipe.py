@@ -496,14 +496,30 @@ def every_data_format_source_mixture_and_eval_option_trains_end_to_end():
             assert kind in summary, summary
         assert any(line.startswith("each eval reads 2 of ") and "--eval_dataset" in line for line in said), said
 
-        row, said, trainer = _data_run(os.path.join(root, "repo_run"), dataset=f"{repo}:config=en:split=train",
-                                       eval_fraction=0.2, num_eval_samples=1)
+        # a hub id with config, split and revision: the hub stands in for the repository above
+        import datasets
+
+        load_dataset, asked = datasets.load_dataset, []
+
+        def hub(path, **options):
+            asked.append((path, dict(options)))
+            options.pop("revision", None)
+            return load_dataset(repo if path == "org/corpus" else path, **options)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(datasets, "load_dataset", hub)
+            row, said, trainer = _data_run(os.path.join(root, "repo_run"),
+                                           dataset="org/corpus:config=en:split=train:revision=v1.0",
+                                           eval_fraction=0.2, num_eval_samples=1)
+        assert ("org/corpus", {"streaming": False, "name": "en", "split": "train", "revision": "v1.0"}) in asked, asked
         texts = "".join(trainer.tokenizer.decode(r["input_ids"]) for r in trainer.loader.rows)
         assert "en train" in texts and "fr" not in texts and "dev" not in texts
         assert texts.count("<|bos|>") == 24 and "eval_loss" in row  # 6 of 30 held out
 
-        row, said, _ = _data_run(os.path.join(root, "no_eval"), dataset=f"{repo}:config=en:split=dev",
-                                 eval_fraction=0)
+        row, said, trainer = _data_run(os.path.join(root, "no_eval"), dataset=f"{repo}:data_files=fr/dev.jsonl",
+                                       eval_fraction=0)
+        texts = "".join(trainer.tokenizer.decode(r["input_ids"]) for r in trainer.loader.rows)
+        assert texts.count("<|bos|>") == 30 and "fr dev" in texts and "en " not in texts
         assert "eval_loss" not in row and any(line.startswith("no eval set") for line in said), said
 
         row, said, _ = _data_run(os.path.join(root, "stream"), dataset=mixture, streaming=True,
