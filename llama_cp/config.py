@@ -140,7 +140,7 @@ class DataConfig:
     eval_dataset: str = ""
     """The eval set, any source(s) --dataset accepts, all of its rows (its split=, else its validation/test split); nothing is held out of training. "" = each source's validation/test split, else an --eval_fraction hold-out."""
     eval_fraction: float = 0.05
-    """Share of each source's documents held out for eval, drawn at random with --seed, when it has no eval split and no --eval_dataset is given; 0 = no hold-out and no eval."""
+    """Share of each source's documents held out for eval, drawn at random with --seed, when it has no eval split and no --eval_dataset is given (--streaming holds out every 20th document); 0 = no hold-out (a source's own validation split is still evaluated)."""
     on_bad_row: Literal["skip", "error"] = "skip"
     """A row that cannot be rendered or masked (a chat template error, an assistant turn not found): skip it (counted and the first ones named in the log) or stop with its row number."""
     chat_template: str = ""
@@ -325,6 +325,9 @@ class TrainConfig:
         if self.data.eval_dataset:
             if self.data.dataset == PASSKEY:
                 raise ValueError("--eval_dataset needs a file or hub --dataset: the passkey task makes its own eval rows")
+            if PASSKEY in (source.path for source in parse_sources(self.data.eval_dataset, "--eval_dataset")):
+                raise ValueError("--eval_dataset passkey: the passkey task evaluates itself with --dataset passkey; "
+                                 "give a file or hub dataset")
             check_sources(parse_sources(self.data.eval_dataset, "--eval_dataset", self.data.dataset_columns))
         if not 0 <= self.data.eval_fraction < 1:
             raise ValueError(f"--eval_fraction {self.data.eval_fraction}: give a share of the documents in [0, 1)")

@@ -63,7 +63,10 @@ def check_required_values(examples: datasets.Dataset, dataset: str, flag: str = 
     numbers count from 1 over the loaded rows (a JSONL file's lines, blank lines aside)."""
     import pyarrow.compute as pc
 
-    kind = detect_format(examples.column_names)
+    try:
+        kind = detect_format(examples.column_names)
+    except ValueError as error:
+        raise ValueError(f"{flag} {dataset!r}: {error}") from None
     for column in REQUIRED_COLUMNS.get(kind, ()):
         values = examples.data.column(column)
         if values.null_count == 0:
@@ -92,7 +95,7 @@ def detect_format(columns: Iterable[str]) -> str:
     if {"passkey", "depth"} <= columns:
         return "passkey"
     raise ValueError(
-        f"--dataset rows have columns {sorted(columns)}, which match none of the accepted formats: "
+        f"rows have columns {sorted(columns)}, which match none of the accepted formats: "
         + "; ".join(ACCEPTED_FORMATS)
         + " (--dataset_columns text=COLUMN, or a source's :text=COLUMN, reads a format's column from another)"
     )

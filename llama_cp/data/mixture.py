@@ -89,6 +89,7 @@ _DRAWS_PER_BLOCK = 1 << 16
 def _draws(weights: Sequence[float], seed: int) -> Iterator[np.ndarray]:
     """Blocks of source indices drawn with probabilities ``weights / sum(weights)``."""
     p = np.asarray(weights, dtype=np.float64)
+    p = p / p.max()  # first: a sum of huge weights would overflow
     generator = np.random.default_rng(seed)
     while True:
         yield generator.choice(len(p), size=_DRAWS_PER_BLOCK, p=p / p.sum())

@@ -70,7 +70,8 @@ def dataset_fingerprint(source: Source | str) -> dict[str, Any]:
     path = Path(source.path).expanduser()
     if path.exists():
         if is_saved_dataset(path) or source.hub_options() or path.is_dir() and (path / "README.md").exists():
-            files = sorted(file for file in path.rglob("*") if file.is_file())
+            files = sorted(file for file in path.rglob("*") if file.is_file()  # not .git/ and the like
+                           and not any(part.startswith(".") for part in file.relative_to(path).parts))
         else:
             files = local_files(path)[1]
         return {"files": [[str(file.absolute()), file.stat().st_size, file.stat().st_mtime_ns] for file in files]}
@@ -334,9 +335,11 @@ def _prepare_split(
         write(None)
     bar.close()
     if not packer.trainable and not (split == "eval" and len(documents) == 0):  # no eval set: an empty file
+        skipped = (f"; {skipped_rows_line(seen['skipped_rows'], sum(x['documents'] for x in seen['sources']), seen['bad_rows'])}"
+                   if seen["skipped_rows"] else "")
         raise ValueError(
             f"--dataset {spec.dataset!r} ({split} split): no usable text: the documents hold no trainable token "
-            "(every label would be -100)"
+            f"(every label would be -100){skipped}"
         )
     os.rename(work / f"{split}.arrow.tmp", work / f"{split}.arrow")
     del documents, tokenized

@@ -78,10 +78,15 @@ def load_source(source: Source, part: str, seed: int = 0, eval_fraction: float =
     if source.columns:
         loaded = _map_columns(loaded, source)
     pieces = dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"": loaded}
-    for name, piece in pieces.items():
+    for name in _used_splits(loaded, part):  # only what is read: another split may hold other columns
+        piece, where = pieces[name], f"{source.name} (split {name})" if name else source.name
         if len(piece) == 0:
-            raise ValueError(f"{source.flag} {source.name!r} is empty: it holds no rows")
-        check_required_values(piece, source.name, source.flag)  # also fails on unusable columns, before tokenizing
+            raise ValueError(f"{source.flag} {where!r} is empty: it holds no rows")
+        check_required_values(piece, where, source.flag)  # also fails on unusable columns, before tokenizing
+        for column in ("prompt", "completion", "messages"):
+            if type(piece.features.get(column)).__name__ == "Json":  # datasets >= 4 reads mixed JSON as Json
+                raise ValueError(f"{source.flag} {where!r}: the {column!r} column mixes strings and message lists "
+                                 "across rows; use one form per source (split the file in two)")
         # each example's row number (from 1, in its split) goes along, for messages about the row
         pieces[name] = piece.add_column(ROW_NUMBER, np.arange(1, len(piece) + 1))
     loaded = datasets.DatasetDict(pieces) if isinstance(loaded, datasets.DatasetDict) else pieces[""]
@@ -141,7 +146,7 @@ def _load_local(path: Path, source: Source | None = None) -> datasets.Dataset | 
             held = list(loaded) if isinstance(loaded, datasets.DatasetDict) else ["(one unnamed split)"]
             raise ValueError(f"{source.flag} {source.name!r}: split={source.split} is not among its splits {held}")
         return loaded[source.split]
-    if path.is_dir() and (source.hub_options() or _declares_configs(path)):
+    if path.is_dir() and (source.hub_options() or declares_configs(path)):
         with _quiet_datasets():
             return datasets.load_dataset(str(path), cache_dir=_private_cache(), **source.hub_options())
     builder, files = local_files(path)
@@ -149,10 +154,15 @@ def _load_local(path: Path, source: Source | None = None) -> datasets.Dataset | 
     try:
         with _quiet_datasets():
             loaded = datasets.load_dataset(builder, data_files=[str(file) for file in files], **options)
-    except Exception:
+    except Exception as error:
         if builder == "json":
             for file in files:
                 _check_json_file(file)  # names the file and line when that is what failed
+            told = f"{error} {error.__cause__} {getattr(error.__cause__, '__context__', None)}"
+            if any(words in told for words in ("mix list and non-list", "from array to", "to array in row")):  # datasets 3
+                raise ValueError(f"{source.flag} {source.name!r}: a column mixes strings and lists across rows "
+                                 "(a prompt or completion as text in some, as messages in others); use one form per "
+                                 "source (split the file in two)") from None
         raise
     if source.split not in (None, "train"):
         raise ValueError(f"{source.flag} {source.name!r}: a file's rows are one split, 'train'; "
@@ -185,7 +195,7 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
 
 
-def _declares_configs(path: Path) -> bool:
+def declares_configs(path: Path) -> bool:
     """Whether the directory's dataset card (README.md) declares configs or data files in its
     YAML header, as hub dataset repositories do."""
     card = path / "README.md"
@@ -274,6 +284,17 @@ def _check_json_file(file: Path) -> None:
                 f"--dataset {str(file)!r}: line {number} is not valid JSON ({error.msg}, column {error.colno}): "
                 f"{shown!r}; fix or remove that line"
             ) from None
+
+
+def _used_splits(loaded: datasets.Dataset | datasets.DatasetDict, part: str) -> list[str]:
+    """The names of the splits ``_select_part`` reads ("" for a Dataset)."""
+    if isinstance(loaded, datasets.Dataset):
+        return [""]
+    train_name = "train" if "train" in loaded else next(iter(loaded))
+    eval_name = next((name for name in ("validation", "test") if name in loaded and name != train_name), None)
+    if part == "all":
+        return [eval_name or train_name]
+    return [train_name if part == "train" or eval_name is None else eval_name]
 
 
 def _select_part(loaded: datasets.Dataset | datasets.DatasetDict, part: str, seed: int,

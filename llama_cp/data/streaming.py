@@ -6,6 +6,7 @@ loader; its position goes into the checkpoint, so a resumed run continues with t
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ import torch
 from llama_cp.data.formats import REQUIRED_COLUMNS, detect_format
 from llama_cp.data.mixture import DataSpec, mixed_stream, tokenize_row
 from llama_cp.data.packing import Row, RowPacker, _pad_id, truncate_document
-from llama_cp.data.sources import is_saved_dataset, load_hub_dataset, local_files
+from llama_cp.data.sources import declares_configs, is_saved_dataset, load_hub_dataset, local_files
 from llama_cp.data_flags import Source
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def stream_examples(source: Source | str) -> datasets.IterableDataset:
         if isinstance(loaded, datasets.DatasetDict):
             loaded = loaded[source.split or ("train" if "train" in loaded else next(iter(loaded)))]
         return loaded.to_iterable_dataset()
-    if path.is_dir() and source.hub_options():
+    if path.is_dir() and (source.hub_options() or declares_configs(path)):
         stream = datasets.load_dataset(str(path), streaming=True, **source.hub_options())
     elif path.exists():
         builder, files = local_files(path)
@@ -155,6 +156,7 @@ class StreamingRowLoader:
         self.dataset, self.tokenizer, self.context_length = self.spec.dataset, tokenizer, context_length
         self.batch_size, self.dp_rank, self.dp_size, self.truncate = batch_size, dp_rank, dp_size, truncate
         self.epoch = self.document = self.offset = 0
+        self.skipped = 0  # rows that could not be rendered (--on_bad_row skip)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
@@ -167,7 +169,11 @@ class StreamingRowLoader:
                 if index < start[0]:
                     continue  # before the resumed position: read, not tokenized
                 where = f"document {index} of dp rank {self.dp_rank}'s share of the stream"
-                document, _ = tokenize_row(example, self.tokenizer, where, self.spec)
+                document, reason = tokenize_row(example, self.tokenizer, where, self.spec)
+                if reason is not None:
+                    self.skipped += 1
+                    if self.skipped == 1:  # said once; the count is the loader's
+                        warnings.warn(f"{reason}; such rows are skipped (--on_bad_row skip)", stacklevel=1)
                 if self.truncate:
                     document = truncate_document(document, self.context_length)
                 rows += packer.add(document, start[1] if index == start[0] else 0)

@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -156,6 +157,9 @@ class Trainer:
             return None
         per_step = d.batch_size * dp_size
         usable = min(len(eval_rows), d.num_eval_samples) // per_step * per_step
+        # rows drawn with the seed, not the first ones: a mixture's eval rows come source after source,
+        # and an eval split may be sorted; the same rows at every eval and on every rank
+        chosen = sorted(np.random.default_rng(self.cfg.seed).choice(len(eval_rows), usable, replace=False).tolist())
         if usable == 0:
             raise ValueError(
                 f"{min(len(eval_rows), d.num_eval_samples)} eval rows are fewer than one global batch ({per_step}); "
@@ -167,8 +171,8 @@ class Trainer:
                      f"each source's validation/test split, else {d.eval_fraction:g} of its documents held out "
                      f"at random (--eval_fraction, --seed {self.cfg.seed})")
             self._say(f"each eval reads {usable} of {len(eval_rows)} eval rows of {d.context_length} tokens "
-                      f"(--num_eval_samples {d.num_eval_samples}), from {where}")
-        return RowBatches(eval_rows, range(dp_rank, usable, dp_size), d.batch_size)
+                      f"(--num_eval_samples {d.num_eval_samples}, drawn with --seed), from {where}")
+        return RowBatches(eval_rows, chosen[dp_rank::dp_size], d.batch_size)
 
     def _start_schedule(self, step: int) -> None:
         """The lr schedule (and weight decay) of this run's flags, at ``step``: a resumed optimizer

@@ -276,3 +276,46 @@ def test_a_streamed_mixture_and_eval_dataset(tokenizer, tmp_path, repository):
     evaluation = streaming_eval_rows(spec, tokenizer, 64, num_rows=2)
     assert documents(evaluation, tokenizer)[0] == "<|bos|>en dev 0<|eos|>"
     assert streaming_eval_rows(DataSpec(str(notes), columns="text=body", eval_fraction=0), tokenizer, 64, 2) == []
+
+
+# ----------------------------------------------------------------------------- review: edges
+
+
+def test_sources_edges_name_what_is_wrong(tokenizer, tmp_path, monkeypatch):
+    from llama_cp.data.prepared import prepare_dataset
+
+    # every row skipped: the refusal says why, not only "no usable text"
+    sharegpt = write_jsonl(tmp_path / "sharegpt.jsonl",
+                           [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}] * 4)
+    with pytest.raises(ValueError, match=r"no usable text.*; skipped 4 of 4 rows that could not be rendered.*row 1 of "
+                                         r"--dataset .*sharegpt\.jsonl.*chat message 0 must be a"):
+        prepare_dataset(DataSpec(f"{sharegpt}:messages=conversations", eval_fraction=0), tokenizer, 64,
+                        cache_dir=str(tmp_path / "cache"))
+    # a column of strings in some rows and message lists in others is refused by name, not half-read
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [
+        {"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}]},
+        {"prompt": "3+3=", "completion": "6"}])
+    with pytest.raises(ValueError, match=r"mixed\.jsonl.*mixes strings and"):
+        build_rows(str(mixed), tokenizer, 64)
+    # huge weights are shares like any others
+    assert sorted(mixture_order([3, 3], [1e308, 1e308], seed=0).tolist())[:3] == [0, 1, 2]
+    # a hub dataset's split that is not read may hold other columns
+    hub = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [f"doc {i}" for i in range(20)]}),
+                                "leaderboard": datasets.Dataset.from_dict({"score": [1.0]})})
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, **options: hub)
+    assert len(documents(build_rows("org/corpus", tokenizer, 64), tokenizer)) == 19
+    hub["train"] = datasets.Dataset.from_dict({"body": ["x"] * 4})
+    with pytest.raises(ValueError, match=r"--dataset 'org/corpus \(split train\)': rows have columns \['body'\]"):
+        build_rows("org/corpus", tokenizer, 64)
+
+
+def test_a_streamed_repository_reads_the_split_its_card_names(tokenizer, tmp_path):
+    root = tmp_path / "cloned"
+    root.mkdir()
+    write_jsonl(root / "train.jsonl", [{"text": f"train {i}"} for i in range(30)])
+    write_jsonl(root / "test.jsonl", [{"text": f"TEST {i}"} for i in range(5)])
+    (root / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+                                    "    path: train.jsonl\n  - split: test\n    path: test.jsonl\n---\n")
+    loader = StreamingRowLoader(DataSpec(str(root), eval_fraction=0), tokenizer, 64, batch_size=1)
+    text = tokenizer.decode(torch.cat([batch["input_ids"][0] for batch, _ in zip(loader, range(12))]))
+    assert "train 29" in text and "TEST" not in text

@@ -490,6 +490,7 @@ def every_data_format_source_mixture_and_eval_option_trains_end_to_end():
                                        eval_dataset=f"{repo}:config=fr:split=dev", num_eval_samples=2)
         assert "eval_loss" in row and math.isfinite(row["eval_loss"])
         assert len(trainer.eval_batches) == 2  # --num_eval_samples rows of the eval set
+        assert list(trainer.eval_batches.indices) != [0, 1]  # drawn with the seed, not the first rows
         assert any(line.startswith("train mixture: ") for line in said), said
         summary = next(line for line in said if line.startswith("train: "))
         for kind in ("text", "prompt_completion", "chat", "instruction"):
