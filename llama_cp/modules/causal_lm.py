@@ -23,6 +23,10 @@ EMBEDDED_LLAMA = dict(
     max_position_embeddings=1 << 20,
     rope_theta=500000.0,
     tie_word_embeddings=False,
+    # the embedded byte tokenizer's <|bos|>, <|eos|> (llama_cp/data/tokenizer.py): generate() stops at eos. Its
+    # <|pad|> (256) is set at export only: a pad_token_id here would zero that embedding row (padding_idx)
+    bos_token_id=257,
+    eos_token_id=258,
 )
 
 

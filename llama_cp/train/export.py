@@ -14,6 +14,23 @@ from llama_cp.fsdp_wrap import gather_full_state_dict
 from llama_cp.train.checkpoint import WriteFailed, describe_write_failure
 
 
+def align_special_tokens(model: nn.Module, tokenizer) -> list[str]:
+    """Set the bos / eos / pad ids of the model's config and generation config to the tokenizer's,
+    so that ``generate()`` on the export stops at the eos it was trained to write; an id list
+    that holds the tokenizer's (Llama 3 instruct's eos list) is kept. Returns what changed."""
+    from llama_cp.modules.causal_lm import base_causal_lm
+
+    base, changed = base_causal_lm(model), []
+    for config in filter(None, (base.config, getattr(base, "generation_config", None))):
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            wanted, held = getattr(tokenizer, name, None), getattr(config, name, None)
+            if wanted is None or held == wanted or (isinstance(held, (list, tuple)) and wanted in held):
+                continue
+            setattr(config, name, wanted)
+            changed.append(f"{type(config).__name__}.{name} {held} -> {wanted}")
+    return changed
+
+
 def export_pretrained(model: nn.Module, output_dir: str) -> None:
     """Write an HF ``save_pretrained`` directory of the sharded ``model`` from rank 0,
     into a temporary directory renamed into place, so a half-written export never

@@ -449,8 +449,11 @@ class Trainer:
 
             shutil.rmtree(path)  # the previous export of this output_dir
         dist.barrier()
-        from llama_cp.train.export import export_pretrained
+        from llama_cp.train.export import align_special_tokens, export_pretrained
 
+        changed = align_special_tokens(self.model, self.tokenizer)
+        if changed:
+            self._say(f"exported with the tokenizer's special-token ids: {', '.join(changed)}")
         export_pretrained(self.model, path)
         if self.rank == 0:
             self.tokenizer.save_pretrained(path)

@@ -135,6 +135,29 @@ def test_single_process_run_writes_everything(single_runs):
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(out, "final"))
     assert model.config.vocab_size >= len(tokenizer)
+    # the export's special-token ids are its tokenizer's (they were 1 and 2 against <|bos|> 257, <|eos|> 258):
+    # generate() stops at the eos the model was trained to write
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig.from_pretrained(os.path.join(out, "final"))
+    for config in (model.config, generation):
+        assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == \
+            (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (257, 258, 256)
+
+
+def test_special_token_ids_follow_the_tokenizer_at_export():
+    from transformers import LlamaForCausalLM
+
+    from llama_cp.data.tokenizer import byte_tokenizer
+    from llama_cp.modules.causal_lm import embedded_llama_config
+    from llama_cp.train.export import align_special_tokens
+
+    tokenizer = byte_tokenizer()
+    model = LlamaForCausalLM(embedded_llama_config(bos_token_id=1, eos_token_id=[2, 258], pad_token_id=None))
+    changed = align_special_tokens(model, tokenizer)
+    assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == (257, [2, 258], 256)
+    assert "LlamaConfig.bos_token_id 1 -> 257" in changed and not any("eos" in line for line in changed)
+    assert align_special_tokens(model, tokenizer) == []
 
 
 @pytest.mark.parametrize("flags, reference_batch, launcher", [  # the ring under accelerate, which runs torchrun
