@@ -17,7 +17,8 @@ from llama_cp.train.checkpoint import WriteFailed, describe_write_failure
 def align_special_tokens(model: nn.Module, tokenizer) -> list[str]:
     """Set the bos / eos / pad ids of the model's config and generation config to the tokenizer's,
     so that ``generate()`` on the export stops at the eos it was trained to write; an id list
-    that holds the tokenizer's (Llama 3 instruct's eos list) is kept. Returns what changed."""
+    that holds the tokenizer's (Llama 3 instruct's eos list) is kept. Returns the ids replaced
+    (not those filled in where the config had none)."""
     from llama_cp.modules.causal_lm import base_causal_lm
 
     base, changed = base_causal_lm(model), []
@@ -27,7 +28,8 @@ def align_special_tokens(model: nn.Module, tokenizer) -> list[str]:
             if wanted is None or held == wanted or (isinstance(held, (list, tuple)) and wanted in held):
                 continue
             setattr(config, name, wanted)
-            changed.append(f"{type(config).__name__}.{name} {held} -> {wanted}")
+            if held is not None:  # a missing id filled in is not worth a line
+                changed.append(f"{type(config).__name__}.{name} {held} -> {wanted}")
     return changed
 
 

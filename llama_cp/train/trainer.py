@@ -236,6 +236,17 @@ class Trainer:
     def _forward_backward(self, micro: list[dict[str, torch.Tensor]], num_tokens: int) -> torch.Tensor:
         return forward_backward(self.model, micro, num_tokens, offload=self.cfg.model.activation_offload)
 
+    def _data_position(self, step: int) -> dict[str, float]:
+        """``tokens_seen``: the tokens of the first ``step`` steps (all ranks, padding included);
+        ``epoch``: passes over the training rows so far (a stream: the passes completed)."""
+        d = self.cfg.data
+        per_step = d.context_length * d.batch_size * self.cfg.optim.gradient_accumulation_steps * self.dims.dp
+        if d.streaming:
+            epoch = float(self.loader.epoch)
+        else:
+            epoch = self.loader.epoch + self.loader.batch_index / self.loader.steps_per_epoch
+        return {"tokens_seen": step * per_step, "epoch": round(epoch, 6)}
+
     def _max_over_ranks(self, value: int) -> int:
         """The busiest rank's ``value`` (a peak from :class:`PeakMemory`); a collective."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -317,6 +328,7 @@ class Trainer:
             nonfinite: list[int] = []  # the current run of skipped steps
             saved_step = step if step > 0 else None
             steps_peak = 0  # the largest step peak since the last row that has one
+            losses: list[float] = []  # of the steps since the last row: a row's loss is their mean
             while step < self.total_steps:
                 self._where = f"in step {step + 1}"
                 signals.stop_if_signalled(step, saved_step, self.device, self._save, cfg.output_dir)
@@ -336,11 +348,13 @@ class Trainer:
                         stop_nonfinite(nonfinite, cfg, self.rank)
                     continue
                 last = step == self.total_steps
+                losses.append(row["loss"])
                 if (cfg.eval_every and step % cfg.eval_every == 0) or last:
                     row.update(self.evaluate())
                 if step % cfg.log_every == 0 or last or "eval_loss" in row:
                     row["peak_memory_bytes"] = self._max_over_ranks(steps_peak)  # a collective: only for written rows
-                    steps_peak = 0
+                    row.update(loss=sum(losses) / len(losses), **self._data_position(step))
+                    steps_peak, losses = 0, []
                     self._log(metrics_path, row)
                 if (cfg.save_every and step % cfg.save_every == 0) or last:
                     self._save(step)

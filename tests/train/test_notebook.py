@@ -22,7 +22,7 @@ from llama_cp import launch
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "examples" / "longctx_lora.ipynb"
 ROW_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_gpu", "model_tflops_per_gpu",
-            "peak_memory_bytes", "eval_loss", "passkey_acc"}  # no mfu: a CPU has no peak
+            "peak_memory_bytes", "tokens_seen", "epoch", "eval_loss", "passkey_acc"}  # no mfu: a CPU has no peak
 
 
 

@@ -464,6 +464,24 @@ def packed_chat_rows_train_with_document_masks_by_default():
         assert abs(losses[False] - want) > 1e-3, (losses, want)
 
 
+@checks.add
+def a_row_logs_the_mean_loss_since_the_last_row_tokens_seen_and_epoch():
+    """--log_every 2 logs the mean of the two steps' losses (it logged the second step's alone), the
+    tokens seen so far and the epoch; the same run logged every step gives the values to average."""
+    from llama_cp import Trainer
+
+    with tempfile.TemporaryDirectory() as every, tempfile.TemporaryDirectory() as pairs:
+        Trainer(_config(every, max_steps=4, num_passkey_samples=8)).fit()
+        Trainer(_config(pairs, max_steps=4, num_passkey_samples=8, log_every=2)).fit()
+        each, paired = read_metrics(every), read_metrics(pairs)
+    assert [r["step"] for r in paired] == [2, 4]
+    for row, (a, b) in zip(paired, [each[0:2], each[2:4]], strict=True):
+        assert row["loss"] == pytest.approx((a["loss"] + b["loss"]) / 2, rel=1e-6), (row, a, b)
+        assert row["loss"] != pytest.approx(b["loss"], rel=1e-6)
+    # 256 tokens a step; 8 rows of batch 1 are 8 steps an epoch
+    assert [(r["tokens_seen"], r["epoch"]) for r in each] == [(256, 0.125), (512, 0.25), (768, 0.375), (1024, 0.5)]
+
+
 def _write_rows(path, rows):
     with open(path, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
