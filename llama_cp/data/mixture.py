@@ -115,6 +115,17 @@ def mixture_order(sizes: Sequence[int], weights: Sequence[float] | None, seed: i
             return np.concatenate(order)
 
 
+def mixture_weights(sources: Sequence[Source]) -> list[float] | None:
+    """The sources' weights, or None when they have none (``parse_sources`` allows all or none)."""
+    return None if sources[0].weight is None else [source.weight for source in sources]
+
+
+def documents_taken(order: np.ndarray, sizes: Sequence[int]) -> list[int]:
+    """How many documents of each source a ``mixture_order`` takes."""
+    source = np.searchsorted(np.cumsum(sizes), order, side="right")  # (documents,): the source of each
+    return np.bincount(source, minlength=len(sizes)).tolist()
+
+
 def mixed_stream(streams: Sequence[Iterable], weights: Sequence[float] | None, seed: int) -> Iterator[tuple[int, Any]]:
     """(source index, item) of ``streams`` in mixture order (Note [Mixtures]), the same order as
     ``mixture_order`` gives for streams of known length."""
@@ -181,11 +192,9 @@ def spec_documents(
     if reasons and say is not None:
         say(skipped_rows_line(len(reasons), total, reasons))
     sizes = [len(mine) for mine in documents]
-    weights = None if sources[0].weight is None else [source.weight for source in sources]
+    weights = mixture_weights(sources)
     order = mixture_order(sizes, weights, spec.seed)
     if weights is not None and say is not None:
-        starts = np.cumsum([0, *sizes])
-        counts = [int(((order >= starts[i]) & (order < starts[i + 1])).sum()) for i in range(len(sizes))]
-        say(mixture_line(split, sources, counts, sizes))
+        say(mixture_line(split, sources, documents_taken(order, sizes), sizes))
     flat = [document for mine in documents for document in mine]
     return (flat[index] for index in order.tolist())

@@ -35,7 +35,15 @@ import numpy as np
 import pyarrow as pa
 
 from llama_cp.data.formats import detect_format
-from llama_cp.data.mixture import DataSpec, mixture_line, mixture_order, skipped_rows_line, tokenize_row
+from llama_cp.data.mixture import (
+    DataSpec,
+    documents_taken,
+    mixture_line,
+    mixture_order,
+    mixture_weights,
+    skipped_rows_line,
+    tokenize_row,
+)
 from llama_cp.data.packing import Row, RowPacker, _pad_id, truncate_document
 from llama_cp.data.row_files import (  # noqa: F401 - PreparedRows, RowBatches: the rows read back
     DIGEST_BYTES,
@@ -293,14 +301,12 @@ def _prepare_split(
             seen["skipped_rows"] += len(bad) - bad.null_count
             seen["bad_rows"] += reasons
     sizes = [len(part) for part in tokenized]
-    weights = None if parts[0][0].weight is None else [source.weight for source, _ in parts]
+    weights = mixture_weights([source for source, _ in parts])
     order = mixture_order(sizes, weights, spec.seed)
-    starts = np.cumsum([0, *sizes])
-    for (source, examples), start, end in zip(parts, starts[:-1], starts[1:]):
-        used = int(((order >= start) & (order < end)).sum())
+    for (source, examples), size, used in zip(parts, sizes, documents_taken(order, sizes)):
         kind = detect_format(examples.column_names) if len(examples) else "none"
         seen["formats"][kind] = seen["formats"].get(kind, 0) + used
-        seen["sources"].append({"name": source.name, "documents": int(end - start), "used": used})
+        seen["sources"].append({"name": source.name, "documents": size, "used": used})
     documents = datasets.concatenate_datasets(tokenized) if len(tokenized) > 1 else tokenized[0]
     if weights is not None:
         documents = documents.select(order)

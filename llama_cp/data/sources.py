@@ -93,14 +93,19 @@ def load_source(source: Source, part: str, seed: int = 0, eval_fraction: float =
     return _select_part(loaded, part, seed, eval_fraction)
 
 
-def _map_columns(loaded: datasets.Dataset | datasets.DatasetDict, source: Source):
-    """Rename the source's columns to the format's names (``text=body``: body becomes text)."""
-    columns = loaded.column_names
-    columns = next(iter(columns.values())) if isinstance(columns, dict) else columns
+def check_mapped_columns(source: Source, columns) -> None:
+    """ValueError naming the source when a column it maps (``text=body``) is not among ``columns``."""
     for key, column in source.columns:
         if column not in columns:
             raise ValueError(f"{source.flag} {source.name!r}: {key}={column} maps a column the data does not have; "
                              f"its columns are {sorted(columns)}")
+
+
+def _map_columns(loaded: datasets.Dataset | datasets.DatasetDict, source: Source):
+    """Rename the source's columns to the format's names (``text=body``: body becomes text)."""
+    columns = loaded.column_names
+    columns = next(iter(columns.values())) if isinstance(columns, dict) else columns
+    check_mapped_columns(source, columns)
     renames = {column: key for key, column in source.columns if column != key}
     clashes = sorted(key for key in renames.values() if key in columns and key not in renames)
     dropped = loaded.remove_columns(clashes) if clashes else loaded  # the mapped column replaces it
@@ -286,12 +291,18 @@ def _check_json_file(file: Path) -> None:
             ) from None
 
 
+def _split_names(loaded: datasets.DatasetDict) -> tuple[str, str | None]:
+    """(the training split: "train", else the first; the eval split: "validation" / "test", or None)."""
+    train_name = "train" if "train" in loaded else next(iter(loaded))
+    eval_name = next((name for name in ("validation", "test") if name in loaded and name != train_name), None)
+    return train_name, eval_name
+
+
 def _used_splits(loaded: datasets.Dataset | datasets.DatasetDict, part: str) -> list[str]:
     """The names of the splits ``_select_part`` reads ("" for a Dataset)."""
     if isinstance(loaded, datasets.Dataset):
         return [""]
-    train_name = "train" if "train" in loaded else next(iter(loaded))
-    eval_name = next((name for name in ("validation", "test") if name in loaded and name != train_name), None)
+    train_name, eval_name = _split_names(loaded)
     if part == "all":
         return [eval_name or train_name]
     return [train_name if part == "train" or eval_name is None else eval_name]
@@ -303,12 +314,9 @@ def _select_part(loaded: datasets.Dataset | datasets.DatasetDict, part: str, see
     there is one, else the hold-out."""
     if isinstance(loaded, datasets.Dataset):
         return loaded if part == "all" else _hold_out(loaded, part, seed, eval_fraction)
-    train_name = "train" if "train" in loaded else next(iter(loaded))
-    eval_name = next((name for name in ("validation", "test") if name in loaded and name != train_name), None)
-    if part == "all":
-        return loaded[eval_name or train_name]
-    if eval_name is not None:
-        return loaded[train_name if part == "train" else eval_name]
+    train_name, eval_name = _split_names(loaded)
+    if part == "all" or eval_name is not None:
+        return loaded[_used_splits(loaded, part)[0]]
     return _hold_out(loaded[train_name], part, seed, eval_fraction)
 
 

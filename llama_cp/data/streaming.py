@@ -15,9 +15,9 @@ import datasets
 import torch
 
 from llama_cp.data.formats import REQUIRED_COLUMNS, detect_format
-from llama_cp.data.mixture import DataSpec, mixed_stream, tokenize_row
+from llama_cp.data.mixture import DataSpec, mixed_stream, mixture_weights, tokenize_row
 from llama_cp.data.packing import Row, RowPacker, _pad_id, truncate_document
-from llama_cp.data.sources import declares_configs, is_saved_dataset, load_hub_dataset, local_files
+from llama_cp.data.sources import check_mapped_columns, declares_configs, is_saved_dataset, load_hub_dataset, local_files
 from llama_cp.data_flags import Source
 
 if TYPE_CHECKING:
@@ -76,11 +76,9 @@ def _checked(example: Mapping[str, Any], index: int, source: Source) -> Mapping[
     """Document ``index`` of the stream with the source's columns mapped; ValueError when it
     lacks a value its format needs."""
     if source.columns:
+        check_mapped_columns(source, example)
         example = dict(example)
         for key, column in source.columns:
-            if column not in example:
-                raise ValueError(f"{source.flag} {source.name!r}: {key}={column} maps a column the data does "
-                                 f"not have; its columns are {sorted(example)}")
             example[key] = example.pop(column)
     kind = detect_format(example.keys())
     for column in REQUIRED_COLUMNS.get(kind, ()):
@@ -100,8 +98,7 @@ def _stream_documents(spec: DataSpec, eval_part: bool, dp_rank: int = 0, dp_size
     (Note [Streaming rows]); the sources mixed as Note [Mixtures] says."""
     own_eval = eval_part and bool(spec.eval_dataset)
     sources = spec.sources("eval" if own_eval else "train")
-    weights = None if sources[0].weight is None else [source.weight for source in sources]
-    mixed = mixed_stream([stream_examples(source) for source in sources], weights, spec.seed)
+    mixed = mixed_stream([stream_examples(source) for source in sources], mixture_weights(sources), spec.seed)
     held_out = not spec.eval_dataset and spec.eval_fraction > 0
     train_index = 0
     for index, (which, example) in enumerate(mixed):

@@ -146,9 +146,10 @@ class Trainer:
         self.total_steps = cfg.max_steps or steps_per_epoch * cfg.num_epochs
 
     def _eval_batches(self, eval_rows, dp_rank: int, dp_size: int):
-        """This rank's share of the first --num_eval_samples eval rows, in whole global batches
+        """This rank's share of --num_eval_samples eval rows drawn with --seed, in whole global batches
         (every rank must run the same number of eval forwards: FSDP collectives); None when the
         data has no eval set (--eval_fraction 0, no eval split, no --eval_dataset)."""
+        from llama_cp.config import PASSKEY
         from llama_cp.data.row_files import RowBatches
 
         d = self.cfg.data
@@ -157,16 +158,16 @@ class Trainer:
             return None
         per_step = d.batch_size * dp_size
         usable = min(len(eval_rows), d.num_eval_samples) // per_step * per_step
-        # rows drawn with the seed, not the first ones: a mixture's eval rows come source after source,
-        # and an eval split may be sorted; the same rows at every eval and on every rank
-        chosen = sorted(np.random.default_rng(self.cfg.seed).choice(len(eval_rows), usable, replace=False).tolist())
         if usable == 0:
             raise ValueError(
                 f"{min(len(eval_rows), d.num_eval_samples)} eval rows are fewer than one global batch ({per_step}); "
                 "raise --num_eval_samples or lower --batch_size" + (" (or give more eval data)" if
                                                                    len(eval_rows) < per_step else "")
             )
-        if d.dataset != "passkey":
+        # rows drawn with the seed, not the first ones: a mixture's eval rows come source after source,
+        # and an eval split may be sorted; the same rows at every eval and on every rank
+        chosen = sorted(np.random.default_rng(self.cfg.seed).choice(len(eval_rows), usable, replace=False).tolist())
+        if d.dataset != PASSKEY:
             where = (f"--eval_dataset {d.eval_dataset!r}" if d.eval_dataset else
                      f"each source's validation/test split, else {d.eval_fraction:g} of its documents held out "
                      f"at random (--eval_fraction, --seed {self.cfg.seed})")
