@@ -41,8 +41,8 @@ class ModelConfig:
     """RoPE scaling set in the model's config before it is built, in transformers' names: type:key=value,... (linear, dynamic, yarn, llama3, longrope; e.g. yarn:factor=8,original_max_position_embeddings=8192) or a JSON object; it must reach --context_length; none = the model's own, default = plain RoPE."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of the gathered parameters: auto = bfloat16 on CUDA, float32 on CPU."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward (saves most activation memory)."""
+    activation_checkpointing: bool | None = None
+    """Recompute each decoder layer's activations in backward (saves most activation memory); auto = on for every model but the embedded one (a 128K run of an 8B model needs it), resolved at start (run_info.json)."""
     activation_offload: bool = False
     """Keep saved activations in CPU memory during forward/backward (the longest runs)."""
     loss_chunk_size: int = 0
@@ -120,15 +120,40 @@ class PeftConfig:
     lora_r: int = 8
     """LoRA rank."""
     lora_alpha: int = 16
-    """LoRA scaling numerator (scale = lora_alpha / lora_r)."""
+    """LoRA scaling numerator (scale = lora_alpha / lora_r; lora_alpha / sqrt(lora_r) with --use_rslora)."""
     lora_dropout: float = 0.0
     """Dropout on the LoRA input."""
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    """Module names that get adapters."""
+    """Module names that get adapters; all-linear = every Linear layer but the output layer (peft's all-linear)."""
+    lora_modules_to_save: tuple[str, ...] = ()
+    """Modules trained in full beside the adapters and saved with them (peft's modules_to_save), matched by the end of their names: embed_tokens,norm trains the input embedding and every norm, which LongLoRA (Chen et al. 2023) found context extension needs. Refused for the embedding of a model with tied embeddings."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA (peft's use_rslora): scale = lora_alpha / sqrt(lora_r), which keeps the adapters' updates from shrinking as --lora_r grows (Kalajdzievski 2023)."""
+    use_dora: bool = False
+    """DoRA (peft's use_dora): every adapted weight as a trained magnitude per row times a LoRA-adapted direction; not with --quantization 4bit or --lora_target_parameters, only for the embedded model until the loader sets the magnitudes from a checkpoint; the memory planner refuses it."""
     lora_target_parameters: tuple[str, ...] = ()
     """Parameters (not Linear layers) that get adapters, peft's target_parameters: the fused experts of MoE models in transformers 5, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj."""
     quantization: Literal["none", "4bit"] = "none"
     """4bit = QLoRA: the frozen base Linear layers of the decoder in NF4 (bitsandbytes), sharded by FSDP; needs --use_peft."""
+
+    def check(self) -> None:
+        """ValueError, one line, for LoRA options that cannot be used together."""
+        from llama_cp.model.build import check_all_linear
+
+        options = [f"--{name}" for name, on in (("lora_modules_to_save", self.lora_modules_to_save),
+                                                 ("use_rslora", self.use_rslora), ("use_dora", self.use_dora)) if on]
+        if options and not self.use_peft:
+            many = len(options) > 1
+            raise ValueError(f"{' and '.join(options)} {'are LoRA options' if many else 'is a LoRA option'}: add "
+                             f"--use_peft, or drop {'them' if many else 'it'}")
+        check_all_linear(self.lora_target_modules)
+        if self.use_dora and self.quantization == "4bit":
+            raise ValueError("--use_dora with --quantization 4bit: DoRA normalises each adapted base weight, and peft "
+                             "reads it from the layer's weight, which under QLoRA holds the packed NF4 codes (Note [4-bit "
+                             "weights under FSDP2]), not the weights; drop one of them")
+        if self.use_dora and self.lora_target_parameters:
+            raise ValueError("--use_dora with --lora_target_parameters: peft has no DoRA for adapters on parameters "
+                             "(its ParamWrapper); drop one of them")
 
 
 @dataclass
@@ -175,10 +200,10 @@ class DataConfig:
 class OptimConfig:
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     """adamw (torch) or adamw8bit (bitsandbytes' AdamW8bit on each rank's local shards; its step() synchronises the GPU after every parameter, torch.cuda.synchronize() in bitsandbytes 0.50.2, so a step waits on the device once per trainable tensor)."""
-    lr: float = 1e-3
-    """Peak learning rate."""
+    lr: float = 0.0
+    """Peak learning rate; 0 = by model and mode, resolved at start (run_info.json): 1e-3 for the embedded model (random weights, trained from scratch), 2e-4 with --use_peft (peft's LoRA guides), 2e-5 for a full fine-tune (TRL's SFT default)."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """AdamW weight decay of the matrices (Linear weights, an untied lm_head, LoRA's A and B); norms, biases, DoRA's magnitudes and the embeddings (a tied lm_head too) do not decay (Note [Which parameters decay] in llama_cp/optim/optimizers.py)."""
     warmup_steps: int = 10
     """Linear warm-up steps."""
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
@@ -199,15 +224,15 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     num_epochs: int = 1
-    """Passes over the training rows (max_steps, when set, wins)."""
-    max_steps: int = 200
-    """Optimizer steps; 0 = num_epochs of the data."""
+    """Passes over the training rows (--max_steps > 0 wins)."""
+    max_steps: int = -1
+    """Optimizer steps; 0 = --num_epochs of the data; -1 = auto: 200 for the embedded passkey demo (--model_name and --dataset left at their defaults), else 0."""
     seed: int = 0
     """Seed of the model init, the data order and the synthetic data."""
     output_dir: str = "outputs/run"
     """metrics.jsonl, the loss plot, checkpoints/ and final/ go here."""
-    save_every: int = 0
-    """Save a checkpoint every N steps (0 = only at the end)."""
+    save_every: int = -1
+    """Save a checkpoint every N steps; 0 = only at the end; -1 = auto: only at the end for the embedded passkey demo, else every tenth of the run's steps, at most 500 apart (resolved once the steps are known, in run_info.json)."""
     keep_last: int = 2
     """Checkpoints to keep."""
     resume: Literal["false", "true", "auto"] = "false"
@@ -218,8 +243,14 @@ class TrainConfig:
     """Let --resume load a checkpoint that has no MANIFEST.json (its files cannot be checked for damage)."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only at the end)."""
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the full model written to final/ (and final_merged/); auto = the dtype of the model's checkpoint (config.json), float32 for the embedded model. A LoRA adapter keeps its float32 weights."""
+    merge_lora: bool = False
+    """With --use_peft: also write final_merged/, the adapters merged into the base weights (a plain transformers model in --export_dtype, RoPE settings in its config.json)."""
     eval_needle: bool = False
     """After training, passkey accuracy over context lengths (--context_length / 4, / 2, / 1) x needle depths (0 to 1) on the trained model: output_dir/needle.json and needle.png (recipes/eval_longctx.py)."""
+    eval_perplexity: bool = False
+    """After training, loss and perplexity of the trained model by context length (--context_length / 4, / 2, / 1) and position (4 equal ranges of each) on the run's eval documents, one per row, unpacked (the first --num_eval_samples of at least --context_length + 1 tokens): output_dir/perplexity.json and perplexity.png (recipes/eval_longctx.py). Needs natural text: not with --dataset passkey."""
     log_every: int = 5
     """Write a metrics row every N steps."""
     report_to: tuple[str, ...] = ("tensorboard",)
@@ -259,6 +290,12 @@ class TrainConfig:
                     values[key] = value
         values.update(flags)
         cfg = cls()
+        if config is not None and "model_name" not in values:
+            raise ValueError(
+                f"--config {config} names no model, and its settings are written for one (a preset run alone would "
+                "train the embedded demo model): add --model_name /path/to/model (a local HF directory or hub id), or "
+                "model_name: in the preset"
+            )
         names = cls.flag_names()
         for name, value in values.items():
             if name not in names:
@@ -282,9 +319,12 @@ class TrainConfig:
         names = self.flag_names()
         for name, minimum in _MINIMUMS.items():
             section = getattr(self, names[name]) if names[name] else self
-            if getattr(section, name) < minimum:
-                raise ValueError(f"--{name} must be >= {minimum}, got {getattr(section, name)}")
+            value = getattr(section, name)
+            if value < minimum and value != _AUTO.get(name):
+                auto = f" (or {_AUTO[name]}: auto)" if name in _AUTO else ""
+                raise ValueError(f"--{name} must be >= {minimum}{auto}, got {value}")
         check_report_to(self.report_to)
+        self.resolve_defaults()
         if self.optim.min_lr_ratio > 1:
             raise ValueError(f"--min_lr_ratio is a fraction of --lr in [0, 1], got {self.optim.min_lr_ratio}")
         if self.data.passkey_warmup >= 1:
@@ -298,6 +338,14 @@ class TrainConfig:
             from llama_cp.modules.quantize import check_qlora_support
 
             check_qlora_support()
+        self.peft.check()
+        if self.merge_lora and not self.peft.use_peft:
+            raise ValueError("--merge_lora merges LoRA adapters into the base model: add --use_peft (a full fine-tune's "
+                             "final/ is the whole model already)")
+        if self.merge_lora and self.peft.quantization != "none":
+            raise ValueError("--merge_lora with --quantization 4bit: the base weights in training are NF4 codes; after "
+                             "the run merge onto the original weights with python -m recipes.export --checkpoint "
+                             "OUTPUT_DIR/final --merge_lora --output_dir DIR")
         if self.model.offload_checkpoints and not self.model.activation_checkpointing:
             raise ValueError(
                 "--offload_checkpoints moves the inputs that activation checkpointing keeps to host memory: "
@@ -329,6 +377,12 @@ class TrainConfig:
                 raise ValueError("--eval_dataset passkey: the passkey task evaluates itself with --dataset passkey; "
                                  "give a file or hub dataset")
             check_sources(parse_sources(self.data.eval_dataset, "--eval_dataset", self.data.dataset_columns))
+        if self.eval_perplexity and self.data.dataset == PASSKEY:
+            raise ValueError("--eval_perplexity measures the loss on natural text, and the passkey task is not: give a "
+                             "file or hub --dataset, or drop --eval_perplexity (--eval_needle measures retrieval)")
+        if self.eval_perplexity and self.data.streaming and not self.data.eval_dataset:
+            raise ValueError("--eval_perplexity with --streaming reads whole eval documents, and a stream's are spread "
+                             "over all of it: give --eval_dataset")
         if not 0 <= self.data.eval_fraction < 1:
             raise ValueError(f"--eval_fraction {self.data.eval_fraction}: give a share of the documents in [0, 1)")
         if self.data.chat_template and not Path(self.data.chat_template).expanduser().is_file():
@@ -356,12 +410,50 @@ class TrainConfig:
         lines = ["flags (--config preset.yaml first, then --flag value; flags override the preset):"]
         for name, default, doc in cls.flag_docs():
             default = (defaults or {}).get(name, default)
-            shown = ",".join(default) if isinstance(default, tuple) else default
+            shown = _shown(default)
             lines.append(f"  --{name} (default {shown}): {doc}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    # Note [Defaults by run]
+    # ~~~~~~~~~~~~~~~~~~~~~~~
+    # The embedded model is a small Llama with random weights that the passkey demo trains from
+    # scratch on a CPU in minutes: it wants a large learning rate (1e-3), a fixed number of steps
+    # (200; an epoch of its 512 generated rows is another schedule) and nothing saved on the way.
+    # A real checkpoint wants the opposite: a learning rate that does not wreck pretrained weights
+    # (2e-5 for every weight, TRL's SFT default; 2e-4 for LoRA adapters, as peft's guides use),
+    # whole epochs of the user's data unless --max_steps says otherwise (transformers' Trainer and
+    # TRL), activation checkpointing (without it an 8B model's activations at 128K tokens do not
+    # fit any GPU; it is exact, and costs a recompute of each layer's forward), and checkpoints
+    # during the run so a failure hours in loses little. The flags that differ keep an "auto"
+    # value (lr 0, max_steps -1, save_every -1, activation_checkpointing None), resolved here, at
+    # start, from the model and the dataset; the resolved values are what config.yaml and
+    # run_info.json record, and a flag given explicitly always wins. --save_every is resolved by
+    # the trainer once the run's steps are known (resolved_save_every).
+
+    def is_demo(self) -> bool:
+        """The embedded passkey demo: --model_name and --dataset left at their defaults."""
+        return self.model.model_name == "embedded" and self.data.dataset == PASSKEY
+
+    def resolve_defaults(self) -> None:
+        """Replace the auto values of --lr, --activation_checkpointing and --max_steps by this run's
+        (Note [Defaults by run]); idempotent."""
+        embedded = self.model.model_name == "embedded"
+        if self.optim.lr == 0:
+            self.optim.lr = 1e-3 if embedded else 2e-4 if self.peft.use_peft else 2e-5
+        if self.model.activation_checkpointing is None:
+            self.model.activation_checkpointing = not embedded
+        if self.max_steps == -1:
+            self.max_steps = 200 if self.is_demo() else 0
+
+    def resolved_save_every(self, total_steps: int) -> int:
+        """--save_every, auto resolved for a run of ``total_steps`` steps (Note [Defaults by run]):
+        only at the end for the demo, else every tenth of the run, at most 500 steps apart."""
+        if self.save_every != -1:
+            return self.save_every
+        return 0 if self.is_demo() else max(1, min(500, -(-total_steps // 10)))
 
     def passkey_key_digits(self) -> int:
         """--passkey_digits, auto resolved: 1 for the embedded model, else 5 (Note [Passkey length warm-up])."""
@@ -381,6 +473,10 @@ _MINIMUMS = {
 }
 
 
+#: Flags whose value below the minimum means "auto" (Note [Defaults by run]).
+_AUTO = {"max_steps": -1, "save_every": -1}
+
+
 def _field_type(cls: type, name: str):
     return typing.get_type_hints(cls)[name]
 
@@ -390,6 +486,10 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
     kind = _field_type(cls, name)
     origin = typing.get_origin(kind)
     try:
+        if kind == bool | None:  # a switch with an auto setting (None): --activation_checkpointing auto
+            if value is None or (isinstance(value, str) and value.lower() == "auto"):
+                return None
+            kind = bool
         if kind is bool:
             if isinstance(value, str):
                 if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
@@ -433,6 +533,14 @@ def check_report_to(report_to: Sequence[str]) -> None:
         raise ValueError("--report_to wandb needs the wandb package: pip install wandb (or drop wandb)")
 
 
+def _shown(default: Any) -> str:
+    """A default as --help and docs/flags.md show it: a tuple comma-separated, None (a switch left
+    to the run) as auto."""
+    if isinstance(default, tuple):
+        return ",".join(default)
+    return "auto" if default is None else str(default)
+
+
 def _importable(name: str) -> bool:
     import importlib.util
 
@@ -444,7 +552,7 @@ def flag_table() -> str:
     flag_table; print(flag_table())"``."""
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for name, default, doc in TrainConfig.flag_docs():
-        shown = ",".join(default) if isinstance(default, tuple) else str(default)
+        shown = _shown(default)
         rows.append(f"| `--{name}` | `{shown}` | {doc} |")
     return "\n".join(rows)
 

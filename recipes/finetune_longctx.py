@@ -2,6 +2,7 @@
 
     python -m recipes.finetune_longctx                                   # embedded model, passkey task
     python -m recipes.finetune_longctx --eval_needle                     # ... and the accuracy heatmap
+    python -m recipes.finetune_longctx --dataset books.jsonl --eval_perplexity   # ... loss by length and position
     torchrun --standalone --nproc_per_node 8 -m recipes.finetune_longctx \\
         --model_name /models/Llama-3.1-8B --context_length 131072 --cp 8 --use_peft
 
@@ -23,6 +24,10 @@ def main(config: str | None = None, **flags) -> None:
         from recipes.eval_longctx import evaluate_trained
 
         evaluate_trained(trainer)
+    if cfg.eval_perplexity:
+        from recipes.eval_longctx import evaluate_trained_perplexity
+
+        evaluate_trained_perplexity(trainer)
 
 
 if __name__ == "__main__":

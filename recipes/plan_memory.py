@@ -56,6 +56,15 @@ def build_config(config: str | None, num_gpus: int, flags: dict) -> TrainConfig:
     return cfg
 
 
+def resolved_defaults() -> dict:
+    """Every flag's value in a plan given no flags (PLAN_DEFAULTS, and the auto settings resolved for
+    that model: Note [Defaults by run] in llama_cp/config.py), as --help shows them."""
+    import inspect
+
+    planned = build_config(None, inspect.signature(main).parameters["num_gpus"].default, {}).to_dict()
+    return {k: v for section in TrainConfig.SECTIONS for k, v in planned.pop(section).items()} | planned
+
+
 def preset_flag_names(path: str) -> set[str]:
     """The flags a YAML preset sets (flat or nested by section)."""
     import yaml
@@ -206,4 +215,4 @@ def main(
 if __name__ == "__main__":
     run_cli(main, usage="python -m recipes.plan_memory [--config preset.yaml] [--num_gpus N] [--gpu_memory_gb G] "
                         "[--headroom F] [--find_max_context] [--plot PNG] [--json] [--flag value ...] [--debug]",
-            defaults=PLAN_DEFAULTS)
+            defaults=resolved_defaults())

@@ -9,12 +9,46 @@ from llama_cp.config import TrainConfig
 
 def test_flags_override_preset_override_defaults(tmp_path):
     preset = tmp_path / "preset.yaml"
-    preset.write_text("data:\n  context_length: 2048\n  batch_size: 2\ncp: 2\nlr: 0.01\n")
+    preset.write_text("model_name: embedded\ndata:\n  context_length: 2048\n  batch_size: 2\ncp: 2\nlr: 0.01\n")
     cfg = TrainConfig.from_flags(str(preset), batch_size=4, lora_target_modules="q_proj,v_proj", use_peft="true")
     assert cfg.data.context_length == 2048 and cfg.parallel.cp == 2 and cfg.optim.lr == 0.01
     assert cfg.data.batch_size == 4
     assert cfg.peft.use_peft is True and cfg.peft.lora_target_modules == ("q_proj", "v_proj")
     assert TrainConfig().data.dataset == "passkey"
+
+
+def test_a_preset_that_names_no_model_is_refused_unless_the_command_line_names_one(tmp_path):
+    """A preset of configs/ is written for a real model and names none: run alone it would have
+    trained the embedded demo model on passkey without a word."""
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("data:\n  context_length: 2048\nuse_peft: true\n")
+    with pytest.raises(ValueError, match=r"names no model.*add --model_name /path/to/model"):
+        TrainConfig.from_flags(str(preset))
+    assert TrainConfig.from_flags(str(preset), model_name="org/model").model.model_name == "org/model"
+
+
+def test_auto_defaults_resolve_by_model_and_mode_and_an_explicit_flag_wins(tmp_path):
+    """Note [Defaults by run]: the embedded passkey demo keeps its tuned settings; a real model gets
+    2e-5 (full) or 2e-4 (LoRA), whole epochs, activation checkpointing and a save cadence."""
+    demo = TrainConfig.from_flags()
+    assert (demo.optim.lr, demo.max_steps, demo.model.activation_checkpointing) == (1e-3, 200, False)
+    assert demo.resolved_save_every(200) == 0
+    full, lora = TrainConfig.from_flags(model_name="org/model"), TrainConfig.from_flags(model_name="org/model",
+                                                                                         use_peft=True)
+    assert (full.optim.lr, full.max_steps, full.model.activation_checkpointing) == (2e-5, 0, True)
+    assert lora.optim.lr == 2e-4
+    assert [full.resolved_save_every(steps) for steps in (1, 95, 100_000)] == [1, 10, 500]
+    mine = TrainConfig.from_flags(model_name="org/model", lr=1e-5, max_steps=7, activation_checkpointing=False,
+                                  save_every=0)
+    assert (mine.optim.lr, mine.max_steps, mine.model.activation_checkpointing) == (1e-5, 7, False)
+    assert mine.resolved_save_every(100) == 0
+    assert TrainConfig.from_flags(activation_checkpointing="auto", model_name="org/model").model.activation_checkpointing
+    # the embedded model on the user's data: its own learning rate, but epochs and saves as for any data
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "a"}\n')
+    own = TrainConfig.from_flags(dataset=str(data))
+    assert (own.optim.lr, own.max_steps, own.model.activation_checkpointing) == (1e-3, 0, False)
+    assert own.resolved_save_every(40) == 4
 
 
 def test_every_flag_is_unique_and_documented():

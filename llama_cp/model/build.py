@@ -27,7 +27,7 @@ from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, shard_
 from llama_cp.model.loss import enable_chunked_loss
 from llama_cp.modules.families import set_router_loss_coef
 from llama_cp.modules.causal_lm import (
-    apply_rope_settings, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,
+    apply_rope_settings, base_causal_lm, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,
 )
 from llama_cp.modules.tiling import apply_tiled_mlp, apply_tiled_norms
 
@@ -39,6 +39,12 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
     its config first given ``--rope_theta`` / ``--rope_scaling`` (``apply_rope_settings``)."""
     from transformers import AutoConfig
 
+    if path is not None and cfg.peft.use_peft and cfg.peft.use_dora:
+        # DoRA's magnitude starts as the row norms of the base weight; a model built on the meta device
+        # gets its weights only in load_full_weights, which fills LoRA's A and B but knows no magnitude
+        raise ValueError(f"--use_dora with --model_name {cfg.model.model_name}: DoRA's magnitudes start as the row "
+                         "norms of the checkpoint's weights, which the sharded loader (llama_cp.fsdp_wrap."
+                         "load_full_weights) does not compute yet; drop --use_dora (it runs on the embedded model only)")
     torch.manual_seed(cfg.seed)
     config = embedded_llama_config() if path is None else AutoConfig.from_pretrained(path)
     apply_rope_settings(config, cfg.model.rope_theta, cfg.model.rope_scaling, cfg.data.context_length)
@@ -75,17 +81,19 @@ def parallelize_model(
         quantize_model(model)  # a meta model gets the shapes; load_full_weights quantizes the checkpoint
     param_dtype = compute_dtype(cfg.model.dtype, device_type or mesh.device_type)
     if cfg.peft.use_peft:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
         check_lora_targets(model, cfg.peft.lora_target_modules, cfg.peft.lora_target_parameters)
-        parameters = {"target_parameters": list(cfg.peft.lora_target_parameters)} if cfg.peft.lora_target_parameters else {}
-        lora = LoraConfig(
-            r=cfg.peft.lora_r, lora_alpha=cfg.peft.lora_alpha, lora_dropout=cfg.peft.lora_dropout,
-            target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM", **parameters,
-        )
+        check_modules_to_save(model, cfg.peft.lora_modules_to_save)
         with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            model = get_peft_model(model, lora)
+            model = get_peft_model(model, lora_config(cfg))
+        copied_norms = [type(m.original_module).__name__ for m in model.modules() if hasattr(m, "original_module")
+                        and type(m.original_module).__name__.endswith(("RMSNorm", "LayerNorm"))]
+        if cfg.model.norm_tile_size and copied_norms:  # llama_cp.modules.tiling.norm_modules finds norms by class
+            raise ValueError(f"--norm_tile_size with --lora_modules_to_save {','.join(cfg.peft.lora_modules_to_save)}: "
+                             f"the {copied_norms[0]}s are then peft's wrappers around trainable copies, which the "
+                             "tiling does not reach; drop --norm_tile_size or leave the norms out")
     frozen_dtype = resolve_frozen_dtype(cfg, param_dtype)
     if frozen_dtype is not None and cast_frozen_parameters(model, frozen_dtype) and param_dtype is None:
         param_dtype = torch.float32  # compute in the trainable dtype: frozen weights are cast when gathered
@@ -119,16 +127,18 @@ def peft_supports_target_parameters() -> bool:
 def check_lora_targets(model: nn.Module, targets, parameters=()) -> None:
     """One line naming --lora_target_modules unless every name is a Linear layer of ``model`` (peft
     adapts the names it finds and ignores the others: Phi-3's fused qkv_proj would get no adapter
-    from the default q_proj, k_proj, v_proj), and --lora_target_parameters unless each names a
-    parameter outside the Linear layers (the fused experts of an MoE: mlp.experts.gate_up_proj)."""
+    from the default q_proj, k_proj, v_proj) or it is ``all-linear`` alone, and
+    --lora_target_parameters unless each names a parameter outside the Linear layers (the fused
+    experts of an MoE: mlp.experts.gate_up_proj)."""
     if parameters and not peft_supports_target_parameters():
         import peft
 
         raise ValueError(f"--lora_target_parameters needs peft >= 0.17 (installed: {peft.__version__}), whose LoraConfig "
                          "has target_parameters: upgrade peft, or drop --lora_target_parameters")
+    check_all_linear(targets)
     linears = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                       if isinstance(module, nn.Linear) and name})
-    missing = [name for name in targets if name not in linears]
+    missing = [name for name in targets if name not in linears and name != ALL_LINEAR]
     if missing:
         raise ValueError(f"--lora_target_modules: {', '.join(missing)} not in {type(model).__name__}; its linear "
                          f"layers are {', '.join(linears)}")
@@ -141,6 +151,74 @@ def check_lora_targets(model: nn.Module, targets, parameters=()) -> None:
         layer_0 = sorted({name.split(".layers.0.", 1)[1] for name in others if ".layers.0." in name})
         raise ValueError(f"--lora_target_parameters: {', '.join(missing)} not in {type(model).__name__}; the "
                          f"parameters of its first layer outside Linear layers are {', '.join(layer_0) or 'none'}")
+
+
+def check_all_linear(targets) -> None:
+    """One line unless ``all-linear`` in --lora_target_modules stands alone (peft takes it as a
+    keyword only in place of the list)."""
+    if ALL_LINEAR in targets and len(targets) > 1:
+        raise ValueError(f"--lora_target_modules {','.join(targets)}: {ALL_LINEAR} already names every Linear layer "
+                         f"but the output layer; give {ALL_LINEAR} alone, or a list of names")
+
+
+def check_modules_to_save(model: nn.Module, names) -> None:
+    """One line naming --lora_modules_to_save unless every name ends the name of a module of
+    ``model`` (how peft matches them: ``norm`` is every norm layer, input_layernorm and the final
+    norm alike), none of them holds 4-bit codes (``--quantization 4bit``), and none holds the
+    input embedding of a model whose lm_head shares it (Note [Trainable copies of tied embeddings])."""
+    modules = dict(model.named_modules())
+    missing = [name for name in names if not any(key.endswith(name) for key in modules if key)]
+    if missing:
+        children = sorted({key.rsplit(".", 1)[-1] for key in modules if key and not key.rsplit(".", 1)[-1].isdigit()})
+        raise ValueError(f"--lora_modules_to_save: no module of {type(model).__name__} is named {', '.join(missing)} "
+                         f"(or ends so); its modules are {', '.join(children)}")
+    codes = sorted({name for name in names for key, module in modules.items()
+                    if key.endswith(name) and any(not p.is_floating_point() for p in module.parameters())})
+    if codes:  # --quantization 4bit: NF4Linear's packed codes cannot require a gradient
+        raise ValueError(f"--lora_modules_to_save {','.join(codes)}: its Linear layers hold 4-bit codes under "
+                         "--quantization 4bit, which cannot train; leave the decoder's Linear layers out (embed_tokens, "
+                         "the norms and lm_head stay in full precision)")
+    base = base_causal_lm(model)
+    output, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    if output is None or output.weight is not embedding.weight:
+        return
+    tied = [name for name in names for key, module in modules.items()
+            if key.endswith(name) and any(p is embedding.weight for p in module.parameters())]
+    if tied:
+        raise ValueError(f"--lora_modules_to_save {','.join(sorted(set(tied)))}: {type(base).__name__} ties lm_head to "
+                         "embed_tokens (tie_word_embeddings); a trainable copy of one unties them, and FSDP2 would find "
+                         "their shared tensor in two groups (Note [Trainable copies of tied embeddings]); leave "
+                         "embed_tokens and lm_head out of --lora_modules_to_save (the norms may stay)")
+
+
+# Note [Trainable copies of tied embeddings]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# peft's modules_to_save wraps a module and trains a copy of it; the original stays, frozen, beside
+# it. In a model with tie_word_embeddings, embed_tokens.weight *is* lm_head.weight. A copy of
+# embed_tokens (or of lm_head) leaves the other one on the original tensor: the input embedding
+# trains while the output one stays frozen (peft warns that the adapters are then untied). Under
+# FSDP2 it is worse than a change of model: llama_cp.fsdp_wrap.apply_fsdp keeps a tied lm_head in
+# the root group *because* it is the embedding's tensor, and it tells so by comparing the weights
+# of get_input_embeddings() and get_output_embeddings(); the wrapper answers with its copy's weight,
+# so lm_head goes into the [norm, lm_head] group while the original embedding tensor (the same
+# Parameter) is in the root group, and the first forward stops in FSDP2's lazy init ("Parameter
+# 'base_model.model.lm_head.weight' is shared with a parameter already managed by another FSDP
+# group", torch 2.13). So such a copy is refused before peft wraps the model.
+
+
+#: peft's keyword for every Linear layer but the output layer (--lora_target_modules all-linear).
+ALL_LINEAR = "all-linear"
+
+
+def lora_targets(model: nn.Module, targets) -> tuple[str, ...]:
+    """The names of the layers ``targets`` (--lora_target_modules) adapts in ``model``: themselves,
+    or for ``all-linear`` the last part of the name of every Linear layer but the output layer, as
+    peft picks them (``_maybe_include_all_linear_layers``)."""
+    if ALL_LINEAR not in targets:
+        return tuple(targets)
+    output = base_causal_lm(model).get_output_embeddings()
+    return tuple(sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, nn.Linear) and name and module is not output}))
 
 
 def cp_strategy(cfg: TrainConfig, config) -> tuple[str, int]:
@@ -195,3 +273,17 @@ def model_path(name: str) -> str | None:
             f"({type(error).__name__}: {' '.join(str(error).split())[:300]}); pass the path of a local HF "
             "model directory"
         ) from error
+
+
+def lora_config(cfg: TrainConfig):
+    """peft's LoraConfig of the run's LoRA flags (--lora_r, --lora_alpha, --lora_dropout,
+    --lora_target_modules, --lora_target_parameters, --lora_modules_to_save, --use_rslora,
+    --use_dora)."""
+    from peft import LoraConfig
+
+    p = cfg.peft
+    parameters = {"target_parameters": list(p.lora_target_parameters)} if p.lora_target_parameters else {}
+    targets = ALL_LINEAR if ALL_LINEAR in p.lora_target_modules else list(p.lora_target_modules)
+    return LoraConfig(r=p.lora_r, lora_alpha=p.lora_alpha, lora_dropout=p.lora_dropout, target_modules=targets,
+                      modules_to_save=list(p.lora_modules_to_save) or None, use_rslora=p.use_rslora,
+                      use_dora=p.use_dora, task_type="CAUSAL_LM", **parameters)

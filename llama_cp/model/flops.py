@@ -24,6 +24,14 @@ FLOPs the *model* needs for a step by what the devices could do in the step's ti
   input gradient of every frozen layer, as if the embedding's output needed one; in
   the first layer autograd may skip some of that (nothing before it trains), at most
   a share of 1 / num_layers of the backward, which we do not chase.
+- LoRA's ``all-linear`` adapts every Linear layer but the output layer, as peft picks
+  them (the model is built on the meta device to find them). A Linear layer in
+  --lora_modules_to_save (lm_head, or one inside a module named there) is trained in
+  full beside its frozen original, which is then not run: 3 x forward. A copied
+  embedding or norm adds nothing (a lookup, elementwise). DoRA's weight norms are work
+  per micro-batch, not per token (an r-rank product and a norm of each adapted weight,
+  about what its adapters cost on in_features tokens): left out, below 0.1% of a step
+  of 8K tokens per micro-batch at r <= 8.
 - Attention: per (query, key) pair and query head, q.k and p.v are 2 x head_dim
   multiply-adds, 4 x head_dim FLOPs forward, and the backward's four products (dP,
   dV, dQ, dK) twice that: 12 x head_dim x heads x layers per pair. Counted are the
@@ -160,9 +168,15 @@ class ModelFlops:
         return sum(counts[w] for w in windows) / len(windows)
 
 
-def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] = ()) -> ModelFlops:
+def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] = (),
+                modules_to_save: tuple[str, ...] = ()) -> ModelFlops:
     """The :class:`ModelFlops` of an HF Llama-family ``config``; ``lora_r`` > 0: LoRA of rank
-    ``lora_r`` on the layers named in ``lora_targets`` (base weights frozen, embedding too)."""
+    ``lora_r`` on the layers named in ``lora_targets`` (``all-linear``: every Linear layer but
+    the output layer), base weights frozen, embedding too, but the Linear layers of
+    ``modules_to_save`` (peft's names, matched by the end of a module's name) trained in full."""
+    trained: frozenset[str] = frozenset()
+    if lora_r:
+        lora_targets, trained = _lora_layers(config, lora_targets, modules_to_save)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = config.num_attention_heads
     shape = {
@@ -179,7 +193,7 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
             mlp = name in _MLP_LINEARS
             fan_in, fan_out = features(mlp_shape if mlp else shape)
             copies = mlp_copies if mlp else 1
-            per_layer += copies * 2 * weight_passes * fan_in * fan_out
+            per_layer += copies * 2 * (3 if name in trained else weight_passes) * fan_in * fan_out
             if lora_r and name in lora_targets:
                 per_layer += copies * 2 * 3 * lora_r * (fan_in + fan_out)
         for name, features in _FUSED_LINEARS.items():
@@ -197,7 +211,7 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
         else:
             decoder += layer_flops(1, shape)
     head_in, head_out = config.hidden_size, config.vocab_size
-    head = 2 * weight_passes * head_in * head_out
+    head = 2 * (3 if "lm_head" in trained else weight_passes) * head_in * head_out
     if lora_r and "lm_head" in lora_targets:
         head += 2 * 3 * lora_r * (head_in + head_out)
     per_pair = 3 * 4 * shape["head_dim"] * heads * layers
@@ -208,6 +222,30 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
 
 #: The MLP's layers: an MoE runs them once per routed expert.
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+#: The layers of _LAYER_LINEARS a fused layer replaces.
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _lora_layers(config: Any, targets: tuple[str, ...], modules_to_save: tuple[str, ...]):
+    """(the names of the layers LoRA adapts, the names of the Linear layers trained in full): ``targets``
+    as they are, or for ``all-linear`` the layers peft adapts; a Linear layer is trained in full when its
+    module or one holding it ends with a name of ``modules_to_save`` (a fused one: the layers it
+    replaces). Builds the model on the meta device only to resolve those two."""
+    from llama_cp.model.build import ALL_LINEAR, lora_targets
+    from llama_cp.modules.causal_lm import build_causal_lm
+
+    if ALL_LINEAR not in targets and not modules_to_save:
+        return tuple(targets), frozenset()
+    model = build_causal_lm(config, device="meta")
+    trained = set()
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        held_by = [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
+        if name and isinstance(module, torch.nn.Linear) and any(key.endswith(save) for key in held_by
+                                                                 for save in modules_to_save):
+            trained.add(parts[-1])
+    trained |= {part for fused in trained & _FUSED_PARTS.keys() for part in _FUSED_PARTS[fused]}
+    return lora_targets(model, targets), frozenset(trained)
 
 
 def _moe(config: Any) -> tuple[int, int]:

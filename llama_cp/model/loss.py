@@ -120,29 +120,34 @@ def mm_out_dtype(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, transform, return_correct):
-        # hidden: (N, d), weight: (V, d), labels: (N,) -> summed loss, float32 scalar, and
-        # correct: (N,) bool, argmax == label or ignored (empty unless return_correct)
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, transform, return_correct, return_losses=False):
+        # hidden: (N, d), weight: (V, d), labels: (N,) -> summed loss, float32 scalar;
+        # correct: (N,) bool, argmax == label or ignored (empty unless return_correct);
+        # losses: (N,) each token's loss, 0 where ignored (empty unless return_losses)
         acc = accumulation_dtype(hidden)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         correct = torch.ones(hidden.shape[0] if return_correct else 0, dtype=torch.bool, device=hidden.device)
+        losses = torch.zeros(hidden.shape[0] if return_losses else 0, dtype=acc, device=hidden.device)
         for start in tile_starts(hidden.shape[0], chunk_size, hidden):  # Note [Planning tiles]
             rows = slice(start, start + chunk_size)
             logits, _ = _chunk_logits(hidden[rows], weight, transform, acc)  # (chunk, V)
             lse[rows] = torch.logsumexp(logits, dim=-1)
             valid = labels[rows] != ignore_index
             target = logits.gather(1, labels[rows].clamp(min=0)[:, None]).squeeze(1)
-            total += ((lse[rows] - target) * valid).sum()
+            chunk_losses = (lse[rows] - target) * valid  # (chunk,)
+            total += chunk_losses.sum()
             if return_correct:
                 correct[rows] = (logits.argmax(-1) == labels[rows]) | ~valid
+            if return_losses:
+                losses[rows] = chunk_losses
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_size, ctx.ignore_index, ctx.transform = chunk_size, ignore_index, transform
-        ctx.mark_non_differentiable(correct)
-        return total, correct
+        ctx.mark_non_differentiable(correct, losses)
+        return total, correct, losses
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct):
+    def backward(ctx, grad_total, _grad_correct, _grad_losses):
         hidden, weight, labels, lse = ctx.saved_tensors
         transform = ctx.transform
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -172,7 +177,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 accumulate_weight_grad(grad_weight, grad_logits, hidden[rows])
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -184,7 +189,8 @@ def linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     transform: LogitTransform = LogitTransform(),
     return_correct: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return_token_losses: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Sum over valid tokens of cross_entropy(logits, labels), a float32 scalar (float64 for
     float64 inputs), where logits are ``hidden @ weight.T`` through the model family's
     ``transform`` (scale, soft-cap; see ``llama_cp.modules.families``).
@@ -192,23 +198,29 @@ def linear_cross_entropy(
     hidden: (..., d), weight: (V, d), labels: (...) already shifted. Never holds
     more than ``chunk_size`` x V logits. With ``return_correct`` also a bool tensor like
     ``labels``: True where the argmax of the logits is the label, or the label is ignored
-    (taken from the same chunks, so it costs no extra logits).
+    (taken from the same chunks, so it costs no extra logits). With ``return_token_losses``
+    also (after it) each token's loss, like ``labels`` in the sum's dtype, 0 where ignored:
+    the terms of the sum (perplexity by position, ``recipes/eval_longctx.py``); no gradient
+    flows through it.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    total, correct = _LinearCrossEntropy.apply(
+    total, correct, losses = _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_size, ignore_index, transform,
-        return_correct,
+        return_correct, return_token_losses,
     )
-    return (total, correct.reshape(labels.shape)) if return_correct else total
+    extras = ((correct.reshape(labels.shape),) if return_correct else ()) + \
+        ((losses.reshape(labels.shape),) if return_token_losses else ())
+    return (total, *extras) if extras else total
 
 
-def _head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | None = None, return_correct=False):
+def _head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | None = None, return_correct=False,
+                  return_token_losses=False):
     if labels is None:
         return F.linear(hidden, self.weight, self.bias)
     if self.bias is not None:
         raise ValueError("chunked cross-entropy supports an lm_head without bias only")
-    if return_correct and not torch.is_grad_enabled() and not is_fake(labels):
+    if return_correct and not return_token_losses and not torch.is_grad_enabled() and not is_fake(labels):
         # evaluation: logits only for the labelled tokens (a passkey row has a handful of them); the
         # planner's fake labels have no values, so it plans the chunked path over all tokens (a bound)
         flat = labels.reshape(-1)
@@ -221,7 +233,7 @@ def _head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | 
         return total, correct.reshape(labels.shape)
     return linear_cross_entropy(
         hidden, self.weight, labels, chunk_size=self.loss_chunk_size, transform=self.logit_transform,
-        return_correct=return_correct,
+        return_correct=return_correct, return_token_losses=return_token_losses,
     )
 
 
@@ -274,9 +286,11 @@ def enable_chunked_loss(model: nn.Module, chunk_size: int = 0) -> nn.Module:
 
 
 def _loss_forward(original_forward):
-    def forward(self, input_ids=None, position_ids=None, loss_labels=None, return_correct=False, **kwargs):
+    def forward(self, input_ids=None, position_ids=None, loss_labels=None, return_correct=False,
+                return_token_losses=False, **kwargs):
         """With ``loss_labels``: the summed loss, and with ``return_correct`` also a bool tensor
-        like the labels, True where the argmax prediction equals the label (or it is ignored)."""
+        like the labels, True where the argmax prediction equals the label (or it is ignored);
+        with ``return_token_losses`` also (last) each token's loss (``linear_cross_entropy``)."""
         if loss_labels is None:
             return original_forward(self, input_ids=input_ids, position_ids=position_ids, **kwargs)
         router = router_loss(self)
@@ -292,7 +306,7 @@ def _loss_forward(original_forward):
         # this call's router statistics, for router_loss_share (Note [Router loss under CP])
         self.router_statistics = None if router is None else router_statistics(outputs.router_logits, router)
         return self.get_output_embeddings()(outputs.last_hidden_state, labels=loss_labels,
-                                            return_correct=return_correct)
+                                            return_correct=return_correct, return_token_losses=return_token_losses)
 
     return forward
 
@@ -337,17 +351,18 @@ def router_loss_share(model: nn.Module, group: dist.ProcessGroup | None = None) 
 
 
 def causal_lm_loss_sum(
-    model: nn.Module, batch: dict[str, torch.Tensor], *, return_correct: bool = False
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    model: nn.Module, batch: dict[str, torch.Tensor], *, return_correct: bool = False, return_token_losses: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Summed cross-entropy of the local tokens of ``batch`` (input_ids, position_ids, shifted labels);
-    with ``return_correct`` also the per-token "argmax is the label (or ignored)" mask, as eval uses.
+    with ``return_correct`` also the per-token "argmax is the label (or ignored)" mask, as eval uses;
+    with ``return_token_losses`` also (last) each local token's loss, 0 where ignored, like the labels.
 
     ``enable_chunked_loss(model)`` must have been called. A batch of ``shard_batch(layout="documents")``
     hands the model its ``seq_index`` too (which rows the rank holds).
     """
     extra = {SEQ_INDEX: batch[SEQ_INDEX]} if SEQ_INDEX in batch else {}
     return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), loss_labels=batch["labels"],
-                 return_correct=return_correct, **extra)
+                 return_correct=return_correct, return_token_losses=return_token_losses, **extra)
 
 
 def count_valid_tokens(

@@ -17,6 +17,7 @@ import math
 import torch
 
 from llama_cp.config import OptimConfig
+from llama_cp.optim.optimizers import DECAYS
 
 
 def lr_factor(step: int, total_steps: int, optim: OptimConfig) -> float:
@@ -35,10 +36,11 @@ def lr_factor(step: int, total_steps: int, optim: OptimConfig) -> float:
 def start_schedule(
     optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int, step: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A scheduler for ``optimizer`` that stands at ``step``, with --lr and --weight_decay of
-    ``optim`` written into every param group (a loaded optimizer keeps its moments, not its rates)."""
+    """A scheduler for ``optimizer`` that stands at ``step``, with --lr of ``optim`` written into
+    every param group and --weight_decay into those that decay (a loaded optimizer keeps its
+    moments, not its rates; Note [Which parameters decay] in llama_cp/optim/optimizers.py)."""
     for group in optimizer.param_groups:
-        group.update(initial_lr=optim.lr, weight_decay=optim.weight_decay)
+        group.update(initial_lr=optim.lr, weight_decay=optim.weight_decay if group.get(DECAYS, True) else 0.0)
     # LambdaLR steps once when created: last_epoch becomes `step`, lr = --lr * lr_factor(step)
     factor = functools.partial(lr_factor, total_steps=total_steps, optim=optim)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=step - 1)

@@ -62,6 +62,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from llama_cp.optim.optimizers import DECAYS
+
 
 try:
     import numpy as np
@@ -454,7 +456,16 @@ def load_checkpoint(
         )
 
     state = _training_state(model, optimizer)
-    dcp.load(state, checkpoint_id=path)  # in place; fails on any key the checkpoint lacks
+    try:
+        dcp.load(state, checkpoint_id=path)  # in place; fails on any key the checkpoint lacks
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        if any("param_groups" in str(e) and DECAYS in str(e) for e in _errors_behind(error)):
+            raise ValueError(
+                f"checkpoint {path!r} was saved before the optimizer kept norms, biases and embeddings out of weight "
+                "decay (two parameter groups, issue 35): its optimizer state cannot be resumed. Start a new run from its "
+                "weights: python -m recipes.export --checkpoint PATH --output_dir DIR, then --model_name DIR"
+            ) from None
+        raise
     if _per_rank_optimizer(optimizer):
         with open(os.path.join(path, COMPLETE_MARKER)) as f:
             saved_world = json.load(f)["world_size"]

@@ -4,7 +4,11 @@
         run_cli(main, usage="python -m recipes.finetune_longctx [--config preset.yaml] [--flag value ...]")
 
 ``--help`` / ``-h`` print ``main``'s docstring and every training flag with its
-default and doc (``TrainConfig.help``). An exception ends the command with exit
+default and doc (``TrainConfig.help``); a command whose flags are not the training
+flags passes ``flags`` (one line of doc per parameter of ``main``) and ``--help``
+lists those instead, with the defaults of ``main``'s signature, and a flag ``main``
+does not take is refused in one line before it runs (fire would run it and
+complain after). An exception ends the command with exit
 status 1 and one line, ``error: <message>``, instead of a traceback; ``--debug``
 shows the traceback. Mistakes in the input (``ValueError``, ``FileNotFoundError``,
 ``KeyError``) and deliberate stops (``TrainingStopped``) happen on every rank
@@ -16,10 +20,11 @@ job's other ranks on its machine and itself at once (Note [Stuck ranks] in
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import fire
 
@@ -29,17 +34,25 @@ from llama_cp.config import TrainConfig
 INPUT_ERRORS = (ValueError, FileNotFoundError, KeyError, PermissionError)
 
 
-def run_cli(main: Callable, usage: str, argv: list[str] | None = None, defaults: dict | None = None) -> None:
+def run_cli(
+    main: Callable, usage: str, argv: list[str] | None = None, defaults: dict | None = None,
+    flags: Mapping[str, str] | None = None,
+) -> None:
     """Run ``main`` with fire on ``argv`` (default ``sys.argv[1:]``); see the module docstring.
-    ``defaults``: the command's own defaults of training flags, which ``--help`` shows."""
+    ``defaults``: the command's own defaults of training flags, which ``--help`` shows.
+    ``flags``: the command's own flags instead of the training flags, ``{parameter of main:
+    one-line doc}``: ``--help`` lists them, and an unknown one is refused before ``main`` runs."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         doc = inspect.getdoc(sys.modules[main.__module__]) or inspect.getdoc(main) or ""
-        print(f"usage: {usage}\n\n{doc}\n\n{TrainConfig.help(defaults)}")
+        listed = TrainConfig.help(defaults) if flags is None else command_help(main, flags)
+        print(f"usage: {usage}\n\n{doc}\n\n{listed}")
         return
     debug = "--debug" in argv
     argv = [arg for arg in argv if arg != "--debug"]
     try:
+        if flags is not None:
+            check_flags(main, argv)
         fire.Fire(main, command=argv)
     except Exception as error:  # noqa: BLE001 - every failure ends here, as one paragraph
         if debug:
@@ -54,3 +67,44 @@ def run_cli(main: Callable, usage: str, argv: list[str] | None = None, defaults:
         if callable(getattr(error, "end_job", None)):  # a stuck rank: end the whole job now (failures.CollectiveFailed)
             error.end_job()
         sys.exit(1)
+
+
+def _parameters(main: Callable) -> dict[str, inspect.Parameter]:
+    """``main``'s parameters that a ``--name value`` flag can set."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {name: p for name, p in inspect.signature(main).parameters.items() if p.kind in kinds}
+
+
+def command_help(main: Callable, flags: Mapping[str, str]) -> str:
+    """The ``--help`` list of a command's own flags: each parameter of ``main`` with its default
+    and its line in ``flags`` (KeyError for a parameter without one)."""
+    lines = ["flags:"]
+    for name, parameter in _parameters(main).items():
+        default = parameter.default
+        if default is inspect.Parameter.empty:
+            shown = "required"
+        elif isinstance(default, (tuple, list)):
+            shown = "default " + ",".join(f"{value:g}" if isinstance(value, float) else str(value) for value in default)
+        else:
+            shown = f"default {'none' if default is None else default}"
+        lines.append(f"  --{name} ({shown}): {flags[name]}")
+    return "\n".join(lines)
+
+
+def check_flags(main: Callable, argv: list[str]) -> None:
+    """ValueError naming the first ``--flag`` of ``argv`` that ``main`` does not take, with the close
+    matches (as ``TrainConfig.from_flags`` does for the training flags). fire's own spellings
+    pass: ``--flag=value``, ``--flag-name``, ``--noflag`` for a false boolean; a bare ``--`` ends
+    the flags."""
+    names = list(_parameters(main))
+    for arg in argv:
+        if arg == "--":
+            return
+        if not arg.startswith("--"):
+            continue
+        name = arg[2:].split("=", 1)[0].replace("-", "_")
+        if name in names or (name.startswith("no") and name[2:] in names):
+            continue
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
+        raise ValueError(f"unknown flag --{name}{hint} (run with --help for the list)")

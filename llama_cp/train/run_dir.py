@@ -43,6 +43,7 @@ RESUME_MAY_CHANGE = {
     "resume", "overwrite", "allow_unverified_checkpoint", "max_steps", "num_epochs", "eval_every", "save_every",
     "keep_last", "log_every", "max_nonfinite_steps", "output_dir", "collective_timeout", "report_to",
     "num_eval_samples", "data_cache_dir", "data_cache_shared", "num_proc", "peak_tflops", "eval_needle",
+    "eval_perplexity", "export_dtype", "merge_lora",
     # the update
     "lr", "warmup_steps", "lr_scheduler", "min_lr_ratio", "weight_decay", "max_grad_norm", "lora_dropout",
     # how the same step is computed
@@ -60,6 +61,7 @@ RESUME_REFUSES = {
     "eval_fraction": _DATA, "on_bad_row": _DATA,
     "model_name": _STATE, "use_peft": _STATE, "lora_r": _STATE, "lora_alpha": _STATE,
     "lora_target_modules": _STATE, "quantization": _STATE, "optimizer": _STATE,
+    "lora_modules_to_save": _STATE, "use_rslora": _STATE, "use_dora": _STATE,
     "rope_theta": _STATE, "rope_scaling": _STATE,
 }
 

@@ -43,6 +43,7 @@ class Trainer:
     """Builds everything from a :class:`TrainConfig` and trains with :meth:`fit`."""
 
     def __init__(self, cfg: TrainConfig):
+        cfg.resolve_defaults()  # a config built without from_flags (Note [Defaults by run])
         self.cfg = cfg
 
     # ------------------------------------------------------------ setup
@@ -87,7 +88,7 @@ class Trainer:
 
         p = self.cfg.peft
         self.flops = model_flops(base_causal_lm(self.model).config, lora_r=p.lora_r if p.use_peft else 0,
-                                 lora_targets=p.lora_target_modules)
+                                 lora_targets=p.lora_target_modules, modules_to_save=p.lora_modules_to_save)
         device_name = torch.cuda.get_device_name(self.device) if self.device_type == "cuda" else None
         self.peak_flops = self.cfg.peak_tflops * 1e12 or peak_flops(device_name)
         if device_name is not None and self.peak_flops is None:  # names match exactly: say why no mfu, once
@@ -97,7 +98,8 @@ class Trainer:
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
-        return build_optimizer(o.optimizer, self.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+        # the model, not its parameters: norms, biases and embeddings do not decay (Note [Which parameters decay])
+        return build_optimizer(o.optimizer, self.model, lr=o.lr, weight_decay=o.weight_decay)
 
     def _build_data(self) -> None:
         from llama_cp.config import PASSKEY
@@ -140,10 +142,17 @@ class Trainer:
         self.eval_batches = self._eval_batches(eval_rows, dp_rank, dp_size)
         if d.streaming:  # a stream's length is unknown: --max_steps is required (config.validate)
             self.total_steps = cfg.max_steps
-            return
-        micro_per_epoch = self.loader.steps_per_epoch
-        steps_per_epoch = max(1, micro_per_epoch // cfg.optim.gradient_accumulation_steps)
-        self.total_steps = cfg.max_steps or steps_per_epoch * cfg.num_epochs
+        else:
+            micro_per_epoch = self.loader.steps_per_epoch
+            steps_per_epoch = max(1, micro_per_epoch // cfg.optim.gradient_accumulation_steps)
+            self.total_steps = cfg.max_steps or steps_per_epoch * cfg.num_epochs
+        cfg.save_every = cfg.resolved_save_every(self.total_steps)
+        if not cfg.is_demo():  # Note [Defaults by run] in llama_cp/config.py: what this run resolved to
+            length = f"--max_steps {cfg.max_steps}" if cfg.max_steps else f"--num_epochs {cfg.num_epochs}"
+            saves = f"every {cfg.save_every} steps" if cfg.save_every else "at the end"
+            self._say(f"{self.total_steps} steps ({length}), --lr {cfg.optim.lr:g}, activation checkpointing "
+                      f"{'on' if cfg.model.activation_checkpointing else 'off'}, checkpoints {saves} "
+                      "(Note [Defaults by run] in llama_cp/config.py)")
 
     def _eval_batches(self, eval_rows, dp_rank: int, dp_size: int):
         """This rank's share of --num_eval_samples eval rows drawn with --seed, in whole global batches
@@ -458,20 +467,34 @@ class Trainer:
             tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
 
     def export(self, path: str) -> None:
-        """``final/``: an HF model directory (full) or a peft adapter (LoRA), with the tokenizer."""
-        if self.rank == 0 and os.path.exists(path):
+        """``final/``: an HF model directory in --export_dtype (full fine-tune) or a peft adapter
+        (LoRA), with the tokenizer; with --merge_lora also ``final_merged/``, the adapter merged
+        into the base model (``llama_cp.train.export``)."""
+        from llama_cp.train.export import align_special_tokens, export_dtype, export_pretrained
+
+        cfg = self.cfg
+        targets = [(path, False)] + ([(path.rstrip(os.sep) + "_merged", True)] if cfg.merge_lora else [])
+        if self.rank == 0:
             import shutil
 
-            shutil.rmtree(path)  # the previous export of this output_dir
+            for target, _ in targets:
+                if os.path.exists(target):
+                    shutil.rmtree(target)  # the previous export of this output_dir
         dist.barrier()
-        from llama_cp.train.export import align_special_tokens, export_pretrained
-
         changed = align_special_tokens(self.model, self.tokenizer)
         if changed:
             self._say(f"exported with the tokenizer's special-token ids: {', '.join(changed)}")
-        export_pretrained(self.model, path)
-        if self.rank == 0:
-            self.tokenizer.save_pretrained(path)
+        dtype = export_dtype(cfg.export_dtype, self.model_path)
+        name = cfg.model.model_name
+        local = name != "embedded" and os.path.isdir(os.path.expanduser(name))
+        base = os.path.abspath(os.path.expanduser(name)) if local else name
+        if hasattr(self.model, "peft_config") and name != "embedded":
+            for adapter in self.model.peft_config.values():  # where PeftModel.from_pretrained users find the base
+                adapter.base_model_name_or_path = base
+        info = {"model_name": base, "seed": cfg.seed, "rope_theta": cfg.model.rope_theta,
+                "rope_scaling": cfg.model.rope_scaling, "context_length": cfg.data.context_length}
+        for target, merge in targets:
+            export_pretrained(self.model, target, self.tokenizer, dtype=dtype, merge_lora=merge, info=info)
 
 
 def _global_rank() -> int:

@@ -1,16 +1,22 @@
 """``llama_cp.model.build.model_path``: a hub id's snapshot holds every file a model directory
-needs to load as it was saved (weights, config, tokenizer, chat template)."""
+needs to load as it was saved (weights, config, tokenizer, chat template). The LoRA options'
+refusals, each one line before anything is sharded (their exactness under FSDP2 + CP is checked
+in tests/model/test_levers_world2.py)."""
 
 import fnmatch
 import os
 import shutil
 
 import huggingface_hub
+import pytest
+import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from llama_cp.config import PeftConfig, TrainConfig
 from llama_cp.data.tokenizer import byte_tokenizer
-from llama_cp.model.build import model_path
+from llama_cp.model.build import build_model, check_lora_targets, check_modules_to_save, model_path
 from llama_cp.modules.causal_lm import embedded_llama_config
+from llama_cp.modules.quantize import installed_qlora_refusal
 
 TEMPLATE = "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}<|eos|>{% endfor %}"
 
@@ -38,3 +44,50 @@ def test_a_hub_snapshot_fetches_every_file_a_saved_model_needs(tmp_path, monkeyp
     path = model_path("org/model")
     assert sorted(os.listdir(path)) == sorted(os.listdir(saved)), fetched["patterns"]
     assert AutoTokenizer.from_pretrained(path).chat_template == TEMPLATE
+
+
+def test_all_linear_stands_alone_in_lora_target_modules():
+    model = LlamaForCausalLM(embedded_llama_config(num_hidden_layers=1))
+    check_lora_targets(model, ("all-linear",))
+    with pytest.raises(ValueError, match=r"^--lora_target_modules all-linear,q_proj: all-linear already names every "
+                                         r"Linear layer but the output layer; give all-linear alone, or a list of names$"):
+        TrainConfig.from_flags(use_peft=True, lora_target_modules="all-linear,q_proj")
+
+
+def test_modules_to_save_are_names_of_the_model_and_no_tied_embedding():
+    untied = LlamaForCausalLM(embedded_llama_config(num_hidden_layers=1))
+    check_modules_to_save(untied, ("embed_tokens", "norm", "lm_head"))
+    with pytest.raises(ValueError, match=r"^--lora_modules_to_save: no module of LlamaForCausalLM is named embeddings "
+                                         r"\(or ends so\); its modules are act_fn, down_proj, embed_tokens, "):
+        check_modules_to_save(untied, ("norm", "embeddings"))
+    if installed_qlora_refusal() is None:  # NF4 codes cannot train
+        from llama_cp.modules.quantize import quantize_model
+
+        with torch.device("meta"):
+            quantized = quantize_model(LlamaForCausalLM(embedded_llama_config(num_hidden_layers=1)))
+        check_modules_to_save(quantized, ("embed_tokens", "norm", "lm_head"))
+        with pytest.raises(ValueError, match=r"^--lora_modules_to_save mlp,q_proj: its Linear layers hold 4-bit codes "):
+            check_modules_to_save(quantized, ("q_proj", "norm", "mlp"))
+    tied = LlamaForCausalLM(embedded_llama_config(num_hidden_layers=1, tie_word_embeddings=True))
+    check_modules_to_save(tied, ("norm",))  # the norms may be copied
+    for names in (("embed_tokens", "norm"), ("lm_head",)):
+        with pytest.raises(ValueError, match=rf"^--lora_modules_to_save {names[0]}: LlamaForCausalLM ties lm_head to "
+                                             r"embed_tokens \(tie_word_embeddings\); a trainable copy of one unties "
+                                             r"them, and FSDP2 would find their shared tensor in two groups "):
+            check_modules_to_save(tied, names)
+
+
+def test_lora_options_refused_where_they_cannot_be_exact():
+    with pytest.raises(ValueError, match=r"^--use_rslora and --use_dora are LoRA options: add --use_peft, or drop them$"):
+        TrainConfig.from_flags(use_rslora=True, use_dora=True)
+    with pytest.raises(ValueError, match=r"^--use_dora with --quantization 4bit: DoRA normalises each adapted base "
+                                         r"weight, and peft reads it from the layer's weight, which under QLoRA holds "
+                                         r"the packed NF4 codes"):
+        PeftConfig(use_peft=True, use_dora=True, quantization="4bit").check()
+    with pytest.raises(ValueError, match=r"^--use_dora with --lora_target_parameters: peft has no DoRA for adapters "):
+        PeftConfig(use_peft=True, use_dora=True, lora_target_parameters=("mlp.experts.gate_up_proj",)).check()
+    cfg = TrainConfig.from_flags(use_peft=True, use_dora=True)
+    cfg.model.model_name = "/models/llama"
+    with pytest.raises(ValueError, match=r"^--use_dora with --model_name /models/llama: DoRA's magnitudes start as the "
+                                         r"row norms of the checkpoint's weights, which the sharded loader "):
+        build_model(cfg, None, torch.device("cpu"), "/models/llama")  # before anything is read or built

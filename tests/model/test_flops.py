@@ -51,15 +51,18 @@ def test_full_fine_tune_matches_the_flop_counter():
     assert measured == {"aten.mm": flops.per_token * rows * length, "aten.bmm": flops.per_pair * rows * length ** 2}
 
 
-def _check_lora_flops(base, config, targets):
-    """LoRA of rank 4 on ``targets`` of ``base``: the counter's FLOPs of one step are model_flops'."""
+def _check_lora_flops(base, config, targets, modules_to_save=()):
+    """LoRA of rank 4 on ``targets`` of ``base`` (and ``modules_to_save`` trained in full): the
+    counter's FLOPs of one step are model_flops'."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(base, LoraConfig(r=4, target_modules=list(targets), task_type="CAUSAL_LM"))
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear" if targets == ("all-linear",) else
+                                            list(targets), modules_to_save=list(modules_to_save) or None,
+                                            task_type="CAUSAL_LM"))
     model.enable_input_require_grads()
     rows, length = 2, 24
     measured = _measure(model, input_ids=torch.randint(0, config.vocab_size, (rows, length)))
-    flops = model_flops(config, lora_r=4, lora_targets=targets)
+    flops = model_flops(config, lora_r=4, lora_targets=targets, modules_to_save=modules_to_save)
     assert measured == {"aten.mm": flops.per_token * rows * length, "aten.bmm": flops.per_pair * rows * length ** 2}
 
 
@@ -72,6 +75,17 @@ def test_lora_matches_the_flop_counter():
     base.set_attn_implementation("eager")
     targets = ("q_proj", "v_proj", "down_proj")
     _check_lora_flops(base, config, targets)
+
+
+def test_all_linear_and_modules_to_save_match_the_flop_counter():
+    """all-linear: adapters on the 7 projections of each layer, not on lm_head; lm_head in
+    modules_to_save: its copy trained in full (3 x forward, its frozen original not run), while
+    the copies of the embedding and the norms add no matmul."""
+    config = embedded_llama_config(num_hidden_layers=1)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    base.set_attn_implementation("eager")
+    _check_lora_flops(base, config, ("all-linear",), ("lm_head", "embed_tokens", "norm"))
 
 
 def test_packed_documents_count_the_pairs_attention_computes():

@@ -1,7 +1,8 @@
 """The long-context levers on 2 gloo ranks, FSDP2 + CP (cp=2, ring): bf16 frozen LoRA weights
 against a single-process reference rounded the same way, tiled MLP / norms and checkpoint
-offload through the trainer's ``parallelize_model``, offload bit-identical to no offload, and
-frozen weights loaded from a checkpoint in their storage dtype."""
+offload through the trainer's ``parallelize_model``, offload bit-identical to no offload,
+frozen weights loaded from a checkpoint in their storage dtype, and the LoRA options
+(all-linear, rsLoRA, modules_to_save, DoRA) against a single-process transformers + peft model."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ checks = Checks()
 
 
 def lora_config(**flags) -> TrainConfig:
-    return TrainConfig.from_flags(
-        cp=2, use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=",".join(TARGETS), context_length=32,
-        dtype="float32", loss_chunk_size=7, **flags,
-    )
+    return TrainConfig.from_flags(**{
+        **dict(cp=2, use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=",".join(TARGETS), context_length=32,
+               dtype="float32", loss_chunk_size=7),
+        **flags,
+    })
 
 
 def lora_reference(cfg: TrainConfig):
@@ -62,7 +64,9 @@ def sharded_like(reference, cfg: TrainConfig):
     return model, mesh
 
 
-def compare_lora_grads(model, reference):
+def compare_lora_grads(model, reference, expected: int = 2 * 7 * 2):
+    """Every trainable parameter's gradient (``expected`` of them; default: A and B of 7 projections
+    in 2 layers) equals the reference's, and frozen ones have none."""
     compared = 0
     for (name, param), (ref_name, ref) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         assert name == ref_name
@@ -72,7 +76,7 @@ def compare_lora_grads(model, reference):
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
         torch.testing.assert_close(grad, ref.grad, **FP32_CLOSE, msg=lambda m: f"{name}: {m}")
         compared += 1
-    assert compared == 2 * 7 * 2, compared  # A and B of 7 projections in 2 layers
+    assert compared == expected, compared
 
 
 def run_and_compare(cfg: TrainConfig, *, rounded: bool):
@@ -179,6 +183,55 @@ def lora_adapters_load_as_peft_makes_them():
         bound = 1 / value.shape[1] ** 0.5  # kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
         for a in (value, peft_a[name]):
             assert a.abs().max() <= bound and 0.8 < a.std().item() / (bound / 3**0.5) < 1.2, (name, a.std(), bound)
+
+def check_against_peft(cfg: TrainConfig, lora: LoraConfig, expected: int):
+    """The model parallelize_model makes of ``cfg`` (FSDP2 over the 2 ranks, ring CP, the chunked loss)
+    against the single-process transformers + peft model of ``lora``: the same trainable parameters
+    by name, the same loss and gradients. Every trainable tensor but A is moved off its start (B off
+    zero, modules_to_save copies off their originals, DoRA's magnitudes off the weights' norms), so
+    using the wrong one shows."""
+    torch.manual_seed(1)  # the seed sharded_like builds with: the same A
+    reference = get_peft_model(tiny_model(), lora)
+    g = torch.Generator().manual_seed(2)
+    for name, param in reference.named_parameters():
+        if param.requires_grad and ".lora_A." not in name:
+            param.data.add_(torch.randn(param.shape, generator=g), alpha=0.1)
+    model, mesh = sharded_like(reference, cfg)
+    batch = global_batch()
+    ref_loss = reference_loss(reference, batch)
+    ref_loss.backward()
+    torch.testing.assert_close(sharded_step(model, batch, mesh), ref_loss.detach(), **FP32_CLOSE)
+    compare_lora_grads(model, reference, expected)
+
+
+@checks.add
+def all_linear_rslora_and_modules_to_save_match_peft():
+    """--lora_target_modules all-linear (7 projections a layer, not lm_head), --use_rslora (scale
+    8 / sqrt(4), not 8 / 4) and --lora_modules_to_save embed_tokens,norm (the embedding and the 5
+    norms trained in full, their copies sharded by FSDP2 and fed by both cp ranks' tokens)."""
+    cfg = lora_config(lora_target_modules="all-linear", use_rslora=True, lora_modules_to_save="embed_tokens,norm")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_rslora=True,
+                      modules_to_save=["embed_tokens", "norm"], task_type="CAUSAL_LM")
+    check_against_peft(cfg, lora, expected=2 * 7 * 2 + 1 + 5)
+
+
+@checks.add
+def dora_matches_peft_with_activation_checkpointing():
+    """--use_dora: each layer's weight norm from its all-gathered base weight and adapters (the same
+    on both cp ranks), the magnitudes sharded by FSDP2 and trained; through the recompute too."""
+    cfg = lora_config(use_dora=True, activation_checkpointing=True)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS), use_dora=True, task_type="CAUSAL_LM")
+    check_against_peft(cfg, lora, expected=2 * 7 * 3)
+
+
+@checks.add
+def norm_tiles_refuse_trainable_norm_copies():
+    """--norm_tile_size finds the norms by class; peft's wrapper around a trainable copy is none."""
+    cfg = lora_config(lora_modules_to_save="norm", norm_tile_size=3)
+    with pytest.raises(ValueError, match=r"^--norm_tile_size with --lora_modules_to_save norm: the LlamaRMSNorms are "
+                                         r"then peft's wrappers around trainable copies, which the tiling does not "):
+        parallelize_model(tiny_model(), cfg, ParallelDims(cp=2).build_mesh("cpu"))
+
 
 results = checks.module_fixture(__name__, WORLD_SIZE)
 

@@ -119,7 +119,7 @@ def test_yarn_preset_extends_an_8k_llama_to_64k():
     import os
 
     preset = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "llama3_8b_yarn_64k.yaml")
-    cfg = TrainConfig.from_flags(preset)
+    cfg = TrainConfig.from_flags(preset, model_name="meta-llama/Meta-Llama-3-8B")
     assert cfg.data.context_length == 65536
     config = apply_rope_settings(llama_8k(), cfg.model.rope_theta, cfg.model.rope_scaling, cfg.data.context_length)
     assert rope_parameters(config) == {

@@ -70,7 +70,7 @@ def measure_real_peak(name: str) -> int:
     mesh = p.dims().build_mesh("cpu")
     torch.manual_seed(0)
     model = parallelize_model(LlamaForCausalLM(embedded_llama_config()), cfg, mesh)
-    optimizer = build_optimizer("adamw", model.parameters(), lr=1e-4, weight_decay=0.0)
+    optimizer = build_optimizer("adamw", model, lr=1e-4, weight_decay=0.0)  # the trainer's groups
     create_optimizer_state(model, optimizer, max_grad_norm=cfg.optim.max_grad_norm)
     generator = torch.Generator().manual_seed(dist.get_rank())
     micro = []

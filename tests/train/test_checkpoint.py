@@ -15,6 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from dist_harness import Checks, shared_tmpdir
 from fsdp_checks import build, full_param, global_batch, sharded_step, tiny_model
 from llama_cp import ParallelDims
+from llama_cp.optim.optimizers import DECAYS, build_optimizer
 from llama_cp.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 
 WORLD_SIZE = 2
@@ -35,9 +36,10 @@ def lora(model, seed: int):
 
 
 def trainer(dims: dict, model):
-    """Sharded model, AdamW and a warmup-then-decay schedule (the lr changes every step)."""
+    """Sharded model, the trainer's AdamW (its param groups: norms and embeddings without weight
+    decay) and a warmup-then-decay schedule (the lr changes every step)."""
     model, mesh = build(ParallelDims(**dims), model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    optimizer = build_optimizer("adamw", model, lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(step + 1, 3) / (step + 1) ** 0.5)
     return model, mesh, optimizer, scheduler
 
@@ -85,15 +87,25 @@ def check_exact_resume(dims: dict, use_lora: bool):
             assert trainable and all("lora_" in n or "modules_to_save" in n for n in trainable), trainable
             assert not any(".base_layer." in k or "original_module" in k for k in keys), keys
 
+        # the groups of Note [Which parameters decay]: a full fine-tune's norms and embedding in a second one
+        groups = _group_names(model, optimizer)
+        assert [decays for decays, _, _ in groups] == ([True] if use_lora else [True, False]), groups
+        assert use_lora or {n.rsplit(".", 1)[0].rsplit(".", 1)[-1] for n in groups[1][2]} == {
+            "embed_tokens", "input_layernorm", "post_attention_layernorm", "norm"}, groups
+
         # a fresh run: other trainable weights and other RNG streams until loaded
+        saved_optimizer = optimizer
         resumed, mesh, optimizer, scheduler = trainer(dims, make_model(1))
         assert any(
             not torch.equal(full_param(p), full_param(q))
             for p, q in zip(resumed.parameters(), model.parameters(), strict=True) if p.requires_grad
         )
         seed_everything(999)
+        for group in optimizer.param_groups:  # the loaded groups' options win
+            group["weight_decay"] = 0.5
         state = load_checkpoint(path, resumed, optimizer, scheduler=scheduler)
         assert state == {"step": SAVE_AT, "extra": extra}, state
+        assert _group_names(resumed, optimizer) == _group_names(model, saved_optimizer), _group_names(resumed, optimizer)
         for got, want in zip(draw_random(), draws, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert scheduler.get_last_lr() == lr_at_save
@@ -102,6 +114,12 @@ def check_exact_resume(dims: dict, use_lora: bool):
     torch.testing.assert_close(torch.tensor(resumed_losses), torch.tensor(losses), rtol=0, atol=1e-7)
     for (name, param), (_, want) in zip(resumed.named_parameters(), model.named_parameters(), strict=True):
         torch.testing.assert_close(full_param(param), full_param(want), rtol=0, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def _group_names(model, optimizer) -> list[tuple[bool, float, list[str]]]:
+    """(decays, weight_decay, parameter names) of every param group."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(g[DECAYS], g["weight_decay"], [names[id(p)] for p in g["params"]]) for g in optimizer.param_groups]
 
 
 for _name, _dims in (("cp2", dict(dp_shard=1, cp=2)), ("dp_shard2", dict(dp_shard=2, cp=1))):

@@ -47,9 +47,9 @@ def test_plan_memory_help_shows_what_it_plans(monkeypatch, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--keep_last", "0"], "--keep_last must be >= 1, got 0"),
     (["--log_every", "0"], "--log_every must be >= 1, got 0"),
-    (["--max_steps", "-5"], "--max_steps must be >= 0, got -5"),
+    (["--max_steps", "-5"], "--max_steps must be >= 0 (or -1: auto), got -5"),
     (["--warmup_steps", "-3"], "--warmup_steps must be >= 0, got -3"),
-    (["--save_every", "-1"], "--save_every must be >= 0, got -1"),
+    (["--save_every", "-2"], "--save_every must be >= 0 (or -1: auto), got -2"),
     (["--eval_every", "-1"], "--eval_every must be >= 0, got -1"),
     (["--max_nonfinite_steps", "0"], "--max_nonfinite_steps must be >= 1, got 0"),
     (["--contex_length", "512"], "unknown flag --contex_length; did you mean --context_length?"),
@@ -163,7 +163,9 @@ def test_flag_table_matches_the_config():
     with open(os.path.join(ROOT, "docs", "flags.md")) as f:
         text = f.read()
     rows = re.findall(r"^\| `--(\w+)` \| `([^`]*)` \| (.*) \|$", text, flags=re.M)
-    want = [(name, ",".join(d) if isinstance(d, tuple) else str(d), doc) for name, d, doc in TrainConfig.flag_docs()]
+    from llama_cp.config import _shown
+
+    want = [(name, _shown(d), doc) for name, d, doc in TrainConfig.flag_docs()]
     assert rows == want
     assert flag_table() in text
 
@@ -216,3 +218,25 @@ def test_a_structural_change_on_resume_is_one_line_before_anything_is_built(caps
         f"Resume with --lora_r 8 as the checkpoints in {out / 'checkpoints'} were trained, or start a new run "
         "(--overwrite or another --output_dir) (rerun with --debug for the traceback)\n"
     ), err
+
+
+def test_the_export_command_lists_its_own_flags_and_refuses_a_typo_before_reading(capsys, tmp_path):
+    """``python -m recipes.export --help`` shows its five flags, not the training flags; a mistyped
+    flag or a missing checkpoint is one line, before anything is read or written."""
+    from recipes.export import FLAGS, cli
+
+    cli(["--help"])
+    out = capsys.readouterr().out
+    assert all(f"\n  --{name} (" in out for name in FLAGS) and "--context_length" not in out, out
+    for argv, message in ((["--checkpont", "x", "--output_dir", "y"], "unknown flag --checkpont; did you mean --checkpoint?"),
+                          (["--checkpoint", str(tmp_path / "none"), "--output_dir", str(tmp_path / "out")],
+                           "no such directory"),
+                          (["--checkpoint", str(tmp_path), "--output_dir", str(tmp_path / "out")],
+                           "is neither a run's output_dir, a checkpoint directory"),
+                          (["--checkpoint", str(tmp_path), "--output_dir", str(tmp_path / "out"), "--export_dtype",
+                            "fp8"], "--export_dtype must be one of auto, float32, bfloat16, float16")):
+        with pytest.raises(SystemExit):
+            cli(argv)
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "out").exists()

@@ -230,7 +230,7 @@ def _config(output_dir, **flags):
     from llama_cp import TrainConfig
 
     base = dict(context_length=256, num_passkey_samples=16, num_eval_samples=4, max_steps=4, log_every=1,
-                warmup_steps=1, lr=3e-3, output_dir=output_dir)
+                warmup_steps=1, lr=3e-3, save_every=0, output_dir=output_dir)
     return TrainConfig.from_flags(**{**base, **flags})
 
 
@@ -387,6 +387,31 @@ def full_finetune_of_a_bf16_checkpoint_keeps_fp32_shards_and_state():
         loaded = {k: v.full_tensor() for k, v in fresh.model.state_dict().items()}
         for name, value in bf16.state_dict().items():
             assert torch.equal(loaded[name], value.float()), name
+        # final/ is written in the checkpoint's bf16 (--export_dtype auto): the trained weights, rounded
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        from llama_cp.train.export import export_pretrained
+        from recipes.export import main as export
+
+        final = load_file(os.path.join(root, "run", "final", "model.safetensors"))
+        trained = {k: v.full_tensor() for k, v in trainer.model.state_dict().items()}
+        assert set(final) == set(trained) and all(t.dtype == torch.bfloat16 for t in final.values())
+        for name, value in final.items():
+            assert torch.equal(value, trained[name].to(torch.bfloat16)), name
+        assert json.load(open(os.path.join(root, "run", "final", "config.json")))["dtype"] == "bfloat16"
+        # shard by shard: several files and their index, as from_pretrained reads them
+        export_pretrained(trainer.model, os.path.join(root, "sharded"), dtype=torch.float32, max_shard_bytes=1 << 20)
+        index = json.load(open(os.path.join(root, "sharded", "model.safetensors.index.json")))
+        assert len(set(index["weight_map"].values())) > 2 and set(index["weight_map"]) == set(trained)
+        sharded = AutoModelForCausalLM.from_pretrained(os.path.join(root, "sharded"), dtype=torch.float32)
+        for name, value in sharded.state_dict().items():
+            assert torch.equal(value, trained[name]), name
+        # recipes.export turns final/ into float32 (the bf16 values, exactly)
+        export(checkpoint=os.path.join(root, "run", "final"), output_dir=os.path.join(root, "fp32"),
+               export_dtype="float32")
+        for name, value in load_file(os.path.join(root, "fp32", "model.safetensors")).items():
+            assert value.dtype == torch.float32 and torch.equal(value, final[name].float()), name
 
 
 @checks.add
@@ -569,6 +594,156 @@ def every_data_format_source_mixture_and_eval_option_trains_end_to_end():
         assert "eval_loss" in row
 
 
+@checks.add
+def a_local_model_with_only_model_name_and_dataset_gets_the_real_model_defaults():
+    """Run with nothing but --model_name (a local HF directory) and --dataset: the learning rate of a
+    full fine-tune, whole epochs, activation checkpointing, checkpoints during the run (Note
+    [Defaults by run]), as run_info.json records them; the run says them in one line."""
+    from transformers import LlamaForCausalLM
+
+    from llama_cp import Trainer, TrainConfig
+    from llama_cp.data.tokenizer import byte_tokenizer
+    from llama_cp.modules.causal_lm import embedded_llama_config
+
+    with tempfile.TemporaryDirectory() as root:
+        model_dir = os.path.join(root, "model")
+        torch.manual_seed(0)
+        LlamaForCausalLM(embedded_llama_config(num_hidden_layers=1)).save_pretrained(model_dir)
+        byte_tokenizer().save_pretrained(model_dir)
+        data = _write_rows(os.path.join(root, "data.jsonl"), [{"text": f"document {i} " * 40} for i in range(40)])
+        here = os.getcwd()
+        os.chdir(root)  # the default --output_dir, outputs/run, is relative
+        try:
+            trainer = Trainer(TrainConfig.from_flags(model_name=model_dir, dataset=data))
+            said = []
+            trainer._say = said.append
+            trainer.fit()
+        finally:
+            os.chdir(here)
+        run = os.path.join(root, "outputs", "run")
+        info = json.load(open(os.path.join(run, "run_info.json")))["config"]
+        steps = trainer.total_steps
+        assert steps == trainer.loader.steps_per_epoch > 1
+        assert info["optim"]["lr"] == 2e-5 and info["max_steps"] == 0 and info["num_epochs"] == 1
+        assert info["model"]["activation_checkpointing"] is True
+        assert info["save_every"] == -(-steps // 10)
+        assert len(read_metrics(run)) >= 1 and os.path.isdir(os.path.join(run, "final"))
+        assert f"{steps} steps (--num_epochs 1), --lr 2e-05, activation checkpointing on, checkpoints every " \
+               f"{info['save_every']} steps (Note [Defaults by run] in llama_cp/config.py)" in said, said
+
+
+@checks.add
+def a_checkpoint_from_before_the_decay_groups_is_refused_in_one_line():
+    """A checkpoint whose optimizer had one group without the ``decays`` key (saved before issue 35)
+    cannot be resumed into the two groups: one line that says how to start from its weights."""
+    from llama_cp import Trainer
+    from llama_cp.train.checkpoint import load_checkpoint, save_checkpoint
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(_config(out))
+        trainer.setup()
+        old = torch.optim.AdamW([p for p in trainer.model.parameters() if p.requires_grad], lr=1e-3)
+        path = save_checkpoint(out, 1, trainer.model, old, config=trainer.cfg.to_dict())
+        with pytest.raises(ValueError, match=r"saved before the optimizer kept norms, biases and embeddings out of "
+                                             r"weight decay .* python -m recipes.export --checkpoint PATH"):
+            load_checkpoint(path, trainer.model, trainer.optimizer)
+
+
+class _ForceEos:
+    """A logits processor that makes generated token ``at`` (from 0) the tokenizer's eos, and no
+    token before it."""
+
+    def __init__(self, prompt_length: int, at: int, eos: int):
+        self.prompt_length, self.at, self.eos = prompt_length, at, eos
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        if input_ids.shape[1] - self.prompt_length == self.at:
+            scores.fill_(-float("inf"))
+            scores[:, self.eos] = 0
+        else:
+            scores[:, self.eos] = -float("inf")
+        return scores
+
+
+@checks.add
+def merged_lora_and_recipes_export_load_in_plain_transformers_with_the_trained_logits():
+    """--merge_lora's final_merged/ and python -m recipes.export (from the run's newest checkpoint,
+    merged or as an adapter, and from final/) load in plain transformers / peft and give the trained
+    model's logits; a changed --rope_theta travels in config.json (and in the adapter's README);
+    the merge equals peft's merge_and_unload; generate() stops at the tokenizer's eos."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM, LogitsProcessorList
+
+    from llama_cp import Trainer
+    from llama_cp.data.tokenizer import byte_tokenizer
+    from llama_cp.modules.causal_lm import embedded_llama_config
+    from recipes.export import main as export
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(_config(out, use_peft=True, merge_lora=True, rope_theta=20000, max_steps=3, save_every=2,
+                                  lr=1e-2))
+        trainer.fit()
+        input_ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = trainer.model(input_ids=input_ids).logits
+
+        def logits(model):
+            with torch.no_grad():
+                return model(input_ids=input_ids).logits
+
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final_merged"))
+        torch.testing.assert_close(logits(merged), want, atol=1e-5, rtol=1e-5)
+        assert merged.config.rope_parameters["rope_theta"] == 20000 if hasattr(merged.config, "rope_parameters") \
+            else merged.config.rope_theta == 20000
+        # the merge is peft's own merge of the adapter, on the base the run started from
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(embedded_llama_config(rope_theta=20000))
+        reference = PeftModel.from_pretrained(base, os.path.join(out, "final")).merge_and_unload()
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(merged.state_dict()[name], value, atol=1e-6, rtol=1e-6, msg=name)
+        readme = open(os.path.join(out, "final", "README.md")).read()
+        assert "--rope_theta 20000" in readme, readme
+        # recipes.export: the newest checkpoint, merged and as an adapter; final/ merged
+        export(checkpoint=out, output_dir=os.path.join(out, "from_checkpoint"), merge_lora=True)
+        export(checkpoint=os.path.join(out, "final"), output_dir=os.path.join(out, "from_final"), merge_lora=True)
+        export(checkpoint=out, output_dir=os.path.join(out, "adapter"))
+        for name in ("from_checkpoint", "from_final"):
+            exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, name))
+            torch.testing.assert_close(logits(exported), want, atol=1e-5, rtol=1e-5, msg=name)
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(embedded_llama_config(rope_theta=20000))
+        adapter = PeftModel.from_pretrained(base, os.path.join(out, "adapter"))
+        torch.testing.assert_close(logits(adapter), want, atol=1e-5, rtol=1e-5)
+        with pytest.raises(FileExistsError, match="exists"):
+            export(checkpoint=out, output_dir=os.path.join(out, "adapter"))
+        with pytest.raises(ValueError, match="is a LoRA adapter already: add --merge_lora"):
+            export(checkpoint=os.path.join(out, "final"), output_dir=os.path.join(out, "again"))
+        # generate() stops at the tokenizer's eos: forced as the 3rd new token, it ends the output there
+        eos = byte_tokenizer().eos_token_id
+        prompt = input_ids[:, :8]
+        generated = merged.generate(prompt, max_new_tokens=10, do_sample=False,
+                                    logits_processor=LogitsProcessorList([_ForceEos(8, 2, eos)]))
+        assert generated.shape[1] == 8 + 3 and generated[0, -1] == eos, generated
+
+    # DoRA, rsLoRA and trained copies of the embeddings and final norm merge as peft merges them
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(_config(out, use_peft=True, merge_lora=True, use_dora=True, use_rslora=True,
+                                  lora_target_modules="all-linear", lora_modules_to_save="embed_tokens,norm",
+                                  max_steps=2, lr=1e-2))
+        trainer.fit()
+        with torch.no_grad():
+            want = trainer.model(input_ids=input_ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final_merged"))
+        torch.testing.assert_close(logits(merged), want, atol=1e-5, rtol=1e-5)
+        torch.manual_seed(0)
+        reference = PeftModel.from_pretrained(LlamaForCausalLM(embedded_llama_config()), os.path.join(out, "final"))
+        reference = reference.merge_and_unload()
+        assert set(reference.state_dict()) == set(merged.state_dict())
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(merged.state_dict()[name], value, atol=1e-6, rtol=1e-6, msg=name)
+
+
 def _nan_at(bad_steps):
     """A Trainer whose loss and gradients are NaN at ``bad_steps`` (1-based), as a diverging run's are."""
     from llama_cp import Trainer
@@ -637,6 +812,47 @@ def nonfinite_steps_are_skipped_and_a_run_of_them_stops_training():
                         scheduler=reference.scheduler)
         for got, want in zip(failing.model.parameters(), reference.model.parameters(), strict=True):
             torch.testing.assert_close(got.full_tensor(), want.full_tensor(), rtol=0, atol=0)
+
+
+@checks.add
+def lora_adapter_eval_equals_the_trained_models_eval_perplexity():
+    """--eval_perplexity writes perplexity.json of the trained LoRA model on the run's eval documents
+    (by length and position); the eval CLI's main on the exported adapter (final/: the embedded base
+    rebuilt from llama_cp_export.json's seed, the adapter loaded into the sharded peft model; it
+    refused adapters) gives the same numbers on the same documents."""
+    from safetensors.torch import load_file
+
+    from recipes import eval_longctx, finetune_longctx
+
+    words = "the cat sat on a mat while rain fell over old town roofs and quiet rivers ran to sea".split()
+    text = lambda count, seed: " ".join(words[(seed * 7 + 3 * i) % len(words)] for i in range(count))  # noqa: E731
+    with tempfile.TemporaryDirectory() as root:
+        train = _write_rows(os.path.join(root, "train.jsonl"), [{"text": text(60, seed)} for seed in range(4)])
+        held = _write_rows(os.path.join(root, "eval.jsonl"), [{"text": text(n, n)} for n in (10, 40, 12, 50)])
+        out = os.path.join(root, "run")
+        finetune_longctx.main(
+            context_length=128, max_steps=2, log_every=1, warmup_steps=1, lr=1e-2, save_every=0, use_peft=True,
+            dataset=train, eval_dataset=held, num_eval_samples=2, eval_perplexity=True, output_dir=out,
+            data_cache_dir=os.path.join(root, "cache"), report_to="none",
+        )
+        with open(os.path.join(out, "perplexity.json")) as f:
+            trained = json.load(f)
+        assert trained["lengths"] == [32, 64, 128] and trained["documents"] == 2 and trained["buckets"] == 4
+        final = os.path.join(out, "final")
+        lora_b = [v for k, v in load_file(os.path.join(final, "adapter_model.safetensors")).items() if "lora_B" in k]
+        assert lora_b and all(v.abs().max() > 0 for v in lora_b), "the adapter was not trained"
+        if not os.path.exists(os.path.join(final, "llama_cp_export.json")):  # an export from before the file
+            with open(os.path.join(final, "llama_cp_export.json"), "w") as f:
+                json.dump({"model_name": "embedded", "seed": 0, "rope_theta": 0.0, "rope_scaling": "none"}, f)
+        eval_longctx.main(model_name=final, task="perplexity", dataset=held, lengths="32,64,128", num_samples=2,
+                          output_dir=os.path.join(root, "adapter"))
+        with open(os.path.join(root, "adapter", "perplexity.json")) as f:
+            reloaded = json.load(f)
+    assert reloaded["model"] == final and reloaded["documents"] == 2
+    for got, want in zip(reloaded["per_length"], trained["per_length"], strict=True):
+        assert got["tokens"] == want["tokens"] == 2 * got["length"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (got, want)
+        assert [b["loss"] for b in got["buckets"]] == pytest.approx([b["loss"] for b in want["buckets"]], rel=1e-5)
 
 
 results = checks.module_fixture(__name__, 1)
