@@ -27,6 +27,8 @@ import yaml
 from llama_cp.data_flags import LOCAL_FILE_SUFFIXES, PASSKEY, check_sources, parse_sources  # noqa: F401
 from llama_cp.parallel.sharding import check_context_length
 
+#: peft's keyword for every Linear layer but the output layer (--lora_target_modules all-linear).
+ALL_LINEAR = "all-linear"
 #: ``--report_to``'s trackers (llama_cp.train.reporting writes to them).
 REPORTERS = ("tensorboard", "wandb")
 
@@ -138,8 +140,6 @@ class PeftConfig:
 
     def check(self) -> None:
         """ValueError, one line, for LoRA options that cannot be used together."""
-        from llama_cp.model.build import check_all_linear
-
         options = [f"--{name}" for name, on in (("lora_modules_to_save", self.lora_modules_to_save),
                                                  ("use_rslora", self.use_rslora), ("use_dora", self.use_dora)) if on]
         if options and not self.use_peft:
@@ -531,6 +531,15 @@ def check_report_to(report_to: Sequence[str]) -> None:
         raise ValueError("--report_to tensorboard needs the tensorboard package: pip install tensorboard")
     if "wandb" in report_to and not _importable("wandb"):
         raise ValueError("--report_to wandb needs the wandb package: pip install wandb (or drop wandb)")
+
+
+def check_all_linear(targets) -> None:
+    """One line unless ``all-linear`` in --lora_target_modules stands alone (peft takes it as a
+    keyword only in place of the list)."""
+    if ALL_LINEAR in targets and len(targets) > 1:
+        raise ValueError(f"--lora_target_modules {','.join(targets)}: {ALL_LINEAR} already names every Linear layer "
+                         f"but the output layer; give {ALL_LINEAR} alone, or a list of names")
+
 
 
 def _shown(default: Any) -> str:

@@ -102,6 +102,7 @@ def pieces_forward(
     its pieces (consecutive in ``block``) and then written (Note [Tiled attention]); rows
     that see nothing get out = 0, lse = -inf.
     """
+    backend = kernels.resolve_backend(backend, q)  # auto (None) named here: the varlen calls need the name
     plan = _varlen_plan(block, q, backend)
     if plan is not None:
         return _varlen_forward(q, k, v, plan, scale, backend, out, lse, softcap)
@@ -147,6 +148,7 @@ def pieces_backward(
     """Add the gradients of the pieces of one block to the accumulators dk, dv (and dq when
     given, the ring) in place, given the final (out, lse) of every query row. Without ``dq``,
     returns dq in q's dtype, accumulated in float32 per query slice (Note [Tiled attention])."""
+    backend = kernels.resolve_backend(backend, q)
     plan = _varlen_plan(block, q, backend)
     if plan is not None:
         return _varlen_backward(dout, q, k, v, out, lse, plan, scale, backend, dq, dk, dv, softcap)

@@ -21,7 +21,7 @@ from torch import nn
 
 from llama_cp.attention.choose import choose_strategy
 from llama_cp.attention.kernels import check_backend
-from llama_cp.config import PASSKEY, TrainConfig
+from llama_cp.config import ALL_LINEAR, PASSKEY, TrainConfig, check_all_linear
 from llama_cp.cp_attention import apply_context_parallel
 from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, shard_model
 from llama_cp.model.loss import enable_chunked_loss
@@ -153,14 +153,6 @@ def check_lora_targets(model: nn.Module, targets, parameters=()) -> None:
                          f"parameters of its first layer outside Linear layers are {', '.join(layer_0) or 'none'}")
 
 
-def check_all_linear(targets) -> None:
-    """One line unless ``all-linear`` in --lora_target_modules stands alone (peft takes it as a
-    keyword only in place of the list)."""
-    if ALL_LINEAR in targets and len(targets) > 1:
-        raise ValueError(f"--lora_target_modules {','.join(targets)}: {ALL_LINEAR} already names every Linear layer "
-                         f"but the output layer; give {ALL_LINEAR} alone, or a list of names")
-
-
 def check_modules_to_save(model: nn.Module, names) -> None:
     """One line naming --lora_modules_to_save unless every name ends the name of a module of
     ``model`` (how peft matches them: ``norm`` is every norm layer, input_layernorm and the final
@@ -205,9 +197,6 @@ def check_modules_to_save(model: nn.Module, names) -> None:
 # 'base_model.model.lm_head.weight' is shared with a parameter already managed by another FSDP
 # group", torch 2.13). So such a copy is refused before peft wraps the model.
 
-
-#: peft's keyword for every Linear layer but the output layer (--lora_target_modules all-linear).
-ALL_LINEAR = "all-linear"
 
 
 def lora_targets(model: nn.Module, targets) -> tuple[str, ...]:

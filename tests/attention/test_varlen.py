@@ -98,6 +98,28 @@ def test_one_process_varlen_equals_per_piece(backend, block_size, dtype):
         torch.testing.assert_close(got, want, **TOLERANCE[dtype], msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("backend", VARLEN)
+def test_the_auto_backend_takes_the_varlen_calls_it_picks(backend, monkeypatch):
+    """--attention_backend auto (None) on a GPU picks a varlen backend (sdpa_flash without
+    flash-attn): the packed documents' calls go to it by name. The kernels were handed None and
+    refused it ("attention backend None has no varlen kernel"): every packed run on a GPU stopped
+    at its first step (seen on an H200, torch 2.11, issue 35)."""
+    monkeypatch.setattr(kernels, "select_backend", lambda q: backend)  # what auto picks on CUDA
+    block = tiles(_layout().full_row_pieces(), 0)
+    q, k, v = _qkv(SEQ_LEN, F64)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    results = []
+    for b in (backend, None):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        with _counting_varlen_calls() as counts:
+            out = pieces_attention(*inputs, block, scale=D**-0.5, backend=b)
+            out.backward(dout)
+        assert counts["forward"] > 0 and counts["backward"] > 0, counts
+        results.append((out, *(t.grad for t in inputs)))
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("backend,cp,block_size,dtype", [(FA, 2, 0, F64), (SDPA, 2, 5, F32), (FA, 4, 5, F32),
                                                         (SDPA, 4, 0, F64)])
 def test_ring_step_blocks_varlen_equals_per_piece(backend, cp, block_size, dtype):
