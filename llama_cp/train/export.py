@@ -113,7 +113,8 @@ def export_pretrained(
             state = get_model_state_dict(model, options=StateDictOptions(
                 full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
             if rank0:
-                model.save_pretrained(tmp, state_dict=state)
+                # the vocabulary is never resized here: peft need not look for (sharded) embedding weights
+                model.save_pretrained(tmp, state_dict=state, save_embedding_layers=False)
         else:
             _write_full_model(model, tmp, dtype, merge_lora, max_shard_bytes)
         if rank0:
