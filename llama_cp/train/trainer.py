@@ -495,6 +495,12 @@ class Trainer:
                 "rope_scaling": cfg.model.rope_scaling, "context_length": cfg.data.context_length}
         for target, merge in targets:
             export_pretrained(self.model, target, self.tokenizer, dtype=dtype, merge_lora=merge, info=info)
+        rope = " ".join(f"--{k} {v}" for k, v in (("rope_theta", cfg.model.rope_theta),
+                                                   ("rope_scaling", cfg.model.rope_scaling)) if v not in (0, "none"))
+        if rope and hasattr(self.model, "peft_config"):  # peft loads an adapter onto the base's own config
+            merged = f"; {targets[-1][0]} carries them" if cfg.merge_lora else "; --merge_lora writes a model that carries them"
+            self._say(f"{path} is an adapter trained with {rope}: the base model's config must be given the same "
+                      f"settings before loading it (README.md there){merged}")
 
 
 def _global_rank() -> int:

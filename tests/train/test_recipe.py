@@ -686,7 +686,12 @@ def merged_lora_and_recipes_export_load_in_plain_transformers_with_the_trained_l
         trainer = Trainer(_config(out, use_peft=True, merge_lora=True, rope_theta=20000, max_steps=3, save_every=2,
                                   lr=1e-2, use_dora=True, use_rslora=True, lora_target_modules="all-linear",
                                   lora_modules_to_save="embed_tokens,norm"))
+        said = []
+        trainer._say = said.append
         trainer.fit()
+        final = os.path.join(out, "final")
+        assert f"{final} is an adapter trained with --rope_theta 20000.0: the base model's config must be given the " \
+               f"same settings before loading it (README.md there); {final}_merged carries them" in said, said
         input_ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             want = trainer.model(input_ids=input_ids).logits
