@@ -407,11 +407,17 @@ def full_finetune_of_a_bf16_checkpoint_keeps_fp32_shards_and_state():
         sharded = AutoModelForCausalLM.from_pretrained(os.path.join(root, "sharded"), dtype=torch.float32)
         for name, value in sharded.state_dict().items():
             assert torch.equal(value, trained[name]), name
-        # recipes.export turns final/ into float32 (the bf16 values, exactly)
+        # recipes.export turns final/ into float32 (the bf16 values, exactly), and the run's checkpoint (its
+        # float32 shards) into the trained weights, in the base's bf16 by default
         export(checkpoint=os.path.join(root, "run", "final"), output_dir=os.path.join(root, "fp32"),
                export_dtype="float32")
         for name, value in load_file(os.path.join(root, "fp32", "model.safetensors")).items():
             assert value.dtype == torch.float32 and torch.equal(value, final[name].float()), name
+        export(checkpoint=os.path.join(root, "run"), output_dir=os.path.join(root, "from_checkpoint"))
+        exported = load_file(os.path.join(root, "from_checkpoint", "model.safetensors"))
+        assert set(exported) == set(trained)
+        for name, value in exported.items():
+            assert value.dtype == torch.bfloat16 and torch.equal(value, trained[name].to(torch.bfloat16)), name
 
 
 @checks.add
