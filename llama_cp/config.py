@@ -132,7 +132,7 @@ class PeftConfig:
     use_rslora: bool = False
     """Rank-stabilised LoRA (peft's use_rslora): scale = lora_alpha / sqrt(lora_r), which keeps the adapters' updates from shrinking as --lora_r grows (Kalajdzievski 2023)."""
     use_dora: bool = False
-    """DoRA (peft's use_dora): every adapted weight as a trained magnitude per row times a LoRA-adapted direction; not with --quantization 4bit or --lora_target_parameters, only for the embedded model until the loader sets the magnitudes from a checkpoint; the memory planner refuses it."""
+    """DoRA (peft's use_dora): every adapted weight as a trained magnitude per row times a LoRA-adapted direction; not with --quantization 4bit or --lora_target_parameters; the memory planner refuses it."""
     lora_target_parameters: tuple[str, ...] = ()
     """Parameters (not Linear layers) that get adapters, peft's target_parameters: the fused experts of MoE models in transformers 5, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj."""
     quantization: Literal["none", "4bit"] = "none"

@@ -240,10 +240,16 @@ def _checkpoint_key(key: str) -> str:
 
 def _full_state_for(model_state: dict[str, torch.Tensor], checkpoint: dict[str, torch.Tensor], path: str):
     """Rank 0: the full state dict the (possibly peft) model expects, from the checkpoint tensors;
-    fresh LoRA adapters initialised as peft does (A Kaiming-uniform, B zero)."""
+    fresh LoRA adapters initialised as peft does (A Kaiming-uniform, B zero; a DoRA magnitude the
+    row norms of its base weight, peft's ||W + scale * B @ A|| at B = 0)."""
     full = {}
     for key, value in model_state.items():
-        if ".lora_A." in key:
+        if ".lora_magnitude_vector." in key:
+            base = _checkpoint_key(key.split(".lora_magnitude_vector.")[0] + ".weight")
+            if base not in checkpoint:
+                raise KeyError(f"checkpoint {path!r} has no tensor {base!r} (needed for {key!r})")
+            full[key] = torch.linalg.norm(checkpoint[base].to(value.dtype), dim=1)
+        elif ".lora_A." in key:
             full[key] = torch.nn.init.kaiming_uniform_(torch.empty(value.shape, dtype=value.dtype), a=math.sqrt(5))
         elif ".lora_B." in key:
             full[key] = torch.zeros(value.shape, dtype=value.dtype)

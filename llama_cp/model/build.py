@@ -39,12 +39,6 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
     its config first given ``--rope_theta`` / ``--rope_scaling`` (``apply_rope_settings``)."""
     from transformers import AutoConfig
 
-    if path is not None and cfg.peft.use_peft and cfg.peft.use_dora:
-        # DoRA's magnitude starts as the row norms of the base weight; a model built on the meta device
-        # gets its weights only in load_full_weights, which fills LoRA's A and B but knows no magnitude
-        raise ValueError(f"--use_dora with --model_name {cfg.model.model_name}: DoRA's magnitudes start as the row "
-                         "norms of the checkpoint's weights, which the sharded loader (llama_cp.fsdp_wrap."
-                         "load_full_weights) does not compute yet; drop --use_dora (it runs on the embedded model only)")
     torch.manual_seed(cfg.seed)
     config = embedded_llama_config() if path is None else AutoConfig.from_pretrained(path)
     apply_rope_settings(config, cfg.model.rope_theta, cfg.model.rope_scaling, cfg.data.context_length)

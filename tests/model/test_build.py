@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from llama_cp.config import PeftConfig, TrainConfig
 from llama_cp.data.tokenizer import byte_tokenizer
-from llama_cp.model.build import build_model, check_lora_targets, check_modules_to_save, model_path
+from llama_cp.model.build import check_lora_targets, check_modules_to_save, model_path
 from llama_cp.modules.causal_lm import embedded_llama_config
 from llama_cp.modules.quantize import installed_qlora_refusal
 
@@ -86,8 +86,3 @@ def test_lora_options_refused_where_they_cannot_be_exact():
         PeftConfig(use_peft=True, use_dora=True, quantization="4bit").check()
     with pytest.raises(ValueError, match=r"^--use_dora with --lora_target_parameters: peft has no DoRA for adapters "):
         PeftConfig(use_peft=True, use_dora=True, lora_target_parameters=("mlp.experts.gate_up_proj",)).check()
-    cfg = TrainConfig.from_flags(use_peft=True, use_dora=True)
-    cfg.model.model_name = "/models/llama"
-    with pytest.raises(ValueError, match=r"^--use_dora with --model_name /models/llama: DoRA's magnitudes start as the "
-                                         r"row norms of the checkpoint's weights, which the sharded loader "):
-        build_model(cfg, None, torch.device("cpu"), "/models/llama")  # before anything is read or built

@@ -184,6 +184,31 @@ def lora_adapters_load_as_peft_makes_them():
         for a in (value, peft_a[name]):
             assert a.abs().max() <= bound and 0.8 < a.std().item() / (bound / 3**0.5) < 1.2, (name, a.std(), bound)
 
+@checks.add
+def dora_magnitudes_load_as_peft_makes_them():
+    """--use_dora on a checkpoint directory: the loader starts each magnitude as peft does on the
+    loaded model, the row norms of its base weight (it was refused: the sharded loader knew no
+    magnitude)."""
+    from llama_cp.fsdp_wrap import load_full_weights
+    from llama_cp.modules.causal_lm import build_causal_lm
+
+    source = tiny_model()
+    cfg = lora_config(use_dora=True)
+    with shared_tmpdir(prefix="dora-init-") as path:
+        if dist.get_rank() == 0:
+            source.save_pretrained(path)
+        dist.barrier()
+        model = parallelize_model(build_causal_lm(source.config, device="meta"), cfg, ParallelDims(cp=2).build_mesh("cpu"))
+        load_full_weights(model, path, device="cpu")
+    ours = {name: p.full_tensor() for name, p in model.named_parameters() if ".lora_magnitude_vector." in name}
+    reference = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS), use_dora=True,
+                                                        task_type="CAUSAL_LM"))
+    want = {name: p.detach() for name, p in reference.named_parameters() if ".lora_magnitude_vector." in name}
+    assert set(ours) == set(want) and len(want) == 2 * len(TARGETS)
+    for name, value in want.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=0, msg=name)
+
+
 def check_against_peft(cfg: TrainConfig, lora: LoraConfig, expected: int):
     """The model parallelize_model makes of ``cfg`` (FSDP2 over the 2 ranks, ring CP, the chunked loss)
     against the single-process transformers + peft model of ``lora``: the same trainable parameters
