@@ -294,10 +294,11 @@ def load_tokenizer(path: str | None):
 # peft saves each adapter tensor under the model's name with the adapter's name taken out
 # (...q_proj.lora_A.default.weight -> ...q_proj.lora_A.weight). Every tensor of the file must
 # find its LoRA tensor in the model, and every LoRA tensor of the model its tensor in the file,
-# else the adapter is refused (a modules_to_save copy, other targets). rsLoRA is its scale,
-# lora_alpha / sqrt(r), set on each adapted layer as peft sets it. DoRA (another kind of layer)
-# and per-module ranks or alphas (rank_pattern, alpha_pattern) are refused: build_model makes
-# neither.
+# else the adapter is refused (other targets). rsLoRA, DoRA and modules_to_save copies are the
+# trainer's own flags (--use_rslora, --use_dora, --lora_modules_to_save): build_model makes those
+# layers, and their tensors come from the file like A and B (peft saves a DoRA magnitude as
+# ...q_proj.lora_magnitude_vector and a copy under the name of what it copies). Per-module ranks
+# or alphas (rank_pattern, alpha_pattern) are refused: build_model makes none.
 
 
 @dataclass(frozen=True)
@@ -308,7 +309,6 @@ class Adapter:
     path: str
     #: TrainConfig flags of the base and the adapters' shape
     flags: dict[str, Any]
-    rslora: bool = False
 
     @classmethod
     def read(cls, model_name: str) -> Adapter | None:
@@ -327,8 +327,6 @@ class Adapter:
         merge = "merge it into its base (peft's merge_and_unload, then save_pretrained) and evaluate that directory"
         if config.get("peft_type", "LORA") != "LORA":
             raise ValueError(f"--model_name {model_name!r} is a {config['peft_type']} adapter, not LoRA: {merge}")
-        if config.get("use_dora"):
-            raise ValueError(f"{where} with DoRA (use_dora), which the trainer's model does not build: {merge}")
         if config.get("rank_pattern") or config.get("alpha_pattern"):
             raise ValueError(f"{where} with per-module ranks or alphas (rank_pattern / alpha_pattern), which the "
                              f"trainer's model does not build: {merge}")
@@ -345,11 +343,13 @@ class Adapter:
                              '{"model_name": "embedded", "seed": <the run\'s --seed>})')
         flags = {"model_name": base, "use_peft": True, "lora_r": config["r"], "lora_alpha": config["lora_alpha"],
                  "lora_target_modules": tuple(targets),
-                 "lora_target_parameters": tuple(config.get("target_parameters") or ())}
+                 "lora_target_parameters": tuple(config.get("target_parameters") or ()),
+                 "use_rslora": bool(config.get("use_rslora")), "use_dora": bool(config.get("use_dora")),
+                 "lora_modules_to_save": tuple(config.get("modules_to_save") or ())}
         if base == "embedded":
             flags["seed"] = info.get("seed", 0)
         flags.update({key: info[key] for key in ("rope_theta", "rope_scaling") if info.get(key) is not None})
-        return cls(path, flags, bool(config.get("use_rslora")))
+        return cls(path, flags)
 
     def tokenizer_path(self, base_path: str | None) -> str | None:
         """The adapter directory when it holds a tokenizer (the trainer's export does), else the base's."""
@@ -360,7 +360,6 @@ class Adapter:
 
     def load_into(self, model) -> None:
         """Put the adapters' weights into ``model`` (``build_model`` of :attr:`flags`, sharded or not)."""
-        from peft.tuners.lora import LoraLayer
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_model_state_dict, set_model_state_dict,
@@ -372,7 +371,7 @@ class Adapter:
                                     "save_pretrained writes it)")
         saved = load_file(file)
         own = get_model_state_dict(model)  # this rank's shards, under the model's names
-        names = {name.replace(".default.", "."): name for name in own if ".lora_" in name}
+        names = {_saved_name(name): name for name in own if ".lora_" in name or ".modules_to_save." in name}
         unknown, missing = sorted(set(saved) - set(names)), sorted(set(names) - set(saved))
         wrong = sorted(key for key in set(saved) & set(names) if saved[key].shape != own[names[key]].shape)
         if unknown or missing or wrong:
@@ -382,12 +381,18 @@ class Adapter:
                              f"its adapter_config.json ({'; '.join(found)})")
         full = {names[key]: value.to(own[names[key]].dtype) for key, value in saved.items()}
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
-        if self.rslora:  # scale lora_alpha / sqrt(r), as peft sets it for use_rslora
-            for module in model.modules():
-                if isinstance(module, LoraLayer):
-                    for adapter in module.scaling:
-                        module.use_rslora[adapter] = True
-                        module.set_scale(adapter, 1.0)
+
+
+def _saved_name(name: str) -> str:
+    """The name peft's save_pretrained gives the model's trainable tensor ``name``: the adapter's
+    name taken out, a DoRA magnitude without its .weight, a modules_to_save copy under the name of
+    what it copies."""
+    if ".lora_magnitude_vector." in name:
+        return name.split(".lora_magnitude_vector.")[0] + ".lora_magnitude_vector"
+    if ".modules_to_save." in name:
+        head, tail = name.split(".modules_to_save.", 1)
+        return f"{head}.{tail.split('.', 1)[1]}"
+    return name.replace(".default.", ".")
 
 
 def read_haystack(path: str) -> list[str]:

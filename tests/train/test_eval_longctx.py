@@ -241,12 +241,15 @@ def test_adapter_settings_are_read_and_unusable_adapters_refused(tmp_path):
                                                       "rope_scaling": "none", "context_length": 512}))
     assert embedded.flags == {"model_name": "embedded", "seed": 3, "use_peft": True, "lora_r": 4, "lora_alpha": 8,
                               "lora_target_modules": ("q_proj", "v_proj"), "lora_target_parameters": (),
+                              "use_rslora": False, "use_dora": False, "lora_modules_to_save": (),
                               "rope_theta": 1e6, "rope_scaling": "none"}
-    hub = Adapter.read(adapter("hub", {"base_model_name_or_path": "org/base", "use_rslora": True}))
-    assert hub.flags["model_name"] == "org/base" and "seed" not in hub.flags and hub.rslora
+    hub = Adapter.read(adapter("hub", {"base_model_name_or_path": "org/base", "use_rslora": True, "use_dora": True,
+                                       "modules_to_save": ["embed_tokens", "norm"]}))
+    assert hub.flags["model_name"] == "org/base" and "seed" not in hub.flags
+    assert hub.flags["use_rslora"] and hub.flags["use_dora"] and hub.flags["lora_modules_to_save"] == ("embed_tokens",
+                                                                                                        "norm")
     assert Adapter.read("embedded") is None and Adapter.read(str(tmp_path)) is None
     for name, config, message in [
-        ("dora", {"use_dora": True}, "with DoRA"),
         ("pattern", {"rank_pattern": {"q_proj": 16}}, "per-module ranks"),
         ("regex", {"target_modules": "all-linear", "base_model_name_or_path": "org/base"}, "the pattern 'all-linear'"),
         ("orphan", {}, "names no base model"),

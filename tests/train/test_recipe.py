@@ -816,8 +816,9 @@ def nonfinite_steps_are_skipped_and_a_run_of_them_stops_training():
 def lora_adapter_eval_equals_the_trained_models_eval_perplexity():
     """--eval_perplexity writes perplexity.json of the trained LoRA model on the run's eval documents
     (by length and position); the eval CLI's main on the exported adapter (final/: the embedded base
-    rebuilt from llama_cp_export.json's seed, the adapter loaded into the sharded peft model; it
-    refused adapters) gives the same numbers on the same documents."""
+    rebuilt from llama_cp_export.json's seed, the adapter (DoRA, rsLoRA, trained norm copies) loaded
+    into the sharded peft model; it refused adapters, then DoRA) gives the same numbers on the same
+    documents."""
     from safetensors.torch import load_file
 
     from recipes import eval_longctx, finetune_longctx
@@ -830,6 +831,7 @@ def lora_adapter_eval_equals_the_trained_models_eval_perplexity():
         out = os.path.join(root, "run")
         finetune_longctx.main(
             context_length=128, max_steps=2, log_every=1, warmup_steps=1, lr=1e-2, save_every=0, use_peft=True,
+            use_dora=True, use_rslora=True, lora_modules_to_save="norm",  # layers the eval must rebuild
             dataset=train, eval_dataset=held, num_eval_samples=2, eval_perplexity=True, output_dir=out,
             data_cache_dir=os.path.join(root, "cache"), report_to="none",
         )
