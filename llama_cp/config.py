@@ -277,17 +277,25 @@ class TrainConfig:
         return names
 
     @classmethod
+    def flatten(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """Flag name -> value of a config nested by section (``to_dict()``, a checkpoint's
+        config.yaml, a preset); flat entries pass through (every flag name is unique)."""
+        flat: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in cls.SECTIONS and isinstance(value, dict):
+                flat.update(value)
+            else:
+                flat[key] = value
+        return flat
+
+    @classmethod
     def from_flags(cls, config: str | None = None, **flags: Any) -> "TrainConfig":
         """Defaults <- YAML preset ``config`` <- ``flags``; validates names and types."""
         values: dict[str, Any] = {}
         if config is not None:
             with open(config) as f:
                 preset = yaml.safe_load(f) or {}
-            for key, value in preset.items():
-                if key in cls.SECTIONS and isinstance(value, dict):
-                    values.update(value)
-                else:
-                    values[key] = value
+            values.update(cls.flatten(preset))
         values.update(flags)
         cfg = cls()
         if config is not None and "model_name" not in values:
@@ -399,8 +407,7 @@ class TrainConfig:
             for node, after in zip(body, body[1:]):
                 if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr):
                     docs[node.target.id] = after.value.value
-        defaults = dataclasses.asdict(cls())
-        flat = {k: v for section in cls.SECTIONS for k, v in defaults.pop(section).items()} | defaults
+        flat = cls.flatten(dataclasses.asdict(cls()))
         return [(name, flat[name], docs[name]) for name in cls.flag_names()]
 
     @classmethod

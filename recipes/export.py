@@ -113,8 +113,9 @@ def run_settings(source: str, kind: str, model_name: str) -> dict:
         if config is None:
             raise ValueError(f"--checkpoint {source!r} does not record its run's config (config.yaml): it cannot be "
                              "rebuilt")
-        flat = {k: v for section, values in config.items() for k, v in
-                (values.items() if isinstance(values, dict) else [(section, values)])}
+        from llama_cp.config import TrainConfig
+
+        flat = TrainConfig.flatten(config)
         run = {k: flat[k] for k in ("model_name", "seed", "rope_theta", "rope_scaling", "context_length", "use_peft")}
         run["flat"] = flat
     else:

@@ -61,8 +61,7 @@ def resolved_defaults() -> dict:
     that model: Note [Defaults by run] in llama_cp/config.py), as --help shows them."""
     import inspect
 
-    planned = build_config(None, inspect.signature(main).parameters["num_gpus"].default, {}).to_dict()
-    return {k: v for section in TrainConfig.SECTIONS for k, v in planned.pop(section).items()} | planned
+    return TrainConfig.flatten(build_config(None, inspect.signature(main).parameters["num_gpus"].default, {}).to_dict())
 
 
 def preset_flag_names(path: str) -> set[str]:
@@ -71,10 +70,7 @@ def preset_flag_names(path: str) -> set[str]:
 
     with open(path) as f:
         preset = yaml.safe_load(f) or {}
-    names = set()
-    for key, value in preset.items():
-        names |= set(value) if key in TrainConfig.SECTIONS and isinstance(value, dict) else {key}
-    return names
+    return set(TrainConfig.flatten(preset))
 
 
 def describe(cfg: TrainConfig, num_gpus: int, attention_backend: str) -> str:

@@ -243,8 +243,9 @@ def varlen_windows(block: list[Piece]) -> list[list[list[Piece]]] | None:
 
 def _varlen_plan(block: list[Piece], q: torch.Tensor, backend: Backend | None) -> list[_VarlenWindow] | None:
     """The varlen calls of ``block`` as index tensors on q's device, or None where the per-piece
-    calls are taken (a backend without varlen kernel, or :func:`varlen_windows` None)."""
-    if not kernels.has_varlen(kernels.resolve_backend(backend, q)):
+    calls are taken (a backend without varlen kernel, or :func:`varlen_windows` None); ``backend``
+    resolved (``kernels.resolve_backend``)."""
+    if not kernels.has_varlen(backend):
         return None
     windows = varlen_windows(block)
     if windows is None:

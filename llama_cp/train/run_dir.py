@@ -66,12 +66,6 @@ RESUME_REFUSES = {
 }
 
 
-def _flat(config: dict[str, Any]) -> dict[str, Any]:
-    """The leaves of a nested config dict, by name (every leaf name is unique)."""
-    leaves = (value.items() if isinstance(value, dict) else [(key, value)] for key, value in config.items())
-    return {name: value for section in leaves for name, value in section}
-
-
 def _shown(value: Any) -> str:
     """A value as it is written on the command line."""
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
@@ -82,7 +76,7 @@ def check_resume_settings(saved: dict[str, Any], cfg: TrainConfig, where: str) -
     [Changing settings on resume]): ValueError, one line, when a setting changed that a
     resume may not change; else ``name: old -> new`` of every setting that changed and
     takes effect (run control excepted)."""
-    old, new = _flat(saved), _flat(yaml.safe_load(yaml_dump(cfg.to_dict())))
+    old, new = TrainConfig.flatten(saved), TrainConfig.flatten(yaml.safe_load(yaml_dump(cfg.to_dict())))
     changed = [name for name in new if name in old and old[name] != new[name]]
     refused = [name for name in changed if name not in RESUME_MAY_CHANGE]
     if refused:

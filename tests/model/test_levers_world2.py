@@ -155,23 +155,29 @@ def frozen_weights_load_from_a_checkpoint_in_their_storage_dtype():
 
 
 
+def loaded_from_checkpoint(source, cfg: TrainConfig):
+    """``source`` saved as a checkpoint directory, then built on the meta device by parallelize_model
+    (cp 2) and loaded by the sharded loader, as the trainer loads a --model_name."""
+    from llama_cp.fsdp_wrap import load_full_weights
+    from llama_cp.modules.causal_lm import build_causal_lm
+
+    with shared_tmpdir(prefix="checkpoint-") as path:
+        if dist.get_rank() == 0:
+            source.save_pretrained(path)
+        dist.barrier()
+        model = parallelize_model(build_causal_lm(source.config, device="meta"), cfg, ParallelDims(cp=2).build_mesh("cpu"))
+        load_full_weights(model, path, device="cpu")
+    return model
+
+
 @checks.add
 def lora_adapters_load_as_peft_makes_them():
     """A LoRA model loaded from a checkpoint (load_full_weights) starts where peft starts one: every
     B zero and every A Kaiming-uniform (a = sqrt(5)): within +-1/sqrt(fan_in), with that uniform
     law's spread, as peft's own A of the same model is. Swapped initialisations give the same
     logits (B @ A = 0 either way), so this is the check that sees them."""
-    from llama_cp.fsdp_wrap import load_full_weights
-    from llama_cp.modules.causal_lm import build_causal_lm
-
-    source = tiny_model()
     cfg = lora_config()
-    with shared_tmpdir(prefix="lora-init-") as path:
-        if dist.get_rank() == 0:
-            source.save_pretrained(path)
-        dist.barrier()
-        model = parallelize_model(build_causal_lm(source.config, device="meta"), cfg, ParallelDims(cp=2).build_mesh("cpu"))
-        load_full_weights(model, path, device="cpu")
+    model = loaded_from_checkpoint(tiny_model(), cfg)
     ours = {name: p.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
     peft_model = lora_reference(cfg)  # its A as peft made it (its B it randomises for gradients)
     peft_a = {name: p.detach() for name, p in peft_model.named_parameters() if ".lora_A." in name}
@@ -189,17 +195,7 @@ def dora_magnitudes_load_as_peft_makes_them():
     """--use_dora on a checkpoint directory: the loader starts each magnitude as peft does on the
     loaded model, the row norms of its base weight (it was refused: the sharded loader knew no
     magnitude)."""
-    from llama_cp.fsdp_wrap import load_full_weights
-    from llama_cp.modules.causal_lm import build_causal_lm
-
-    source = tiny_model()
-    cfg = lora_config(use_dora=True)
-    with shared_tmpdir(prefix="dora-init-") as path:
-        if dist.get_rank() == 0:
-            source.save_pretrained(path)
-        dist.barrier()
-        model = parallelize_model(build_causal_lm(source.config, device="meta"), cfg, ParallelDims(cp=2).build_mesh("cpu"))
-        load_full_weights(model, path, device="cpu")
+    model = loaded_from_checkpoint(tiny_model(), lora_config(use_dora=True))
     ours = {name: p.full_tensor() for name, p in model.named_parameters() if ".lora_magnitude_vector." in name}
     reference = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS), use_dora=True,
                                                         task_type="CAUSAL_LM"))
