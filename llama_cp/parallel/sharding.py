@@ -177,8 +177,9 @@ def shard_batch(
     """Keep this cp rank's shards of every sequence tensor in ``batch``.
 
     ``batch["input_ids"]`` (B, L) sets the sequence length L; every tensor whose
-    ``seq_dim`` has size L (labels, position_ids, attention_mask, ...) is split,
-    everything else passes through. ``position_ids`` are created as 0..L-1 when
+    ``seq_dim`` has size L (labels, position_ids, attention_mask, a preference row's
+    sequence_ids, ...) is split, everything else passes through (a preference batch's
+    (B,) pair_count). ``position_ids`` are created as 0..L-1 when
     missing, because after the split each rank must still know the global
     position of its tokens (RoPE). Labels are expected already shifted
     (labels[t] is the target for input t), so no shift crosses a shard border.
