@@ -118,6 +118,23 @@ def mm_out_dtype(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
     return torch.mm(a, b, out_dtype=dtype)
 
 
+# Note [Differentiable token losses]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A preference loss (DPO, SimPO, ORPO: llama_cp.model.preference) is a function of per-sequence
+# sums of token log-probabilities, so it needs the gradient of each token's loss, not only of
+# the sum. Token t's loss is lse_t - logit_t[label_t]; its gradient with respect to the logits
+# is the same softmax - onehot(label) row as the sum's. So with upstream gradients g (the sum's,
+# a scalar) and h (N,) (the token losses'), row t of the logits' gradient is
+#
+#     (g + h[t]) * (softmax(logits_t) - onehot(label_t))      (0 on ignored tokens)
+#
+# one scale per row in the backward's existing chunk loop: no extra logits, nothing more saved.
+# ctx.set_materialize_grads(False) makes autograd pass None, not a zero tensor, for an output
+# whose gradient nobody asked for, so a caller that only uses the sum (training's
+# cross-entropy) pays nothing for it, and one that only uses the token losses gets g = 0.
+# Without return_token_losses the (empty) token losses stay non-differentiable, as before.
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, transform, return_correct, return_losses=False):
@@ -143,12 +160,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 losses[rows] = chunk_losses
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_size, ctx.ignore_index, ctx.transform = chunk_size, ignore_index, transform
-        ctx.mark_non_differentiable(correct, losses)
+        # unused outputs' gradients come as None, not zeros (Note [Differentiable token losses])
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*((correct,) if return_losses else (correct, losses)))
         return total, correct, losses
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct, _grad_losses):
+    def backward(ctx, grad_total, _grad_correct, grad_losses):
         hidden, weight, labels, lse = ctx.saved_tensors
+        if grad_total is None and grad_losses is None:
+            return None, None, None, None, None, None, None, None
         transform = ctx.transform
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         acc = lse.dtype
@@ -166,7 +187,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             )
             if tanh is not None:  # d softcap * tanh(x / softcap) / dx = 1 - tanh^2
                 grad_logits *= tanh.square_().neg_().add_(1)
-            grad_logits *= (valid * grad_total * transform.scale)[:, None]
+            # each token's upstream gradient: the sum's, plus its own loss's (Note [Differentiable token losses])
+            upstream = 0.0 if grad_total is None else grad_total
+            if grad_losses is not None:
+                upstream = upstream + grad_losses[rows]
+            grad_logits *= (valid * upstream * transform.scale)[:, None]
             low = grad_logits.to(weight.dtype)  # the GEMMs' operand: grad_logits itself for fp32/fp64
             if grad_hidden is not None:
                 grad_hidden[rows] = (low @ weight).to(hidden.dtype)
@@ -200,8 +225,9 @@ def linear_cross_entropy(
     ``labels``: True where the argmax of the logits is the label, or the label is ignored
     (taken from the same chunks, so it costs no extra logits). With ``return_token_losses``
     also (after it) each token's loss, like ``labels`` in the sum's dtype, 0 where ignored:
-    the terms of the sum (perplexity by position, ``recipes/eval_longctx.py``); no gradient
-    flows through it.
+    the terms of the sum (perplexity by position, ``recipes/eval_longctx.py``; per-sequence
+    log-probabilities, ``llama_cp.model.preference``), differentiable: its gradient joins the
+    sum's in the same chunked backward (Note [Differentiable token losses]).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
