@@ -201,7 +201,7 @@ class OptimConfig:
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     """adamw (torch) or adamw8bit (bitsandbytes' AdamW8bit on each rank's local shards; its step() synchronises the GPU after every parameter, torch.cuda.synchronize() in bitsandbytes 0.50.2, so a step waits on the device once per trainable tensor)."""
     lr: float = 0.0
-    """Peak learning rate; 0 = by model and mode, resolved at start (run_info.json): 1e-3 for the embedded model (random weights, trained from scratch), 2e-4 with --use_peft (peft's LoRA guides), 2e-5 for a full fine-tune (TRL's SFT default)."""
+    """Peak learning rate; 0 = by model and mode, resolved at start (run_info.json): 1e-3 for the embedded model (random weights, trained from scratch), 2e-4 with --use_peft (peft's LoRA guides), 2e-5 for a full fine-tune (TRL's SFT default); with --objective dpo, 1e-6 for a full fine-tune (TRL's DPO default) and 5e-6 with --use_peft."""
     weight_decay: float = 0.0
     """AdamW weight decay of the matrices (Linear weights, an untied lm_head, LoRA's A and B); norms, biases, DoRA's magnitudes and the embeddings (a tied lm_head too) do not decay (Note [Which parameters decay] in llama_cp/optim/optimizers.py)."""
     warmup_steps: int = 10
@@ -251,6 +251,14 @@ class TrainConfig:
     """After training, passkey accuracy over context lengths (--context_length / 4, / 2, / 1) x needle depths (0 to 1) on the trained model: output_dir/needle.json and needle.png (recipes/eval_longctx.py)."""
     eval_perplexity: bool = False
     """After training, loss and perplexity of the trained model by context length (--context_length / 4, / 2, / 1) and position (4 equal ranges of each) on the run's eval documents, one per row, unpacked (the first --num_eval_samples of at least --context_length + 1 tokens): output_dir/perplexity.json and perplexity.png (recipes/eval_longctx.py). Needs natural text: not with --dataset passkey."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """sft: the next-token loss on the data's completions. dpo: preference fine-tuning on data of (prompt, chosen, rejected) with --dpo_loss, each pair's two sequences packed whole into one row (docs/training.md, Preference fine-tuning); with --dataset passkey, the built-in preference task (the true key chosen, a wrong key rejected)."""
+    dpo_loss: Literal["sigmoid", "simpo", "orpo"] = "sigmoid"
+    """The preference loss of --objective dpo: sigmoid (DPO, against a reference model: the base with the LoRA adapters switched off under --use_peft, else the initial weights' log-probabilities computed once before training), simpo (SimPO's length-normalised margin, no reference), orpo (ORPO's odds ratio on top of the chosen completion's NLL, no reference)."""
+    dpo_beta: float = 0.1
+    """beta of --dpo_loss sigmoid and simpo (the reward scale), lambda of orpo (the odds-ratio term's weight); TRL's default. SimPO's paper uses 2 to 2.5."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin (--dpo_loss simpo), TRL's default."""
     log_every: int = 5
     """Write a metrics row every N steps."""
     report_to: tuple[str, ...] = ("tensorboard",)
@@ -391,11 +399,28 @@ class TrainConfig:
         if self.eval_perplexity and self.data.streaming and not self.data.eval_dataset:
             raise ValueError("--eval_perplexity with --streaming reads whole eval documents, and a stream's are spread "
                              "over all of it: give --eval_dataset")
+        if self.objective == "dpo":
+            self._check_preference()
         if not 0 <= self.data.eval_fraction < 1:
             raise ValueError(f"--eval_fraction {self.data.eval_fraction}: give a share of the documents in [0, 1)")
         if self.data.chat_template and not Path(self.data.chat_template).expanduser().is_file():
             raise FileNotFoundError(f"--chat_template {self.data.chat_template!r}: no such file (a Jinja chat template, "
                                     "e.g. an instruct model's chat_template.jinja)")
+
+    def _check_preference(self) -> None:
+        """What --objective dpo cannot run with, each refused in one line."""
+        if self.dpo_beta <= 0:
+            raise ValueError(f"--dpo_beta must be > 0, got {self.dpo_beta}")
+        if self.data.streaming:
+            raise ValueError("--objective dpo packs each pair's two sequences whole into one prepared row, and "
+                             "--streaming packs documents as they arrive: drop --streaming (recipes.prepare_data "
+                             "prepares the pairs once)")
+        if not self.data.document_mask:
+            raise ValueError("--objective dpo packs a pair's chosen and rejected sequences as two documents of a row, "
+                             "which must not see each other: drop --document_mask false")
+        if self.eval_perplexity:
+            raise ValueError("--eval_perplexity reads natural-text documents, and --objective dpo data is pairs: "
+                             "drop --eval_perplexity")
 
     @classmethod
     def flag_docs(cls) -> list[tuple[str, Any, str]]:
@@ -448,6 +473,8 @@ class TrainConfig:
         """Replace the auto values of --lr, --activation_checkpointing and --max_steps by this run's
         (Note [Defaults by run]); idempotent."""
         embedded = self.model.model_name == "embedded"
+        if self.optim.lr == 0 and self.objective == "dpo":  # a preference loss moves a tuned model: smaller steps
+            self.optim.lr = 1e-3 if embedded else 5e-6 if self.peft.use_peft else 1e-6
         if self.optim.lr == 0:
             self.optim.lr = 1e-3 if embedded else 2e-4 if self.peft.use_peft else 2e-5
         if self.model.activation_checkpointing is None:

@@ -15,6 +15,9 @@ needs; one example made into a document: its token ids and which of them are tra
                   without one (llama_cp.data.chat)
     passkey       {"passkey": int, "depth": float, "length": int (optional)}
                   the synthetic task (llama_cp.data.passkey), only the answer is trained
+    preference, implicit_preference
+                  {"prompt", "chosen", "rejected"} or {"chosen", "rejected"}: pairs for
+                  --objective dpo (llama_cp.data.preference); refused by the SFT objective
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ ACCEPTED_FORMATS = (
     "prompt_completion: 'prompt' and 'completion' columns (strings, or message lists)",
     "instruction (alpaca): 'instruction' and 'output' columns, optional 'input'",
     "chat: a 'messages' column, a list of {'role', 'content'}",
+    "preference (--objective dpo): 'prompt', 'chosen' and 'rejected' columns, or 'chosen' and 'rejected' "
+    "conversations",
 )
 
 ALPACA_PROMPT = (
@@ -54,7 +59,11 @@ ALPACA_PROMPT_WITH_INPUT = (
 
 #: The columns each example format needs a value in (a missing key is read as null).
 REQUIRED_COLUMNS = {"text": ("text",), "prompt_completion": ("prompt", "completion"),
-                    "instruction": ("instruction", "output"), "chat": ("messages",)}
+                    "instruction": ("instruction", "output"), "chat": ("messages",),
+                    "preference": ("prompt", "chosen", "rejected"), "implicit_preference": ("chosen", "rejected")}
+
+#: The formats of preference pairs (--objective dpo), which the SFT objective refuses.
+PREFERENCE_KINDS = ("preference", "implicit_preference")
 
 
 def check_required_values(examples: datasets.Dataset, dataset: str, flag: str = "--dataset") -> None:
@@ -80,7 +89,8 @@ def check_required_values(examples: datasets.Dataset, dataset: str, flag: str = 
 
 
 def detect_format(columns: Iterable[str]) -> str:
-    """"chat", "prompt_completion", "instruction", "text" or "passkey" from the column names;
+    """"chat", "prompt_completion", "preference", "implicit_preference", "instruction", "text" or
+    "passkey" from the column names;
     ValueError otherwise. The most specific format wins (messages before prompt/completion
     before instruction before text)."""
     columns = set(columns)
@@ -88,6 +98,8 @@ def detect_format(columns: Iterable[str]) -> str:
         return "chat"
     if {"prompt", "completion"} <= columns:
         return "prompt_completion"
+    if {"chosen", "rejected"} <= columns:
+        return "preference" if "prompt" in columns else "implicit_preference"
     if {"instruction", "output"} <= columns:
         return "instruction"
     if "text" in columns:
@@ -99,6 +111,21 @@ def detect_format(columns: Iterable[str]) -> str:
         + "; ".join(ACCEPTED_FORMATS)
         + " (--dataset_columns text=COLUMN, or a source's :text=COLUMN, reads a format's column from another)"
     )
+
+
+def check_objective(kind: str, objective: str, where: str = "the data") -> None:
+    """ValueError when examples of format ``kind`` cannot train ``--objective objective``:
+    preference pairs need dpo, and dpo needs them."""
+    if objective == "dpo" and kind not in PREFERENCE_KINDS:
+        raise ValueError(
+            f"--objective dpo trains on preference pairs, and {where} is in the {kind} format: give rows with "
+            "'prompt', 'chosen' and 'rejected' (or 'chosen' and 'rejected' conversations), or drop --objective dpo"
+        )
+    if objective != "dpo" and kind in PREFERENCE_KINDS:
+        raise ValueError(
+            f"{where} holds preference pairs ('chosen' and 'rejected' columns), which the next-token loss cannot "
+            "train: pass --objective dpo (or give SFT data, e.g. a prompt_completion file of the chosen answers)"
+        )
 
 
 def tokenize_example(
@@ -114,6 +141,7 @@ def tokenize_example(
     (skipped by packing).
     """
     kind = detect_format(example.keys())
+    check_objective(kind, "sft")
     if kind == "passkey":
         length = example.get("length") or context_length
         if length is None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llama_cp.data.chat import ChatRenderError, chat_segments
-from llama_cp.data.formats import _encode_document
+from llama_cp.data.formats import PREFERENCE_KINDS, _encode_document, detect_format
 from llama_cp.data.packing import Document, Row
 from llama_cp.model.loss import IGNORE_INDEX
 from llama_cp.parallel.sharding import check_context_length
@@ -43,21 +43,26 @@ PREFERENCE_FORMATS = (
     "implicit_preference: 'chosen' and 'rejected' columns, message lists that start with the same prompt",
 )
 
-#: Row keys of the packed pairs, besides input_ids / labels / position_ids (Note [Packed preference pairs]).
-SEQUENCE_IDS, PAIR_COUNT = "sequence_ids", "pair_count"
+#: Row keys of the packed pairs, besides input_ids / labels / position_ids (Note [Packed preference pairs]),
+#: and of a row's index in its split (``PreferenceRows``).
+SEQUENCE_IDS, PAIR_COUNT, ROW_INDEX = "sequence_ids", "pair_count", "row_index"
+#: Batch keys a step adds (``batch_sequences``; the trainer's precomputed reference, llama_cp.train.reference).
+SEQUENCE_LENGTHS, REFERENCE_LOGPS = "sequence_lengths", "reference_logps"
 
 
 def detect_preference_format(columns: Iterable[str]) -> str:
     """"preference" or "implicit_preference" from the column names; ValueError otherwise."""
-    columns = set(columns)
-    if {"prompt", "chosen", "rejected"} <= columns:
-        return "preference"
-    if {"chosen", "rejected"} <= columns:
-        return "implicit_preference"
-    raise ValueError(
-        f"rows have columns {sorted(columns)}, which match none of the preference formats: "
-        + "; ".join(PREFERENCE_FORMATS)
-    )
+    columns = list(columns)
+    try:
+        kind = detect_format(columns)
+    except ValueError:
+        kind = None
+    if kind not in PREFERENCE_KINDS:
+        raise ValueError(
+            f"rows have columns {sorted(columns)}, which match none of the preference formats: "
+            + "; ".join(PREFERENCE_FORMATS)
+        )
+    return kind
 
 
 def tokenize_pair(example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase) -> Pair:
@@ -213,11 +218,60 @@ def _prompt_length(label_mask: Sequence[bool], column: str) -> int:
                      f"completion in both sequences")
 
 
+class PairPacker:
+    """Packs (chosen, rejected) pairs one at a time into the rows of Note [Packed preference pairs]:
+    ``add`` returns the rows a pair completed (at most one: the row it did not fit), ``finish``
+    the last, padded one. A pair longer than the row is refused (ValueError) unless
+    ``truncate`` (``truncate_pair``); counts: ``pairs``, ``tokens`` (of the pairs, after
+    truncation), ``truncated``."""
+
+    def __init__(self, context_length: int, pad_id: int = 0, truncate: bool = False):
+        self.context_length, self.pad_id, self.truncate = context_length, pad_id, truncate
+        self.waiting: list[Pair] = []  # the pairs of the row being filled
+        self.used = 0  # their tokens
+        self.pairs = self.tokens = self.truncated = 0
+
+    def add(self, pair: Pair) -> list[Row]:
+        index, self.pairs = self.pairs, self.pairs + 1
+        try:
+            for (ids, mask), column in zip(pair, ("chosen", "rejected")):
+                if len(ids) != len(mask):
+                    raise ValueError(f"the {column} sequence has {len(ids)} input_ids but {len(mask)} label_mask entries")
+                _prompt_length(mask, column)
+            length = len(pair[0][0]) + len(pair[1][0])
+            if length > self.context_length:
+                if not self.truncate:
+                    raise ValueError(
+                        f"its sequences ({len(pair[0][0])} + {len(pair[1][0])} tokens) do not fit a row of "
+                        f"--context_length {self.context_length} and a pair is never split over rows; raise "
+                        f"--context_length, or pass --truncate_documents to cut the completions"
+                    )
+                pair = truncate_pair(pair, self.context_length)
+                length = len(pair[0][0]) + len(pair[1][0])
+                self.truncated += 1
+        except ValueError as error:
+            raise ValueError(f"preference pair {index}: {error}") from None
+        rows = []
+        if self.used + length > self.context_length:
+            rows.append(_pack_row(self.waiting, self.context_length, self.pad_id))
+            self.waiting, self.used = [], 0
+        self.waiting.append(pair)
+        self.used += length
+        self.tokens += length
+        return rows
+
+    def finish(self) -> list[Row]:
+        """The last row (none when no pair is waiting); then the packer is empty."""
+        rows = [_pack_row(self.waiting, self.context_length, self.pad_id)] if self.waiting else []
+        self.waiting, self.used = [], 0
+        return rows
+
+
 def pack_pairs(
     pairs: Iterable[Pair], context_length: int, cp: int = 1, pad_id: int = 0, truncate: bool = False
 ) -> list[Row]:
     """Pack (chosen, rejected) pairs into rows of exactly ``context_length`` tokens, each pair whole
-    in one row: Note [Packed preference pairs].
+    in one row: Note [Packed preference pairs] (:class:`PairPacker` over all of them).
 
     Returns rows ``{"input_ids", "labels", "position_ids", "sequence_ids"}`` of (L,) LongTensors
     and ``"pair_count"``, a 0-d LongTensor. A pair longer than L is refused (ValueError) unless
@@ -225,34 +279,43 @@ def pack_pairs(
     sequence has no scored token, or when there are no pairs.
     """
     check_context_length(context_length, cp)
-    rows, waiting, used = [], [], 0  # waiting: the pairs of the row being filled, using ``used`` tokens
-    for index, pair in enumerate(pairs):
-        try:
-            for (ids, mask), column in zip(pair, ("chosen", "rejected")):
-                if len(ids) != len(mask):
-                    raise ValueError(f"the {column} sequence has {len(ids)} input_ids but {len(mask)} label_mask entries")
-                _prompt_length(mask, column)
-            length = len(pair[0][0]) + len(pair[1][0])
-            if length > context_length:
-                if not truncate:
-                    raise ValueError(
-                        f"its sequences ({len(pair[0][0])} + {len(pair[1][0])} tokens) do not fit a row of "
-                        f"--context_length {context_length} and a pair is never split over rows; raise "
-                        f"--context_length, or pass --truncate_documents to cut the completions"
-                    )
-                pair = truncate_pair(pair, context_length)
-                length = len(pair[0][0]) + len(pair[1][0])
-        except ValueError as error:
-            raise ValueError(f"preference pair {index}: {error}") from None
-        if used + length > context_length:
-            rows.append(_pack_row(waiting, context_length, pad_id))
-            waiting, used = [], 0
-        waiting.append(pair)
-        used += length
-    if not waiting:
+    packer = PairPacker(context_length, pad_id, truncate)
+    rows = [row for pair in pairs for row in packer.add(pair)] + packer.finish()
+    if not rows:
         raise ValueError("no preference pairs to pack: the data holds no (chosen, rejected) example")
-    rows.append(_pack_row(waiting, context_length, pad_id))
     return rows
+
+
+def sequences_of_row(row: Row) -> Row:
+    """``row`` with its ``sequence_ids`` and ``pair_count`` (Note [Packed preference pairs]) made
+    from its position_ids and labels, as prepared rows keep them: each document (a run of
+    positions going up by one) is one sequence, numbered in order, its label positions scored."""
+    positions = row["position_ids"]
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[1:] = positions[1:] != positions[:-1] + 1
+    sequence = torch.cumsum(starts.long(), 0) - 1  # the padding continues the last sequence's positions
+    count = int(sequence[-1]) + 1
+    if count % 2:
+        raise ValueError(f"a preference row holds {count} sequences, not whole pairs: were these rows prepared "
+                         "for --objective dpo?")
+    return {**row, SEQUENCE_IDS: torch.where(row["labels"] != IGNORE_INDEX, sequence, -1),
+            PAIR_COUNT: torch.tensor(count // 2)}
+
+
+class PreferenceRows:
+    """Rows of packed pairs as the trainer reads them: each ``rows[i]`` with its ``sequence_ids``
+    and ``pair_count`` (``sequences_of_row``: prepared rows store no more than SFT rows) and
+    ``row_index`` (i, a 0-d LongTensor: where its reference log-probabilities are,
+    ``llama_cp.train.reference``)."""
+
+    def __init__(self, rows: Sequence[Row]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Row:
+        return {**sequences_of_row(self.rows[index]), ROW_INDEX: torch.tensor(index)}
 
 
 def _pack_row(pairs: Sequence[Pair], context_length: int, pad_id: int) -> Row:
@@ -276,3 +339,43 @@ def _pack_row(pairs: Sequence[Pair], context_length: int, pad_id: int) -> Row:
         "input_ids": torch.cat(input_ids), "labels": torch.cat(labels), "position_ids": torch.cat(positions),
         SEQUENCE_IDS: torch.cat(sequence_ids), PAIR_COUNT: torch.tensor(len(pairs)),
     }
+
+
+def passkey_pairs(
+    num_pairs: int, context_length: int, tokenizer: PreTrainedTokenizerBase, split: str = "train", seed: int = 0,
+    digits: int = 1,
+) -> list[Pair]:
+    """The built-in preference task (``--objective dpo --dataset passkey``): pair i is a passkey
+    document of about ``context_length / 2`` tokens (Note [Passkey rows]) answered with its own
+    key (chosen) and with another key of as many digits (rejected), the key and where it sits
+    drawn from (seed, i) as the SFT task draws them; eval uses seed + PASSKEY_EVAL_SEED_OFFSET.
+    The two sequences share their prompt, so ``pack_pairs`` puts one pair in each row."""
+    from llama_cp.data.passkey import PASSKEY_EVAL_SEED_OFFSET, _draw_passkey, _passkey_rng, passkey_document
+
+    stream_seed = seed if split == "train" else seed + PASSKEY_EVAL_SEED_OFFSET
+    pairs = []
+    for index in range(num_pairs):
+        rng = _passkey_rng(stream_seed, index)
+        key, depth = _draw_passkey(rng, digits)
+        wrong = key
+        while wrong == key:
+            wrong = _draw_passkey(rng, digits)[0]
+        right_answer, wrong_answer = (tokenizer.encode(str(k), add_special_tokens=False) for k in (key, wrong))
+        slack = max(0, len(wrong_answer) - len(right_answer))  # both sequences fit half a row
+        ids, mask = passkey_document(key, depth, context_length // 2 - slack, tokenizer)
+        prompt = len(ids) - len(right_answer) - 1  # the answer's digits and eos end the document
+        rejected = ids[:prompt] + wrong_answer + ids[-1:]
+        pairs.append(((ids, mask), (rejected, mask[:prompt] + [True] * (len(wrong_answer) + 1))))
+    return pairs
+
+
+def batch_sequences(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A (B, L) batch of preference rows numbered as one: row b's sequence ids follow the earlier
+    rows' (offset 2 x pair_count[:b].sum()), so the batch holds sequences 0 .. 2P - 1, chosen
+    even, rejected odd; adds ``sequence_lengths`` (2P,), the scored tokens of each. Called on the
+    whole rows, before ``shard_batch`` (which passes the (2P,) and (B,) tensors through)."""
+    ids, counts = batch[SEQUENCE_IDS], batch[PAIR_COUNT].reshape(-1)
+    offsets = 2 * (torch.cumsum(counts, 0) - counts)
+    numbered = torch.where(ids >= 0, ids + offsets[:, None], -1)
+    lengths = torch.bincount(numbered[numbered >= 0], minlength=2 * int(counts.sum()))
+    return {**batch, SEQUENCE_IDS: numbered, SEQUENCE_LENGTHS: lengths}

@@ -34,7 +34,8 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-from llama_cp.data.formats import detect_format
+from llama_cp.data.chat import ChatRenderError
+from llama_cp.data.formats import check_objective, detect_format
 from llama_cp.data.mixture import (
     DataSpec,
     documents_taken,
@@ -45,6 +46,7 @@ from llama_cp.data.mixture import (
     tokenize_row,
 )
 from llama_cp.data.packing import Row, RowPacker, _pad_id, truncate_document
+from llama_cp.data.preference import PairPacker, PreferenceRows, tokenize_pair
 from llama_cp.data.row_files import (  # noqa: F401 - PreparedRows, RowBatches: the rows read back
     DIGEST_BYTES,
     ROW_SCHEMA,
@@ -99,11 +101,13 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def cache_key(
-    dataset: str | DataSpec, tokenizer: PreTrainedTokenizerBase, context_length: int, cp: int, truncate: bool = False
+    dataset: str | DataSpec, tokenizer: PreTrainedTokenizerBase, context_length: int, cp: int, truncate: bool = False,
+    objective: str = "sft",
 ) -> dict[str, Any]:
     """Everything the prepared rows depend on; ``key_hash`` of it names their directory: the
     data flags (sources, options, weights, eval set, seed, ...) and each source's content. The
-    example format (text / instruction / chat ...) is read from the files, so it changes with them."""
+    example format (text / instruction / chat ...) is read from the files, so it changes with them.
+    ``objective`` "dpo": rows of whole (chosen, rejected) pairs (Note [Packed preference pairs])."""
     spec = DataSpec(dataset) if isinstance(dataset, str) else dataset
     sources = dict.fromkeys([*spec.sources("train"), *spec.sources("eval")])
     return {
@@ -115,6 +119,7 @@ def cache_key(
         "cp": cp,
         # Note [Packed rows]: continued in the next row, positions going on; or cut at context_length
         "long_documents": "truncate" if truncate else "split",
+        **({"objective": objective} if objective != "sft" else {}),  # SFT keys as before: their caches stay valid
     }
 
 
@@ -140,12 +145,14 @@ def prepare_dataset(
     progress: bool = False,
     truncate: bool = False,
     say=print,
+    objective: str = "sft",
 ) -> tuple[Path, dict[str, Any]]:
     """Tokenize and pack both splits of ``dataset`` into ``cache_dir`` unless they are there.
 
     Returns (the directory, its summary: per split documents, rows, tokens, padding
     fraction, documents split over rows; ``"reused": True`` when nothing was done).
-    The rows are those of ``build_rows(dataset, ..., split=..., truncate=...)``, in the same order.
+    The rows are those of ``build_rows(dataset, ..., split=..., truncate=...)``, in the same order;
+    with ``objective`` "dpo" those of ``pack_pairs`` on the examples' pairs.
     One preparer per key at a time on a node (Note [One preparer per key]); a directory
     that fails the checks of Note [Prepared rows] is moved aside and prepared anew, and
     ``say`` is told.
@@ -154,7 +161,7 @@ def prepare_dataset(
     if spec.dataset == PASSKEY:
         raise ValueError("--dataset passkey is generated from the seed at start (fast): there is nothing to prepare")
     check_context_length(context_length, cp)
-    key = cache_key(spec, tokenizer, context_length, cp, truncate)
+    key = cache_key(spec, tokenizer, context_length, cp, truncate, objective)
     root = Path(cache_dir or default_cache_dir()).expanduser()
     final = root / key_hash(key)
     with contextlib.suppress(DamagedRowsError):  # looked at again under the lock
@@ -178,7 +185,7 @@ def prepare_dataset(
             summary = {"dataset": spec.dataset, "key": key}
             for split in SPLITS:
                 summary[split] = _prepare_split(spec, split, tokenizer, context_length, work, num_proc, progress,
-                                                truncate)
+                                                truncate, objective)
             summary["checks"] = {split: file_checks(work, split) for split in SPLITS}
             (work / "summary.json").write_text(json.dumps(summary, indent=1))
             try:
@@ -270,22 +277,25 @@ def _remove_aside(final: Path, temporary: str) -> None:
 
 def _prepare_split(
     spec: DataSpec, split: str, tokenizer: PreTrainedTokenizerBase, context_length: int, work: Path, num_proc: int,
-    progress: bool, truncate: bool,
+    progress: bool, truncate: bool, objective: str = "sft",
 ) -> dict[str, Any]:
     parts = spec.examples(split)
     tokenized, seen = [], {"formats": {}, "sources": [], "skipped_rows": 0, "bad_rows": []}
+    sequence = {"ids": datasets.Sequence(datasets.Value("int32")), "mask": datasets.Sequence(datasets.Value("bool"))}
+    names = [f"{column}_{part}" for column in ("chosen", "rejected") for part in ("ids", "mask")] \
+        if objective == "dpo" else ["input_ids", "label_mask"]
     features = datasets.Features({
-        "input_ids": datasets.Sequence(datasets.Value("int32")),
-        "label_mask": datasets.Sequence(datasets.Value("bool")),
+        **{name: sequence[name.rsplit("_", 1)[1]] for name in names},
         "bad": datasets.Value("string"),  # why the row was skipped (--on_bad_row skip), else null
     })
     for index, (source, examples) in enumerate(parts):
         if len(examples) == 0:  # no eval set (--eval_fraction 0): map would not apply the features
             tokenized.append(datasets.Dataset.from_dict({name: [] for name in features}, features=features))
             continue
+        check_objective(detect_format(examples.column_names), objective, f"{source.flag} {source.name!r}")
         with contextlib.nullcontext() if progress else _quiet_datasets():
             part = examples.map(
-                _tokenize,
+                _tokenize_pair if objective == "dpo" else _tokenize,
                 fn_kwargs={"tokenizer": tokenizer, "spec": spec, "source": source},
                 remove_columns=examples.column_names,
                 features=features,
@@ -310,6 +320,8 @@ def _prepare_split(
     documents = datasets.concatenate_datasets(tokenized) if len(tokenized) > 1 else tokenized[0]
     if weights is not None:
         documents = documents.select(order)
+    if objective == "dpo":
+        return _pack_pairs_split(documents, split, seen, context_length, tokenizer, work, progress, truncate, spec)
     packer = RowPacker(context_length, _pad_id(tokenizer))
     rows = truncated = 0
     bar = _progress_bar(progress, len(documents), f"packing {split}")
@@ -360,6 +372,53 @@ def _prepare_split(
     }
 
 
+def _pack_pairs_split(
+    pairs: datasets.Dataset, split: str, seen: dict[str, Any], context_length: int,
+    tokenizer: PreTrainedTokenizerBase, work: Path, progress: bool, truncate: bool, spec: DataSpec,
+) -> dict[str, Any]:
+    """Pack the tokenized pairs of ``split`` (Note [Packed preference pairs]) into ``work/<split>.arrow``
+    and its rowsums, in the layout of SFT rows (Note [Prepared rows]): a pair's two sequences
+    are two segments, so ``sequences_of_row`` finds them again on reading."""
+    packer = PairPacker(context_length, _pad_id(tokenizer), truncate)
+    rows = 0
+    bar = _progress_bar(progress, len(pairs), f"packing {split}")
+    with pa.OSFile(str(work / f"{split}.arrow.tmp"), "wb") as sink, \
+            pa.ipc.new_file(sink, ROW_SCHEMA) as writer, open(work / f"{split}.rowsums", "wb") as rowsums:
+        def write(done: list[Row]) -> None:
+            nonlocal rows
+            for row in done:  # no label crosses a row of pairs: the next row's first token is never needed
+                batch, digest = row_batch(row, _pad_id(tokenizer))
+                writer.write_batch(batch)
+                rowsums.write(digest)
+                rows += 1
+
+        for batch in pairs.with_format("arrow").iter(batch_size=256):
+            columns = [batch.column(name) for name in ("chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")]
+            for index in range(batch.num_rows):
+                ids, mask, rejected_ids, rejected_mask = (
+                    column[index].values.to_numpy(zero_copy_only=False).tolist() for column in columns)
+                if ids:  # a skipped row (--on_bad_row skip) is empty
+                    write(packer.add(((ids, mask), (rejected_ids, rejected_mask))))
+            bar.update(batch.num_rows)
+        write(packer.finish())
+    bar.close()
+    if rows == 0 and split == "train":
+        skipped = (f"; {skipped_rows_line(seen['skipped_rows'], sum(x['documents'] for x in seen['sources']), seen['bad_rows'])}"
+                   if seen["skipped_rows"] else "")
+        raise ValueError(f"--dataset {spec.dataset!r} ({split} split): no preference pairs to train on{skipped}")
+    os.rename(work / f"{split}.arrow.tmp", work / f"{split}.arrow")
+    del pairs
+    for leftover in work.glob(f"{split}-documents*"):
+        leftover.unlink()
+    padding = rows * context_length - packer.tokens
+    return {
+        **seen, "documents": sum(source["used"] for source in seen["sources"]),
+        "rows": rows, "tokens": packer.tokens,
+        "padding_fraction": round(padding / max(1, rows * context_length), 6),
+        "split_documents": 0, "truncated_documents": packer.truncated, "pairs": packer.pairs,
+    }
+
+
 def _progress_bar(enabled: bool, total: int, desc: str):
     from tqdm import tqdm
 
@@ -373,6 +432,22 @@ def _tokenize(example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase, sp
     return {"input_ids": input_ids, "label_mask": label_mask, "bad": reason}
 
 
+def _tokenize_pair(example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase, spec: DataSpec,
+                   source: Source) -> dict[str, Any]:
+    """One preference example as its (chosen, rejected) sequences; empty ones and the reason for a
+    row that cannot be made into a pair under --on_bad_row skip (as ``tokenize_row`` does)."""
+    try:
+        (ids, mask), (rejected_ids, rejected_mask) = tokenize_pair(example, tokenizer)
+        reason = None
+    except ChatRenderError as error:
+        reason = f"row {example.get(ROW_NUMBER)} of {source.flag} {source.name!r}: {error} ({spec.template_name()})"
+        if spec.on_bad_row == "error":
+            raise ValueError(f"{reason}; fix the row, or pass --on_bad_row skip to train on the others") from None
+        ids, mask, rejected_ids, rejected_mask = [], [], [], []
+    return {"chosen_ids": ids, "chosen_mask": mask, "rejected_ids": rejected_ids, "rejected_mask": rejected_mask,
+            "bad": reason}
+
+
 def summary_lines(summary: Mapping[str, Any], context_length: int) -> list[str]:
     """What the prepared rows hold, per split: documents and their formats, rows, tokens,
     padding, documents split or truncated, a mixture's share of each source, skipped rows."""
@@ -380,10 +455,12 @@ def summary_lines(summary: Mapping[str, Any], context_length: int) -> list[str]:
     for split in SPLITS:
         s = summary[split]
         formats = ", ".join(f"{kind} {count}" for kind, count in s.get("formats", {}).items())
+        pairs = "pairs" in s  # --objective dpo: whole pairs in rows, none split
         lines.append(
-            f"{split}: {s['documents']} documents ({formats}) -> {s['rows']} rows of {context_length} tokens, "
-            f"{s['tokens']} tokens, padding {100 * s['padding_fraction']:.2f}%, "
-            f"{s['split_documents']} documents split over rows, {s['truncated_documents']} truncated"
+            f"{split}: {s['documents']} {'pairs' if pairs else 'documents'} ({formats}) -> {s['rows']} rows of "
+            f"{context_length} tokens, {s['tokens']} tokens, padding {100 * s['padding_fraction']:.2f}%, "
+            + (f"{s['truncated_documents']} pairs truncated" if pairs else
+               f"{s['split_documents']} documents split over rows, {s['truncated_documents']} truncated")
         )
         sources = s.get("sources", [])
         if len(sources) > 1:
@@ -405,11 +482,13 @@ def load_prepared_rows(
     num_proc: int = 1,
     say=print,
     truncate: bool = False,
+    objective: str = "sft",
 ) -> tuple[PreparedRows, PreparedRows]:
     """(train, eval) rows of ``dataset`` (a ``--dataset`` value or a :class:`DataSpec`), prepared
     on first use, their summary said on rank 0: by local rank 0 of each node,
     or by global rank 0 alone when ``shared`` (one cache directory every node sees), while
-    the other ranks wait; an error there is raised on every rank with the same message."""
+    the other ranks wait; an error there is raised on every rank with the same message.
+    ``objective`` "dpo": rows of pairs, read as :class:`PreferenceRows`."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -418,7 +497,7 @@ def load_prepared_rows(
     if preparer:
         try:
             directory, summary = prepare_dataset(dataset, tokenizer, context_length, cp, cache_dir, num_proc,
-                                                 progress=rank == 0, truncate=truncate, say=say)
+                                                 progress=rank == 0, truncate=truncate, say=say, objective=objective)
             if rank == 0:
                 say(f"{'prepared rows reused' if summary['reused'] else 'prepared'}: {directory}")
                 for line in summary_lines(summary, context_length):  # the packing summary, as prepare_data prints it
@@ -437,5 +516,8 @@ def load_prepared_rows(
         raise ValueError(told)
     if directory is None:
         root = Path(cache_dir or default_cache_dir()).expanduser()
-        directory = root / key_hash(cache_key(dataset, tokenizer, context_length, cp, truncate))
-    return open_prepared(directory, "train"), open_prepared(directory, "eval")
+        directory = root / key_hash(cache_key(dataset, tokenizer, context_length, cp, truncate, objective))
+    train, evaluation = open_prepared(directory, "train"), open_prepared(directory, "eval")
+    if objective == "dpo":
+        return PreferenceRows(train), PreferenceRows(evaluation)
+    return train, evaluation

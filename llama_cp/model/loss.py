@@ -236,7 +236,7 @@ def linear_cross_entropy(
         return_correct, return_token_losses,
     )
     extras = ((correct.reshape(labels.shape),) if return_correct else ()) + \
-        ((losses.reshape(labels.shape),) if return_token_losses else ())
+        ((losses.view(labels.shape).clone(),) if return_token_losses else ())  # not a view: FSDP2 hooks outputs
     return (total, *extras) if extras else total
 
 

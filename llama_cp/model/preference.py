@@ -86,6 +86,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from llama_cp.model.loss import causal_lm_loss_sum
 from llama_cp.parallel.sharding import CpGroup, cp_rank_and_size
 
 #: The preference losses of ``--dpo_loss``: "sigmoid" (DPO), "simpo", "orpo" (Note [Preference
@@ -206,3 +207,36 @@ def preference_loss(
         "logps/rejected": rejected.detach(),
     })
     return losses, metrics
+
+
+def policy_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], cp_group: CpGroup = None) -> torch.Tensor:
+    """(2P,) each sequence's summed completion log-probability under ``model`` (chunked loss,
+    ``enable_chunked_loss``), over every cp rank; ``batch``: this rank's shard of a batch of
+    ``llama_cp.data.preference.batch_sequences`` (sequence_ids, sequence_lengths)."""
+    _, token_losses = causal_lm_loss_sum(model, batch, return_token_losses=True)
+    return sequence_logps(-token_losses, batch["sequence_ids"], batch["sequence_lengths"].numel(), cp_group)
+
+
+@torch.no_grad()
+def adapters_off_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], cp_group: CpGroup = None) -> torch.Tensor:
+    """:func:`policy_logps` of a peft model with its adapters switched off: the base model is DPO's
+    reference, with no second copy of the weights (peft's ``disable_adapter`` also bypasses
+    DoRA and modules_to_save copies). No gradient."""
+    with model.disable_adapter():
+        return policy_logps(model, batch, cp_group)
+
+
+def preference_losses(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], *, kind: PreferenceLossKind, beta: float,
+    gamma: float = 0.5, cp_group: CpGroup = None, reference: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(losses (P,), metrics) of the P pairs of ``batch`` (:func:`preference_loss` on the sums of
+    :func:`policy_logps`); the same on every cp rank. ``reference``: (2P,) the reference model's
+    sums, for kind "sigmoid"; None there means the adapters-off pass of a peft model."""
+    if kind == "sigmoid" and reference is None:
+        reference = adapters_off_logps(model, batch, cp_group)  # before the policy's forward: its peak is lower
+    logps = policy_logps(model, batch, cp_group)
+    lengths = batch["sequence_lengths"]
+    refs = (reference[0::2], reference[1::2]) if kind == "sigmoid" else (None, None)
+    return preference_loss(logps[0::2], logps[1::2], *refs, beta=beta, kind=kind, gamma=gamma,
+                           chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2])

@@ -15,6 +15,7 @@ import torch
 
 from llama_cp.fsdp_wrap import activation_offload
 from llama_cp.model.loss import causal_lm_loss_sum, router_loss_share
+from llama_cp.model.preference import preference_losses
 
 
 def forward_backward(
@@ -35,6 +36,35 @@ def forward_backward(
             loss.backward()
         total += loss.detach()
     return total
+
+
+def preference_forward_backward(
+    model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], num_pairs: int, *, kind: str, beta: float,
+    gamma: float = 0.5, cp_group=None, offload: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward+backward of a preference step (``--objective dpo``): each (cp-sharded) micro-batch
+    of pairs (``llama_cp.data.preference.batch_sequences``) gives per-pair losses
+    (``llama_cp.model.preference.preference_losses``: with kind "sigmoid" against the batch's
+    ``reference_logps``, else the adapters-off pass), and their sum divided by ``num_pairs``,
+    the pairs of the whole step (every dp rank and micro-batch, each pair once), is
+    backpropagated; an MoE model's router loss is added as in :func:`forward_backward`.
+
+    Returns (this dp rank's share of the mean pair loss, the same on every rank of its cp
+    group; the sums over its pairs of every metric). The router loss is in the gradient, not in
+    the returned loss."""
+    total = torch.zeros((), dtype=torch.float64, device=micro_batches[0]["input_ids"].device)
+    sums: dict[str, torch.Tensor] = {}
+    for batch in micro_batches:
+        with activation_offload(offload):
+            losses, metrics = preference_losses(model, batch, kind=kind, beta=beta, gamma=gamma, cp_group=cp_group,
+                                                reference=batch.get("reference_logps"))
+            loss = losses.sum() / max(num_pairs, 1)
+            router = router_loss_share(model)
+            (loss if router is None else loss + router / len(micro_batches)).backward()
+        total += loss.detach().double()
+        for name, values in metrics.items():
+            sums[name] = sums.get(name, 0) + values.double().sum()
+    return total, sums
 
 
 def clip_gradients(model: torch.nn.Module, *, max_grad_norm: float) -> torch.Tensor:

@@ -46,6 +46,7 @@ RESUME_MAY_CHANGE = {
     "eval_perplexity", "export_dtype", "merge_lora",
     # the update
     "lr", "warmup_steps", "lr_scheduler", "min_lr_ratio", "weight_decay", "max_grad_norm", "lora_dropout",
+    "dpo_beta", "simpo_gamma",
     # how the same step is computed
     "dtype", "frozen_dtype", "activation_checkpointing", "activation_offload", "offload_checkpoints",
     "loss_chunk_size", "mlp_tile_size", "norm_tile_size", "dp_replicate", "dp_shard", "cp", "cp_strategy",
@@ -58,7 +59,8 @@ RESUME_REFUSES = {
     "dataset": _DATA, "context_length": _DATA, "batch_size": _DATA, "gradient_accumulation_steps": _DATA,
     "seed": _DATA, "num_passkey_samples": _DATA, "document_mask": _DATA, "streaming": _DATA,
     "truncate_documents": _DATA, "chat_template": _DATA, "dataset_columns": _DATA, "eval_dataset": _DATA,
-    "eval_fraction": _DATA, "on_bad_row": _DATA,
+    "eval_fraction": _DATA, "on_bad_row": _DATA, "objective": _DATA,
+    "dpo_loss": "the loss would change mid-run (and with it whether a reference model is used)",
     "model_name": _STATE, "use_peft": _STATE, "lora_r": _STATE, "lora_alpha": _STATE,
     "lora_target_modules": _STATE, "quantization": _STATE, "optimizer": _STATE,
     "lora_modules_to_save": _STATE, "use_rslora": _STATE, "use_dora": _STATE,

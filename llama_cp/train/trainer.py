@@ -71,6 +71,7 @@ class Trainer:
         self._start_flops_count()
         self.optimizer = self._build_optimizer()
         self._build_data()  # the schedule needs total_steps
+        self.references = self._build_references()  # from the initial weights, before any checkpoint is loaded
         self._start_schedule(0)
         os.makedirs(cfg.output_dir, exist_ok=True)
 
@@ -118,6 +119,10 @@ class Trainer:
                                              truncate=d.truncate_documents)
             eval_rows = streaming_eval_rows(spec, self.tokenizer, d.context_length, d.num_eval_samples,
                                             truncate=d.truncate_documents)
+        elif cfg.objective == "dpo":  # whole pairs in rows (Note [Packed preference pairs])
+            warmup_rows = 0
+            train_rows, eval_rows = self._preference_rows()
+            self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed)
         else:
             warmup_rows = 0
             if d.dataset == PASSKEY:  # generated from the seed: nothing to keep on disk
@@ -153,6 +158,81 @@ class Trainer:
             self._say(f"{self.total_steps} steps ({length}), --lr {cfg.optim.lr:g}, activation checkpointing "
                       f"{'on' if cfg.model.activation_checkpointing else 'off'}, checkpoints {saves} "
                       "(Note [Defaults by run] in llama_cp/config.py)")
+
+    def _preference_rows(self):
+        """(train, eval) rows of pairs: the built-in passkey pairs, generated from the seed, or the
+        prepared pairs of a file or hub --dataset; each a ``PreferenceRows``."""
+        from llama_cp.config import PASSKEY
+        from llama_cp.data.mixture import DataSpec
+        from llama_cp.data.packing import _pad_id
+        from llama_cp.data.preference import PreferenceRows, pack_pairs, passkey_pairs
+        from llama_cp.data.prepared import load_prepared_rows
+
+        cfg, d = self.cfg, self.cfg.data
+        if d.dataset != PASSKEY:
+            return load_prepared_rows(DataSpec.of(d, cfg.seed), self.tokenizer, d.context_length, self.dims.cp,
+                                      d.data_cache_dir, d.data_cache_shared, d.num_proc, say=self._say,
+                                      truncate=d.truncate_documents, objective="dpo")
+        rows = []
+        for split, count in (("train", d.num_passkey_samples), ("eval", d.num_eval_samples)):
+            pairs = passkey_pairs(count, d.context_length, self.tokenizer, split, cfg.seed, cfg.passkey_key_digits())
+            rows.append(PreferenceRows(pack_pairs(pairs, d.context_length, self.dims.cp, _pad_id(self.tokenizer))))
+        return tuple(rows)
+
+    def _build_references(self):
+        """DPO's reference sums of every train and eval row for a full fine-tune, {"train", "eval"}
+        (Note [Reference log-probabilities computed once] in llama_cp/train/reference.py); None when
+        the step needs none stored (SFT, SimPO, ORPO, or the adapters-off pass of --use_peft)."""
+        cfg = self.cfg
+        if cfg.objective != "dpo" or cfg.dpo_loss != "sigmoid" or cfg.peft.use_peft:
+            if cfg.objective == "dpo" and cfg.dpo_loss == "sigmoid":
+                self._say("DPO's reference model: the base model with the LoRA adapters switched off (one more "
+                          "forward per micro-batch, no gradient)")
+            return None
+        from pathlib import Path
+
+        from llama_cp.train.reference import compute_reference, load_reference, reference_key, save_reference
+
+        dp = submesh(self.mesh, "dp")
+        # the eval reads --num_eval_samples rows: computed at every start, only on them (the others stay empty)
+        sources = {"train": (self.loader.rows, None),
+                   "eval": (self.eval_batches.rows, self.eval_batches.indices) if self.eval_batches else (None, None)}
+        prepared = getattr(self.loader.rows.rows, "path", None)  # a PreparedRows file, or generated rows
+        directory = Path(prepared).parent / "reference" if prepared else None
+        m = cfg.model
+        key = reference_key(self.model_path, cfg.seed, {"rope_theta": m.rope_theta, "rope_scaling": m.rope_scaling,
+                            "dtype": m.dtype, "device": self.device_type}, str(directory))
+        references = {}
+        for split, (rows, indices) in sources.items():
+            if rows is None:
+                continue
+            path = directory / f"{key}-{split}.npz" if directory and split == "train" else None
+            stored = load_reference(path, len(rows)) if path else None
+            if stored is not None:
+                self._say(f"DPO's reference log-probabilities of the {split} rows: read from {path}")
+                references[split] = stored
+                continue
+            references[split] = compute_reference(
+                self.model, rows, self.cfg.data.batch_size, dp.get_group(), dp.get_local_rank(), dp.size(),
+                self._to_device, self.mesh["cp"], desc=f"reference {split}", progress=self.rank == 0,
+                indices=indices)
+            where = "computed from the initial weights"
+            if path is not None:
+                if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
+                    save_reference(path, references[split])
+                where += f", stored in {path}"
+            count = len(rows) if indices is None else len(indices)
+            self._say(f"DPO's reference log-probabilities of the {count} {split} rows: {where} (Note [Reference "
+                      "log-probabilities computed once])")
+        dist.barrier()
+        return references
+
+    def _pair_batch(self, batch: dict[str, torch.Tensor], split: str) -> dict[str, torch.Tensor]:
+        """A preference batch numbered as one (``batch_sequences``), with its rows' stored reference sums."""
+        from llama_cp.data.preference import batch_sequences
+
+        batch = batch_sequences(batch)
+        return self.references[split].add_to(batch) if self.references else batch
 
     def _eval_batches(self, eval_rows, dp_rank: int, dp_size: int):
         """This rank's share of --num_eval_samples eval rows drawn with --seed, in whole global batches
@@ -207,6 +287,11 @@ class Trainer:
             except StopIteration:  # end of an epoch: the loader moves on to the next one
                 self._iterator = iter(self.loader)
         self._step_pairs = sum(self.flops.pairs(b["position_ids"], self.cfg.data.document_mask) for b in batches)
+        if self.cfg.objective == "dpo":
+            from llama_cp.data.preference import PAIR_COUNT
+
+            self._preference_pairs = sum(int(b[PAIR_COUNT].sum()) for b in batches)  # this dp rank's
+            batches = [self._pair_batch(b, "train") for b in batches]
         return [self._to_device(b) for b in batches]
 
     def train_step(self) -> dict[str, float]:
@@ -215,10 +300,13 @@ class Trainer:
         cfg = self.cfg
         start = time.perf_counter()
         micro = self._next_micro_batches()
-        num_tokens = count_valid_tokens(m["labels"] for m in micro)
         lr = self.scheduler.get_last_lr()[0]
-        total = self._forward_backward(micro, num_tokens)
-        dist.all_reduce(total)
+        if cfg.objective == "dpo":
+            total, extra = self._preference_forward_backward(micro)
+        else:
+            num_tokens = count_valid_tokens(m["labels"] for m in micro)
+            total, extra = self._forward_backward(micro, num_tokens), {}
+            dist.all_reduce(total)
         grad_norm = clip_gradients(self.model, max_grad_norm=cfg.optim.max_grad_norm)
         finite = bool(torch.isfinite(total)) and bool(torch.isfinite(grad_norm))  # the same on every rank
         if finite:
@@ -235,6 +323,7 @@ class Trainer:
         self._run_totals.append((seconds, global_tokens, step_flops.item()))
         row = {
             "loss": total.item(),
+            **extra,
             "lr": lr,
             "grad_norm": grad_norm.item(),
             "tokens_per_sec": global_tokens / seconds,
@@ -245,6 +334,26 @@ class Trainer:
 
     def _forward_backward(self, micro: list[dict[str, torch.Tensor]], num_tokens: int) -> torch.Tensor:
         return forward_backward(self.model, micro, num_tokens, offload=self.cfg.model.activation_offload)
+
+    def _preference_forward_backward(self, micro: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict[str, float]]:
+        """A DPO step's loss (the mean over the step's pairs) and TRL's metrics, means over the same
+        pairs; the step's pairs counted over dp (each pair once, not once per cp rank)."""
+        from llama_cp.optim.step import preference_forward_backward
+
+        cfg = self.cfg
+        pairs = self._over_dp(torch.tensor([float(self._preference_pairs)], dtype=torch.float64, device=self.device))
+        total, sums = preference_forward_backward(
+            self.model, micro, int(pairs.item()), kind=cfg.dpo_loss, beta=cfg.dpo_beta, gamma=cfg.simpo_gamma,
+            cp_group=self.mesh["cp"], offload=cfg.model.activation_offload)
+        names = sorted(sums)
+        reduced = self._over_dp(torch.stack([total] + [sums[name] for name in names]))
+        return reduced[0], {name: value / max(pairs.item(), 1) for name, value in zip(names, reduced[1:].tolist())}
+
+    def _over_dp(self, values: torch.Tensor) -> torch.Tensor:
+        """The sum over dp ranks of a value every rank of a cp group holds alike (an all-reduce over
+        the world, divided by cp: the world's group is the one every step already uses)."""
+        dist.all_reduce(values)
+        return values / self.dims.cp
 
     def _data_position(self, step: int) -> dict[str, float]:
         """``tokens_seen``: the tokens of the first ``step`` steps (all ranks, padding included);
@@ -269,6 +378,8 @@ class Trainer:
         loss's own logit chunks: no full logits either way)."""
         if self.eval_batches is None:
             return {}
+        if self.cfg.objective == "dpo":
+            return self._evaluate_preference()
         passkey = self.cfg.data.dataset == "passkey"
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct_rows = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -294,6 +405,27 @@ class Trainer:
         if passkey:
             result["passkey_acc"] = correct_rows.item() / rows
         return result
+
+    def _evaluate_preference(self) -> dict[str, float]:
+        """The preference loss and TRL's metrics on the eval pairs, as ``eval_loss``, ``eval_rewards/...``."""
+        from llama_cp.data.preference import PAIR_COUNT
+        from llama_cp.model.preference import preference_losses
+
+        cfg = self.cfg
+        sums: dict[str, torch.Tensor] = {}
+        pairs = 0
+        for batch in self.eval_batches:
+            pairs += int(batch[PAIR_COUNT].sum())
+            local = self._to_device(self._pair_batch(batch, "eval"))
+            losses, metrics = preference_losses(self.model, local, kind=cfg.dpo_loss, beta=cfg.dpo_beta,
+                                                gamma=cfg.simpo_gamma, cp_group=self.mesh["cp"],
+                                                reference=local.get("reference_logps"))
+            for name, values in {"loss": losses, **metrics}.items():
+                sums[name] = sums.get(name, 0) + values.double().sum()
+        names = sorted(sums)
+        reduced = self._over_dp(torch.tensor([float(pairs)] + [sums[name].item() for name in names],
+                                             dtype=torch.float64, device=self.device))
+        return {f"eval_{name}": value / max(reduced[0].item(), 1) for name, value in zip(names, reduced[1:].tolist())}
 
     def fit(self) -> dict[str, Any]:
         """Train to ``max_steps`` (or ``num_epochs``), evaluate, checkpoint and export. Returns the
@@ -326,7 +458,7 @@ class Trainer:
             truncate_metrics(metrics_path, step)
         self.reporter = self._build_reporter(step)
         # the passkey task's accuracy before any training: the baseline of the line printed at the end
-        before = self.evaluate() if cfg.data.dataset == PASSKEY and step == 0 else None
+        before = self.evaluate() if (cfg.data.dataset == PASSKEY or cfg.objective == "dpo") and step == 0 else None
         # a bar only on a terminal: in a log file (CI, SLURM, `2> file`) its carriage returns make a partial
         # line per step; there the metrics row printed every --log_every steps is the progress
         progress = tqdm(total=self.total_steps, initial=step, desc="train", unit="step",
@@ -338,7 +470,7 @@ class Trainer:
             nonfinite: list[int] = []  # the current run of skipped steps
             saved_step = step if step > 0 else None
             steps_peak = 0  # the largest step peak since the last row that has one
-            losses: list[float] = []  # of the steps since the last row: a row's loss is their mean
+            window: dict[str, list[float]] = {}  # loss (and DPO's metrics) of the steps since the last row: their means
             while step < self.total_steps:
                 self._where = f"in step {step + 1}"
                 signals.stop_if_signalled(step, saved_step, self.device, self._save, cfg.output_dir)
@@ -358,13 +490,15 @@ class Trainer:
                         stop_nonfinite(nonfinite, cfg, self.rank)
                     continue
                 last = step == self.total_steps
-                losses.append(row["loss"])
+                for name in ("loss", *(name for name in row if name.startswith(("rewards/", "logps/")))):
+                    window.setdefault(name, []).append(row[name])
                 if (cfg.eval_every and step % cfg.eval_every == 0) or last:
                     row.update(self.evaluate())
                 if step % cfg.log_every == 0 or last or "eval_loss" in row:
                     row["peak_memory_bytes"] = self._max_over_ranks(steps_peak)  # a collective: only for written rows
-                    row.update(loss=sum(losses) / len(losses), **self._data_position(step))
-                    steps_peak, losses = 0, []
+                    row.update({name: sum(values) / len(values) for name, values in window.items()},
+                               **self._data_position(step))
+                    steps_peak, window = 0, {}
                     self._log(metrics_path, row)
                 if (cfg.save_every and step % cfg.save_every == 0) or last:
                     self._save(step)
@@ -378,6 +512,10 @@ class Trainer:
         self.export(os.path.join(cfg.output_dir, "final"))
         if self.rank == 0:
             plot_losses(metrics_path, os.path.join(cfg.output_dir, "loss.png"))
+        if before is not None and "eval_rewards/accuracies" in row:
+            pairs = "pairs" if cfg.data.dataset != PASSKEY else "passkey pairs"
+            self._say(f"reward accuracy (chosen over rejected) on the held-out {pairs}: "
+                      f"{before['eval_rewards/accuracies']:.2f} before training -> {row['eval_rewards/accuracies']:.2f} after")
         if before is not None and "passkey_acc" in row:
             rows = sum(b["input_ids"].shape[0] for b in self.eval_batches) * submesh(self.mesh, "dp").size()
             self._say(f"passkey accuracy on {rows} held-out rows of {cfg.data.context_length} tokens: "
