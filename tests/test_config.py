@@ -1,6 +1,7 @@
 """TrainConfig: defaults <- YAML preset <- flags, and clear errors."""
 
 import re
+import unittest.mock
 
 import pytest
 
@@ -72,11 +73,27 @@ def test_every_flag_is_unique_and_documented():
         (dict(passkey_warmup=1), r"--passkey_warmup is a share of the steps in \[0, 1\), got 1"),
         (dict(passkey_warmup=-0.5), r"--passkey_warmup must be >= 0.0, got -0.5"),
         (dict(passkey_digits=-1), r"--passkey_digits must be >= 0, got -1"),
+        (dict(objective="ppo"), r"--objective must be one of sft, dpo; got 'ppo'"),
+        (dict(objective="dpo", dpo_loss="ipo"), r"--dpo_loss must be one of sigmoid, simpo, orpo"),
+        (dict(objective="dpo", dpo_beta=0), r"--dpo_beta must be > 0, got 0"),
+        (dict(objective="dpo", dataset="org/pairs", streaming=True, max_steps=5), r"--objective dpo .* drop --streaming"),
+        (dict(objective="dpo", document_mask=False), r"--objective dpo .* drop --document_mask false"),
+        (dict(objective="dpo", dataset="org/pairs", eval_perplexity=True), r"drop --eval_perplexity"),
     ],
 )
 def test_bad_flags_are_clear_errors(flags, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig.from_flags(**flags)
+
+
+def test_dpo_learning_rates_resolve_by_mode_and_an_explicit_flag_wins(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    assert TrainConfig.from_flags(objective="dpo").optim.lr == 1e-3  # the embedded model, from scratch
+    with unittest.mock.patch("llama_cp.modules.causal_lm.check_model_name"):
+        assert TrainConfig.from_flags(objective="dpo", model_name=str(model)).optim.lr == 1e-6
+        assert TrainConfig.from_flags(objective="dpo", model_name=str(model), use_peft=True).optim.lr == 5e-6
+        assert TrainConfig.from_flags(objective="dpo", model_name=str(model), lr=3e-7).optim.lr == 3e-7
 
 
 def test_passkey_digits_auto_is_one_for_the_embedded_model_only(tmp_path):

@@ -214,7 +214,7 @@ class Trainer:
                 continue
             references[split] = compute_reference(
                 self.model, rows, self.cfg.data.batch_size, dp.get_group(), dp.get_local_rank(), dp.size(),
-                self._to_device, self.mesh["cp"], desc=f"reference {split}", progress=self.rank == 0,
+                self._to_device, self.mesh["cp"], desc=f"reference {split}", progress=self.rank == 0 and sys.stderr.isatty(),
                 indices=indices)
             where = "computed from the initial weights"
             if path is not None:

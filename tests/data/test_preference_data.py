@@ -203,3 +203,89 @@ def test_sequence_ids_are_sharded_over_cp_as_the_labels_are(layout, monkeypatch)
         assert torch.equal(sharding.unshard_sequence([local["sequence_ids"] for local in shards]), batch["sequence_ids"])
     else:
         assert sorted(torch.cat([local["seq_index"] for local in shards]).tolist()) == list(range(16))
+
+
+def write_pairs(path, count=9):
+    """A preference jsonl: string pairs of varied lengths, one conversational row is not allowed
+    with strings in a source, so all are strings."""
+    import json
+
+    with open(path, "w") as f:
+        for i in range(count):
+            f.write(json.dumps({"prompt": f"Q{i}: " + "x" * (i % 4), "chosen": f" yes {i}" + "!" * (i % 3),
+                                "rejected": f" no {i}" + "?" * (i % 5), "score": i}) + "\n")
+    return str(path)
+
+
+def test_prepared_pairs_read_back_as_pack_pairs_packs_them(tmp_path):
+    """prepare_dataset(objective="dpo") stores pairs in the SFT row layout; PreferenceRows finds every
+    row's sequence_ids and pair_count again, equal to pack_pairs' (and row_index); summary counts pairs."""
+    import json
+
+    from llama_cp.data.mixture import DataSpec
+    from llama_cp.data.preference import PAIR_COUNT, ROW_INDEX, SEQUENCE_IDS
+    from llama_cp.data.prepared import load_prepared_rows
+
+    data = write_pairs(tmp_path / "pairs.jsonl")
+    tokenizer = byte_tokenizer()
+    said = []
+    train, evaluation = load_prepared_rows(DataSpec(data, eval_fraction=0), tokenizer, 64, 2,
+                                           cache_dir=str(tmp_path / "cache"), say=said.append, objective="dpo")
+    with open(data) as f:
+        want = pack_pairs(preference_pairs([json.loads(line) for line in f], tokenizer), 64, 2, pad_id=PAD)
+    assert len(train) == len(want) > 1 and len(evaluation) == 0
+    assert any(int(row[PAIR_COUNT]) > 1 for row in want)  # several pairs in a row
+    for index, expected in enumerate(want):
+        got = train[index]
+        assert set(got) == {*expected, ROW_INDEX} and int(got[ROW_INDEX]) == index
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m, key=key: f"row {index} {key}: {m}")
+    assert (torch.cat([train[i][SEQUENCE_IDS] for i in range(len(train))]) >= 0).any()
+    assert any(line.startswith("train: 9 pairs (preference 9) -> ") for line in said), said
+    # the same file for SFT is another cache key, and is refused naming the flag and the fix
+    with pytest.raises(ValueError, match=r"--dataset '.*pairs.jsonl' holds preference pairs .* --objective dpo"):
+        load_prepared_rows(DataSpec(data, eval_fraction=0), tokenizer, 64, 2, cache_dir=str(tmp_path / "cache"),
+                           say=said.append)
+
+
+def test_dpo_on_sft_data_is_refused_naming_the_formats(tmp_path):
+    from llama_cp.data.mixture import DataSpec
+    from llama_cp.data.prepared import prepare_dataset
+
+    path = tmp_path / "text.jsonl"
+    path.write_text('{"text": "hello"}\n{"text": "world"}\n')
+    with pytest.raises(ValueError, match=r"--objective dpo trains on preference pairs, and --dataset '.*text.jsonl' "
+                                         r"is in the text format"):
+        prepare_dataset(DataSpec(str(path), eval_fraction=0), byte_tokenizer(), 64, cache_dir=str(tmp_path / "c"),
+                        objective="dpo")
+
+
+def test_batch_sequences_numbers_the_batch_as_one_and_counts_each_sequence():
+    from llama_cp.data.preference import SEQUENCE_IDS, SEQUENCE_LENGTHS, batch_sequences
+
+    rows = pack_pairs([string_pair("P", "ab", "c"), string_pair("Q", "d", "efg"), string_pair("R", "hi", "j")], 24,
+                      pad_id=PAD)
+    assert [int(row["pair_count"]) for row in rows] == [2, 1]
+    batch = batch_sequences({key: torch.stack([row[key] for row in rows]) for key in rows[0]})
+    ids = batch[SEQUENCE_IDS]
+    assert sorted(ids[0].unique().tolist()) == [-1, 0, 1, 2, 3] and sorted(ids[1].unique().tolist()) == [-1, 4, 5]
+    # completion + eos scored: ab -> 3, c -> 2, d -> 2, efg -> 4, hi -> 3, j -> 2
+    assert batch[SEQUENCE_LENGTHS].tolist() == [3, 2, 2, 4, 3, 2]
+
+
+def test_passkey_pairs_share_the_prompt_and_differ_in_the_key():
+    from llama_cp.data.preference import passkey_pairs
+    from llama_cp.data.tokenizer import build_tokenizer
+    from llama_cp.model.build import model_path
+
+    tokenizer = build_tokenizer(model_path("embedded"), "")
+    pairs = passkey_pairs(6, 256, tokenizer, seed=3)
+    for (chosen, chosen_mask), (rejected, rejected_mask) in pairs:
+        prompt = chosen_mask.index(True)
+        assert rejected_mask.index(True) == prompt and chosen[:prompt] == rejected[:prompt]
+        assert chosen[prompt:] != rejected[prompt:] and chosen[-1] == rejected[-1] == tokenizer.eos_token_id
+        assert len(chosen) + len(rejected) <= 256
+    key = tokenizer.decode(pairs[0][0][0][pairs[0][0][1].index(True):-1])
+    assert f"The pass key is {key}." in tokenizer.decode(pairs[0][0][0])  # the needle holds the chosen key
+    assert passkey_pairs(6, 256, tokenizer, seed=3) == pairs and passkey_pairs(6, 256, tokenizer, "eval", 3) != pairs
+    assert all(int(row["pair_count"]) == 1 for row in pack_pairs(pairs, 256))
