@@ -161,7 +161,7 @@ class DataConfig:
     dataset: str = PASSKEY
     """passkey (built-in synthetic), a local json/jsonl/parquet/txt file or directory, or a hub id; each with :options (config=, split=, revision=, data_files=, FORMAT_COLUMN=COLUMN) and comma-separated with :WEIGHT for a mixture, e.g. a.jsonl:0.7,org/b:config=en:0.3 (docs/data.md)."""
     dataset_columns: str = ""
-    """Read a format's column from another column of every source, e.g. text=body or prompt=question,completion=answer ("" = the formats' own names: text, prompt, completion, messages, instruction, input, output)."""
+    """Read a format's column from another column of every source, e.g. text=body or prompt=question,completion=answer ("" = the formats' own names: text, prompt, completion, messages, instruction, input, output, chosen, rejected)."""
     eval_dataset: str = ""
     """The eval set, any source(s) --dataset accepts, all of its rows (its split=, else its validation/test split); nothing is held out of training. "" = each source's validation/test split, else an --eval_fraction hold-out."""
     eval_fraction: float = 0.05

@@ -5,7 +5,8 @@
 
 Takes the training recipe's flags (the same --config preset works); what the rows depend
 on is the data flags (--dataset, --eval_dataset, --dataset_columns, --eval_fraction, --seed,
---on_bad_row, --chat_template), --model_name (its tokenizer), --context_length, --cp and --truncate_documents; they are
+--on_bad_row, --chat_template), --model_name (its tokenizer), --context_length, --cp, --truncate_documents and
+--objective (dpo: rows of whole preference pairs); they are
 written under --data_cache_dir, where a training run with the same flags finds and reuses
 them (Note [Prepared rows] in llama_cp/data/prepared.py). Prints a summary per split.
 """
@@ -27,7 +28,7 @@ def main(config: str | None = None, **flags) -> None:
     tokenizer = build_tokenizer(model_path(cfg.model.model_name), cfg.data.chat_template)
     directory, summary = prepare_dataset(
         DataSpec.of(d, cfg.seed), tokenizer, d.context_length, cfg.parallel.cp, d.data_cache_dir, d.num_proc,
-        progress=True, truncate=d.truncate_documents,
+        progress=True, truncate=d.truncate_documents, objective=cfg.objective,
     )
     print(f"{'already prepared, reused' if summary['reused'] else 'prepared'}: {directory}")
     for line in summary_lines(summary, d.context_length):

@@ -342,30 +342,33 @@ def _pack_row(pairs: Sequence[Pair], context_length: int, pad_id: int) -> Row:
 
 
 def passkey_pairs(
-    num_pairs: int, context_length: int, tokenizer: PreTrainedTokenizerBase, split: str = "train", seed: int = 0,
-    digits: int = 1,
+    num_rows: int, context_length: int, tokenizer: PreTrainedTokenizerBase, split: str = "train", seed: int = 0,
+    digits: int = 1, pairs_per_row: Sequence[int] | None = None,
 ) -> list[Pair]:
-    """The built-in preference task (``--objective dpo --dataset passkey``): pair i is a passkey
-    document of about ``context_length / 2`` tokens (Note [Passkey rows]) answered with its own
-    key (chosen) and with another key of as many digits (rejected), the key and where it sits
-    drawn from (seed, i) as the SFT task draws them; eval uses seed + PASSKEY_EVAL_SEED_OFFSET.
-    The two sequences share their prompt, so ``pack_pairs`` puts one pair in each row."""
+    """The built-in preference task (``--objective dpo --dataset passkey``), ``num_rows`` rows of
+    pairs: each pair a passkey document (Note [Passkey rows]) answered with its own key (chosen)
+    and with another key of as many digits (rejected), the two sharing the prompt; the key and
+    where it sits drawn from (seed, pair index) as the SFT task draws them, eval from seed +
+    PASSKEY_EVAL_SEED_OFFSET. Row i holds ``pairs_per_row[i]`` pairs (default 1) whose sequences
+    take ``context_length / (2 x pairs)`` tokens each, so ``pack_pairs`` packs them as given
+    (a length warm-up: Note [Passkey length warm-up])."""
     from llama_cp.data.passkey import PASSKEY_EVAL_SEED_OFFSET, _draw_passkey, _passkey_rng, passkey_document
 
     stream_seed = seed if split == "train" else seed + PASSKEY_EVAL_SEED_OFFSET
     pairs = []
-    for index in range(num_pairs):
-        rng = _passkey_rng(stream_seed, index)
-        key, depth = _draw_passkey(rng, digits)
-        wrong = key
-        while wrong == key:
-            wrong = _draw_passkey(rng, digits)[0]
-        right_answer, wrong_answer = (tokenizer.encode(str(k), add_special_tokens=False) for k in (key, wrong))
-        slack = max(0, len(wrong_answer) - len(right_answer))  # both sequences fit half a row
-        ids, mask = passkey_document(key, depth, context_length // 2 - slack, tokenizer)
-        prompt = len(ids) - len(right_answer) - 1  # the answer's digits and eos end the document
-        rejected = ids[:prompt] + wrong_answer + ids[-1:]
-        pairs.append(((ids, mask), (rejected, mask[:prompt] + [True] * (len(wrong_answer) + 1))))
+    for count in pairs_per_row or [1] * num_rows:
+        for _ in range(count):
+            rng = _passkey_rng(stream_seed, len(pairs))
+            key, depth = _draw_passkey(rng, digits)
+            wrong = key
+            while wrong == key:
+                wrong = _draw_passkey(rng, digits)[0]
+            right_answer, wrong_answer = (tokenizer.encode(str(k), add_special_tokens=False) for k in (key, wrong))
+            slack = max(0, len(wrong_answer) - len(right_answer))  # both sequences fit their share of the row
+            ids, mask = passkey_document(key, depth, context_length // (2 * count) - slack, tokenizer)
+            prompt = len(ids) - len(right_answer) - 1  # the answer's digits and eos end the document
+            rejected = ids[:prompt] + wrong_answer + ids[-1:]
+            pairs.append(((ids, mask), (rejected, mask[:prompt] + [True] * (len(wrong_answer) + 1))))
     return pairs
 
 

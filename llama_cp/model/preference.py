@@ -102,7 +102,8 @@ def sequence_logps(token_logps: torch.Tensor, sequence_ids: torch.Tensor, num_se
     token_logps: this rank's per-token log-probabilities, any shape (``-token_losses`` of the
     chunked loss); sequence_ids: like it, the sequence (0 .. num_sequences - 1) each label
     position is scored for, -1 for positions of no scored sequence (prompts, document ends,
-    padding). The sums are in token_logps' dtype. ``cp_group``: the cp mesh or process group
+    padding); an id >= num_sequences raises (``batch_sequences`` numbers a batch and counts its
+    sequences together). The sums are in token_logps' dtype. ``cp_group``: the cp mesh or process group
     (None or size 1: no reduction); a collective over it, which every cp rank must call with the
     same num_sequences. Differentiable: each rank's backward reaches only its own tokens, with
     dL/dsum (Note [Gradients of a sum over cp ranks]).
@@ -111,11 +112,11 @@ def sequence_logps(token_logps: torch.Tensor, sequence_ids: torch.Tensor, num_se
         raise ValueError(f"token_logps {tuple(token_logps.shape)} and sequence_ids {tuple(sequence_ids.shape)} "
                          "must have the same shape: one sequence id per label position")
     ids = sequence_ids.reshape(-1).to(token_logps.device)
-    if ids.numel() and int(ids.max()) >= num_sequences:
-        raise ValueError(f"sequence id {int(ids.max())} is out of range for num_sequences={num_sequences}; "
-                         "number the scored sequences 0 .. num_sequences - 1 (-1 for unscored positions)")
-    scored = ids >= 0
-    local = token_logps.new_zeros(num_sequences).index_add(0, ids[scored], token_logps.reshape(-1)[scored])
+    # unscored positions (-1) go to bucket 0, dropped: no boolean indexing, so no shape that depends on
+    # the values (nothing waits for the GPU, and the memory planner's fake tensors run it); an id past
+    # the last sequence is out of index_add's range (an IndexError, a device assert on CUDA)
+    buckets = ids.clamp(min=-1) + 1
+    local = token_logps.new_zeros(num_sequences + 1).index_add(0, buckets, token_logps.reshape(-1))[1:]
     if cp_rank_and_size(cp_group)[1] == 1:
         return local
     total = local.detach().clone()

@@ -61,7 +61,8 @@ from llama_cp.attention.workspace import MODELLED, ModelledBackend
 from llama_cp.config import TrainConfig
 from llama_cp.model.build import cp_strategy, parallelize_model
 from llama_cp.model.loss import causal_lm_loss_sum
-from llama_cp.optim.step import apply_gradients, forward_backward
+from llama_cp.model.preference import adapters_off_logps
+from llama_cp.optim.step import apply_gradients, forward_backward, preference_forward_backward
 
 GiB = 1 << 30
 
@@ -215,7 +216,7 @@ def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *
 
 def measure_step_memory(
     model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
-    num_tokens: int, *, max_grad_norm: float,
+    num_tokens: int, *, max_grad_norm: float, preference: dict | None = None,
 ) -> dict[str, MemoryBreakdown]:
     """Peak memory of this rank in each phase of one ``Trainer`` optimizer step of a model
     built by ``parallelize_model`` (its optimizer state already allocated), and of an eval
@@ -225,7 +226,12 @@ def measure_step_memory(
     The micro-batches run one ``forward_backward`` call each (the same arithmetic as one call
     on all of them), so that the tracker's per-module statistics can be reset in between:
     FSDPMemTracker refuses a second forward of the root module otherwise, and its peak
-    spans the whole block either way."""
+    spans the whole block either way.
+
+    ``preference``: a DPO step (``preference_forward_backward``'s keywords kind, beta, gamma,
+    cp_group and num_pairs; the batches of ``batch_sequences``); with kind "sigmoid" and no
+    ``reference_logps`` in a batch the adapters-off reference pass runs first, tracked as a
+    forward of its own."""
 
     device = micro_batches[0]["input_ids"].device
     offloader = getattr(model, "checkpoint_offloader", None)
@@ -249,7 +255,15 @@ def measure_step_memory(
             offloader.reset_peak()
         for batch in micro_batches:
             tracker.reset_mod_stats()  # the next root forward is a new iteration for the tracker
-            forward_backward(model, [batch], num_tokens)
+            if preference is None:
+                forward_backward(model, [batch], num_tokens)
+                continue
+            options = dict(preference)
+            num_pairs = options.pop("num_pairs")
+            if options["kind"] == "sigmoid" and "reference_logps" not in batch:  # LoRA: the base is the reference
+                batch = {**batch, "reference_logps": adapters_off_logps(model, batch, options["cp_group"])}
+                tracker.reset_mod_stats()
+            preference_forward_backward(model, [batch], num_pairs, **options)
     # the block's peak, which covers the eval too (eval's own peak is rarely the higher)
     phases["forward_backward"] = MemoryBreakdown.from_snapshot(
         tracker.get_tracker_snapshot("peak").get(device, {}), host=host_peak()
@@ -364,12 +378,21 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
             optimizer = build_optimizer(o.optimizer, model, lr=o.lr, weight_decay=o.weight_decay)  # the trainer's groups
             create_optimizer_state(model, optimizer, max_grad_norm=o.max_grad_norm)
             shape = (cfg.data.batch_size, cfg.data.context_length)
-            micro = []
+            micro, preference = [], None
             for _ in range(o.gradient_accumulation_steps):
                 ids = torch.zeros(shape, dtype=torch.long)
-                micro.append(shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh["cp"]))
+                batch = {"input_ids": ids, "labels": ids.clone()}
+                if cfg.objective == "dpo":  # a pair per row (more pairs change only (2P,) vectors)
+                    pairs = cfg.data.batch_size
+                    batch.update(sequence_ids=ids.clone(), sequence_lengths=torch.ones(2 * pairs, dtype=torch.long))
+                    if cfg.dpo_loss == "sigmoid" and not cfg.peft.use_peft:  # precomputed (llama_cp.train.reference)
+                        batch["reference_logps"] = torch.zeros(2 * pairs, dtype=torch.float64)
+                    preference = dict(kind=cfg.dpo_loss, beta=cfg.dpo_beta, gamma=cfg.simpo_gamma, cp_group=mesh["cp"],
+                                      num_pairs=pairs * o.gradient_accumulation_steps * dims.dp)
+                micro.append(shard_batch(batch, mesh["cp"]))
             num_tokens = cfg.data.batch_size * cfg.data.context_length * o.gradient_accumulation_steps * dims.dp
-            return measure_step_memory(model, optimizer, micro, num_tokens, max_grad_norm=o.max_grad_norm)
+            return measure_step_memory(model, optimizer, micro, num_tokens, max_grad_norm=o.max_grad_norm,
+                                       preference=preference)
 
 
 #: The GPU the planner plans for when it picks a backend: an sm80+ one with flash-attn installed.

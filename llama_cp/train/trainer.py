@@ -120,9 +120,9 @@ class Trainer:
             eval_rows = streaming_eval_rows(spec, self.tokenizer, d.context_length, d.num_eval_samples,
                                             truncate=d.truncate_documents)
         elif cfg.objective == "dpo":  # whole pairs in rows (Note [Packed preference pairs])
-            warmup_rows = 0
-            train_rows, eval_rows = self._preference_rows()
-            self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed)
+            train_rows, eval_rows, warmup_rows = self._preference_rows()
+            self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed,
+                                               shuffle=not warmup_rows)
         else:
             warmup_rows = 0
             if d.dataset == PASSKEY:  # generated from the seed: nothing to keep on disk
@@ -160,8 +160,12 @@ class Trainer:
                       "(Note [Defaults by run] in llama_cp/config.py)")
 
     def _preference_rows(self):
-        """(train, eval) rows of pairs: the built-in passkey pairs, generated from the seed, or the
-        prepared pairs of a file or hub --dataset; each a ``PreferenceRows``."""
+        """(train, eval, warm-up rows) of pairs: the built-in passkey pairs, generated from the seed
+        (the first rows of the length warm-up pack 4, then 2 pairs of shorter documents: Note
+        [Passkey length warm-up]), or the prepared pairs of a file or hub --dataset; each a
+        ``PreferenceRows``."""
+        from llama_cp.data.passkey import passkey_warmup_stages
+
         from llama_cp.config import PASSKEY
         from llama_cp.data.mixture import DataSpec
         from llama_cp.data.packing import _pad_id
@@ -170,14 +174,21 @@ class Trainer:
 
         cfg, d = self.cfg, self.cfg.data
         if d.dataset != PASSKEY:
-            return load_prepared_rows(DataSpec.of(d, cfg.seed), self.tokenizer, d.context_length, self.dims.cp,
-                                      d.data_cache_dir, d.data_cache_shared, d.num_proc, say=self._say,
-                                      truncate=d.truncate_documents, objective="dpo")
+            return *load_prepared_rows(DataSpec.of(d, cfg.seed), self.tokenizer, d.context_length, self.dims.cp,
+                                       d.data_cache_dir, d.data_cache_shared, d.num_proc, say=self._say,
+                                       truncate=d.truncate_documents, objective="dpo"), 0
+        # a warm-up's share of the rows the run reads, as for the SFT task; its stages hold 4 and 2 pairs a row
+        stages = [parts // 2 for parts in passkey_warmup_stages(d.context_length) if parts > 2]
+        rows_per_step = d.batch_size * self.dims.dp * cfg.optim.gradient_accumulation_steps
+        read = min(d.num_passkey_samples, cfg.max_steps * rows_per_step) if cfg.max_steps else d.num_passkey_samples
+        warmup = round(d.passkey_warmup * read) if stages else 0
+        per_row = [stages[i * len(stages) // warmup] if i < warmup else 1 for i in range(d.num_passkey_samples)]
         rows = []
-        for split, count in (("train", d.num_passkey_samples), ("eval", d.num_eval_samples)):
-            pairs = passkey_pairs(count, d.context_length, self.tokenizer, split, cfg.seed, cfg.passkey_key_digits())
+        for split, layout in (("train", per_row), ("eval", [1] * d.num_eval_samples)):
+            pairs = passkey_pairs(len(layout), d.context_length, self.tokenizer, split, cfg.seed,
+                                  cfg.passkey_key_digits(), layout)
             rows.append(PreferenceRows(pack_pairs(pairs, d.context_length, self.dims.cp, _pad_id(self.tokenizer))))
-        return tuple(rows)
+        return rows[0], rows[1], warmup
 
     def _build_references(self):
         """DPO's reference sums of every train and eval row for a full fine-tune, {"train", "eval"}
@@ -345,7 +356,7 @@ class Trainer:
         total, sums = preference_forward_backward(
             self.model, micro, int(pairs.item()), kind=cfg.dpo_loss, beta=cfg.dpo_beta, gamma=cfg.simpo_gamma,
             cp_group=self.mesh["cp"], offload=cfg.model.activation_offload)
-        names = sorted(sums)
+        names = self._preference_metrics = sorted(sums)
         reduced = self._over_dp(torch.stack([total] + [sums[name] for name in names]))
         return reduced[0], {name: value / max(pairs.item(), 1) for name, value in zip(names, reduced[1:].tolist())}
 
@@ -490,7 +501,7 @@ class Trainer:
                         stop_nonfinite(nonfinite, cfg, self.rank)
                     continue
                 last = step == self.total_steps
-                for name in ("loss", *(name for name in row if name.startswith(("rewards/", "logps/")))):
+                for name in ("loss", *getattr(self, "_preference_metrics", ())):
                     window.setdefault(name, []).append(row[name])
                 if (cfg.eval_every and step % cfg.eval_every == 0) or last:
                     row.update(self.evaluate())

@@ -216,6 +216,38 @@ def test_packed_chat_rows_on_two_processes_match_one(tmp_path):
             )
 
 
+def test_dpo_on_a_preference_file_under_torchrun_cp2_matches_one_process(tmp_path):
+    """--objective dpo (full fine-tune: the reference computed once, stored with the prepared pairs)
+    on a preference jsonl: torchrun cp 2 (ring) gives the single process's losses, reward metrics
+    and eval, and writes TRL's metric names."""
+    data = tmp_path / "pairs.jsonl"
+    with open(data, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"prompt": f"What is {i} plus {i % 7}?", "chosen": f" {i + i % 7}.",
+                                "rejected": f" {i * (i % 7) + 1}, I think."}) + "\n")
+    flags = ["--dataset", str(data), "--objective", "dpo", "--context_length", "128", "--batch_size", "2",
+             "--num_eval_samples", "2", "--eval_fraction", "0.3"]
+    single = start_cli(tmp_path / "single", *flags, "--data_cache_dir", str(tmp_path / "cache1"))
+    try:
+        run_cli(tmp_path / "cp2", *flags, "--cp", "2", "--data_cache_dir", str(tmp_path / "cache2"), nproc=2)
+        finish_cli(single)
+    finally:
+        single.kill()
+    want, got = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "cp2")
+    names = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+             "logps/chosen", "logps/rejected")
+    assert len(got) == len(want) == 4
+    for key in names:
+        torch.testing.assert_close(torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in want]),
+                                   rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    for key in ("eval_loss", "eval_rewards/margins", "eval_rewards/accuracies"):
+        torch.testing.assert_close(got[-1][key], want[-1][key], rtol=1e-4, atol=1e-5)
+    # step 1: the policy is its reference (the stored sums are the initial weights' own), every margin 0
+    assert got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and got[0]["rewards/margins"] == 0
+    assert got[-1]["loss"] != pytest.approx(math.log(2), abs=1e-3)
+    assert len(list((tmp_path / "cache2").glob("*/reference/*-train.npz"))) == 1
+
+
 def test_unknown_flag_is_a_clear_error(tmp_path):
     result = run_cli(tmp_path, "--contex_length", "512", check=False)
     assert result.returncode != 0
