@@ -83,7 +83,7 @@ def load_source(source: Source, part: str, seed: int = 0, eval_fraction: float =
         if len(piece) == 0:
             raise ValueError(f"{source.flag} {where!r} is empty: it holds no rows")
         check_required_values(piece, where, source.flag)  # also fails on unusable columns, before tokenizing
-        for column in ("prompt", "completion", "messages"):
+        for column in ("prompt", "completion", "messages", "chosen", "rejected"):
             if type(piece.features.get(column)).__name__ == "Json":  # datasets >= 4 reads mixed JSON as Json
                 raise ValueError(f"{source.flag} {where!r}: the {column!r} column mixes strings and message lists "
                                  "across rows; use one form per source (split the file in two)")

@@ -195,6 +195,10 @@ class Trainer:
         (Note [Reference log-probabilities computed once] in llama_cp/train/reference.py); None when
         the step needs none stored (SFT, SimPO, ORPO, or the adapters-off pass of --use_peft)."""
         cfg = self.cfg
+        if cfg.objective == "dpo" and cfg.dpo_loss == "sigmoid" and cfg.model.model_name == "embedded":
+            self._say("--dpo_loss sigmoid keeps the model near its reference, and the embedded model's reference is "
+                      "random weights that know nothing of the task: the built-in preference task learns from scratch "
+                      "with --dpo_loss orpo (docs/recipe.md)")
         if cfg.objective != "dpo" or cfg.dpo_loss != "sigmoid" or cfg.peft.use_peft:
             if cfg.objective == "dpo" and cfg.dpo_loss == "sigmoid":
                 self._say("DPO's reference model: the base model with the LoRA adapters switched off (one more "
