@@ -152,7 +152,8 @@ class DistributedRowLoader:
         for index in range(self.batch_index, self.steps_per_epoch):
             global_batch = order[index * self.global_batch_size : (index + 1) * self.global_batch_size]
             mine = global_batch[self.dp_rank * self.batch_size : (self.dp_rank + 1) * self.batch_size]
-            batch = {key: torch.stack([self.rows[i][key] for i in mine.tolist()]) for key in self.rows[0]}  # (B, L)
+            read = [self.rows[i] for i in mine.tolist()]  # each row read once (prepared rows: from disk)
+            batch = {key: torch.stack([row[key] for row in read]) for key in read[0]}  # (B, L)
             # advance before yielding: a checkpoint taken while this batch trains resumes at the next one
             if index + 1 == self.steps_per_epoch:
                 self.epoch, self.batch_index = self.epoch + 1, 0

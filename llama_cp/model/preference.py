@@ -103,7 +103,8 @@ def sequence_logps(token_logps: torch.Tensor, sequence_ids: torch.Tensor, num_se
     chunked loss); sequence_ids: like it, the sequence (0 .. num_sequences - 1) each label
     position is scored for, -1 for positions of no scored sequence (prompts, document ends,
     padding); an id >= num_sequences raises (``batch_sequences`` numbers a batch and counts its
-    sequences together). The sums are in token_logps' dtype. ``cp_group``: the cp mesh or process group
+    sequences together). The sums are float64, whatever token_logps' dtype (their gradient comes
+    back in it). ``cp_group``: the cp mesh or process group
     (None or size 1: no reduction); a collective over it, which every cp rank must call with the
     same num_sequences. Differentiable: each rank's backward reaches only its own tokens, with
     dL/dsum (Note [Gradients of a sum over cp ranks]).
@@ -116,7 +117,9 @@ def sequence_logps(token_logps: torch.Tensor, sequence_ids: torch.Tensor, num_se
     # the values (nothing waits for the GPU, and the memory planner's fake tensors run it); an id past
     # the last sequence is out of index_add's range (an IndexError, a device assert on CUDA)
     buckets = ids.clamp(min=-1) + 1
-    local = token_logps.new_zeros(num_sequences + 1).index_add(0, buckets, token_logps.reshape(-1))[1:]
+    # float64: a 128K-token sum in float32 is off by ~0.01 (and on CUDA index_add's atomics add in any order)
+    terms = token_logps.reshape(-1).double()
+    local = terms.new_zeros(num_sequences + 1).index_add(0, buckets, terms)[1:]
     if cp_rank_and_size(cp_group)[1] == 1:
         return local
     total = local.detach().clone()
@@ -192,7 +195,10 @@ def preference_loss(
         if kind == "simpo":
             losses = -F.logsigmoid(chosen_rewards - rejected_rewards - gamma)
         else:
-            log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+            # a mean log-probability of 0 (p = 1 to rounding) would make log(1 - p) -inf and its gradient NaN
+            ceiling = -torch.finfo(dtype).eps
+            chosen_mean, rejected_mean = chosen.clamp(max=ceiling), rejected.clamp(max=ceiling)
+            log_odds = (chosen_mean - rejected_mean) - (log1mexp(chosen_mean) - log1mexp(rejected_mean))
             log_odds_ratio = F.logsigmoid(log_odds)
             nll = -chosen if chosen_nll is None else chosen_nll.to(dtype)
             losses = nll - beta * log_odds_ratio

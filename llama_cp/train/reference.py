@@ -17,7 +17,8 @@ also in a resumed run: setup builds it before the checkpoint is loaded) and stor
 
 <key> is a hash of what the sums depend on: the model (its directory's weight files by name, size
 and modification time, or the embedded model's seed), RoPE settings, compute dtype and the
-prepared rows' directory. A later run on the same data and model (another --lr, a resume, a
+prepared rows' directory; not the parallel layout or the attention kernel, which change them by
+rounding only. Computing them is one forward (no gradient) over every training pair. A later run on the same data and model (another --lr, a resume, a
 restart after a crash) reads them instead of computing them; the file is written under a
 temporary name and renamed, so a half-written one never loads. The built-in passkey task's rows
 are generated at start and have no directory: their reference is computed at every start
@@ -25,6 +26,8 @@ are generated at start and have no directory: their reference is computed at eve
 
 Each dp rank computes its share of the rows (a cp group together), padded to whole batches so that
 every rank runs the same forwards (FSDP's collectives), and the shares are gathered over dp. The
+stored file is read only when every rank finds it (nodes without shared storage each keep their
+own; one that lacks it makes all compute), and a rank that cannot write it says so and goes on. The
 sums are those of ``policy_logps`` in training, so a pair's reference and policy agree exactly at
 step 0 (rewards 0, loss log 2), as TRL's precomputed reference does.
 """
@@ -34,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,8 +60,11 @@ class ReferenceLogps:
     def for_rows(self, row_index: torch.Tensor) -> torch.Tensor:
         """(2P,) float64: the sums of the rows ``row_index`` (B,), in batch order (as ``batch_sequences``
         numbers them)."""
-        return torch.from_numpy(np.concatenate([self.values[self.offsets[r]:self.offsets[r + 1]]
-                                                for r in row_index.reshape(-1).tolist()]))
+        rows = row_index.reshape(-1).tolist()
+        missing = [r for r in rows if self.offsets[r] == self.offsets[r + 1]]
+        if missing:  # a row outside those computed: its pairs would be scored against nothing
+            raise RuntimeError(f"no reference log-probabilities for rows {missing[:5]} (computed for other rows)")
+        return torch.from_numpy(np.concatenate([self.values[self.offsets[r]:self.offsets[r + 1]] for r in rows]))
 
     def add_to(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``batch`` with its rows' ``reference_logps``."""
@@ -119,7 +126,7 @@ def load_reference(path: Path, rows: int) -> ReferenceLogps | None:
     try:
         with np.load(path) as stored:
             values, offsets = stored["values"], stored["offsets"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # absent, or damaged: computed anew
         return None
     if len(offsets) != rows + 1 or offsets[-1] != len(values):
         return None

@@ -211,7 +211,7 @@ class Trainer:
         dp = submesh(self.mesh, "dp")
         # the eval reads --num_eval_samples rows: computed at every start, only on them (the others stay empty)
         sources = {"train": (self.loader.rows, None),
-                   "eval": (self.eval_batches.rows, self.eval_batches.indices) if self.eval_batches else (None, None)}
+                   "eval": (self.eval_batches.rows, self._eval_rows) if self.eval_batches else (None, None)}
         prepared = getattr(self.loader.rows.rows, "path", None)  # a PreparedRows file, or generated rows
         directory = Path(prepared).parent / "reference" if prepared else None
         m = cfg.model
@@ -223,7 +223,10 @@ class Trainer:
                 continue
             path = directory / f"{key}-{split}.npz" if directory and split == "train" else None
             stored = load_reference(path, len(rows)) if path else None
-            if stored is not None:
+            # read only where every rank found it (a node without it computes, and so must all: collectives)
+            found = torch.tensor([float(stored is not None)], device=self.device)
+            dist.all_reduce(found, op=dist.ReduceOp.MIN)
+            if found.item():
                 self._say(f"DPO's reference log-probabilities of the {split} rows: read from {path}")
                 references[split] = stored
                 continue
@@ -232,10 +235,13 @@ class Trainer:
                 self._to_device, self.mesh["cp"], desc=f"reference {split}", progress=self.rank == 0 and sys.stderr.isatty(),
                 indices=indices)
             where = "computed from the initial weights"
-            if path is not None:
-                if int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
+            if path is not None and int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
+                try:
                     save_reference(path, references[split])
-                where += f", stored in {path}"
+                    where += f", stored in {path}"
+                except OSError as error:  # e.g. a read-only shared cache: the run goes on, the next one computes
+                    print(f"rank {self.rank}: DPO's reference log-probabilities not stored in {path}: {error}",
+                          file=sys.stderr)
             count = len(rows) if indices is None else len(indices)
             self._say(f"DPO's reference log-probabilities of the {count} {split} rows: {where} (Note [Reference "
                       "log-probabilities computed once])")
@@ -277,6 +283,7 @@ class Trainer:
                      f"at random (--eval_fraction, --seed {self.cfg.seed})")
             self._say(f"each eval reads {usable} of {len(eval_rows)} eval rows of {d.context_length} tokens "
                       f"(--num_eval_samples {d.num_eval_samples}, drawn with --seed), from {where}")
+        self._eval_rows = chosen  # every dp rank's (a DPO reference is computed for all of them)
         return RowBatches(eval_rows, chosen[dp_rank::dp_size], d.batch_size)
 
     def _start_schedule(self, step: int) -> None:

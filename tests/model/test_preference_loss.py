@@ -139,8 +139,8 @@ def test_sequence_logps_sums_each_sequence_and_skips_unscored_tokens():
     token_logps = torch.tensor([[-1.0, -2.0, -4.0, -8.0], [-16.0, -32.0, -64.0, -128.0]], requires_grad=True)
     ids = torch.tensor([[0, -1, 2, 0], [2, 2, -1, -1]])
     sums = sequence_logps(token_logps, ids, num_sequences=4)
-    torch.testing.assert_close(sums, torch.tensor([-9.0, 0.0, -52.0, 0.0]))
-    (grad,) = torch.autograd.grad(sums @ torch.tensor([1.0, 10.0, 100.0, 1000.0]), token_logps)
+    torch.testing.assert_close(sums, torch.tensor([-9.0, 0.0, -52.0, 0.0], dtype=torch.float64))  # summed in float64
+    (grad,) = torch.autograd.grad(sums @ torch.tensor([1.0, 10.0, 100.0, 1000.0], dtype=torch.float64), token_logps)
     torch.testing.assert_close(grad, torch.tensor([[1.0, 0.0, 100.0, 1.0], [100.0, 100.0, 0.0, 0.0]]))
     with pytest.raises(IndexError, match="out of range"):  # never folded into another sequence
         sequence_logps(token_logps, ids, num_sequences=2)
@@ -217,7 +217,7 @@ def test_dpo_through_the_chunked_loss_matches_transformers(dtype):
         return sums[0::2], sums[1::2]
 
     got_ref = summed(enable_chunked_loss(ref_model, chunk_size=5), grad=False)
-    torch.testing.assert_close(got_ref, (ref_chosen, ref_rejected), **TOLERANCE[dtype])
+    torch.testing.assert_close(got_ref, (ref_chosen.double(), ref_rejected.double()), **TOLERANCE[dtype])  # float64 sums
     losses, metrics = loss_of("sigmoid", *summed(model, grad=True), *got_ref, chosen_lengths, rejected_lengths)
     loss = losses.sum() / len(losses)
     loss.backward()

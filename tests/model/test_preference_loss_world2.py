@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def dp_shard2_fsdp_dpo_float32():
 
 
 # ---------------------------------------------------------------- the trainer's DPO step
-def write_pair_file(path: str, count: int = 14) -> str:
+def write_pair_file(path: str, count: int = 24) -> str:
     """String pairs of varied lengths (the embedded tokenizer's ids are bytes): rows of 64 tokens hold
     two or three pairs, and at cp 2 the zigzag chunks cut through sequences."""
     import json
@@ -184,6 +185,10 @@ def check_trainer_step(**flags):
             b = {n: torch.randn(p.shape, generator=g) * 0.1 for n, p in trainer.model.named_parameters() if "lora_B" in n}
             set_model_state_dict(trainer.model, b, options=StateDictOptions(full_state_dict=True, strict=False))
         state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+        if trainer.eval_batches is not None:  # before any step the policy is its reference, on every eval row
+            evaluated = trainer.evaluate()
+            assert evaluated["eval_loss"] == pytest.approx(math.log(2), abs=1e-6), evaluated
+            assert evaluated["eval_rewards/margins"] == 0 and evaluated["eval_rewards/accuracies"] == 0, evaluated
         recorded = []
         to_device = trainer._to_device
         trainer._to_device = lambda batch: recorded.append(batch) or to_device(batch)
@@ -260,7 +265,8 @@ def trainer_full_simpo_allgather_cp2():
 
 @checks.add
 def trainer_full_dpo_dp_shard2_gathers_the_reference_over_dp():
-    check_trainer_step(dp_shard=2)
+    """Also the eval rows' reference: each dp rank evaluates its own share of them."""
+    check_trainer_step(dp_shard=2, eval_fraction=0.4, num_eval_samples=4)
 
 
 @checks.add
