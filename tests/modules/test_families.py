@@ -398,6 +398,15 @@ def moe_lora_on_attention_and_experts_float64():
                                tol=TOLERANCE[torch.float32], max_seq_len=SEQ_LEN)
 
 
+@checks.add
+def dpo_pairs_ring_cp4_float64_and_ulysses_cp4_fsdp_float32():
+    """The preference loss on packed pairs at cp 4 (test_preference_loss_world2.py's check at cp 2)."""
+    from preference_checks import check_pairs
+
+    check_pairs("ring", 4, False, torch.float64, kinds=("sigmoid", "orpo"))
+    check_pairs("ulysses", 4, True, torch.float32)
+
+
 results = checks.module_fixture(__name__, WORLD_SIZE)
 
 
