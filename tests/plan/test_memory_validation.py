@@ -36,6 +36,8 @@ CASES = {
                                               frozen_dtype="bfloat16", offload_checkpoints=True),
     "dp_shard2-full-ckpt-tiled": dict(dp_shard=2, activation_checkpointing=True, mlp_tile_size=256,
                                       norm_tile_size=256),
+    # a DPO step: LoRA's reference pass (adapters off, no gradient), then the pairs' forward and backward
+    "cp2-lora-dpo-ckpt": dict(cp=2, use_peft=True, objective="dpo", activation_checkpointing=True),
     "cp2-lora-all_levers-accum2": dict(
         cp=2, use_peft=True, lora_target_modules="q_proj,v_proj,gate_proj,down_proj", activation_checkpointing=True,
         frozen_dtype="bfloat16", offload_checkpoints=True, mlp_tile_size=256, norm_tile_size=256,
@@ -72,12 +74,22 @@ def measure_real_peak(name: str) -> int:
     optimizer = build_optimizer("adamw", model, lr=1e-4, weight_decay=0.0)  # the trainer's groups
     create_optimizer_state(model, optimizer, max_grad_norm=cfg.optim.max_grad_norm)
     generator = torch.Generator().manual_seed(dist.get_rank())
-    micro = []
+    micro, preference = [], None
     for _ in range(cfg.optim.gradient_accumulation_steps):
         ids = torch.randint(0, 256, (1, cfg.data.context_length), generator=generator)
-        micro.append(shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh["cp"]))
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        if cfg.objective == "dpo":  # one pair: the row's first half chosen, its second half rejected
+            half = cfg.data.context_length // 2
+            batch["position_ids"] = (torch.arange(cfg.data.context_length) % half)[None]
+            batch["labels"][:, half - 1::half] = -100  # no label crosses into the other sequence
+            batch["sequence_ids"] = torch.where(batch["labels"] != -100, torch.arange(cfg.data.context_length) // half, -1)
+            batch["sequence_lengths"] = (batch["sequence_ids"][0, :, None] == torch.arange(2)).sum(0)
+            preference = dict(kind=cfg.dpo_loss, beta=cfg.dpo_beta, gamma=cfg.simpo_gamma, cp_group=mesh["cp"],
+                              num_pairs=mesh["dp"].size() * cfg.optim.gradient_accumulation_steps)
+        micro.append(shard_batch(batch, mesh["cp"]))
     num_tokens = cfg.data.context_length * mesh["dp"].size() * len(micro)
-    peak = step_peak(measure_step_memory(model, optimizer, micro, num_tokens, max_grad_norm=cfg.optim.max_grad_norm))
+    peak = step_peak(measure_step_memory(model, optimizer, micro, num_tokens, max_grad_norm=cfg.optim.max_grad_norm,
+                                         preference=preference))
     total = torch.tensor([peak.total, peak.host], dtype=torch.float64)
     dist.all_reduce(total, op=dist.ReduceOp.MAX)
     return int(total[0].item()), int(total[1].item())

@@ -278,13 +278,35 @@ def uninterrupted(tmp_path_factory):
     return _metrics(out)
 
 
-@pytest.mark.parametrize("target, signum", [
-    ("torchrun", signal.SIGTERM), ("one_rank", signal.SIGTERM), ("one_rank", signal.SIGUSR1),
-], ids=["torchrun-SIGTERM", "one_rank-SIGTERM", "one_rank-SIGUSR1"])
+def test_sigusr1_is_caught_and_stops_with_its_name(tmp_path, monkeypatch):
+    """SLURM's early warning (SIGUSR1) takes the path SIGTERM takes end to end below: recorded, not
+    fatal, then the step is saved and the stop names it (one process: the all-reduce is the identity)."""
+    from llama_cp.train import failures
+
+    signals = failures.StopSignals()
+    signals.catch()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)  # Python runs the handler between bytecodes
+        assert signals.received == signal.SIGUSR1
+    finally:
+        signals.restore()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    monkeypatch.setattr(failures.dist, "all_reduce", lambda tensor, op=None: tensor)
+    saved = []
+    with pytest.raises(failures.TrainingStopped, match=r"^stopped by SIGUSR1 after step 3: saved .*step_3; resume "
+                                                        r"with --resume$"):
+        signals.stop_if_signalled(3, None, torch.device("cpu"), lambda step: saved.append(step) or f"x/step_{step}",
+                                  str(tmp_path))
+    assert saved == [3]
+
+
+@pytest.mark.parametrize("target, signum", [("torchrun", signal.SIGTERM), ("one_rank", signal.SIGTERM)],
+                         ids=["torchrun-SIGTERM", "one_rank-SIGTERM"])
 def test_sigterm_saves_the_step_and_resume_continues_the_trajectory(tmp_path, uninterrupted, target, signum):
-    """SIGTERM to torchrun (as SLURM/k8s send it) or SIGTERM/SIGUSR1 to one rank only: the
-    ranks finish the step, save it, exit non-zero saying so; after SIGTERM, --resume then gives
-    the uninterrupted trajectory."""
+    """SIGTERM to torchrun (as SLURM/k8s send it) or to one rank only: the ranks finish the step,
+    save it, exit non-zero saying so; --resume then gives the uninterrupted trajectory (SIGUSR1,
+    the same handler: test_sigusr1_is_caught_and_stops_with_its_name)."""
     out = tmp_path / "run"
     proc = _torchrun(out)
     deadline = time.time() + 300
@@ -307,9 +329,6 @@ def test_sigterm_saves_the_step_and_resume_continues_the_trajectory(tmp_path, un
     step, saved = int(stops[0][0]), stops[0][1]
     assert 3 <= step < SIGNAL_STEPS and saved.endswith(f"step_{step:08d}") and os.path.isdir(saved), (step, saved)
     assert [r["step"] for r in _metrics(out)] == list(range(1, step + 1))
-    if signum == signal.SIGUSR1:
-        return  # one handler for both signals (STOP_SIGNALS): the SIGTERM cases resume what it saved
-
     resumed = _torchrun(out, "--resume")
     stdout, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
