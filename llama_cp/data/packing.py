@@ -71,6 +71,14 @@ def pack_documents(documents: Iterable[Document], context_length: int, cp: int =
     return _pack(documents, context_length, pad_id)
 
 
+def shifted_labels(ids: torch.Tensor, mask) -> torch.Tensor:
+    """(n,) labels of one document: the target of token t is token t+1, kept where token t+1 is
+    trained (``mask``), -100 elsewhere; the last token has none."""
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[:-1] = ids[1:].masked_fill(~torch.as_tensor(mask, dtype=torch.bool)[1:], IGNORE_INDEX)
+    return labels
+
+
 def _pack(documents: Iterable[Document], context_length: int, pad_id: int) -> list[Row]:
     input_ids, labels, positions = [], [], []
     for index, (ids, mask) in enumerate(documents):
@@ -79,9 +87,7 @@ def _pack(documents: Iterable[Document], context_length: int, pad_id: int) -> li
         if not ids:
             continue
         document_ids = torch.tensor(ids, dtype=torch.long)  # (n,)
-        document_labels = torch.full_like(document_ids, IGNORE_INDEX)
-        # the target of token t is token t+1, kept where token t+1 is trained; the last token has none
-        document_labels[:-1] = document_ids[1:].masked_fill(~torch.tensor(mask[1:], dtype=torch.bool), IGNORE_INDEX)
+        document_labels = shifted_labels(document_ids, mask)
         input_ids.append(document_ids)
         labels.append(document_labels)
         positions.append(torch.arange(len(ids)))
@@ -140,9 +146,7 @@ class RowPacker:
             return []
         self.documents += 1
         document_ids = torch.as_tensor(ids, dtype=torch.long)  # (n,)
-        mask = torch.as_tensor(mask, dtype=torch.bool)
-        document_labels = torch.full_like(document_ids, IGNORE_INDEX)
-        document_labels[:-1] = document_ids[1:].masked_fill(~mask[1:], IGNORE_INDEX)  # as _pack
+        document_labels = shifted_labels(document_ids, mask)
         self.trainable = self.trainable or bool((document_labels != IGNORE_INDEX).any())
         positions = torch.arange(len(document_ids))
         piece = [index, offset, document_ids[offset:], document_labels[offset:], positions[offset:], offset]

@@ -27,7 +27,7 @@ import torch
 
 from llama_cp.data.chat import ChatRenderError, chat_segments
 from llama_cp.data.formats import PREFERENCE_KINDS, _encode_document, detect_format
-from llama_cp.data.packing import Document, Row
+from llama_cp.data.packing import Document, Row, shifted_labels
 from llama_cp.model.loss import IGNORE_INDEX
 from llama_cp.parallel.sharding import check_context_length
 
@@ -323,9 +323,7 @@ def _pack_row(pairs: Sequence[Pair], context_length: int, pad_id: int) -> Row:
     input_ids, labels, positions, sequence_ids = [], [], [], []
     for sequence, (ids, mask) in enumerate(document for pair in pairs for document in pair):  # 2k, 2k + 1
         sequence_input_ids = torch.tensor(ids, dtype=torch.long)  # (n,)
-        sequence_labels = torch.full_like(sequence_input_ids, IGNORE_INDEX)
-        # as _pack: the target of token t is token t+1, kept where token t+1 is scored; the last token has none
-        sequence_labels[:-1] = sequence_input_ids[1:].masked_fill(~torch.tensor(mask[1:], dtype=torch.bool), IGNORE_INDEX)
+        sequence_labels = shifted_labels(sequence_input_ids, mask)  # as packed documents' (Note [Packed rows])
         input_ids.append(sequence_input_ids)
         labels.append(sequence_labels)
         positions.append(torch.arange(len(ids)))

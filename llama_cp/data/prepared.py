@@ -359,16 +359,21 @@ def _prepare_split(
             f"--dataset {spec.dataset!r} ({split} split): no usable text: the documents hold no trainable token "
             f"(every label would be -100){skipped}"
         )
-    os.rename(work / f"{split}.arrow.tmp", work / f"{split}.arrow")
     del documents, tokenized
+    return _finish_split(work, split, seen, rows, context_length, packer.tokens,
+                         split_documents=packer.split_documents, truncated_documents=truncated)
+
+
+def _finish_split(work: Path, split: str, seen: dict[str, Any], rows: int, context_length: int, tokens: int,
+                  **counts: int) -> dict[str, Any]:
+    """Put the split's rows file in place, drop its tokenized documents, and return its summary."""
+    os.rename(work / f"{split}.arrow.tmp", work / f"{split}.arrow")
     for leftover in work.glob(f"{split}-documents*"):
         leftover.unlink()
-    padding = rows * context_length - packer.tokens
+    padding = rows * context_length - tokens
     return {
-        **seen, "documents": sum(source["used"] for source in seen["sources"]),
-        "rows": rows, "tokens": packer.tokens,
-        "padding_fraction": round(padding / max(1, rows * context_length), 6),
-        "split_documents": packer.split_documents, "truncated_documents": truncated,
+        **seen, "documents": sum(source["used"] for source in seen["sources"]), "rows": rows, "tokens": tokens,
+        "padding_fraction": round(padding / max(1, rows * context_length), 6), **counts,
     }
 
 
@@ -406,17 +411,9 @@ def _pack_pairs_split(
         skipped = (f"; {skipped_rows_line(seen['skipped_rows'], sum(x['documents'] for x in seen['sources']), seen['bad_rows'])}"
                    if seen["skipped_rows"] else "")
         raise ValueError(f"--dataset {spec.dataset!r} ({split} split): no preference pairs to train on{skipped}")
-    os.rename(work / f"{split}.arrow.tmp", work / f"{split}.arrow")
     del pairs
-    for leftover in work.glob(f"{split}-documents*"):
-        leftover.unlink()
-    padding = rows * context_length - packer.tokens
-    return {
-        **seen, "documents": sum(source["used"] for source in seen["sources"]),
-        "rows": rows, "tokens": packer.tokens,
-        "padding_fraction": round(padding / max(1, rows * context_length), 6),
-        "split_documents": 0, "truncated_documents": packer.truncated, "pairs": packer.pairs,
-    }
+    return _finish_split(work, split, seen, rows, context_length, packer.tokens, split_documents=0,
+                         truncated_documents=packer.truncated, pairs=packer.pairs)
 
 
 def _progress_bar(enabled: bool, total: int, desc: str):
