@@ -78,6 +78,7 @@ the metrics are per-pair detached tensors, to be averaged over the step's pairs 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Literal
 
@@ -224,12 +225,44 @@ def policy_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], cp_grou
     return sequence_logps(-token_losses, batch["sequence_ids"], batch["sequence_lengths"].numel(), cp_group)
 
 
+# Note [Switching adapters off under FSDP2]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# peft's ``PeftModel.disable_adapter()`` calls ``enable_adapters(False)`` on every tuner layer,
+# which also sets requires_grad=False on the adapter weights, and on exit ``set_adapter`` sets
+# it back (peft 0.21.2 and 0.15.1, peft/tuners/tuners_utils.py ``BaseTunerLayer.enable_adapters``;
+# ``ModulesToSaveWrapper.enable_adapters`` does the same to its copies). Under FSDP2 those are
+# the sharded parameters, whose unsharded bf16 copies FSDP made at its lazy init: after the
+# toggle, the next backward hands FSDP a bf16 gradient for a float32 parameter, and torch 2.11+
+# refuses it ("attempting to assign a gradient with dtype BFloat16 to a tensor with grad_dtype
+# Float"; found on an H200 with --dtype auto, reproduced on CPU with --dtype bfloat16). The
+# adapters' forward reads only the ``_disable_adapters`` flag (``disable_adapters``), so the
+# reference pass sets that flag on every tuner layer and copy wrapper, and touches nothing else.
+
+
+@contextlib.contextmanager
+def adapters_switched_off(model: torch.nn.Module):
+    """Within the block every peft layer of ``model`` (LoRA, DoRA, modules_to_save copies) computes
+    its base module alone; no parameter's requires_grad changes (Note [Switching adapters off
+    under FSDP2])."""
+    layers = [module for module in model.modules() if hasattr(module, "_disable_adapters")]
+    if not layers:
+        raise ValueError("the model has no peft adapter layers to switch off: DPO's reference model is the base "
+                         "of a --use_peft model, and a full fine-tune's is computed once (llama_cp.train.reference)")
+    before = [module._disable_adapters for module in layers]
+    for module in layers:
+        module._disable_adapters = True
+    try:
+        yield
+    finally:
+        for module, state in zip(layers, before):
+            module._disable_adapters = state
+
+
 @torch.no_grad()
 def adapters_off_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], cp_group: CpGroup = None) -> torch.Tensor:
     """:func:`policy_logps` of a peft model with its adapters switched off: the base model is DPO's
-    reference, with no second copy of the weights (peft's ``disable_adapter`` also bypasses
-    DoRA and modules_to_save copies). No gradient."""
-    with model.disable_adapter():
+    reference, with no second copy of the weights (``adapters_switched_off``). No gradient."""
+    with adapters_switched_off(model):
         return policy_logps(model, batch, cp_group)
 
 

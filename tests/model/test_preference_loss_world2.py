@@ -188,6 +188,26 @@ def trainer_full_dpo_dp_shard2_gathers_the_reference_over_dp():
 
 
 @checks.add
+def trainer_lora_dpo_in_bf16_keeps_the_adapters_trainable():
+    """Note [Switching adapters off under FSDP2]: the reference pass of a bf16 (mixed-precision) LoRA
+    step leaves every adapter trainable, and the step's backward gives their float32 gradients
+    (peft's disable_adapter toggled requires_grad, and the backward failed on a bf16 gradient)."""
+    with shared_tmpdir() as root:
+        if dist.get_rank() == 0:
+            write_pair_file(os.path.join(root, "pairs.jsonl"))
+        dist.barrier()
+        trainer = trainer_for(root, use_peft=True, cp=2, dtype="bfloat16")
+        trainable = [name for name, param in trainer.model.named_parameters() if param.requires_grad]
+        trainer._iterator = iter(trainer.loader)
+        total, metrics = trainer._preference_forward_backward(trainer._next_micro_batches())
+        assert math.isfinite(total.item()) and metrics["rewards/margins"] == pytest.approx(0, abs=0.05)
+        assert [name for name, param in trainer.model.named_parameters() if param.requires_grad] == trainable
+        grads = [param.grad for param in trainer.model.parameters() if param.requires_grad]
+        assert len(grads) == 3 * 4 * 2 and all(g is not None and g.dtype == torch.float32 for g in grads)
+        assert all(bool(torch.isfinite(g.full_tensor()).all()) for g in grads)
+
+
+@checks.add
 def trainer_lora_orpo_ring_cp2():
     check_trainer_step(use_peft=True, cp=2, dpo_loss="orpo")
 
