@@ -246,6 +246,9 @@ def test_dpo_on_a_preference_file_under_torchrun_cp2_matches_one_process(tmp_pat
     assert got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and got[0]["rewards/margins"] == 0
     assert got[-1]["loss"] != pytest.approx(math.log(2), abs=1e-3)
     assert len(list((tmp_path / "cache2").glob("*/reference/*-train.npz"))) == 1
+    scalars = tensorboard_scalars(tmp_path / "cp2")  # TRL's names in TensorBoard too
+    assert [value for _, value in scalars["train/rewards/accuracies"]] == [r["rewards/accuracies"] for r in got]
+    assert scalars["eval/eval_rewards/margins"][-1][1] == pytest.approx(got[-1]["eval_rewards/margins"])
 
 
 def test_unknown_flag_is_a_clear_error(tmp_path):
