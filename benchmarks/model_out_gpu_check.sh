@@ -9,16 +9,9 @@ if [ -d .whl ]; then  # wheels a bare GPU image lacks (datasets, fire), download
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers, peft; print(torch.__version__, transformers.__version__, peft.__version__, torch.cuda.get_device_name())"
+python3 benchmarks/local_model.py /tmp/model
 python3 - <<'PY'
-import json, random, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from llama_cp.data.tokenizer import byte_tokenizer
-torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                  num_key_value_heads=4, head_dim=64, max_position_embeddings=65536, rope_theta=500000.0,
-                  bos_token_id=257, eos_token_id=258)
-LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained("/tmp/model")
-byte_tokenizer().save_pretrained("/tmp/model")
+import json, random
 rng = random.Random(0)
 words = "the of and to a in is it you that he was for on are with as his they be at one have this from".split()
 with open("/tmp/data.jsonl", "w") as f:
