@@ -152,10 +152,16 @@ def tokenize_row(
     try:
         return tokenize_example(example, tokenizer, context_length), None
     except ChatRenderError as error:
-        reason = f"{where}: {error} ({spec.template_name()})"
-        if spec.on_bad_row == "error":
-            raise ValueError(f"{reason}; fix the row, or pass --on_bad_row skip to train on the others") from None
-        return ([], []), reason
+        return ([], []), bad_row(error, where, spec)
+
+
+def bad_row(error: ChatRenderError, where: str, spec: DataSpec) -> str:
+    """Why the row ``where`` is skipped (``--on_bad_row skip``), or ValueError naming it and the
+    fix (``--on_bad_row error``); the one policy for documents and preference pairs alike."""
+    reason = f"{where}: {error} ({spec.template_name()})"
+    if spec.on_bad_row == "error":
+        raise ValueError(f"{reason}; fix the row, or pass --on_bad_row skip to train on the others") from None
+    return reason
 
 
 def skipped_rows_line(skipped: int, total: int, reasons: Sequence[str]) -> str:

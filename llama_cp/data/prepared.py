@@ -41,6 +41,7 @@ from llama_cp.data.mixture import (
     documents_taken,
     mixture_line,
     mixture_order,
+    bad_row,
     mixture_weights,
     skipped_rows_line,
     tokenize_row,
@@ -323,20 +324,15 @@ def _prepare_split(
     if objective == "dpo":
         return _pack_pairs_split(documents, split, seen, context_length, tokenizer, work, progress, truncate, spec)
     packer = RowPacker(context_length, _pad_id(tokenizer))
-    rows = truncated = 0
+    truncated = 0
     bar = _progress_bar(progress, len(documents), f"packing {split}")
-    with pa.OSFile(str(work / f"{split}.arrow.tmp"), "wb") as sink, \
-            pa.ipc.new_file(sink, ROW_SCHEMA) as writer, open(work / f"{split}.rowsums", "wb") as rowsums:
+    with _RowFile(work, split) as row_file:
         waiting = None  # a row is written once the next one (its next_id) is known
 
         def write(row: Row | None) -> None:
-            nonlocal waiting, rows
+            nonlocal waiting
             if waiting is not None:
-                next_id = _pad_id(tokenizer) if row is None else int(row["input_ids"][0])
-                batch, digest = row_batch(waiting, next_id)
-                writer.write_batch(batch)
-                rowsums.write(digest)
-                rows += 1
+                row_file.write(waiting, _pad_id(tokenizer) if row is None else int(row["input_ids"][0]))
             waiting = row
 
         for batch in documents.with_format("arrow").iter(batch_size=256):
@@ -353,15 +349,44 @@ def _prepare_split(
         write(None)
     bar.close()
     if not packer.trainable and not (split == "eval" and len(documents) == 0):  # no eval set: an empty file
-        skipped = (f"; {skipped_rows_line(seen['skipped_rows'], sum(x['documents'] for x in seen['sources']), seen['bad_rows'])}"
-                   if seen["skipped_rows"] else "")
         raise ValueError(
             f"--dataset {spec.dataset!r} ({split} split): no usable text: the documents hold no trainable token "
-            f"(every label would be -100){skipped}"
+            f"(every label would be -100){_skipped_rows(seen)}"
         )
     del documents, tokenized
-    return _finish_split(work, split, seen, rows, context_length, packer.tokens,
+    return _finish_split(work, split, seen, row_file.rows, context_length, packer.tokens,
                          split_documents=packer.split_documents, truncated_documents=truncated)
+
+
+class _RowFile:
+    """``<split>.arrow`` (as ``.arrow.tmp`` until ``_finish_split``) and ``<split>.rowsums`` being
+    written, one row and its digest at a time (Note [Prepared rows]); ``rows`` counts them."""
+
+    def __init__(self, work: Path, split: str):
+        self.work, self.split, self.rows = work, split, 0
+
+    def __enter__(self) -> "_RowFile":
+        self._files = contextlib.ExitStack()
+        sink = self._files.enter_context(pa.OSFile(str(self.work / f"{self.split}.arrow.tmp"), "wb"))
+        self._writer = self._files.enter_context(pa.ipc.new_file(sink, ROW_SCHEMA))
+        self._rowsums = self._files.enter_context(open(self.work / f"{self.split}.rowsums", "wb"))
+        return self
+
+    def write(self, row: Row, next_id: int) -> None:
+        batch, digest = row_batch(row, next_id)
+        self._writer.write_batch(batch)
+        self._rowsums.write(digest)
+        self.rows += 1
+
+    def __exit__(self, *error) -> None:
+        self._files.__exit__(*error)
+
+
+def _skipped_rows(seen: dict[str, Any]) -> str:
+    """"; skipped ..." for a split's error message when rows were skipped (--on_bad_row skip), else ""."""
+    if not seen["skipped_rows"]:
+        return ""
+    return f"; {skipped_rows_line(seen['skipped_rows'], sum(x['documents'] for x in seen['sources']), seen['bad_rows'])}"
 
 
 def _finish_split(work: Path, split: str, seen: dict[str, Any], rows: int, context_length: int, tokens: int,
@@ -385,17 +410,11 @@ def _pack_pairs_split(
     and its rowsums, in the layout of SFT rows (Note [Prepared rows]): a pair's two sequences
     are two segments, so ``sequences_of_row`` finds them again on reading."""
     packer = PairPacker(context_length, _pad_id(tokenizer), truncate)
-    rows = 0
     bar = _progress_bar(progress, len(pairs), f"packing {split}")
-    with pa.OSFile(str(work / f"{split}.arrow.tmp"), "wb") as sink, \
-            pa.ipc.new_file(sink, ROW_SCHEMA) as writer, open(work / f"{split}.rowsums", "wb") as rowsums:
+    with _RowFile(work, split) as row_file:
         def write(done: list[Row]) -> None:
-            nonlocal rows
             for row in done:  # no label crosses a row of pairs: the next row's first token is never needed
-                batch, digest = row_batch(row, _pad_id(tokenizer))
-                writer.write_batch(batch)
-                rowsums.write(digest)
-                rows += 1
+                row_file.write(row, _pad_id(tokenizer))
 
         for batch in pairs.with_format("arrow").iter(batch_size=256):
             columns = [batch.column(name) for name in ("chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")]
@@ -407,12 +426,11 @@ def _pack_pairs_split(
             bar.update(batch.num_rows)
         write(packer.finish())
     bar.close()
-    if rows == 0 and split == "train":
-        skipped = (f"; {skipped_rows_line(seen['skipped_rows'], sum(x['documents'] for x in seen['sources']), seen['bad_rows'])}"
-                   if seen["skipped_rows"] else "")
-        raise ValueError(f"--dataset {spec.dataset!r} ({split} split): no preference pairs to train on{skipped}")
+    if row_file.rows == 0 and split == "train":
+        raise ValueError(f"--dataset {spec.dataset!r} ({split} split): no preference pairs to train on"
+                         f"{_skipped_rows(seen)}")
     del pairs
-    return _finish_split(work, split, seen, rows, context_length, packer.tokens, split_documents=0,
+    return _finish_split(work, split, seen, row_file.rows, context_length, packer.tokens, split_documents=0,
                          truncated_documents=packer.truncated, pairs=packer.pairs)
 
 
@@ -437,9 +455,7 @@ def _tokenize_pair(example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBas
         (ids, mask), (rejected_ids, rejected_mask) = tokenize_pair(example, tokenizer)
         reason = None
     except ChatRenderError as error:
-        reason = f"row {example.get(ROW_NUMBER)} of {source.flag} {source.name!r}: {error} ({spec.template_name()})"
-        if spec.on_bad_row == "error":
-            raise ValueError(f"{reason}; fix the row, or pass --on_bad_row skip to train on the others") from None
+        reason = bad_row(error, f"row {example.get(ROW_NUMBER)} of {source.flag} {source.name!r}", spec)
         ids, mask, rejected_ids, rejected_mask = [], [], [], []
     return {"chosen_ids": ids, "chosen_mask": mask, "rejected_ids": rejected_ids, "rejected_mask": rejected_mask,
             "bad": reason}

@@ -50,8 +50,8 @@ def preference_forward_backward(
     backpropagated; an MoE model's router loss is added as in :func:`forward_backward`.
 
     Returns (this dp rank's share of the mean pair loss, the same on every rank of its cp
-    group; the sums over its pairs of every metric). The router loss is in the gradient, not in
-    the returned loss."""
+    group; the sums over its pairs of the pair losses, "loss", and of every metric). The router
+    loss is in the gradient, not in the returned loss."""
     total = torch.zeros((), dtype=torch.float64, device=micro_batches[0]["input_ids"].device)
     sums: dict[str, torch.Tensor] = {}
     for batch in micro_batches:
@@ -62,7 +62,7 @@ def preference_forward_backward(
             router = router_loss_share(model)
             (loss if router is None else loss + router / len(micro_batches)).backward()
         total += loss.detach().double()
-        for name, values in metrics.items():
+        for name, values in {"loss": losses.detach(), **metrics}.items():
             sums[name] = sums.get(name, 0) + values.double().sum()
     return total, sums
 

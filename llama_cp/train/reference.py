@@ -18,9 +18,10 @@ also in a resumed run: setup builds it before the checkpoint is loaded) and stor
 <key> is a hash of what the sums depend on: the model (its directory's weight files by name, size
 and modification time, or the embedded model's seed), RoPE settings, compute dtype and the
 prepared rows' directory; not the parallel layout or the attention kernel, which change them by
-rounding only. Computing them is one forward (no gradient) over every training pair. A later run on the same data and model (another --lr, a resume, a
-restart after a crash) reads them instead of computing them; the file is written under a
-temporary name and renamed, so a half-written one never loads. The built-in passkey task's rows
+rounding only. Computing them is one forward (no gradient) over every training pair. A later run
+on the same data and model (another --lr, a resume, a restart after a crash) reads them instead
+of computing them; the file is written under a temporary name and renamed, so a half-written
+one never loads. The built-in passkey task's rows
 are generated at start and have no directory: their reference is computed at every start
 (a few seconds).
 

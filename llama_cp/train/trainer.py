@@ -128,11 +128,7 @@ class Trainer:
             if d.dataset == PASSKEY:  # generated from the seed: nothing to keep on disk
                 common = dict(tokenizer=self.tokenizer, context_length=d.context_length, cp=dims.cp, seed=cfg.seed,
                               passkey_digits=cfg.passkey_key_digits())
-                # Note [Passkey length warm-up]: a share of the rows the run will read
-                rows_per_step = d.batch_size * dp_size * cfg.optim.gradient_accumulation_steps
-                read = min(d.num_passkey_samples, cfg.max_steps * rows_per_step) if cfg.max_steps else d.num_passkey_samples
-                if d.document_mask and passkey_warmup_stages(d.context_length):
-                    warmup_rows = round(d.passkey_warmup * read)
+                warmup_rows = self._passkey_warmup_rows(passkey_warmup_stages(d.context_length))
                 train_rows = build_rows(d.dataset, split="train", num_samples=d.num_passkey_samples,
                                         passkey_warmup_rows=warmup_rows, **common)
                 eval_rows = build_rows(d.dataset, split="eval", num_samples=d.num_eval_samples, **common)
@@ -159,16 +155,25 @@ class Trainer:
                       f"{'on' if cfg.model.activation_checkpointing else 'off'}, checkpoints {saves} "
                       "(Note [Defaults by run] in llama_cp/config.py)")
 
+    def _passkey_warmup_rows(self, stages) -> int:
+        """The passkey rows that pack shorter documents (Note [Passkey length warm-up]): a share of the
+        rows the run will read; none without warm-up ``stages`` or without document masks."""
+        cfg, d = self.cfg, self.cfg.data
+        if not stages or not d.document_mask:
+            return 0
+        rows_per_step = d.batch_size * self.dims.dp * cfg.optim.gradient_accumulation_steps
+        read = min(d.num_passkey_samples, cfg.max_steps * rows_per_step) if cfg.max_steps else d.num_passkey_samples
+        return round(d.passkey_warmup * read)
+
     def _preference_rows(self):
         """(train, eval, warm-up rows) of pairs: the built-in passkey pairs, generated from the seed
         (the first rows of the length warm-up pack 4, then 2 pairs of shorter documents: Note
         [Passkey length warm-up]), or the prepared pairs of a file or hub --dataset; each a
         ``PreferenceRows``."""
-        from llama_cp.data.passkey import passkey_warmup_stages
-
         from llama_cp.config import PASSKEY
         from llama_cp.data.mixture import DataSpec
         from llama_cp.data.packing import _pad_id
+        from llama_cp.data.passkey import passkey_warmup_stages
         from llama_cp.data.preference import PreferenceRows, pack_pairs, passkey_pairs
         from llama_cp.data.prepared import load_prepared_rows
 
@@ -179,9 +184,7 @@ class Trainer:
                                        truncate=d.truncate_documents, objective="dpo"), 0
         # a warm-up's share of the rows the run reads, as for the SFT task; its stages hold 4 and 2 pairs a row
         stages = [parts // 2 for parts in passkey_warmup_stages(d.context_length) if parts > 2]
-        rows_per_step = d.batch_size * self.dims.dp * cfg.optim.gradient_accumulation_steps
-        read = min(d.num_passkey_samples, cfg.max_steps * rows_per_step) if cfg.max_steps else d.num_passkey_samples
-        warmup = round(d.passkey_warmup * read) if stages else 0
+        warmup = self._passkey_warmup_rows(stages)
         per_row = [stages[i * len(stages) // warmup] if i < warmup else 1 for i in range(d.num_passkey_samples)]
         rows = []
         for split, layout in (("train", per_row), ("eval", [1] * d.num_eval_samples)):
@@ -364,12 +367,19 @@ class Trainer:
 
         cfg = self.cfg
         pairs = self._over_dp(torch.tensor([float(self._preference_pairs)], dtype=torch.float64, device=self.device))
-        total, sums = preference_forward_backward(
+        _, sums = preference_forward_backward(
             self.model, micro, int(pairs.item()), kind=cfg.dpo_loss, beta=cfg.dpo_beta, gamma=cfg.simpo_gamma,
             cp_group=self.mesh["cp"], offload=cfg.model.activation_offload)
-        names = self._preference_metrics = sorted(sums)
-        reduced = self._over_dp(torch.stack([total] + [sums[name] for name in names]))
-        return reduced[0], {name: value / max(pairs.item(), 1) for name, value in zip(names, reduced[1:].tolist())}
+        means = self._pair_means(sums, pairs.item())
+        loss = torch.tensor(means.pop("loss"), dtype=torch.float64, device=self.device)
+        self._preference_metrics = sorted(means)
+        return loss, means
+
+    def _pair_means(self, sums: dict[str, torch.Tensor], pairs: float) -> dict[str, float]:
+        """Each metric's mean over ``pairs`` (every dp rank's) from this dp rank's ``sums``: one all-reduce."""
+        names = sorted(sums)
+        reduced = self._over_dp(torch.stack([sums[name] for name in names]))
+        return {name: value / max(pairs, 1) for name, value in zip(names, reduced.tolist())}
 
     def _over_dp(self, values: torch.Tensor) -> torch.Tensor:
         """The sum over dp ranks of a value every rank of a cp group holds alike (an all-reduce over
@@ -444,10 +454,8 @@ class Trainer:
                                                 reference=local.get("reference_logps"))
             for name, values in {"loss": losses, **metrics}.items():
                 sums[name] = sums.get(name, 0) + values.double().sum()
-        names = sorted(sums)
-        reduced = self._over_dp(torch.tensor([float(pairs)] + [sums[name].item() for name in names],
-                                             dtype=torch.float64, device=self.device))
-        return {f"eval_{name}": value / max(reduced[0].item(), 1) for name, value in zip(names, reduced[1:].tolist())}
+        pairs = self._over_dp(torch.tensor([float(pairs)], dtype=torch.float64, device=self.device)).item()
+        return {f"eval_{name}": value for name, value in self._pair_means(sums, pairs).items()}
 
     def fit(self) -> dict[str, Any]:
         """Train to ``max_steps`` (or ``num_epochs``), evaluate, checkpoint and export. Returns the
