@@ -51,6 +51,8 @@ class ModelConfig:
     """Tokens per chunk of the chunked cross-entropy (never builds the full logits); 0 = auto: at most 4096, fewer for large vocabularies so one chunk's fp32 logits stay <= 256 MiB (512 at vocab 128256)."""
     frozen_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Storage dtype of frozen (LoRA base) weights; auto = bfloat16 with --use_peft when the compute dtype is bf16 (--dtype auto on CUDA), else float32. Trainable weights and optimizer state stay float32."""
+    offload_params: bool = False
+    """Keep the sharded parameters, gradients and AdamW state in host memory (FSDP2's CPU offload policy, pinned on CUDA): each layer's parameters are copied to the GPU for its forward and backward, the gradients back after their reduce-scatter, and the optimizer steps on the CPU; for full fine-tuning whose state does not fit the GPUs. Slower: 0.61x the tokens/s on an H200 (docs/benchmarks.md). Not with --quantization 4bit or --optimizer adamw8bit; the planner does not model it yet."""
     offload_checkpoints: bool = False
     """With --activation_checkpointing: keep each decoder layer's checkpointed input in (pinned) host memory, copied on a side stream, prefetched for the recompute."""
     mlp_tile_size: int = 0
@@ -362,6 +364,11 @@ class TrainConfig:
             raise ValueError("--merge_lora with --quantization 4bit: the base weights in training are NF4 codes; after "
                              "the run merge onto the original weights with python -m recipes.export --checkpoint "
                              "OUTPUT_DIR/final --merge_lora --output_dir DIR")
+        if self.model.offload_params and (self.peft.quantization != "none" or self.optim.optimizer != "adamw"):
+            raise ValueError(
+                "--offload_params keeps the sharded state in host memory for torch's AdamW; it is not built for "
+                f"--quantization {self.peft.quantization} (NF4 codes) or --optimizer {self.optim.optimizer}: drop one"
+            )
         if self.model.offload_checkpoints and not self.model.activation_checkpointing:
             raise ValueError(
                 "--offload_checkpoints moves the inputs that activation checkpointing keeps to host memory: "

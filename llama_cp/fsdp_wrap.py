@@ -111,15 +111,12 @@ def apply_fsdp(
 ) -> None:
     """``fully_shard`` each decoder layer, then [final norm, lm_head], then the root."""
     shard_mesh = fsdp_mesh(mesh)
-    if cpu_offload and shard_mesh.device_type == "cpu":
-        raise ValueError(
-            "cpu_offload keeps sharded parameters, gradients and optimizer state in CPU memory "
-            "instead of accelerator memory; on a CPU mesh they are there already: drop cpu_offload"
-        )
+    # On a CPU mesh the policy's copies are to the same device (the tests' case); pinning needs an accelerator.
+    pinned = shard_mesh.device_type != "cpu"
     options = dict(
         mesh=shard_mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        offload_policy=CPUOffloadPolicy(pin_memory=pinned) if cpu_offload else OffloadPolicy(),
     )
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
@@ -263,15 +260,17 @@ def _full_state_for(model_state: dict[str, torch.Tensor], checkpoint: dict[str, 
     return full
 
 
-def load_full_weights(model: nn.Module, path: str, device: torch.device | str) -> None:
+def load_full_weights(model: nn.Module, path: str, device: torch.device | str, params_on_cpu: bool = False) -> None:
     """Load an HF checkpoint directory (safetensors) into a model that was built on the meta
     device (optionally wrapped by peft) and sharded: rank 0 reads the files, every rank
     receives only its shards. LoRA adapters start as peft initialises them; NF4 layers
     (``--quantization 4bit``) get the checkpoint's weights quantized on rank 0.
 
     Peak host memory is one full copy on rank 0 and one shard per rank elsewhere.
+    ``params_on_cpu``: the shards live in host memory (``shard_model(cpu_offload=True)``); the
+    RoPE buffers still go to ``device``.
     """
-    model.to_empty(device=device)
+    model.to_empty(device="cpu" if params_on_cpu else device)
     _reinit_rotary_buffers(model, torch.device(device))
     full: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:

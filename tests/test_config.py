@@ -74,6 +74,7 @@ def test_every_flag_is_unique_and_documented():
         (dict(passkey_warmup=-0.5), r"--passkey_warmup must be >= 0.0, got -0.5"),
         (dict(passkey_digits=-1), r"--passkey_digits must be >= 0, got -1"),
         (dict(objective="ppo"), r"--objective must be one of sft, dpo; got 'ppo'"),
+        (dict(offload_params=True, optimizer="adamw8bit"), r"--offload_params .* --optimizer adamw8bit: drop one"),
         (dict(objective="dpo", dpo_loss="ipo"), r"--dpo_loss must be one of sigmoid, simpo, orpo"),
         (dict(objective="dpo", dpo_beta=0), r"--dpo_beta must be > 0, got 0"),
         (dict(objective="dpo", dataset="org/pairs", streaming=True, max_steps=5), r"--objective dpo .* drop --streaming"),

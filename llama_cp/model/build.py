@@ -23,7 +23,7 @@ from llama_cp.attention.choose import choose_strategy
 from llama_cp.attention.kernels import check_backend
 from llama_cp.config import ALL_LINEAR, PASSKEY, TrainConfig, check_all_linear
 from llama_cp.cp_attention import apply_context_parallel
-from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, shard_model
+from llama_cp.fsdp_wrap import _reinit_rotary_buffers, cast_frozen_parameters, load_full_weights, shard_model
 from llama_cp.model.loss import enable_chunked_loss
 from llama_cp.modules.families import set_router_loss_coef
 from llama_cp.modules.causal_lm import (
@@ -44,13 +44,16 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
     apply_rope_settings(config, cfg.model.rope_theta, cfg.model.rope_scaling, cfg.data.context_length)
     set_router_loss_coef(config, cfg.model.router_aux_loss_coef)
     check_attention_backend(cfg, config, device.type)
+    offload = cfg.model.offload_params  # the shards stay in host memory: built there (fully_shard requires it)
     if path is None:
-        model = build_causal_lm(config).to(device)
+        model = build_causal_lm(config).to("cpu" if offload else device)
     else:
         model = build_causal_lm(config, device="meta")
     model = parallelize_model(model, cfg, mesh, device_type=device.type)
     if path is not None:
-        load_full_weights(model, path, device=device)
+        load_full_weights(model, path, device=device, params_on_cpu=offload)
+    elif offload:
+        _reinit_rotary_buffers(model, device)  # buffers are not offloaded: the RoPE tables compute on the device
     return model
 
 
@@ -105,7 +108,7 @@ def parallelize_model(
         apply_tiled_norms(model, decoder_layers(model), cfg.model.norm_tile_size)
     shard_model(
         model, mesh, param_dtype=param_dtype, activation_checkpointing=cfg.model.activation_checkpointing,
-        offload_checkpoints=cfg.model.offload_checkpoints,
+        offload_checkpoints=cfg.model.offload_checkpoints, cpu_offload=cfg.model.offload_params,
     )
     return model
 

@@ -123,13 +123,15 @@ def machine_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed(timeout_s: float | None = None) -> str:
+def init_distributed(timeout_s: float | None = None, cpu_collectives: bool = False) -> str:
     """Initialise the default process group from torchrun's environment (or as a single
     process) and return the device type: cuda + nccl when CUDA is available, else cpu + gloo.
 
     ``timeout_s``: how long a collective (of this group and of every group made from it,
     the mesh's included) waits for the other ranks before it fails; None keeps the
-    backend's default. An already initialised group is left as it is."""
+    backend's default. ``cpu_collectives``: on CUDA also gloo for CPU tensors ("cuda:nccl,cpu:gloo"),
+    which --offload_params needs (gradient clipping all-reduces the norms of CPU gradients). An
+    already initialised group is left as it is."""
     device_type = machine_device_type()
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
@@ -139,7 +141,8 @@ def init_distributed(timeout_s: float | None = None) -> str:
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+        backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timeout)
     return device_type
 
 

@@ -328,6 +328,9 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
     p, o = cfg.parallel, cfg.optim
     if cfg.model.activation_offload:
         raise ValueError("the planner does not model --activation_offload (saved activations in host memory)")
+    if cfg.model.offload_params:  # issue 37: host and device bytes apart, by category
+        raise ValueError("the planner does not model --offload_params yet (sharded state in host memory): plan "
+                         "without it and subtract, per rank, the Sharded Param, Sharded Grad and Optstate bytes")
     strategy, _ = cp_strategy(cfg, config)
     if p.cp > 1 and strategy == "hybrid":
         raise ValueError(

@@ -48,7 +48,7 @@ RESUME_MAY_CHANGE = {
     "lr", "warmup_steps", "lr_scheduler", "min_lr_ratio", "weight_decay", "max_grad_norm", "lora_dropout",
     "dpo_beta", "simpo_gamma",
     # how the same step is computed
-    "dtype", "frozen_dtype", "activation_checkpointing", "activation_offload", "offload_checkpoints",
+    "dtype", "frozen_dtype", "activation_checkpointing", "activation_offload", "offload_checkpoints", "offload_params",
     "loss_chunk_size", "mlp_tile_size", "norm_tile_size", "dp_replicate", "dp_shard", "cp", "cp_strategy",
 }
 

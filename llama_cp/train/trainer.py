@@ -49,7 +49,7 @@ class Trainer:
     # ------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
-        self.device_type = init_distributed(timeout_s=cfg.collective_timeout)
+        self.device_type = init_distributed(timeout_s=cfg.collective_timeout, cpu_collectives=cfg.model.offload_params)
         self.peak_memory = PeakMemory(self.device_type)
         self.peak_memory.reset()  # start-up's window: not what ran before in this process (a notebook)
         self.rank = dist.get_rank()

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dist_harness import Checks, shared_tmpdir
-from fsdp_checks import FP32_CLOSE, global_batch, reference_loss, sharded_step, tiny_model
+from fsdp_checks import FP32_CLOSE, full_param, global_batch, reference_loss, sharded_step, tiny_model
 from llama_cp import ParallelDims
 from llama_cp.config import TrainConfig
 from llama_cp.model.build import parallelize_model
@@ -252,6 +253,36 @@ def norm_tiles_refuse_trainable_norm_copies():
     with pytest.raises(ValueError, match=r"^--norm_tile_size with --lora_modules_to_save norm: the LlamaRMSNorms are "
                                          r"then peft's wrappers around trainable copies, which the tiling does not "):
         parallelize_model(tiny_model(), cfg, ParallelDims(cp=2).build_mesh("cpu"))
+
+
+@checks.add
+def offloaded_parameters_give_the_plain_steps_exactly():
+    """--offload_params (FSDP2's CPU offload policy) through parallelize_model: two AdamW steps with
+    clipping give the losses and parameters of the same steps without it, bit for bit (on a CPU
+    mesh the policy's copies stay on the host; the GPU run: docs/benchmarks.md)."""
+    from llama_cp.optim.optimizers import build_optimizer
+    from llama_cp.optim.step import apply_gradients
+
+    runs = []
+    for offload in (False, True):
+        cfg = TrainConfig.from_flags(cp=2, context_length=32, dtype="float32", loss_chunk_size=7,
+                                     offload_params=offload)
+        mesh = ParallelDims(cp=2).build_mesh("cpu")
+        torch.manual_seed(1)
+        model = parallelize_model(tiny_model(), cfg, mesh)
+        offloaded = {fsdp_param.offload_to_cpu for module in model.modules() if isinstance(module, FSDPModule)
+                     for group in [module._get_fsdp_state()._fsdp_param_group] if group is not None
+                     for fsdp_param in group.fsdp_params}
+        assert offloaded == {offload}, offloaded
+        optimizer = build_optimizer("adamw", model, lr=1e-2, weight_decay=0.0)
+        losses = []
+        for step in range(2):
+            losses.append(sharded_step(model, global_batch(step), mesh).item())
+            apply_gradients(model, optimizer, max_grad_norm=0.5)
+        runs.append((losses, [full_param(param) for param in model.parameters()]))
+    (plain_losses, plain_params), (losses, params) = runs
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)
