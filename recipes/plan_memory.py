@@ -101,14 +101,28 @@ def levers(cfg: TrainConfig) -> str:
     return f", {', '.join(on)}" if on else ""
 
 
-def table(plan: MemoryBreakdown, budget: int, gpu_memory_gb: float, headroom: float) -> str:
+#: GPUs per node, for the host memory a node needs (a job of fewer GPUs: all on one node).
+GPUS_PER_NODE = 8
+
+
+def host_contents(plan: MemoryBreakdown) -> str:
+    """What the host bytes of ``plan`` hold: --offload_params' sharded state, the offloaded checkpoints."""
+    state = plan.tracked.get("Host State", 0)
+    parts = ["sharded parameters, gradients and AdamW state (--offload_params)" if state else "",
+             "offloaded checkpoint inputs (--offload_checkpoints)" if plan.host > state else ""]
+    return " and ".join(part for part in parts if part)
+
+
+def table(plan: MemoryBreakdown, budget: int, gpu_memory_gb: float, headroom: float, num_gpus: int = 1) -> str:
+    gpus_per_node = min(num_gpus, GPUS_PER_NODE)
     rows = [(name, value) for name, value in plan.to_dict().items() if name != "total"]
     lines = [f"  {name:<14}{value / GiB:>10.2f} GiB" for name, value in rows]
     verdict = "fits" if plan.total <= budget else "does NOT fit"
     lines.append(f"  {'total':<14}{plan.total / GiB:>10.2f} GiB  per rank (peak)")
     if plan.host:
-        lines.append(f"  {'host memory':<14}{plan.host / GiB:>10.2f} GiB  per rank, pinned, for the offloaded "
-                     "checkpoints (not GPU memory)")
+        lines.append(f"  {'host memory':<14}{plan.host / GiB:>10.2f} GiB  per rank, pinned (not GPU memory): "
+                     f"{host_contents(plan)}; a node of {gpus_per_node} GPU{'s' * (gpus_per_node > 1)} needs "
+                     f"{gpus_per_node * plan.host / GiB:.2f} GiB")
     lines.append(
         f"  {verdict} in {budget / GiB:.2f} GiB ({gpu_memory_gb:g} GiB GPU, {headroom:.0%} kept for "
         "CUDA context, NCCL and fragmentation)"
@@ -181,10 +195,11 @@ def main(
     backend = planned_attention_backend(cfg, config_hf)  # refused here in one line if it cannot be planned
     plan = plan_step_memory(cfg, num_gpus, model_config=config_hf)
     print(describe(cfg, num_gpus, backend))
-    print(table(plan, budget, gpu_memory_gb, headroom))
+    print(table(plan, budget, gpu_memory_gb, headroom, num_gpus))
     result = {
         "per_rank_bytes": plan.to_dict(),
         "host_bytes_per_rank": plan.host,
+        "host_bytes_per_node": min(num_gpus, GPUS_PER_NODE) * plan.host,
         "fits": plan.total <= budget,
         "gpu_memory_bytes": int(gpu_memory_gb * GiB),
         "usable_bytes": budget,

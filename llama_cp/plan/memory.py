@@ -28,8 +28,33 @@ affine function of the number of layers n:
 The step's peak is the larger of the two phases, and which one wins can change
 with n (many layers of small activations: the optimizer), so the phases are
 tracked and extrapolated apart (``measure_step_memory``) and compared after.
-:func:`plan_step_memory` simulates 2 and 3 layers; ``tests/plan`` checks
-the extrapolation against full simulations.
+:func:`plan_step_memory` simulates 3 and 4 layers; ``tests/plan`` checks
+the extrapolation against full simulations. Not 2 and 3: the line holds from the first
+n whose backward has a middle layer (one with a decoder layer on either side). With 2
+layers the backward never has the previous layer's reduce-scatter buffer alive while a
+middle layer recomputes, so where a middle layer's backward is the peak (long contexts
+with the MLP/norm tiles or checkpoint offload) the 2-to-3 slope took that one buffer for a
+per-layer cost: Llama-3-8B at 4M tokens on 8 GPUs was overstated by 30 x 0.81 GiB
+(tests/plan/test_memory_regression.py::test_layer_extrapolation_is_exact).
+
+Note [Planning --offload_params]
+================================
+
+With FSDP2's CPU offload policy the float32 parameter shards, their gradient shards and
+AdamW's state live in host memory (read in torch 2.13: ``_fully_shard/_fsdp_param.py``,
+``FSDPParam.all_gather_inputs``; ``_fsdp_collectives.py``, ``foreach_reduce``). The
+simulation cannot tell host from device (every fake tensor is on the CPU, and ``pin_memory``
+has no fake implementation), so the planner simulates the plain step and moves bytes by
+category: "Sharded Param", "Sharded Grad" and "OptState" go to ``host``; in the optimizer
+phase, which clips and steps CPU tensors, everything but the gathered parameters, the
+buffers and the activations goes there. Two device transients are added to the other
+phases, each bounded by the largest FSDP group: the copy-in (each shard is copied to the
+device, then cast to the compute dtype: one parameter's float32 shard at a time; with no
+cast the group's copies are the all-gather inputs) and the copy-out (``foreach_reduce``'s
+output, one group's float32 gradient shards, freed once copied to the host). Checked
+against an H200 (110M-parameter Llama, 8192 tokens, docs/benchmarks.md): planned 1.99 and
+0.62 GB for the plain and the offloaded step, measured 2.10 and 0.73 GB; the drop, 1.37 GB,
+is the same.
 
 The attention kernels are those of the planned GPU, modelled on CPU: Note [GPU attention
 kernels' workspace] in ``llama_cp/attention/workspace.py``.
@@ -62,6 +87,7 @@ from llama_cp.config import TrainConfig
 from llama_cp.model.build import cp_strategy, parallelize_model
 from llama_cp.model.loss import causal_lm_loss_sum
 from llama_cp.model.preference import adapters_off_logps
+from llama_cp.modules.causal_lm import compute_dtype
 from llama_cp.optim.step import apply_gradients, forward_backward, preference_forward_backward
 
 GiB = 1 << 30
@@ -137,7 +163,7 @@ class MemoryBreakdown:
     def from_snapshot(cls, snapshot: dict, host: int = 0) -> "MemoryBreakdown":
         """From one device's ``FSDPMemTracker.get_tracker_snapshot("peak")`` entry (and the
         peak bytes offloaded to host memory)."""
-        by_name = {(k if isinstance(k, str) else k.value): v for k, v in snapshot.items()}
+        by_name = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
         values = {name: sum(by_name.get(k, 0) for k in keys) for name, keys in _GROUPS.items()}
         return cls(**values, total=by_name.get("Total", sum(values.values())), host=host, tracked=by_name)
 
@@ -328,9 +354,9 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
     p, o = cfg.parallel, cfg.optim
     if cfg.model.activation_offload:
         raise ValueError("the planner does not model --activation_offload (saved activations in host memory)")
-    if cfg.model.offload_params:  # issue 37: host and device bytes apart, by category
-        raise ValueError("the planner does not model --offload_params yet (sharded state in host memory): plan "
-                         "without it and subtract, per rank, the Sharded Param, Sharded Grad and Optstate bytes")
+    offload = cfg.model.offload_params  # simulated without the policy, then split: Note [Planning --offload_params]
+    if offload:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, offload_params=False))
     strategy, _ = cp_strategy(cfg, config)
     if p.cp > 1 and strategy == "hybrid":
         raise ValueError(
@@ -394,8 +420,64 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
                                       num_pairs=pairs * o.gradient_accumulation_steps * dims.dp)
                 micro.append(shard_batch(batch, mesh["cp"]))
             num_tokens = cfg.data.batch_size * cfg.data.context_length * o.gradient_accumulation_steps * dims.dp
-            return measure_step_memory(model, optimizer, micro, num_tokens, max_grad_norm=o.max_grad_norm,
-                                       preference=preference)
+            phases = measure_step_memory(model, optimizer, micro, num_tokens, max_grad_norm=o.max_grad_norm,
+                                         preference=preference)
+    if offload:
+        transient = offload_transient_bytes(model, compute_dtype(cfg.model.dtype, "cuda"))
+        phases = {name: offloaded(name, breakdown, transient) for name, breakdown in phases.items()}
+    return phases
+
+
+def offload_transient_bytes(model: nn.Module, param_dtype: torch.dtype | None) -> int:
+    """The device bytes that ``--offload_params`` adds to a step, as an upper bound: the largest
+    FSDP group's copy-in (a parameter's float32 shard copied to the device before its cast to
+    ``param_dtype``, or every shard of the group where no cast follows) plus the largest group's
+    float32 gradient shards (the reduce-scatter output, on the device until copied out)
+    (Note [Planning --offload_params])."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def local_bytes(param: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+        local = param.to_local() if hasattr(param, "to_local") else param
+        return local.numel() * (dtype or local.dtype).itemsize
+
+    copy_in = grads_out = 0
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in fsdp_modules:  # a group's parameters: its module's, less those of FSDP modules inside it
+        inner = {id(p) for child in module.modules() if child is not module and isinstance(child, FSDPModule)
+                 for p in child.parameters()}
+        own = [p for p in module.parameters() if id(p) not in inner]
+        if not own:
+            continue
+        cast = [local_bytes(p) for p in own if param_dtype is not None and p.dtype != param_dtype]
+        kept = [local_bytes(p) for p in own if param_dtype is None or p.dtype == param_dtype]
+        copy_in = max(copy_in, max(cast, default=0) + sum(kept))
+        grads_out = max(grads_out, sum(local_bytes(p, torch.float32) for p in own if p.requires_grad))
+    return copy_in + grads_out
+
+
+def offloaded(phase: str, breakdown: MemoryBreakdown, transient: int) -> MemoryBreakdown:
+    """``breakdown``, simulated without ``--offload_params``, as the device and host bytes of
+    the offloaded step: the sharded parameters, gradients and optimizer state move to ``host``
+    (and in the optimizer phase, which runs on the CPU, everything but the gathered parameters,
+    buffers and activations); the forward/backward gains ``transient`` device bytes, counted as
+    communication (Note [Planning --offload_params])."""
+    tracked = breakdown.tracked
+    sharded = tracked.get("Sharded Param", 0)
+    if phase == "optimizer":
+        device = dict(parameters=breakdown.parameters - sharded, gradients=0, optimizer=0,
+                      activations=breakdown.activations, temporary=0, communication=0)
+    else:
+        device = dict(parameters=breakdown.parameters - sharded,
+                      gradients=breakdown.gradients - tracked.get("Sharded Grad", 0), optimizer=0,
+                      activations=breakdown.activations, temporary=breakdown.temporary,
+                      communication=breakdown.communication + transient)
+    total = sum(device.values())
+    moved = breakdown.total - (total - (0 if phase == "optimizer" else transient))
+    kept = ("Unsharded Param", "Buffer", "Activation", "Inputs") if phase == "optimizer" else tuple(
+        k for k in tracked if k not in ("Sharded Param", "Sharded Grad", "OptState"))
+    return MemoryBreakdown(**device, total=total, host=breakdown.host + moved, tracked={
+        **{k: v for k, v in tracked.items() if k in kept}, "Total": total, "Host State": moved,
+        "Offload Transient": 0 if phase == "optimizer" else transient})
 
 
 #: The GPU the planner plans for when it picks a backend: an sm80+ one with flash-attn installed.
@@ -407,8 +489,6 @@ def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
     the trainer picks on an sm80+ GPU with flash-attn installed (flash_attn for bf16/fp16).
     A CUDA backend that could not run there, or that the planner cannot model, is refused in
     one line; sdpa_cpu and math are planned as they run on CPU (the planner's own checks)."""
-    from llama_cp.modules.causal_lm import compute_dtype
-
     dtype = compute_dtype(cfg.model.dtype, "cuda") or torch.float32
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     choice = cfg.model.attention_backend
@@ -427,12 +507,12 @@ def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
 
 
 #: Layer counts simulated for the extrapolation (Note [Planning from a few layers]).
-_FEW_LAYERS = (2, 3)
+_FEW_LAYERS = (3, 4)
 
 
 def plan_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None) -> MemoryBreakdown:
-    """:func:`simulate_step_memory` for the whole model, from simulations of 2 and 3 layers
-    extrapolated phase by phase (Note [Planning from a few layers]); models of at most 3
+    """:func:`simulate_step_memory` for the whole model, from simulations of 3 and 4 layers
+    extrapolated phase by phase (Note [Planning from a few layers]); models of at most 4
     layers are simulated whole."""
     config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
     layers = config.num_hidden_layers

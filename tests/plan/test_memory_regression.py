@@ -5,6 +5,7 @@ in this process (no memory is allocated, no other process is started)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -153,29 +154,35 @@ def test_state_is_sharded_over_dp_shard_x_cp(phases, tuning):
 
 
 def test_layer_extrapolation_is_exact(phases, monkeypatch):
-    """Note [Planning from a few layers]: 2 and 3 simulated layers predict 6 layers exactly.
+    """Note [Planning from a few layers]: 3 and 4 simulated layers predict 6 layers exactly.
 
-    Each case is a case of the matrix, whose 3-layer simulation ``phases`` already holds: the
-    planner's 3-layer simulation of the same configuration (equal TrainConfig, equal model config,
-    same world size) is that one, reused; the 2- and 6-layer ones run here."""
+    Each case of the matrix's list is a case of the matrix, whose 3-layer simulation ``phases``
+    already holds: the planner's 3-layer simulation of the same configuration (equal TrainConfig,
+    equal model config, same world size) is that one, reused; the 4- and 6-layer ones run here.
+    The last case has its backward's peak in a middle layer (4K tokens, MLP/norm tiles, offloaded
+    checkpoints and parameters), which 2 and 3 layers overstated by one layer's gradient buffer
+    per extrapolated layer."""
     import llama_cp.plan.memory as memory
 
     matrix = [((case_config(*case), case[0] * case[1]), {"model_config": mid_size_config()}, phases[name])
               for name, case in CASES.items()]
     simulated = once_per_arguments(monkeypatch, memory, "simulate_step_phases", known=matrix)
-    for case in [(2, 1, "lora", True, 2048), (1, 2, "full", False, 2048), (4, 2, "full", True, 4096)]:
+    middle_peak = dataclasses.replace(case_config(2, 1, "full", True, 4096), model=dataclasses.replace(
+        case_config(2, 1, "full", True, 4096).model, mlp_tile_size=1024, norm_tile_size=1024, loss_chunk_size=256,
+        offload_checkpoints=True, offload_params=True))
+    cases = [(case_config(*case), case[0] * case[1]) for case in
+             [(2, 1, "lora", True, 2048), (1, 2, "full", False, 2048), (4, 2, "full", True, 4096)]]
+    for cfg, world in [*cases, (middle_peak, 2)]:
         # a fresh model config per case, as each matrix case has (the planner's model build sets
         # its attention implementation and dtype fields on the config it is given)
         config = mid_size_config(num_hidden_layers=6)
-        cfg = case_config(*case)
-        world = case[0] * case[1]
         assert plan_step_memory(cfg, world, model_config=config) == simulate_step_memory(
             cfg, world, model_config=config
-        ), case
-    # per case a 2-layer simulation (the planner's) and a 6-layer one (the check's): the planner's
-    # 3-layer one was the matrix's
+        ), cfg
+    # per matrix case a 4-layer simulation (the planner's) and a 6-layer one (the check's): the
+    # planner's 3-layer one was the matrix's; the last case simulates all three
     computed = [kwargs["model_config"].num_hidden_layers for _, kwargs, _ in simulated[len(matrix):]]
-    assert computed == [2, 6] * 3, computed
+    assert computed == [4, 6] * 3 + [3, 4, 6], computed
 
 
 def test_each_lever_cuts_the_planned_peak():

@@ -158,7 +158,7 @@ def test_every_shipped_config_plans(preset_plans, path):
     cfg, num_gpus = preset_and_gpus(path)
     result = preset_plans[path]
     assert result["per_rank_bytes"]["total"] > 0
-    assert (result["host_bytes_per_rank"] > 0) == cfg.model.offload_checkpoints
+    assert (result["host_bytes_per_rank"] > 0) == (cfg.model.offload_checkpoints or cfg.model.offload_params)
     # a preset that names no model is planned as the planner's default model, not the tiny embedded one
     assert result["per_rank_bytes"]["parameters"] > GiB / num_gpus
 
@@ -193,3 +193,37 @@ def test_the_categories_add_up_to_the_tracked_total():
         counted = {name for name, value in plan.tracked.items() if name != "Total" and value}
         assert counted <= grouped, (phase, counted - grouped)
         assert plan.tracked["Total"] == plan.total, phase
+
+
+def test_offloaded_parameters_are_planned_as_host_memory(capsys):
+    """Note [Planning --offload_params]: the offloaded step's device bytes are the plain step's less
+    the sharded parameters, gradients and AdamW state (float32: 4 + 4 + 8 bytes per parameter
+    shard), plus the largest copy-in (bf16 compute: one float32 parameter shard before its cast,
+    here the embedding's or lm_head's) and the largest group's float32 gradient shards (a decoder
+    layer's); the optimizer phase runs on the CPU, so all of it but the buffers is host memory. The
+    CLI says both."""
+    from llama_cp.plan.memory import simulate_step_phases
+
+    config = embedded_llama_config(num_hidden_layers=2)
+    flags = dict(context_length=1024, dp_shard=2, activation_checkpointing=True, dtype="bfloat16")
+    plain, offloaded = (simulate_step_phases(TrainConfig.from_flags(**flags, offload_params=offload), 2,
+                                             model_config=config) for offload in (False, True))
+    model = LlamaForCausalLM(config)
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert layer > model.lm_head.weight.numel() + config.hidden_size  # the head's group is the smaller
+    transient = 4 * config.vocab_size * config.hidden_size // 2 + 4 * layer // 2  # shards of world 2
+    for phase in ("eval", "forward_backward"):
+        tracked = plain[phase].tracked
+        state = tracked["Sharded Param"] + tracked.get("Sharded Grad", 0) + tracked["OptState"]
+        assert tracked["Sharded Param"] == 4 * sum(p.numel() for p in model.parameters()) // 2
+        assert offloaded[phase].total == plain[phase].total - state + transient, phase
+        assert offloaded[phase].host == state and offloaded[phase].communication == plain[phase].communication + transient
+        assert offloaded[phase].parameters == plain[phase].parameters - tracked["Sharded Param"]
+    kept = plain["optimizer"].tracked["Buffer"] + plain["optimizer"].tracked.get("Activation", 0)  # the RoPE tables
+    assert offloaded["optimizer"].total == kept and offloaded["optimizer"].host == plain["optimizer"].total - kept
+    main(json=True, model_name="llama3-8b", context_length=524288, num_gpus=1, offload_params=True,
+         offload_checkpoints=True, mlp_tile_size=8192, norm_tile_size=8192)
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["fits"] and result["host_bytes_per_rank"] > 16 * 8.03e9  # 8B parameters x 16 bytes of state
+    assert "sharded parameters, gradients and AdamW state (--offload_params)" in out
