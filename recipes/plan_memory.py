@@ -15,6 +15,9 @@ tensors (``llama_cp.plan.memory``), in seconds on a CPU. Training flags are the 
     --context_step N    search the context in steps of N tokens (a multiple of 2 x cp; default 2 x cp)
     --plot PATH         PNG: max context vs number of GPUs (1..32), FSDP only vs FSDP + CP,
                         each rounded down to a multiple of 1024 tokens
+    --breakdown         also list the tensors the step creates that are alive at its peak, grouped by
+                        dtype, shape, op and the code that made them, with bytes per token
+                        (llama_cp/plan/breakdown.py; simulates every layer: a minute for 32)
     --json              print one JSON object as the last line
 
 --attention_backend names the GPU attention kernel whose workspace the plan includes; "auto"
@@ -185,6 +188,7 @@ def main(
     find_max_context: bool = False,
     context_step: int | None = None,
     plot: str | None = None,
+    breakdown: bool = False,
     json: bool = False,
     **flags,
 ) -> None:
@@ -205,6 +209,12 @@ def main(
         "usable_bytes": budget,
         "attention_backend": backend,
     }
+    if breakdown:
+        from llama_cp.plan.breakdown import describe_groups, step_peak_tensors
+
+        tokens = cfg.data.context_length // cfg.parallel.cp
+        print(f"tensors made in the step and alive at its peak (T = {tokens:,} tokens per rank):")
+        print(describe_groups(step_peak_tensors(cfg, num_gpus, model_config=config_hf), tokens))
     if find_max_context:
         length, at_max = search_max_context(cfg, num_gpus, budget, model_config=config_hf, granularity=context_step)
         result["max_context_length"] = length
@@ -225,5 +235,5 @@ def main(
 
 if __name__ == "__main__":
     run_cli(main, usage="python -m recipes.plan_memory [--config preset.yaml] [--num_gpus N] [--gpu_memory_gb G] "
-                        "[--headroom F] [--find_max_context] [--plot PNG] [--json] [--flag value ...] [--debug]",
+                        "[--headroom F] [--find_max_context] [--plot PNG] [--breakdown] [--json] [--flag value ...] [--debug]",
             defaults=resolved_defaults())

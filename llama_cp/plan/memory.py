@@ -332,7 +332,9 @@ def simulate_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None
     return step_peak(simulate_step_phases(cfg, world_size, model_config=model_config))
 
 
-def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None) -> dict[str, MemoryBreakdown]:
+def simulate_step_phases(
+    cfg: TrainConfig, world_size: int, *, model_config=None, observer=None,
+) -> dict[str, MemoryBreakdown]:
     """Peak memory per phase of the busiest rank of a ``world_size``-rank job training ``cfg``, simulated in
     this process with fake tensors (no memory is allocated, no other process is needed).
 
@@ -341,7 +343,8 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
     checkpointing) -> materialised as fake tensors -> ``optimizer_step`` on
     ``gradient_accumulation_steps`` cp-sharded micro-batches of ``batch_size`` rows of
     ``context_length`` tokens, tracked by ``FSDPMemTracker``. ``model_config`` (an HF
-    config) overrides ``cfg.model.model_name``.
+    config) overrides ``cfg.model.model_name``. ``observer``: a context manager factory
+    entered around the tracked step, inside the fake mode (``llama_cp.plan.breakdown``).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -420,8 +423,9 @@ def simulate_step_phases(cfg: TrainConfig, world_size: int, *, model_config=None
                                       num_pairs=pairs * o.gradient_accumulation_steps * dims.dp)
                 micro.append(shard_batch(batch, mesh["cp"]))
             num_tokens = cfg.data.batch_size * cfg.data.context_length * o.gradient_accumulation_steps * dims.dp
-            phases = measure_step_memory(model, optimizer, micro, num_tokens, max_grad_norm=o.max_grad_norm,
-                                         preference=preference)
+            with observer() if observer is not None else contextlib.nullcontext():
+                phases = measure_step_memory(model, optimizer, micro, num_tokens, max_grad_norm=o.max_grad_norm,
+                                             preference=preference)
     if offload:
         transient = offload_transient_bytes(model, compute_dtype(cfg.model.dtype, "cuda"))
         phases = {name: offloaded(name, breakdown, transient) for name, breakdown in phases.items()}

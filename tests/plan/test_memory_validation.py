@@ -1,5 +1,5 @@
 """The planner against real runs: the planned per-rank peak (fake tensors, one process, the
-4-layer embedded model extrapolated from 2 and 3 layers) equals the peak tracked in real
+4-layer embedded model, simulated whole) equals the peak tracked in real
 2-rank gloo runs of the same configurations within 5%.
 
 The plans are made before the ranks start, in two processes of their own (the planner needs

@@ -227,3 +227,30 @@ def test_offloaded_parameters_are_planned_as_host_memory(capsys):
     result = json.loads(out.strip().splitlines()[-1])
     assert result["fits"] and result["host_bytes_per_rank"] > 16 * 8.03e9  # 8B parameters x 16 bytes of state
     assert "sharded parameters, gradients and AdamW state (--offload_params)" in out
+
+
+def test_breakdown_lists_the_tensors_at_the_peak_with_their_bytes_per_token():
+    """--breakdown (llama_cp/plan/breakdown.py): the tensors made in the step and alive at its peak
+    add up to the planner's tracked peak less what existed before the step (the LoRA weights,
+    their AdamW state, the RoPE tables: under 2%); a tensor whose shape holds the token count
+    is per token, and at twice the tokens its group holds twice the bytes."""
+    from llama_cp.plan.breakdown import describe_groups, step_peak_tensors
+    from llama_cp.plan.memory import simulate_step_memory
+
+    config = embedded_llama_config()
+    groups, totals = {}, {}
+    for tokens in (2048, 4096):
+        cfg = TrainConfig.from_flags(context_length=tokens, use_peft=True, activation_checkpointing=True,
+                                     dtype="bfloat16")
+        found = step_peak_tensors(cfg, 1, model_config=config)
+        groups[tokens] = {group.label: group for group in found}
+        totals[tokens] = simulate_step_memory(cfg, 1, model_config=config).total
+        made = sum(group.nbytes for group in found)
+        assert 0.98 * totals[tokens] <= made <= totals[tokens], (tokens, made, totals[tokens])
+        assert [group.nbytes for group in found] == sorted((group.nbytes for group in found), reverse=True)
+        text = describe_groups(found, tokens, top=3)
+        assert len(text.splitlines()) == 4 and "B/token" in text and "modeling_llama.py:forward" in text, text
+    per_token = [group for group in groups[2048].values() if group.per_token]
+    assert per_token and all("T" in g.label.split("(")[1].split(")")[0].split(", ") for g in per_token)
+    largest = max(per_token, key=lambda group: group.nbytes)
+    assert groups[4096][largest.label].nbytes == 2 * largest.nbytes, largest
