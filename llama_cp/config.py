@@ -43,6 +43,12 @@ class ModelConfig:
     """RoPE scaling set in the model's config before it is built, in transformers' names: type:key=value,... (linear, dynamic, yarn, llama3, longrope; e.g. yarn:factor=8,original_max_position_embeddings=8192) or a JSON object; it must reach --context_length; none = the model's own, default = plain RoPE."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of the gathered parameters: auto = bfloat16 on CUDA, float32 on CPU."""
+    memory: Literal["default", "auto", "manual"] = "default"
+    """How the memory levers are set. auto: before the model is built, the cheapest set of --activation_checkpointing, --attention_block_size 16384, --mlp_tile_size/--norm_tile_size 8192, --offload_checkpoints and --offload_params (added in that order, least costly in time first) whose planned peak per GPU fits --gpu_memory_gb less --headroom, said in one line with its planned peak and recorded in run_info.json; a run that does not fit with all of them is refused in one line with its planned peak and the longest context that fits (Note [Choosing the memory levers] in llama_cp/plan/auto.py). On CPU the choice is only planned and said (given --gpu_memory_gb): the levers stay as given. manual: the lever flags as given. default: auto when none of those flags, --frozen_dtype or --activation_offload is given, else manual (resolved at start). --memory auto with a lever flag is refused."""
+    gpu_memory_gb: float = 0.0
+    """GiB of memory of one GPU, what --memory auto plans for; 0 = the CUDA device's total memory (without a GPU, --memory auto plans only when this is given)."""
+    headroom: float = 0.1
+    """Fraction of --gpu_memory_gb that --memory auto keeps free for the CUDA context, NCCL's and cuBLAS's workspaces and the allocator's fragmentation, which no plan counts (as python -m recipes.plan_memory)."""
     activation_checkpointing: bool | None = None
     """Recompute each decoder layer's activations in backward (saves most activation memory); auto = on for every model but the embedded one (a 128K run of an 8B model needs it), resolved at start (run_info.json)."""
     activation_offload: bool = False
@@ -52,7 +58,7 @@ class ModelConfig:
     frozen_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Storage dtype of frozen (LoRA base) weights; auto = bfloat16 with --use_peft when the compute dtype is bf16 (--dtype auto on CUDA), else float32. Trainable weights and optimizer state stay float32."""
     offload_params: bool = False
-    """Keep the sharded parameters, gradients and AdamW state in host memory (FSDP2's CPU offload policy, pinned on CUDA): each layer's parameters are copied to the GPU for its forward and backward, the gradients back after their reduce-scatter, and the optimizer steps on the CPU; for full fine-tuning whose state does not fit the GPUs. Slower: 0.61x the tokens/s on an H200 (docs/benchmarks.md). Not with --quantization 4bit or --optimizer adamw8bit; the planner does not model it yet."""
+    """Keep the sharded parameters, gradients and AdamW state in host memory (FSDP2's CPU offload policy, pinned on CUDA): each layer's parameters are copied to the GPU for its forward and backward, the gradients back after their reduce-scatter, and the optimizer steps on the CPU; for full fine-tuning whose state does not fit the GPUs. Slower: 0.61x the tokens/s on an H200 (docs/benchmarks.md). Not with --quantization 4bit or --optimizer adamw8bit. The planner says the host memory it needs."""
     offload_checkpoints: bool = False
     """With --activation_checkpointing: keep each decoder layer's checkpointed input in (pinned) host memory, copied on a side stream, prefetched for the recompute."""
     mlp_tile_size: int = 0
@@ -342,6 +348,15 @@ class TrainConfig:
                 auto = f" (or {_AUTO[name]}: auto)" if name in _AUTO else ""
                 raise ValueError(f"--{name} must be >= {minimum}{auto}, got {value}")
         check_report_to(self.report_to)
+        given = memory_levers_given(self.model) if self.model.memory == "auto" else []
+        if given:  # before resolve_defaults: a lever left to auto (--activation_checkpointing) is not given
+            raise ValueError(
+                f"--memory auto chooses the memory levers itself, and {' and '.join(given)} "
+                f"{'set levers' if len(given) > 1 else 'sets one'}: drop {'them' if len(given) > 1 else 'it'}, or "
+                "give --memory manual to set the levers yourself"
+            )
+        if self.model.headroom >= 1:
+            raise ValueError(f"--headroom is a fraction of --gpu_memory_gb in [0, 1), got {self.model.headroom}")
         self.resolve_defaults()
         if self.optim.min_lr_ratio > 1:
             raise ValueError(f"--min_lr_ratio is a fraction of --lr in [0, 1], got {self.optim.min_lr_ratio}")
@@ -470,16 +485,22 @@ class TrainConfig:
     # value (lr 0, max_steps -1, save_every -1, activation_checkpointing None), resolved here, at
     # start, from the model and the dataset; the resolved values are what config.yaml and
     # run_info.json record, and a flag given explicitly always wins. --save_every is resolved by
-    # the trainer once the run's steps are known (resolved_save_every).
+    # the trainer once the run's steps are known (resolved_save_every). --memory default is resolved
+    # first, to auto when no memory lever is given and manual otherwise, while an
+    # --activation_checkpointing left to auto is still None; on CUDA --memory auto then replaces the
+    # levers by its choice before the model is built (Note [Choosing the memory levers] in
+    # llama_cp/plan/auto.py), and the resolved checkpointing above is what a run it cannot plan keeps.
 
     def is_demo(self) -> bool:
         """The embedded passkey demo: --model_name and --dataset left at their defaults."""
         return self.model.model_name == "embedded" and self.data.dataset == PASSKEY
 
     def resolve_defaults(self) -> None:
-        """Replace the auto values of --lr, --activation_checkpointing and --max_steps by this run's
-        (Note [Defaults by run]); idempotent."""
+        """Replace the auto values of --memory, --lr, --activation_checkpointing and --max_steps by this
+        run's (Note [Defaults by run]); idempotent."""
         embedded = self.model.model_name == "embedded"
+        if self.model.memory == "default":  # first, while an --activation_checkpointing left to auto still shows
+            self.model.memory = "manual" if memory_levers_given(self.model) else "auto"
         if self.optim.lr == 0 and self.objective == "dpo":  # a preference loss moves a tuned model: smaller steps
             self.optim.lr = 1e-3 if embedded else 5e-6 if self.peft.use_peft else 1e-6
         if self.optim.lr == 0:
@@ -506,7 +527,7 @@ class TrainConfig:
 #: Lower bounds of the numeric flags, checked before anything is built.
 _MINIMUMS = {
     "context_length": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "loss_chunk_size": 0, "cp": 1,
-    "mlp_tile_size": 0, "norm_tile_size": 0, "attention_block_size": 0,
+    "mlp_tile_size": 0, "norm_tile_size": 0, "attention_block_size": 0, "gpu_memory_gb": 0.0, "headroom": 0.0,
     "dp_replicate": 1, "lora_r": 1, "num_proc": 1, "num_passkey_samples": 1, "passkey_digits": 0, "passkey_warmup": 0.0, "num_eval_samples": 1, "num_epochs": 1,
     "max_steps": 0, "warmup_steps": 0, "save_every": 0, "eval_every": 0, "keep_last": 1, "log_every": 1,
     "max_nonfinite_steps": 1, "peak_tflops": 0.0,
@@ -572,6 +593,25 @@ def check_report_to(report_to: Sequence[str]) -> None:
         raise ValueError("--report_to tensorboard needs the tensorboard package: pip install tensorboard")
     if "wandb" in report_to and not _importable("wandb"):
         raise ValueError("--report_to wandb needs the wandb package: pip install wandb (or drop wandb)")
+
+
+#: The memory levers (ModelConfig's flags that change a step's memory, not its math), whichever of
+#: them a user gives making --memory default manual; --memory auto chooses them (llama_cp/plan/auto.py).
+MEMORY_LEVERS = ("activation_checkpointing", "activation_offload", "offload_params", "offload_checkpoints",
+                 "mlp_tile_size", "norm_tile_size", "attention_block_size", "frozen_dtype")
+
+
+def memory_levers_given(model: ModelConfig) -> list[str]:
+    """The memory levers of ``model`` set away from their defaults, as flags (``--mlp_tile_size 4096``);
+    --activation_checkpointing counts while not yet resolved from auto (None), so call it before
+    ``TrainConfig.resolve_defaults``."""
+    defaults = ModelConfig()
+    given = []
+    for name in MEMORY_LEVERS:
+        value = getattr(model, name)
+        if value != getattr(defaults, name):
+            given.append(f"--{name} {str(value).lower() if isinstance(value, bool) else value}")
+    return given
 
 
 def check_all_linear(targets) -> None:

@@ -45,10 +45,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         cfg.resolve_defaults()  # a config built without from_flags (Note [Defaults by run])
         self.cfg = cfg
+        self.memory_choice: dict[str, Any] | None = None  # what --memory chose (run_info.json): _choose_memory
 
     # ------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
+        if self.memory_choice is None:  # setup() called without fit()
+            self._choose_memory()
         self.device_type = init_distributed(timeout_s=cfg.collective_timeout, cpu_collectives=cfg.model.offload_params)
         self.peak_memory = PeakMemory(self.device_type)
         self.peak_memory.reset()  # start-up's window: not what ran before in this process (a notebook)
@@ -74,6 +77,18 @@ class Trainer:
         self.references = self._build_references()  # from the initial weights, before any checkpoint is loaded
         self._start_schedule(0)
         os.makedirs(cfg.output_dir, exist_ok=True)
+
+    def _choose_memory(self) -> None:
+        """--memory auto, before the process group and the model exist: every rank plans the same
+        job and sets the same levers on CUDA (Note [Choosing the memory levers] in
+        llama_cp/plan/auto.py); on CPU the choice is only said."""
+        from llama_cp.plan.auto import choose_for_run
+
+        device_type = machine_device_type()
+        local = int(os.environ.get("LOCAL_RANK", "0"))  # the device init_distributed will take
+        total = torch.cuda.get_device_properties(local).total_memory if device_type == "cuda" else None
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        self.memory_choice = choose_for_run(self.cfg, world, device_type, total, say=self._say)
 
     def _build_tokenizer(self):
         return build_tokenizer(self.model_path, self.cfg.data.chat_template)
@@ -461,6 +476,7 @@ class Trainer:
         """Train to ``max_steps`` (or ``num_epochs``), evaluate, checkpoint and export. Returns the
         last metrics row (with the final eval)."""
         self._check_before_start()
+        self._choose_memory()  # before the claim: config.yaml records the levers the run trains with
         claim = OutputDirClaim(self.cfg, _global_rank())  # rank 0 notes what output_dir holds before the run
         self._where = "while setting up"
         try:
@@ -621,7 +637,7 @@ class Trainer:
                         dims={"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
                               "cp": self.dims.cp}, resumed_from_step=step, load_peak_memory_bytes=load_peak,
                         model_flops={"per_token": self.flops.per_token, "per_attention_pair": self.flops.per_pair,
-                                     "peak_flops_per_gpu": self.peak_flops})
+                                     "peak_flops_per_gpu": self.peak_flops}, memory=self.memory_choice)
         if self.rank == 0:
             write_atomically(os.path.join(self.cfg.output_dir, "run_info.json"), json.dumps(info, indent=1))
         report_to = [name for name in self.cfg.report_to if name != "none"]

@@ -159,7 +159,7 @@ def test_layer_extrapolation_is_exact(phases, monkeypatch):
     Each case of the matrix's list is a case of the matrix, whose 3-layer simulation ``phases``
     already holds: the planner's 3-layer simulation of the same configuration (equal TrainConfig,
     equal model config, same world size) is that one, reused; the 4- and 6-layer ones run here.
-    The last case has its backward's peak in a middle layer (4K tokens, MLP/norm tiles, offloaded
+    The last case has its backward's peak in a middle layer (1024 tokens, MLP/norm tiles, offloaded
     checkpoints and parameters), which 2 and 3 layers overstated by one layer's gradient buffer
     per extrapolated layer."""
     import llama_cp.plan.memory as memory
@@ -167,8 +167,8 @@ def test_layer_extrapolation_is_exact(phases, monkeypatch):
     matrix = [((case_config(*case), case[0] * case[1]), {"model_config": mid_size_config()}, phases[name])
               for name, case in CASES.items()]
     simulated = once_per_arguments(monkeypatch, memory, "simulate_step_phases", known=matrix)
-    middle_peak = dataclasses.replace(case_config(2, 1, "full", True, 4096), model=dataclasses.replace(
-        case_config(2, 1, "full", True, 4096).model, mlp_tile_size=1024, norm_tile_size=1024, loss_chunk_size=256,
+    middle_peak = dataclasses.replace(case_config(2, 1, "full", True, 1024), model=dataclasses.replace(
+        case_config(2, 1, "full", True, 1024).model, mlp_tile_size=1024, norm_tile_size=1024, loss_chunk_size=256,
         offload_checkpoints=True, offload_params=True))
     cases = [(case_config(*case), case[0] * case[1]) for case in
              [(2, 1, "lora", True, 2048), (1, 2, "full", False, 2048), (4, 2, "full", True, 4096)]]

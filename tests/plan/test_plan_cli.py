@@ -131,20 +131,30 @@ def preset_refusal(path: str) -> str | None:
     return None
 
 
-def plan_preset(path: str) -> dict:
-    """The planner CLI's JSON line for preset ``path`` on the GPUs it names, its context shortened."""
+def plan_preset(job: tuple[str, str]) -> dict:
+    """The planner CLI's JSON line for preset ``path`` on the GPUs it names, its context shortened
+    and the model a 4-layer Llama-3-8B in ``model_dir`` (one simulation, not the 3 and 4 layers of
+    the 32-layer plan; the planner's default model for a preset without one: checked apart)."""
+    path, model_dir = job
     cfg, num_gpus = preset_and_gpus(path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        main(json=True, config=path, num_gpus=num_gpus, context_length=1024 * cfg.parallel.cp)
+        main(json=True, config=path, num_gpus=num_gpus, context_length=1024 * cfg.parallel.cp, model_name=model_dir)
     return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
-def preset_plans() -> dict[str, dict]:
+def preset_plans(tmp_path_factory) -> dict[str, dict]:
     """Every preset that can be planned here, planned in two processes (``map_in_processes``)."""
+    from transformers import LlamaConfig
+
+    from llama_cp.plan.memory import MODEL_PRESETS
+
+    model_dir = str(tmp_path_factory.mktemp("llama3_8b_4_layers"))
+    LlamaConfig(**{**MODEL_PRESETS["llama3-8b"], "num_hidden_layers": 4}).save_pretrained(model_dir)
     plannable = [path for path in CONFIGS if preset_refusal(path) is None]
-    return dict(zip(plannable, map_in_processes(plan_preset, plannable), strict=True))
+    plans = map_in_processes(plan_preset, [(path, model_dir) for path in plannable])
+    return dict(zip(plannable, plans, strict=True))
 
 
 @pytest.mark.slow
@@ -160,7 +170,13 @@ def test_every_shipped_config_plans(preset_plans, path):
     assert result["per_rank_bytes"]["total"] > 0
     assert (result["host_bytes_per_rank"] > 0) == (cfg.model.offload_checkpoints or cfg.model.offload_params)
     # a preset that names no model is planned as the planner's default model, not the tiny embedded one
-    assert result["per_rank_bytes"]["parameters"] > GiB / num_gpus
+    from recipes.plan_memory import build_config
+
+    assert build_config(path, num_gpus, {}).model.model_name == "llama3-8b"
+    # the 8B shape's parameters (with --offload_params its fp32 shards are host memory: 4 of the 16
+    # bytes a parameter keeps there)
+    on_gpu = result["host_bytes_per_rank"] / 4 if cfg.model.offload_params else result["per_rank_bytes"]["parameters"]
+    assert on_gpu > GiB / num_gpus
 
 
 def test_gradient_accumulation_keeps_the_sharded_gradients_between_micro_batches():
