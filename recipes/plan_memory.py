@@ -19,6 +19,8 @@ tensors (``llama_cp.plan.memory``), in seconds on a CPU. Training flags are the 
                         dtype, shape, op and the code that made them, with bytes per token
                         (llama_cp/plan/breakdown.py; simulates every layer: a minute for 32)
     --json              print one JSON object as the last line
+    --memory auto       first choose the levers as the trainer's --memory auto does, then plan
+                        (and search the max context) with them
 
 --attention_backend names the GPU attention kernel whose workspace the plan includes; "auto"
 (default) plans what an sm80+ GPU with flash-attn installed runs: flash_attn in bf16/fp16
@@ -64,7 +66,11 @@ def resolved_defaults() -> dict:
     that model: Note [Defaults by run] in llama_cp/config.py), as --help shows them."""
     import inspect
 
-    return TrainConfig.flatten(build_config(None, inspect.signature(main).parameters["num_gpus"].default, {}).to_dict())
+    parameters = inspect.signature(main).parameters
+    defaults = TrainConfig.flatten(build_config(None, parameters["num_gpus"].default, {}).to_dict())
+    # the GPU the plan is for: the command's own parameters, which take these two flags
+    return {**defaults, "gpu_memory_gb": parameters["gpu_memory_gb"].default,
+            "headroom": parameters["headroom"].default}
 
 
 def preset_flag_names(path: str) -> set[str]:
@@ -197,6 +203,13 @@ def main(
     budget = usable_bytes(gpu_memory_gb, headroom)
     config_hf = load_model_config(cfg.model.model_name)
     backend = planned_attention_backend(cfg, config_hf)  # refused here in one line if it cannot be planned
+    if flags.get("memory") == "auto":  # the trainer's choice of levers (llama_cp/plan/auto.py), then its plan
+        from llama_cp.plan.auto import apply_levers, choose_levers
+
+        choice = choose_levers(cfg, num_gpus, budget, model_config=config_hf)
+        print(f"--memory auto: {choice.describe()} -> planned peak {choice.plan.total / GiB:.2f} GiB "
+              f"({choice.plans} plans{', from the cache' if not choice.plans else ''})")
+        apply_levers(cfg, choice.levers)
     plan = plan_step_memory(cfg, num_gpus, model_config=config_hf)
     print(describe(cfg, num_gpus, backend))
     print(table(plan, budget, gpu_memory_gb, headroom, num_gpus))

@@ -271,3 +271,18 @@ def test_breakdown_lists_the_tensors_at_the_peak_with_their_bytes_per_token():
     assert per_token and all("T" in g.label.split("(")[1].split(")")[0].split(", ") for g in per_token)
     largest = max(per_token, key=lambda group: group.nbytes)
     assert groups[4096][largest.label].nbytes == 2 * largest.nbytes, largest
+
+
+def test_plan_memory_with_memory_auto_chooses_then_plans(capsys, tmp_path, monkeypatch):
+    """python -m recipes.plan_memory --memory auto: the trainer's choice (llama_cp/plan/auto.py) is
+    printed, and the plan and the max-context search are made with its levers."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    embedded_llama_config().save_pretrained(tmp_path / "model")  # a local model: checkpointing on by default
+    main(json=True, model_name=str(tmp_path / "model"), context_length=512, num_gpus=1, memory="auto",
+         gpu_memory_gb=80)
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    chosen = [line for line in out.splitlines() if line.startswith("--memory auto: ")]
+    peak = result["per_rank_bytes"]["total"]
+    assert chosen == [f"--memory auto: no lever -> planned peak {peak / GiB:.2f} GiB (1 plans)"], out
+    assert "activation checkpointing off" in out  # the plan is the chosen levers', not the resolved default's
