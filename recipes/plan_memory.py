@@ -40,7 +40,7 @@ from llama_cp.plan.memory import (
 from llama_cp.plan.memory import find_max_context as search_max_context  # main's flag has the same name
 
 #: Planner defaults where they differ from the trainer's (flags and --config override them).
-PLAN_DEFAULTS = {"model_name": "llama3-8b", "context_length": 131072}
+PLAN_DEFAULTS = {"model_name": "llama3-8b", "context_length": 131072, "gpu_memory_gb": 80.0}
 
 PLOT_GPUS = (1, 2, 4, 8, 16, 32)
 #: The plot's (and table's) search step in tokens: a multiple of 2 x cp for every cp <= 512.
@@ -66,11 +66,7 @@ def resolved_defaults() -> dict:
     that model: Note [Defaults by run] in llama_cp/config.py), as --help shows them."""
     import inspect
 
-    parameters = inspect.signature(main).parameters
-    defaults = TrainConfig.flatten(build_config(None, parameters["num_gpus"].default, {}).to_dict())
-    # the GPU the plan is for: the command's own parameters, which take these two flags
-    return {**defaults, "gpu_memory_gb": parameters["gpu_memory_gb"].default,
-            "headroom": parameters["headroom"].default}
+    return TrainConfig.flatten(build_config(None, inspect.signature(main).parameters["num_gpus"].default, {}).to_dict())
 
 
 def preset_flag_names(path: str) -> set[str]:
@@ -189,8 +185,6 @@ def draw_max_context(points: list[dict], path: str, title: str) -> None:
 def main(
     config: str | None = None,
     num_gpus: int = 8,
-    gpu_memory_gb: float = 80.0,
-    headroom: float = 0.1,
     find_max_context: bool = False,
     context_step: int | None = None,
     plot: str | None = None,
@@ -200,6 +194,7 @@ def main(
 ) -> None:
     """Plan one rank's peak memory; see the module docstring for the flags."""
     cfg = build_config(config, num_gpus, flags)
+    gpu_memory_gb, headroom = cfg.model.gpu_memory_gb, cfg.model.headroom  # the trainer's flags, 80 GiB here
     budget = usable_bytes(gpu_memory_gb, headroom)
     config_hf = load_model_config(cfg.model.model_name)
     backend = planned_attention_backend(cfg, config_hf)  # refused here in one line if it cannot be planned

@@ -10,6 +10,7 @@ few plans of their own."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch.distributed as dist
@@ -198,10 +199,10 @@ def test_the_cpu_trainer_says_the_choice_and_keeps_the_levers(planned, peaks, tm
         dist.destroy_process_group()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(auto, "planned_model_config", lambda name: model_config())  # the module's plans
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        # the run sets them in this process as a world of one: put back afterwards, so that a later
-        # test's subprocess does not inherit this run's MASTER_PORT, whose store is bound here
-        monkeypatch.delenv(name, raising=False)
+    # the run sets these in this process as a world of one: put back afterwards, so that a later
+    # test's subprocess does not inherit this run's MASTER_PORT, whose store is bound here
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    before = {name: os.environ.get(name) for name in names}
     out = tmp_path / "run"
     cfg = TrainConfig.from_flags(memory="auto", headroom=0.0, output_dir=str(out), **RUN)
     cfg.model.gpu_memory_gb = (peaks[0] + peaks[1]) / 2 / GiB  # checkpointing needed
@@ -210,6 +211,11 @@ def test_the_cpu_trainer_says_the_choice_and_keeps_the_levers(planned, peaks, tm
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--memory auto")]
     assert len(said) == 1 and said[0].startswith("--memory auto: activation checkpointing -> planned peak ")
     assert said[0].endswith("; the levers stay as given on cpu")
