@@ -46,8 +46,9 @@ AdamW's state live in host memory (read in torch 2.13: ``_fully_shard/_fsdp_para
 simulation cannot tell host from device (every fake tensor is on the CPU, and ``pin_memory``
 has no fake implementation), so the planner simulates the plain step and moves bytes by
 category: "Sharded Param", "Sharded Grad" and "OptState" go to ``host``; in the optimizer
-phase, which clips and steps CPU tensors, everything but the gathered parameters, the
-buffers and the activations goes there. Two device transients are added to the other
+phase, which clips and steps CPU tensors (fused AdamW: Note [AdamW's implementation, pinned]
+in llama_cp/optim/optimizers.py), everything but the gathered parameters and the buffers
+goes there. Two device transients are added to the other
 phases, each bounded by the largest FSDP group: the copy-in (each shard is copied to the
 device, then cast to the compute dtype: one parameter's float32 shard at a time; with no
 cast the group's copies are the all-gather inputs) and the copy-out (``foreach_reduce``'s
@@ -407,7 +408,8 @@ def simulate_step_phases(
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=cpu)
             _reinit_rotary_buffers(model, cpu)
-            optimizer = build_optimizer(o.optimizer, model, lr=o.lr, weight_decay=o.weight_decay)  # the trainer's groups
+            optimizer = build_optimizer(o.optimizer, model, lr=o.lr, weight_decay=o.weight_decay,  # the trainer's
+                                        on_host=offload)  # groups and implementation
             create_optimizer_state(model, optimizer, max_grad_norm=o.max_grad_norm)
             shape = (cfg.data.batch_size, cfg.data.context_length)
             micro, preference = [], None
@@ -462,14 +464,14 @@ def offload_transient_bytes(model: nn.Module, param_dtype: torch.dtype | None) -
 def offloaded(phase: str, breakdown: MemoryBreakdown, transient: int) -> MemoryBreakdown:
     """``breakdown``, simulated without ``--offload_params``, as the device and host bytes of
     the offloaded step: the sharded parameters, gradients and optimizer state move to ``host``
-    (and in the optimizer phase, which runs on the CPU, everything but the gathered parameters,
-    buffers and activations); the forward/backward gains ``transient`` device bytes, counted as
+    (and in the optimizer phase, which runs on the CPU, everything but the gathered parameters
+    and the buffers); the forward/backward gains ``transient`` device bytes, counted as
     communication (Note [Planning --offload_params])."""
     tracked = breakdown.tracked
     sharded = tracked.get("Sharded Param", 0)
     if phase == "optimizer":
         device = dict(parameters=breakdown.parameters - sharded, gradients=0, optimizer=0,
-                      activations=breakdown.activations, temporary=0, communication=0)
+                      activations=0, temporary=0, communication=0)
     else:
         device = dict(parameters=breakdown.parameters - sharded,
                       gradients=breakdown.gradients - tracked.get("Sharded Grad", 0), optimizer=0,
@@ -477,7 +479,7 @@ def offloaded(phase: str, breakdown: MemoryBreakdown, transient: int) -> MemoryB
                       communication=breakdown.communication + transient)
     total = sum(device.values())
     moved = breakdown.total - (total - (0 if phase == "optimizer" else transient))
-    kept = ("Unsharded Param", "Buffer", "Activation", "Inputs") if phase == "optimizer" else tuple(
+    kept = ("Unsharded Param", "Buffer") if phase == "optimizer" else tuple(
         k for k in tracked if k not in ("Sharded Param", "Sharded Grad", "OptState"))
     return MemoryBreakdown(**device, total=total, host=breakdown.host + moved, tracked={
         **{k: v for k, v in tracked.items() if k in kept}, "Total": total, "Host State": moved,

@@ -115,7 +115,8 @@ class Trainer:
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
         # the model, not its parameters: norms, biases and embeddings do not decay (Note [Which parameters decay])
-        return build_optimizer(o.optimizer, self.model, lr=o.lr, weight_decay=o.weight_decay)
+        return build_optimizer(o.optimizer, self.model, lr=o.lr, weight_decay=o.weight_decay,
+                               on_host=self.cfg.model.offload_params)
 
     def _build_data(self) -> None:
         from llama_cp.config import PASSKEY

@@ -259,12 +259,14 @@ def norm_tiles_refuse_trainable_norm_copies():
 def offloaded_parameters_give_the_plain_steps_exactly():
     """--offload_params (FSDP2's CPU offload policy) through parallelize_model: two AdamW steps with
     clipping give the losses and parameters of the same steps without it, bit for bit (on a CPU
-    mesh the policy's copies stay on the host; the GPU run: docs/benchmarks.md)."""
+    mesh the policy's copies stay on the host; the GPU run: docs/benchmarks.md), with foreach and
+    with fused AdamW, the implementation the trainer takes for host shards (Note [AdamW's
+    implementation, pinned]); fused and foreach differ by rounding only."""
     from llama_cp.optim.optimizers import build_optimizer
     from llama_cp.optim.step import apply_gradients
 
-    runs = []
-    for offload in (False, True):
+    runs = {}
+    for offload, on_host in [(False, False), (True, False), (False, True), (True, True)]:
         cfg = TrainConfig.from_flags(cp=2, context_length=32, dtype="float32", loss_chunk_size=7,
                                      offload_params=offload)
         mesh = ParallelDims(cp=2).build_mesh("cpu")
@@ -274,15 +276,21 @@ def offloaded_parameters_give_the_plain_steps_exactly():
                      for group in [module._get_fsdp_state()._fsdp_param_group] if group is not None
                      for fsdp_param in group.fsdp_params}
         assert offloaded == {offload}, offloaded
-        optimizer = build_optimizer("adamw", model, lr=1e-2, weight_decay=0.0)
+        optimizer = build_optimizer("adamw", model, lr=1e-2, weight_decay=0.0, on_host=on_host)
+        assert optimizer.defaults["fused"] is (True if on_host else None), optimizer.defaults
         losses = []
         for step in range(2):
             losses.append(sharded_step(model, global_batch(step), mesh).item())
             apply_gradients(model, optimizer, max_grad_norm=0.5)
-        runs.append((losses, [full_param(param) for param in model.parameters()]))
-    (plain_losses, plain_params), (losses, params) = runs
-    assert losses == plain_losses
-    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))
+        runs[offload, on_host] = (losses, [full_param(param) for param in model.parameters()])
+    for on_host in (False, True):
+        (plain_losses, plain_params), (losses, params) = runs[False, on_host], runs[True, on_host]
+        assert losses == plain_losses, on_host
+        assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True)), on_host
+    (foreach_losses, foreach_params), (fused_losses, fused_params) = runs[True, False], runs[True, True]
+    assert fused_losses[0] == foreach_losses[0]  # no step yet
+    for a, b in zip(fused_params, foreach_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)

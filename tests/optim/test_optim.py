@@ -137,3 +137,17 @@ def test_a_rank_that_owns_no_element_keeps_a_schedule_and_an_empty_state():
     again = ShardLocalOptimizer([nn.Parameter(torch.zeros(0, 8))], bnb.optim.AdamW8bit, lr=0.1, weight_decay=0.0)
     again.load_state_dict(optimizer.state_dict())
     assert again.param_groups[0]["lr"] == pytest.approx(0.05) and not again.state
+
+
+def test_the_trainer_steps_host_shards_with_fused_adamw():
+    """--offload_params: the trainer's AdamW is torch's fused one (one vectorised kernel on the
+    host's shards), foreach otherwise (Note [AdamW's implementation, pinned])."""
+    from types import SimpleNamespace
+
+    from llama_cp.config import TrainConfig
+    from llama_cp.train.trainer import Trainer
+
+    for offload, fused, foreach in [(False, None, True), (True, True, None)]:
+        trainer = SimpleNamespace(cfg=TrainConfig.from_flags(offload_params=offload), model=tiny_model(num_hidden_layers=1))
+        optimizer = Trainer._build_optimizer(trainer)
+        assert (optimizer.defaults["fused"], optimizer.defaults["foreach"]) == (fused, foreach), offload
