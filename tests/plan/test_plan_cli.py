@@ -30,8 +30,14 @@ def run_json(capsys, **flags) -> dict:
 
 
 @pytest.mark.slow
-def test_llama3_8b_lora_131k_cp8_json_and_activation_cut(capsys):
-    common = dict(model_name="llama3-8b", context_length=131072, num_gpus=8, use_peft=True)
+def test_llama3_8b_lora_131k_cp8_json_and_activation_cut(capsys, tmp_path):
+    from transformers import LlamaConfig
+
+    from llama_cp.plan.memory import MODEL_PRESETS
+
+    # the Llama-3-8B shape with 4 layers: one simulation a plan (the ratios below are per layer)
+    LlamaConfig(**{**MODEL_PRESETS["llama3-8b"], "num_hidden_layers": 4}).save_pretrained(tmp_path)
+    common = dict(model_name=str(tmp_path), context_length=131072, num_gpus=8, use_peft=True)
     cp8 = run_json(capsys, cp=8, **common)
     assert KEYS <= cp8["per_rank_bytes"].keys()
     assert cp8["gpu_memory_bytes"] == 80 * GiB and isinstance(cp8["fits"], bool)
@@ -79,6 +85,7 @@ def test_plot_max_context_fsdp_only_vs_cp(tmp_path, monkeypatch):
     import recipes.plan_memory as plan_memory
 
     monkeypatch.setattr(plan_memory, "PLOT_GPUS", (1, 2))
+    monkeypatch.setattr(plan_memory, "PLOT_GRANULARITY", 4096)  # fewer plans per search; the shape is the same
     # on 1 GPU both layouts are cp=1 over 1 rank, the same search (equal TrainConfig and arguments): run it once
     searched = once_per_arguments(monkeypatch, plan_memory, "search_max_context")
     config = embedded_llama_config(num_hidden_layers=3)
