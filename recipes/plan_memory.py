@@ -198,14 +198,16 @@ def main(
     budget = usable_bytes(gpu_memory_gb, headroom)
     config_hf = load_model_config(cfg.model.model_name)
     backend = planned_attention_backend(cfg, config_hf)  # refused here in one line if it cannot be planned
-    if flags.get("memory") == "auto":  # the trainer's choice of levers (llama_cp/plan/auto.py), then its plan
+    if flags.get("memory") == "auto":  # the trainer's choice of levers (llama_cp/plan/auto.py): its plan is this one
         from llama_cp.plan.auto import apply_levers, choose_levers
 
         choice = choose_levers(cfg, num_gpus, budget, model_config=config_hf)
         print(f"--memory auto: {choice.describe()} -> planned peak {choice.plan.total / GiB:.2f} GiB "
               f"({choice.plans} plans{', from the cache' if not choice.plans else ''})")
         apply_levers(cfg, choice.levers)
-    plan = plan_step_memory(cfg, num_gpus, model_config=config_hf)
+        plan = choice.plan
+    else:
+        plan = plan_step_memory(cfg, num_gpus, model_config=config_hf)
     print(describe(cfg, num_gpus, backend))
     print(table(plan, budget, gpu_memory_gb, headroom, num_gpus))
     result = {

@@ -198,13 +198,13 @@ def choose_levers(
     if cached is not None:
         if "nothing_fits" in cached:
             raise NothingFits(cached["nothing_fits"], cached["peak_bytes"], cached["max_context"])
-        plan = planner.MemoryBreakdown(**cached["plan"], host=cached["host"])
+        plan = plan_from_json(cached)
         return LeverChoice(cached["levers"], plan, plans=0)
     for plans, levers in enumerate(candidates(cfg), start=1):
         # a copy: the planner's model build sets fields of the config it is given (its dtype)
         plan = planner.plan_step_memory(with_levers(cfg, levers), world_size, model_config=copy.deepcopy(config))
         if plan.total <= budget_bytes:
-            _write(path, {"levers": levers, "plan": plan.to_dict(), "host": plan.host})
+            _write(path, {"levers": levers, **plan_to_json(plan)})
             return LeverChoice(levers, plan, plans)
     refusal = _nothing_fits(with_levers(cfg, levers), world_size, budget_bytes, config, plan)
     _write(path, {"nothing_fits": str(refusal), "peak_bytes": refusal.peak_bytes, "max_context": refusal.max_context})
@@ -229,6 +229,20 @@ def _nothing_fits(cfg: TrainConfig, world_size: int, budget_bytes: int, config, 
 
 
 # ----------------------------------------------------------------------------- the cache
+
+
+def plan_to_json(plan: MemoryBreakdown) -> dict:
+    """A plan as the cache and the child process keep it: its categories, host bytes and
+    FSDPMemTracker's own categories (which say what the host bytes hold)."""
+    return {"plan": plan.to_dict(), "host": plan.host, "tracked": plan.tracked}
+
+
+def plan_from_json(entry: dict) -> MemoryBreakdown:
+    """:func:`plan_to_json`'s plan back (the cache key covers the package source: every entry read was written so)."""
+    from llama_cp.plan.memory import MemoryBreakdown
+
+    return MemoryBreakdown(**entry["plan"], host=entry["host"], tracked=entry["tracked"])
+
 
 
 def default_cache_dir() -> str:
@@ -356,13 +370,11 @@ def plan_elsewhere(cfg: TrainConfig, world_size: int, budget_bytes: int, *, cach
 def read_answer(answer: dict) -> LeverChoice:
     """The parent's side of :func:`plan_elsewhere`: the child's :func:`answer` -> the choice, or
     the child's refusal raised again."""
-    from llama_cp.plan.memory import MemoryBreakdown
-
     if "nothing_fits" in answer:
         raise NothingFits(answer["nothing_fits"], answer["peak_bytes"], answer["max_context"])
     if "could_not_plan" in answer:
         raise ValueError(answer["could_not_plan"])
-    return LeverChoice(answer["levers"], MemoryBreakdown(**answer["plan"], host=answer["host"]), answer["plans"])
+    return LeverChoice(answer["levers"], plan_from_json(answer), answer["plans"])
 
 
 def answer(request: dict) -> dict:
@@ -375,7 +387,7 @@ def answer(request: dict) -> dict:
         return {"nothing_fits": str(refusal), "peak_bytes": refusal.peak_bytes, "max_context": refusal.max_context}
     except Exception as error:  # noqa: BLE001 - sent back whole: the parent says why it could not plan
         return {"could_not_plan": " ".join(str(error).split()) or type(error).__name__}
-    return {"levers": choice.levers, "plan": choice.plan.to_dict(), "host": choice.plan.host, "plans": choice.plans}
+    return {"levers": choice.levers, **plan_to_json(choice.plan), "plans": choice.plans}
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from llama_cp.config import TrainConfig
+from llama_cp.plan.memory import GiB, load_model_config, simulate_step_phases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +140,6 @@ def peak_tensors(tokens: int) -> Iterator[list[PeakGroup]]:
 def step_peak_tensors(cfg: TrainConfig, world_size: int, *, model_config=None) -> list[PeakGroup]:
     """The groups of tensors alive at the peak of one simulated step of ``cfg`` (the whole model,
     not the planner's few layers: a minute for a 32-layer model)."""
-    from llama_cp.plan.memory import load_model_config, simulate_step_phases
-
     config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
     groups: list[PeakGroup] = []
     local = cfg.data.context_length // cfg.parallel.cp
@@ -158,13 +157,12 @@ def _collect(tokens: int, into: list[PeakGroup]) -> Iterator[None]:
 def describe_groups(groups: list[PeakGroup], tokens: int, top: int = 12) -> str:
     """The ``top`` largest groups as lines: GiB, bytes per token where the size grows with the
     context, count and label; then what the rest adds up to."""
-    gib = float(1 << 30)
     lines = []
     for group in groups[:top]:
         per_token = f"{group.nbytes / tokens:>9,.0f} B/token" if group.per_token else f"{'':>9} (fixed)"
-        lines.append(f"  {group.nbytes / gib:>8.2f} GiB {per_token}  {group.count:>3} x {group.label}")
+        lines.append(f"  {group.nbytes / GiB:>8.2f} GiB {per_token}  {group.count:>3} x {group.label}")
     rest = sum(group.nbytes for group in groups[top:])
     total = sum(group.nbytes for group in groups)
-    lines.append(f"  {rest / gib:>8.2f} GiB in {max(len(groups) - top, 0)} smaller groups; "
-                 f"{total / gib:.2f} GiB created in the step at its peak")
+    lines.append(f"  {rest / GiB:>8.2f} GiB in {max(len(groups) - top, 0)} smaller groups; "
+                 f"{total / GiB:.2f} GiB created in the step at its peak")
     return "\n".join(lines)

@@ -117,6 +117,7 @@ def test_a_second_choice_is_read_from_the_cache(planned, peaks, tmp_path):
     planned.clear()
     again = choose_levers(with_levers(cfg, {}), 1, peaks[1], model_config=model_config(), cache_dir=str(tmp_path))
     assert again.levers == first.levers and again.plan == first.plan and again.plans == 0
+    assert again.plan.tracked == first.plan.tracked and first.plan.tracked  # what the host bytes hold, kept too
     with pytest.raises(NothingFits) as cached:
         choose_levers(cfg, 1, peaks[-1] - 1, model_config=model_config(), cache_dir=str(tmp_path))
     assert str(cached.value) == str(refused.value) and cached.value.max_context == refused.value.max_context
