@@ -105,8 +105,8 @@ def run_settings(source: str, kind: str, model_name: str) -> dict:
     """What rebuilding the run's model needs: the base (--model_name wins), its seed and RoPE
     settings, and the LoRA settings of a checkpoint; from the checkpoint's config.yaml, or an
     adapter's llama_cp_export.json (else its adapter_config.json's base)."""
+    from llama_cp.modules.causal_lm import EXPORT_INFO
     from llama_cp.train.checkpoint import checkpoint_config
-    from llama_cp.train.export import EXPORT_INFO
 
     if kind == "checkpoint":
         config = checkpoint_config(source)

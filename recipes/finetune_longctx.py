@@ -10,6 +10,7 @@ Flags: ``--help``, docs/flags.md, or ``llama_cp/config.py`` (one flag per config
 """
 
 from llama_cp.config import TrainConfig
+from llama_cp.eval.trained import evaluate_trained, evaluate_trained_perplexity
 from llama_cp.parallel.mesh import end_distributed
 from llama_cp.train.cli import run_cli
 from llama_cp.train.trainer import Trainer
@@ -21,12 +22,8 @@ def main(config: str | None = None, **flags) -> None:
     trainer = Trainer(cfg)
     trainer.fit()
     if cfg.eval_needle:
-        from recipes.eval_longctx import evaluate_trained
-
         evaluate_trained(trainer)
     if cfg.eval_perplexity:
-        from recipes.eval_longctx import evaluate_trained_perplexity
-
         evaluate_trained_perplexity(trainer)
 
 

@@ -32,7 +32,9 @@ def test_exports_are_what_a_loop_needs_and_nothing_test_only():
 #: folder or a file at the top of the package (the product card's cp_attention.py and
 #: fsdp_wrap.py share one). config stands above the parts whose rules it checks when a flag is
 #: given, and below everything that reads a TrainConfig: the layers under it take plain values.
-LAYERS = (("train",), ("plan",), ("optim",), ("data",), ("model",), ("config", "data_flags"), ("cp_attention", "fsdp_wrap"),
+#: eval stands right under train: a run ends with the evaluations of its trained model, and
+#: they read nothing of train.
+LAYERS = (("train",), ("eval",), ("plan",), ("optim",), ("data",), ("model",), ("config", "data_flags"), ("cp_attention", "fsdp_wrap"),
           ("attention",), ("modules",), ("parallel",))
 
 
@@ -113,6 +115,42 @@ def test_imports_only_run_down_the_layers():
     assert imports_up({"low.b": {FACE}}, layers=(("low",),)) == {("low.b", FACE)}  # import llama_cp, from below
     assert {module.split(".")[0] for module in graph} == layered, "a new folder or top-level file needs its place in LAYERS"
     assert imports_up(graph) == set()
+
+
+def recipe_imports(source: str, in_recipes: bool) -> list[str]:
+    """The import statements of ``source`` that reach recipes/: ``import recipes.X``, ``from recipes
+    import X``, ``from recipes.X import f``, and in a recipe (``in_recipes``) a relative import too."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            reaches = any(alias.name.split(".")[0] == "recipes" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            reaches = in_recipes if node.level else node.module.split(".")[0] == "recipes"
+        else:
+            continue
+        if reaches:
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_no_recipe_imports_another_and_llama_cp_imports_no_recipe():
+    """A recipe is a thin main over llama_cp: what two recipes share lives in llama_cp (as the post-training
+    evals of finetune_longctx live in llama_cp/eval, not in eval_longctx), and llama_cp never reaches up."""
+    toy = "import recipes.export\nfrom recipes import export\nfrom .export import main\nfrom llama_cp.eval import needle\n"
+    assert recipe_imports(toy, in_recipes=True) == ["import recipes.export", "from recipes import export",
+                                                    "from .export import main"]
+    assert recipe_imports("from . import mesh\nimport recipes_of_mine\n", in_recipes=False) == []
+    found = {}
+    for top in ("recipes", "llama_cp"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    with open(path) as f:
+                        imports = recipe_imports(f.read(), in_recipes=top == "recipes")
+                    if imports:
+                        found[os.path.relpath(path, ROOT)] = imports
+    assert found == {}, found
 
 
 def test_the_layers_folders_are_faces():

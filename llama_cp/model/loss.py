@@ -225,7 +225,7 @@ def linear_cross_entropy(
     ``labels``: True where the argmax of the logits is the label, or the label is ignored
     (taken from the same chunks, so it costs no extra logits). With ``return_token_losses``
     also (after it) each token's loss, like ``labels`` in the sum's dtype, 0 where ignored:
-    the terms of the sum (perplexity by position, ``recipes/eval_longctx.py``; per-sequence
+    the terms of the sum (perplexity by position, ``llama_cp.eval.perplexity``; per-sequence
     log-probabilities, ``llama_cp.model.preference``), differentiable: its gradient joins the
     sum's in the same chunked backward (Note [Differentiable token losses]).
     """

@@ -76,6 +76,9 @@ def build_causal_lm(config, device: torch.device | str = "cpu") -> nn.Module:
 
 #: Files that hold a tokenizer in an HF model directory (any one is enough).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+#: Written beside an exported adapter (llama_cp/train/export.py): its base model and the settings it must be
+#: given; read back where the adapter is loaded again (recipes.export, llama_cp/eval/adapter.py).
+EXPORT_INFO = "llama_cp_export.json"
 
 
 def check_model_name(name: str) -> None:

@@ -24,16 +24,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from llama_cp.modules.causal_lm import base_causal_lm
+from llama_cp.modules.causal_lm import EXPORT_INFO, base_causal_lm
 from llama_cp.train.checkpoint import WriteFailed, describe_write_failure
 
 #: --export_dtype's choices.
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Largest safetensors file of a full export (the Hub's usual 5 GB shards).
 MAX_SHARD_BYTES = 5 * 10**9
-#: Written beside an adapter: the base model and the settings it must be given (read by
-#: recipes.export and recipes.eval_longctx).
-EXPORT_INFO = "llama_cp_export.json"
 
 # Note [Exporting shard by shard]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
