@@ -1,36 +1,36 @@
-"""The training configuration: nested dataclasses, YAML presets, flat CLI flags.
+"""The training configuration: nested dataclasses, one flag per leaf field, a docstring under
+each (what ``--help`` and docs/flags.md show, read from this file).
 
 Every leaf field has a unique name, which is also its command-line flag
 (``--context_length 8192``), the names llama-recipes uses where it has one.
 A YAML preset may be flat (``context_length: 8192``) or nested by section
 (``data: {context_length: 8192}``); flags override the preset, the preset
 overrides the defaults. An unknown name is an error listing the close matches.
+
+What is done with a config lives beside it, in ``llama_cp/flags/``: reading flags and presets
+(reading.py), the help and the flag table (help.py), the checks (checks.py) and the defaults
+resolved by run (defaults.py, Note [Defaults by run]); the methods below delegate to them.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
-import inspect
-import json
-import os
-import textwrap
 import typing
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from llama_cp.data_flags import LOCAL_FILE_SUFFIXES, PASSKEY, check_sources, parse_sources  # noqa: F401
-from llama_cp.parallel.sharding import check_context_length
-
-#: peft's keyword for every Linear layer but the output layer (--lora_target_modules all-linear).
-ALL_LINEAR = "all-linear"
-#: ``--report_to``'s trackers (llama_cp.train.reporting writes to them).
-REPORTERS = ("tensorboard", "wandb")
+from llama_cp.data.grammar import LOCAL_FILE_SUFFIXES, PASSKEY, check_sources, parse_sources  # noqa: F401
+from llama_cp.flags import checks, reading
+from llama_cp.flags import defaults as run_defaults
+from llama_cp.flags import help as flag_help
+from llama_cp.flags.checks import (  # noqa: F401 - read from here by the layers above
+    ALL_LINEAR,
+    MEMORY_LEVERS,
+    REPORTERS,
+    check_all_linear,
+    check_report_to,
+    memory_levers_given,
+)
 
 
 @dataclass
@@ -87,33 +87,8 @@ class ParallelConfig:
     """--cp_strategy hybrid: consecutive cp ranks that split heads (Ulysses; usually the GPUs of a node); must divide --cp and num_attention_heads. 0 = unset."""
 
     def check(self, context_length: int, world_size: int | None = None) -> None:
-        """ValueError naming every parallel rule broken, in one message: --context_length a
-        multiple of 2 x cp, and (when ``world_size`` is known) the degrees multiplying to it;
-        a single process asked for more is told how to launch them."""
-        from llama_cp.attention.hybrid import check_ulysses_degree
-
-        problems = []
-        for check in (lambda: check_context_length(context_length, self.cp),
-                      lambda: check_ulysses_degree(self.cp_strategy, self.ulysses_degree, self.cp)):
-            try:
-                check()
-            except ValueError as error:
-                problems.append(str(error))
-        if world_size is not None:
-            try:
-                self.dims(world_size)
-            except ValueError as error:
-                if world_size > 1:
-                    problems.append(f"{error}: choose --dp_replicate, --dp_shard and --cp for {world_size} processes")
-                else:
-                    needed = self.dp_replicate * max(self.dp_shard, 1) * self.cp
-                    problems.append(
-                        f"--cp {self.cp} --dp_shard {self.dp_shard} --dp_replicate {self.dp_replicate} need {needed} "
-                        f"processes, and this is one: launch with torchrun --nproc_per_node {needed} -m "
-                        f"recipes.finetune_longctx ... (or llama_cp.launch(cfg, nprocs={needed}) from a notebook)"
-                    )
-        if problems:
-            raise ValueError("; and ".join(problems))
+        """ValueError naming every parallel rule broken (``llama_cp.flags.checks.check_parallel``)."""
+        checks.check_parallel(self, context_length, world_size)
 
     def dims(self, world_size: int | None = None):
         """The validated :class:`~llama_cp.parallel.mesh.ParallelDims` of these degrees on ``world_size``
@@ -147,21 +122,10 @@ class PeftConfig:
     """4bit = QLoRA: the frozen base Linear layers of the decoder in NF4 (bitsandbytes), sharded by FSDP; needs --use_peft."""
 
     def check(self) -> None:
-        """ValueError, one line, for LoRA options that cannot be used together."""
-        options = [f"--{name}" for name, on in (("lora_modules_to_save", self.lora_modules_to_save),
-                                                 ("use_rslora", self.use_rslora), ("use_dora", self.use_dora)) if on]
-        if options and not self.use_peft:
-            many = len(options) > 1
-            raise ValueError(f"{' and '.join(options)} {'are LoRA options' if many else 'is a LoRA option'}: add "
-                             f"--use_peft, or drop {'them' if many else 'it'}")
-        check_all_linear(self.lora_target_modules)
-        if self.use_dora and self.quantization == "4bit":
-            raise ValueError("--use_dora with --quantization 4bit: DoRA normalises each adapted base weight, and peft "
-                             "reads it from the layer's weight, which under QLoRA holds the packed NF4 codes (Note [4-bit "
-                             "weights under FSDP2]), not the weights; drop one of them")
-        if self.use_dora and self.lora_target_parameters:
-            raise ValueError("--use_dora with --lora_target_parameters: peft has no DoRA for adapters on parameters "
-                             "(its ParamWrapper); drop one of them")
+        """ValueError, one line, for LoRA options that cannot be used together
+        (``llama_cp.flags.checks.check_peft``)."""
+        checks.check_peft(self)
+
 
 
 @dataclass
@@ -171,7 +135,7 @@ class DataConfig:
     dataset_columns: str = ""
     """Read a format's column from another column of every source, e.g. text=body or prompt=question,completion=answer ("" = the formats' own names: text, prompt, completion, messages, instruction, input, output, chosen, rejected)."""
     eval_dataset: str = ""
-    """The eval set, any source(s) --dataset accepts, all of its rows (its split=, else its validation/test split); nothing is held out of training. "" = each source's validation/test split, else an --eval_fraction hold-out."""
+    """The eval set, any source(s) --dataset accepts, all of its documents (its split=, else its validation/test split, else its train or only split), of which each eval reads --num_eval_samples rows; nothing is held out of training. "" = each source's validation/test split, else an --eval_fraction hold-out."""
     eval_fraction: float = 0.05
     """Share of each source's documents held out for eval, drawn at random with --seed, when it has no eval split and no --eval_dataset is given (--streaming holds out every 20th document); 0 = no hold-out (a source's own validation split is still evaluated)."""
     on_bad_row: Literal["skip", "error"] = "skip"
@@ -189,7 +153,7 @@ class DataConfig:
     passkey_warmup: float = 0.9
     """Share of the training steps whose passkey rows pack shorter documents (--context_length / 8, / 4, / 2, at least 128 tokens, shortest first) before full-length ones: a model learning the task from scratch gets its signal from short documents (Note [Passkey length warm-up]); 0, or --document_mask false = full-length rows only."""
     num_eval_samples: int = 16
-    """Eval rows (of --context_length tokens) evaluated at each eval, the first of the eval set for every source: an eval's cost does not grow with the corpus."""
+    """Eval rows (of --context_length tokens) read at each eval: this many of the eval set's packed rows (all of them when it has fewer), drawn at random with --seed, the same rows at every eval, rounded down to whole global batches (--batch_size x data-parallel ranks; fewer than one is refused): an eval's cost does not grow with the corpus. The passkey task generates this many eval rows; --streaming packs this many from the start of its eval documents."""
     document_mask: bool = True
     """Packed documents (position_ids restart) attend only within themselves, as in transformers; false: across the row."""
     truncate_documents: bool = False
@@ -246,19 +210,19 @@ class TrainConfig:
     resume: Literal["false", "true", "auto"] = "false"
     """Continue from the newest intact checkpoint in output_dir (true: one must exist; auto: else start at step 0)."""
     overwrite: bool = False
-    """Start over in an output_dir that holds an earlier run (deletes its checkpoints, final/, metrics.jsonl, loss.png and tensorboard/)."""
+    """Start over in an output_dir that holds an earlier run (deletes its checkpoints, final/, metrics.jsonl, loss.png, run_info.json, tensorboard/ and its wandb run id)."""
     allow_unverified_checkpoint: bool = False
     """Let --resume load a checkpoint that has no MANIFEST.json (its files cannot be checked for damage)."""
     eval_every: int = 0
-    """Evaluate every N steps (0 = only at the end)."""
+    """Evaluate every N steps (0 = only at the end); the passkey task and --objective dpo also evaluate once before the first step, the baseline of the line printed at the end."""
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of the full model written to final/ (and final_merged/); auto = the dtype of the model's checkpoint (config.json), float32 for the embedded model. A LoRA adapter keeps its float32 weights."""
     merge_lora: bool = False
     """With --use_peft: also write final_merged/, the adapters merged into the base weights (a plain transformers model in --export_dtype, RoPE settings in its config.json)."""
     eval_needle: bool = False
-    """After training, passkey accuracy over context lengths (--context_length / 4, / 2, / 1) x needle depths (0 to 1) on the trained model: output_dir/needle.json and needle.png (recipes/eval_longctx.py)."""
+    """After training, passkey accuracy over context lengths (--context_length / 4, / 2, / 1) x needle depths (0 to 1) on the trained model: output_dir/needle.json and needle.png (llama_cp/eval/)."""
     eval_perplexity: bool = False
-    """After training, loss and perplexity of the trained model by context length (--context_length / 4, / 2, / 1) and position (4 equal ranges of each) on the run's eval documents, one per row, unpacked (the first --num_eval_samples of at least --context_length + 1 tokens): output_dir/perplexity.json and perplexity.png (recipes/eval_longctx.py). Needs natural text: not with --dataset passkey."""
+    """After training, loss and perplexity of the trained model by context length (--context_length / 4, / 2, / 1) and position (4 equal ranges of each) on the run's eval documents, one per row, unpacked (the first --num_eval_samples of at least --context_length + 1 tokens; fewer when fewer hold that many, but at least one): output_dir/perplexity.json and perplexity.png (llama_cp/eval/). Needs natural text: not with --dataset passkey."""
     objective: Literal["sft", "dpo"] = "sft"
     """sft: the next-token loss on the data's completions. dpo: preference fine-tuning on data of (prompt, chosen, rejected) with --dpo_loss, each pair's two sequences packed whole into one row (docs/training.md, Preference fine-tuning); with --dataset passkey, the built-in preference task (the true key chosen, a wrong key rejected)."""
     dpo_loss: Literal["sigmoid", "simpo", "orpo"] = "sigmoid"
@@ -270,7 +234,7 @@ class TrainConfig:
     log_every: int = 5
     """Write a metrics row every N steps."""
     report_to: tuple[str, ...] = ("tensorboard",)
-    """Also send the metrics rows to: tensorboard (output_dir/tensorboard), wandb (when installed), or none."""
+    """Also send the metrics rows to tensorboard (output_dir/tensorboard) and/or wandb, comma-separated, each refused at start when its package is not installed; or none."""
     peak_tflops: float = 0.0
     """Peak dense bf16 TFLOP/s of one GPU, the denominator of the mfu metric; 0 = looked up by the GPU's exact name (llama_cp.model.flops.PEAK_BF16_FLOPS); on CPU or an unlisted GPU no mfu is reported unless set."""
     max_nonfinite_steps: int = 3
@@ -280,369 +244,65 @@ class TrainConfig:
 
     SECTIONS: typing.ClassVar[tuple[str, ...]] = ("model", "parallel", "peft", "data", "optim")
 
+    # What is done with a config, beside it in llama_cp/flags/ (reading, help, checks, defaults).
+
     @classmethod
     def flag_names(cls) -> dict[str, str | None]:
         """Flag name -> section holding it (None for top-level fields)."""
-        names: dict[str, str | None] = {}
-        for f in dataclasses.fields(cls):
-            if f.name in cls.SECTIONS:
-                for leaf in dataclasses.fields(f.default_factory()):
-                    names[leaf.name] = f.name
-            else:
-                names[f.name] = None
-        return names
+        return reading.flag_names(cls)
 
     @classmethod
     def flatten(cls, values: dict[str, Any]) -> dict[str, Any]:
         """Flag name -> value of a config nested by section (``to_dict()``, a checkpoint's
         config.yaml, a preset); flat entries pass through (every flag name is unique)."""
-        flat: dict[str, Any] = {}
-        for key, value in values.items():
-            if key in cls.SECTIONS and isinstance(value, dict):
-                flat.update(value)
-            else:
-                flat[key] = value
-        return flat
+        return reading.flatten(cls, values)
 
     @classmethod
     def from_flags(cls, config: str | None = None, **flags: Any) -> "TrainConfig":
         """Defaults <- YAML preset ``config`` <- ``flags``; validates names and types."""
-        values: dict[str, Any] = {}
-        if config is not None:
-            with open(config) as f:
-                preset = yaml.safe_load(f) or {}
-            values.update(cls.flatten(preset))
-        values.update(flags)
-        cfg = cls()
-        if config is not None and "model_name" not in values:
-            raise ValueError(
-                f"--config {config} names no model, and its settings are written for one (a preset run alone would "
-                "train the embedded demo model): add --model_name /path/to/model (a local HF directory or hub id), or "
-                "model_name: in the preset"
-            )
-        names = cls.flag_names()
-        for name, value in values.items():
-            if name not in names:
-                close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
-                hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
-                raise ValueError(f"unknown flag --{name}{hint} (run with --help for the list)")
-            section = names[name]
-            target = getattr(cfg, section) if section else cfg
-            setattr(target, name, _coerce(type(target), name, value))
-        cfg.validate()
-        return cfg
+        return reading.from_flags(cls, config, **flags)
 
     def validate(self) -> None:
-        for section in (self.model, self.parallel, self.peft, self.data, self.optim, self):
-            for f in dataclasses.fields(section):
-                choices = typing.get_args(_field_type(type(section), f.name))
-                if typing.get_origin(_field_type(type(section), f.name)) is Literal:
-                    value = getattr(section, f.name)
-                    if value not in choices:
-                        raise ValueError(f"--{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
-        names = self.flag_names()
-        for name, minimum in _MINIMUMS.items():
-            section = getattr(self, names[name]) if names[name] else self
-            value = getattr(section, name)
-            if value < minimum and value != _AUTO.get(name):
-                auto = f" (or {_AUTO[name]}: auto)" if name in _AUTO else ""
-                raise ValueError(f"--{name} must be >= {minimum}{auto}, got {value}")
-        check_report_to(self.report_to)
-        given = memory_levers_given(self.model) if self.model.memory == "auto" else []
-        if given:  # before resolve_defaults: a lever left to auto (--activation_checkpointing) is not given
-            raise ValueError(
-                f"--memory auto chooses the memory levers itself, and {' and '.join(given)} "
-                f"{'set levers' if len(given) > 1 else 'sets one'}: drop {'them' if len(given) > 1 else 'it'}, or "
-                "give --memory manual to set the levers yourself"
-            )
-        if self.model.headroom >= 1:
-            raise ValueError(f"--headroom is a fraction of --gpu_memory_gb in [0, 1), got {self.model.headroom}")
-        self.resolve_defaults()
-        if self.optim.min_lr_ratio > 1:
-            raise ValueError(f"--min_lr_ratio is a fraction of --lr in [0, 1], got {self.optim.min_lr_ratio}")
-        if self.data.passkey_warmup >= 1:
-            raise ValueError(f"--passkey_warmup is a share of the steps in [0, 1), got {self.data.passkey_warmup}")
-        if self.peft.quantization != "none" and not self.peft.use_peft:
-            raise ValueError(
-                f"--quantization {self.peft.quantization} freezes the base weights, so only LoRA adapters can "
-                "train: add --use_peft, or drop --quantization for a full fine-tune"
-            )
-        if self.peft.quantization == "4bit":
-            from llama_cp.modules.quantize import check_qlora_support
-
-            check_qlora_support()
-        self.peft.check()
-        if self.merge_lora and not self.peft.use_peft:
-            raise ValueError("--merge_lora merges LoRA adapters into the base model: add --use_peft (a full fine-tune's "
-                             "final/ is the whole model already)")
-        if self.merge_lora and self.peft.quantization != "none":
-            raise ValueError("--merge_lora with --quantization 4bit: the base weights in training are NF4 codes; after "
-                             "the run merge onto the original weights with python -m recipes.export --checkpoint "
-                             "OUTPUT_DIR/final --merge_lora --output_dir DIR")
-        if self.model.offload_params and (self.peft.quantization != "none" or self.optim.optimizer != "adamw"):
-            raise ValueError(
-                "--offload_params keeps the sharded state in host memory for torch's AdamW; it is not built for "
-                f"--quantization {self.peft.quantization} (NF4 codes) or --optimizer {self.optim.optimizer}: drop one"
-            )
-        if self.model.offload_checkpoints and not self.model.activation_checkpointing:
-            raise ValueError(
-                "--offload_checkpoints moves the inputs that activation checkpointing keeps to host memory: "
-                "add --activation_checkpointing (or drop --offload_checkpoints)"
-            )
-        if self.model.frozen_dtype == "bfloat16" and not self.peft.use_peft:
-            raise ValueError(
-                "--frozen_dtype bfloat16 stores the frozen LoRA base weights in bf16, but without --use_peft "
-                "every weight is trained: add --use_peft or use --frozen_dtype auto"
-            )
-        # The world size is known here when this process was launched as one of several ranks (torchrun,
-        # the launcher). WORLD_SIZE=1 says nothing: init_distributed sets it for a single process, and a
-        # notebook that trained in-process may go on to build a config for launch(cfg, nprocs=N).
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.parallel.check(self.data.context_length, world if world > 1 else None)
-        from llama_cp.modules.causal_lm import check_model_name, parse_rope_scaling
-
-        check_model_name(self.model.model_name)
-        if self.data.streaming and (self.data.dataset == PASSKEY or self.max_steps == 0):
-            raise ValueError(
-                "--streaming reads a file or hub --dataset of unknown length: give such a --dataset and --max_steps > 0"
-            )
-        parse_rope_scaling(self.model.rope_scaling)  # the form; what it reaches is checked with the model's config
-        check_sources(parse_sources(self.data.dataset, "--dataset", self.data.dataset_columns))
-        if self.data.eval_dataset:
-            if self.data.dataset == PASSKEY:
-                raise ValueError("--eval_dataset needs a file or hub --dataset: the passkey task makes its own eval rows")
-            if PASSKEY in (source.path for source in parse_sources(self.data.eval_dataset, "--eval_dataset")):
-                raise ValueError("--eval_dataset passkey: the passkey task evaluates itself with --dataset passkey; "
-                                 "give a file or hub dataset")
-            check_sources(parse_sources(self.data.eval_dataset, "--eval_dataset", self.data.dataset_columns))
-        if self.eval_perplexity and self.data.dataset == PASSKEY:
-            raise ValueError("--eval_perplexity measures the loss on natural text, and the passkey task is not: give a "
-                             "file or hub --dataset, or drop --eval_perplexity (--eval_needle measures retrieval)")
-        if self.eval_perplexity and self.data.streaming and not self.data.eval_dataset:
-            raise ValueError("--eval_perplexity with --streaming reads whole eval documents, and a stream's are spread "
-                             "over all of it: give --eval_dataset")
-        if self.objective == "dpo":
-            self._check_preference()
-        if not 0 <= self.data.eval_fraction < 1:
-            raise ValueError(f"--eval_fraction {self.data.eval_fraction}: give a share of the documents in [0, 1)")
-        if self.data.chat_template and not Path(self.data.chat_template).expanduser().is_file():
-            raise FileNotFoundError(f"--chat_template {self.data.chat_template!r}: no such file (a Jinja chat template, "
-                                    "e.g. an instruct model's chat_template.jinja)")
-
-    def _check_preference(self) -> None:
-        """What --objective dpo cannot run with, each refused in one line."""
-        if self.dpo_beta <= 0:
-            raise ValueError(f"--dpo_beta must be > 0, got {self.dpo_beta}")
-        if self.data.streaming:
-            raise ValueError("--objective dpo packs each pair's two sequences whole into one prepared row, and "
-                             "--streaming packs documents as they arrive: drop --streaming (recipes.prepare_data "
-                             "prepares the pairs once)")
-        if not self.data.document_mask:
-            raise ValueError("--objective dpo packs a pair's chosen and rejected sequences as two documents of a row, "
-                             "which must not see each other: drop --document_mask false")
-        if self.eval_perplexity:
-            raise ValueError("--eval_perplexity reads natural-text documents, and --objective dpo data is pairs: "
-                             "drop --eval_perplexity")
+        """Check every flag and how they combine (``llama_cp.flags.checks.validate``); resolves the
+        auto values on the way."""
+        checks.validate(self)
 
     @classmethod
     def flag_docs(cls) -> list[tuple[str, Any, str]]:
         """``(flag, default, doc)`` of every flag, in declaration order; the doc is the string
         under the field in this file (what ``--help`` and docs/flags.md's table show)."""
-        docs = {}
-        for klass in (cls, *(f.default_factory for f in dataclasses.fields(cls) if f.name in cls.SECTIONS)):
-            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
-            for node, after in zip(body, body[1:]):
-                if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr):
-                    docs[node.target.id] = after.value.value
-        flat = cls.flatten(dataclasses.asdict(cls()))
-        return [(name, flat[name], docs[name]) for name in cls.flag_names()]
+        return flag_help.flag_docs(cls)
 
     @classmethod
     def help(cls, defaults: dict[str, Any] | None = None) -> str:
         """The ``--help`` text: every flag with its default and doc; ``defaults`` are a
         command's own defaults where they differ from the trainer's (the planner's)."""
-        lines = ["flags (--config preset.yaml first, then --flag value; flags override the preset):"]
-        for name, default, doc in cls.flag_docs():
-            default = (defaults or {}).get(name, default)
-            shown = _shown(default)
-            lines.append(f"  --{name} (default {shown}): {doc}")
-        return "\n".join(lines)
+        return flag_help.help_text(cls, defaults)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    # Note [Defaults by run]
-    # ~~~~~~~~~~~~~~~~~~~~~~~
-    # The embedded model is a small Llama with random weights that the passkey demo trains from
-    # scratch on a CPU in minutes: it wants a large learning rate (1e-3), a fixed number of steps
-    # (200; an epoch of its 512 generated rows is another schedule) and nothing saved on the way.
-    # A real checkpoint wants the opposite: a learning rate that does not wreck pretrained weights
-    # (2e-5 for every weight, TRL's SFT default; 2e-4 for LoRA adapters, as peft's guides use),
-    # whole epochs of the user's data unless --max_steps says otherwise (transformers' Trainer and
-    # TRL), activation checkpointing (without it an 8B model's activations at 128K tokens do not
-    # fit any GPU; it is exact, and costs a recompute of each layer's forward), and checkpoints
-    # during the run so a failure hours in loses little. The flags that differ keep an "auto"
-    # value (lr 0, max_steps -1, save_every -1, activation_checkpointing None), resolved here, at
-    # start, from the model and the dataset; the resolved values are what config.yaml and
-    # run_info.json record, and a flag given explicitly always wins. --save_every is resolved by
-    # the trainer once the run's steps are known (resolved_save_every). --memory default is resolved
-    # first, to auto when no memory lever is given and manual otherwise, while an
-    # --activation_checkpointing left to auto is still None; on CUDA --memory auto then replaces the
-    # levers by its choice before the model is built (Note [Choosing the memory levers] in
-    # llama_cp/plan/auto.py), and the resolved checkpointing above is what a run it cannot plan keeps.
+    # Note [Defaults by run] is in llama_cp/flags/defaults.py, with the code that resolves them.
 
     def is_demo(self) -> bool:
         """The embedded passkey demo: --model_name and --dataset left at their defaults."""
-        return self.model.model_name == "embedded" and self.data.dataset == PASSKEY
+        return run_defaults.is_demo(self)
 
     def resolve_defaults(self) -> None:
         """Replace the auto values of --memory, --lr, --activation_checkpointing and --max_steps by this
         run's (Note [Defaults by run]); idempotent."""
-        embedded = self.model.model_name == "embedded"
-        if self.model.memory == "default":  # first, while an --activation_checkpointing left to auto still shows
-            self.model.memory = "manual" if memory_levers_given(self.model) else "auto"
-        if self.optim.lr == 0 and self.objective == "dpo":  # a preference loss moves a tuned model: smaller steps
-            self.optim.lr = 1e-3 if embedded else 5e-6 if self.peft.use_peft else 1e-6
-        if self.optim.lr == 0:
-            self.optim.lr = 1e-3 if embedded else 2e-4 if self.peft.use_peft else 2e-5
-        if self.model.activation_checkpointing is None:
-            self.model.activation_checkpointing = not embedded
-        if self.max_steps == -1:
-            self.max_steps = 200 if self.is_demo() else 0
+        run_defaults.resolve_defaults(self)
 
     def resolved_save_every(self, total_steps: int) -> int:
-        """--save_every, auto resolved for a run of ``total_steps`` steps (Note [Defaults by run]):
-        only at the end for the demo, else every tenth of the run, at most 500 steps apart."""
-        if self.save_every != -1:
-            return self.save_every
-        return 0 if self.is_demo() else max(1, min(500, -(-total_steps // 10)))
+        """--save_every, auto resolved for a run of ``total_steps`` steps (Note [Defaults by run])."""
+        return run_defaults.resolved_save_every(self, total_steps)
 
     def passkey_key_digits(self) -> int:
         """--passkey_digits, auto resolved: 1 for the embedded model, else 5 (Note [Passkey length warm-up])."""
-        if self.data.passkey_digits:
-            return self.data.passkey_digits
-        return 1 if self.model.model_name == "embedded" else 5
-
-
-#: Lower bounds of the numeric flags, checked before anything is built.
-_MINIMUMS = {
-    "context_length": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "loss_chunk_size": 0, "cp": 1,
-    "mlp_tile_size": 0, "norm_tile_size": 0, "attention_block_size": 0, "gpu_memory_gb": 0.0, "headroom": 0.0,
-    "dp_replicate": 1, "lora_r": 1, "num_proc": 1, "num_passkey_samples": 1, "passkey_digits": 0, "passkey_warmup": 0.0, "num_eval_samples": 1, "num_epochs": 1,
-    "max_steps": 0, "warmup_steps": 0, "save_every": 0, "eval_every": 0, "keep_last": 1, "log_every": 1,
-    "max_nonfinite_steps": 1, "peak_tflops": 0.0,
-    "collective_timeout": 1.0, "rope_theta": 0.0, "min_lr_ratio": 0.0, "lr": 0.0, "weight_decay": 0.0, "max_grad_norm": 0.0, "lora_dropout": 0.0,
-}
-
-
-#: Flags whose value below the minimum means "auto" (Note [Defaults by run]).
-_AUTO = {"max_steps": -1, "save_every": -1}
-
-
-def _field_type(cls: type, name: str):
-    return typing.get_type_hints(cls)[name]
-
-
-def _coerce(cls: type, name: str, value: Any) -> Any:
-    """Convert a flag value (fire may hand over str, int, tuple) to the field's type."""
-    kind = _field_type(cls, name)
-    origin = typing.get_origin(kind)
-    try:
-        if kind == bool | None:  # a switch with an auto setting (None): --activation_checkpointing auto
-            if value is None or (isinstance(value, str) and value.lower() == "auto"):
-                return None
-            kind = bool
-        if kind is bool:
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError(value)
-                return value.lower() in ("true", "1", "yes")
-            return bool(value)
-        if kind is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return int(value)
-        if kind is float:
-            return float(value)
-        if origin is tuple:
-            items = value.split(",") if isinstance(value, str) else list(value)
-            return tuple(str(item).strip() for item in items if str(item).strip())
-        if kind is str and isinstance(value, (tuple, list)):  # fire reads --dataset a.jsonl,b.jsonl as a tuple
-            return ",".join(str(item) for item in value)
-        if kind is str and isinstance(value, dict):  # a YAML mapping or fire's parse of a JSON object
-            return json.dumps(value)
-        if kind is str or origin is Literal:
-            if isinstance(value, bool):  # --resume / --resume true / YAML `resume: true`
-                return "true" if value else "false"
-            value = str(value)
-            choices = typing.get_args(kind)
-            return value.lower() if value not in choices and value.lower() in choices else value
-    except (TypeError, ValueError):
-        raise ValueError(f"--{name} expects {getattr(kind, '__name__', kind)}, got {value!r}") from None
-    return value
-
-
-def check_report_to(report_to: Sequence[str]) -> None:
-    """ValueError naming the flag and the fix for an unknown or unusable reporter."""
-    for name in report_to:
-        if name not in (*REPORTERS, "none"):
-            raise ValueError(f"--report_to {name!r}: choose from {', '.join(REPORTERS)} or none (comma-separated)")
-    if "none" in report_to and len(report_to) > 1:
-        raise ValueError("--report_to none cannot be combined with other reporters")
-    if "tensorboard" in report_to and not _importable("tensorboard"):
-        raise ValueError("--report_to tensorboard needs the tensorboard package: pip install tensorboard")
-    if "wandb" in report_to and not _importable("wandb"):
-        raise ValueError("--report_to wandb needs the wandb package: pip install wandb (or drop wandb)")
-
-
-#: The memory levers (ModelConfig's flags that change a step's memory, not its math), whichever of
-#: them a user gives making --memory default manual; --memory auto chooses them (llama_cp/plan/auto.py).
-MEMORY_LEVERS = ("activation_checkpointing", "activation_offload", "offload_params", "offload_checkpoints",
-                 "mlp_tile_size", "norm_tile_size", "attention_block_size", "frozen_dtype")
-
-
-def memory_levers_given(model: ModelConfig) -> list[str]:
-    """The memory levers of ``model`` set away from their defaults, as flags (``--mlp_tile_size 4096``);
-    --activation_checkpointing counts while not yet resolved from auto (None), so call it before
-    ``TrainConfig.resolve_defaults``."""
-    defaults = ModelConfig()
-    given = []
-    for name in MEMORY_LEVERS:
-        value = getattr(model, name)
-        if value != getattr(defaults, name):
-            given.append(f"--{name} {str(value).lower() if isinstance(value, bool) else value}")
-    return given
-
-
-def check_all_linear(targets) -> None:
-    """One line unless ``all-linear`` in --lora_target_modules stands alone (peft takes it as a
-    keyword only in place of the list)."""
-    if ALL_LINEAR in targets and len(targets) > 1:
-        raise ValueError(f"--lora_target_modules {','.join(targets)}: {ALL_LINEAR} already names every Linear layer "
-                         f"but the output layer; give {ALL_LINEAR} alone, or a list of names")
-
-
-
-def _shown(default: Any) -> str:
-    """A default as --help and docs/flags.md show it: a tuple comma-separated, None (a switch left
-    to the run) as auto."""
-    if isinstance(default, tuple):
-        return ",".join(default)
-    return "auto" if default is None else str(default)
-
-
-def _importable(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
+        return run_defaults.passkey_key_digits(self)
 
 
 def flag_table() -> str:
     """The markdown table of every flag, docs/flags.md's: ``python -c "from llama_cp.config import
     flag_table; print(flag_table())"``."""
-    rows = ["| flag | default | meaning |", "|---|---|---|"]
-    for name, default, doc in TrainConfig.flag_docs():
-        shown = _shown(default)
-        rows.append(f"| `--{name}` | `{shown}` | {doc} |")
-    return "\n".join(rows)
-
+    return flag_help.flag_table(TrainConfig)

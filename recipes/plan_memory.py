@@ -63,7 +63,7 @@ def build_config(config: str | None, num_gpus: int, flags: dict) -> TrainConfig:
 
 def resolved_defaults() -> dict:
     """Every flag's value in a plan given no flags (PLAN_DEFAULTS, and the auto settings resolved for
-    that model: Note [Defaults by run] in llama_cp/config.py), as --help shows them."""
+    that model: Note [Defaults by run] in llama_cp/flags/defaults.py), as --help shows them."""
     import inspect
 
     return TrainConfig.flatten(build_config(None, inspect.signature(main).parameters["num_gpus"].default, {}).to_dict())

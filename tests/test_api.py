@@ -30,12 +30,16 @@ def test_exports_are_what_a_loop_needs_and_nothing_test_only():
 #: llama_cp's layers, from the top. A module imports only modules of its own layer or of the
 #: layers below it; llama_cp/__init__.py, the public API, stands above them all. A layer is a
 #: folder or a file at the top of the package (the product card's cp_attention.py and
-#: fsdp_wrap.py share one). config stands above the parts whose rules it checks when a flag is
-#: given, and below everything that reads a TrainConfig: the layers under it take plain values.
+#: fsdp_wrap.py share one). config (the dataclasses) stands below everything that reads a
+#: TrainConfig, and above flags, what is done with one (reading flags, help, checks, defaults by
+#: run), which takes the config it works on rather than importing it. Both stand above the parts
+#: whose rules they check when a flag is given, data among them: --dataset is checked with the
+#: data's own grammar (data/grammar.py), and the rows' conventions (IGNORE_INDEX) are the data's,
+#: which the loss in model/ reads; the layers under config take plain values.
 #: eval stands right under train: a run ends with the evaluations of its trained model, and
 #: they read nothing of train.
-LAYERS = (("train",), ("eval",), ("plan",), ("optim",), ("data",), ("model",), ("config", "data_flags"), ("cp_attention", "fsdp_wrap"),
-          ("attention",), ("modules",), ("parallel",))
+LAYERS = (("train",), ("eval",), ("plan",), ("optim",), ("model",), ("config",), ("flags",), ("data",),
+          ("cp_attention", "fsdp_wrap"), ("attention",), ("modules",), ("parallel",))
 
 
 #: llama_cp/__init__.py in the import graph: the public API, above every layer.

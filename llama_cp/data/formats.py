@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llama_cp.data.chat import ChatRenderError, chat_segments
+from llama_cp.data.grammar import FORMAT_COLUMNS  # noqa: F401 - the columns these formats read
 from llama_cp.data.packing import Document, _eos_id
 from llama_cp.data.passkey import passkey_document
-from llama_cp.data_flags import FORMAT_COLUMNS  # noqa: F401 - the columns these formats read
 
 if TYPE_CHECKING:
     import datasets

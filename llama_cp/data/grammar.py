@@ -1,6 +1,8 @@
 """The grammar of the data flags: ``--dataset`` and ``--eval_dataset`` as sources, each a local
 path or hub id with options and a mixture weight (Note [Dataset sources]), and
-``--dataset_columns``; parsed and checked when the config is, before anything is built.
+``--dataset_columns``. The config parses and checks them with this module when it is made,
+before anything is built, so it imports nothing but the standard library; reading the
+sources it describes is ``llama_cp/data/sources.py``'s.
 """
 
 from __future__ import annotations

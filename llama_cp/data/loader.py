@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llama_cp.config import PASSKEY
 from llama_cp.data.formats import tokenize_example
+from llama_cp.data.grammar import PASSKEY
 from llama_cp.data.mixture import DataSpec, spec_documents
 from llama_cp.data.packing import Row, _pack, _pad_id, truncate_document
 from llama_cp.data.passkey import DEFAULT_PASSKEY_SAMPLES, PASSKEY_DIGITS, passkey_warmup_lengths

@@ -14,9 +14,9 @@ import numpy as np
 
 from llama_cp.data.chat import ChatRenderError
 from llama_cp.data.formats import tokenize_example
+from llama_cp.data.grammar import Source, parse_sources
 from llama_cp.data.packing import Document
 from llama_cp.data.sources import EVAL_FRACTION, load_source
-from llama_cp.data_flags import Source, parse_sources
 
 if TYPE_CHECKING:
     import datasets

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llama_cp.model.loss import IGNORE_INDEX
 from llama_cp.parallel.sharding import check_context_length
 
 if TYPE_CHECKING:
@@ -25,6 +24,9 @@ if TYPE_CHECKING:
 Document = tuple[list[int], list[bool]]
 #: One packed row: ``input_ids``, ``labels``, ``position_ids``, each a (L,) LongTensor.
 Row = dict[str, torch.Tensor]
+#: The label of a position that is not trained (Note [Packed rows]): PyTorch's cross-entropy
+#: default ignore_index, which the loss (llama_cp/model/loss.py) reads from here.
+IGNORE_INDEX = -100
 
 
 def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:

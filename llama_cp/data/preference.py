@@ -27,8 +27,7 @@ import torch
 
 from llama_cp.data.chat import ChatRenderError, chat_segments
 from llama_cp.data.formats import PREFERENCE_KINDS, _encode_document, detect_format
-from llama_cp.data.packing import Document, Row, shifted_labels
-from llama_cp.model.loss import IGNORE_INDEX
+from llama_cp.data.packing import IGNORE_INDEX, Document, Row, shifted_labels
 from llama_cp.parallel.sharding import check_context_length
 
 if TYPE_CHECKING:

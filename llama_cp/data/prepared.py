@@ -5,9 +5,10 @@ instead: ``llama_cp/data/streaming.py``).
 start (24 bytes per token as three int64 tensors). This module gives the same rows
 without that cost, two ways:
 
-    prepare_dataset     tokenize (``datasets.map``, ``num_proc`` processes) and pack once,
-                        into ``<cache>/<key>/{train,eval}.arrow`` (Note [Prepared rows] in
-                        ``llama_cp/data/row_files.py``, with their checks)
+    prepare_dataset     tokenize (``datasets.map``, ``num_proc`` processes) and pack once
+                        (split_rows), into ``<cache>/<key>/{train,eval}.arrow`` (the key:
+                        cache_key; Note [Prepared rows] in ``llama_cp/data/row_files.py``,
+                        with their checks)
     PreparedRows        the rows of one such file, read one row at a time from disk
                         (row_files): a drop-in ``rows`` for ``DistributedRowLoader``
     load_prepared_rows  what the trainer calls: one process per node (or per job, on shared
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -30,27 +30,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import datasets
-import numpy as np
-import pyarrow as pa
-
-from llama_cp.data.chat import ChatRenderError
-from llama_cp.data.formats import check_objective, detect_format
-from llama_cp.data.mixture import (
-    DataSpec,
-    documents_taken,
-    mixture_line,
-    mixture_order,
-    bad_row,
-    mixture_weights,
-    skipped_rows_line,
-    tokenize_row,
-)
-from llama_cp.data.packing import Row, RowPacker, _pad_id, truncate_document
-from llama_cp.data.preference import PairPacker, PreferenceRows, tokenize_pair
+from llama_cp.data.cache_key import cache_key, default_cache_dir, key_hash
+from llama_cp.data.grammar import PASSKEY, Source
+from llama_cp.data.mixture import DataSpec, mixture_line, skipped_rows_line
+from llama_cp.data.preference import PreferenceRows
 from llama_cp.data.row_files import (  # noqa: F401 - PreparedRows, RowBatches: the rows read back
-    DIGEST_BYTES,
-    ROW_SCHEMA,
     SPLITS,
     DamagedRowsError,
     PreparedRows,
@@ -58,82 +42,12 @@ from llama_cp.data.row_files import (  # noqa: F401 - PreparedRows, RowBatches: 
     checked_summary,
     file_checks,
     open_prepared,
-    row_batch,
 )
-from llama_cp.data.sources import ROW_NUMBER, _quiet_datasets, is_saved_dataset, load_hub_dataset, local_files
-from llama_cp.data_flags import PASSKEY, Source
+from llama_cp.data.split_rows import prepare_split
 from llama_cp.parallel.sharding import check_context_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-#: Version of the files' layout (Note [Prepared rows] in row_files.py); a change makes every cache key new.
-#: 2: a checksum per row (``<split>.rowsums``) and the files' sizes in summary.json.
-LAYOUT_VERSION = 2
-
-
-# ----------------------------------------------------------------------------- cache key
-
-def dataset_fingerprint(source: Source | str) -> dict[str, Any]:
-    """What identifies a source's content without reading it: every local file's path, size
-    and modification time; for a hub id, datasets' fingerprint of each split it loads."""
-    source = Source(source) if isinstance(source, str) else source
-    path = Path(source.path).expanduser()
-    if path.exists():
-        if is_saved_dataset(path) or source.hub_options() or path.is_dir() and (path / "README.md").exists():
-            files = sorted(file for file in path.rglob("*") if file.is_file()  # not .git/ and the like
-                           and not any(part.startswith(".") for part in file.relative_to(path).parts))
-        else:
-            files = local_files(path)[1]
-        return {"files": [[str(file.absolute()), file.stat().st_size, file.stat().st_mtime_ns] for file in files]}
-    loaded = load_hub_dataset(source)
-    parts = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [("train", loaded)]
-    return {"hub": source.path, "splits": {name: part._fingerprint for name, part in parts}}
-
-
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
-    """sha256 of the tokenizer's whole definition (vocabulary, merges, normalizer, special
-    tokens) and its chat template: two tokenizers with one fingerprint encode alike."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    definition = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    extra = [type(tokenizer).__name__, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
-             getattr(tokenizer, "chat_template", None)]
-    return hashlib.sha256((definition + json.dumps(extra, default=str)).encode()).hexdigest()
-
-
-def cache_key(
-    dataset: str | DataSpec, tokenizer: PreTrainedTokenizerBase, context_length: int, cp: int, truncate: bool = False,
-    objective: str = "sft",
-) -> dict[str, Any]:
-    """Everything the prepared rows depend on; ``key_hash`` of it names their directory: the
-    data flags (sources, options, weights, eval set, seed, ...) and each source's content. The
-    example format (text / instruction / chat ...) is read from the files, so it changes with them.
-    ``objective`` "dpo": rows of whole (chosen, rejected) pairs (Note [Packed preference pairs])."""
-    spec = DataSpec(dataset) if isinstance(dataset, str) else dataset
-    sources = dict.fromkeys([*spec.sources("train"), *spec.sources("eval")])
-    return {
-        "layout": LAYOUT_VERSION,
-        "data": spec.key(),
-        "dataset": [dataset_fingerprint(source) for source in sources],
-        "tokenizer": {"name": getattr(tokenizer, "name_or_path", ""), "sha256": tokenizer_fingerprint(tokenizer)},
-        "context_length": context_length,
-        "cp": cp,
-        # Note [Packed rows]: continued in the next row, positions going on; or cut at context_length
-        "long_documents": "truncate" if truncate else "split",
-        **({"objective": objective} if objective != "sft" else {}),  # SFT keys as before: their caches stay valid
-    }
-
-
-def key_hash(key: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def default_cache_dir() -> str:
-    """``--data_cache_dir ""``: a llama_cp folder in datasets' cache (HF_DATASETS_CACHE / HF_HOME)."""
-    return os.path.join(str(datasets.config.HF_DATASETS_CACHE), "llama_cp")
-
-
-# ----------------------------------------------------------------------------- preparing
 
 
 def prepare_dataset(
@@ -185,8 +99,8 @@ def prepare_dataset(
         try:
             summary = {"dataset": spec.dataset, "key": key}
             for split in SPLITS:
-                summary[split] = _prepare_split(spec, split, tokenizer, context_length, work, num_proc, progress,
-                                                truncate, objective)
+                summary[split] = prepare_split(spec, split, tokenizer, context_length, work, num_proc, progress,
+                                               truncate, objective)
             summary["checks"] = {split: file_checks(work, split) for split in SPLITS}
             (work / "summary.json").write_text(json.dumps(summary, indent=1))
             try:
@@ -275,190 +189,6 @@ def _remove_aside(final: Path, temporary: str) -> None:
         pass
     shutil.rmtree(aside, ignore_errors=True)
 
-
-def _prepare_split(
-    spec: DataSpec, split: str, tokenizer: PreTrainedTokenizerBase, context_length: int, work: Path, num_proc: int,
-    progress: bool, truncate: bool, objective: str = "sft",
-) -> dict[str, Any]:
-    parts = spec.examples(split)
-    tokenized, seen = [], {"formats": {}, "sources": [], "skipped_rows": 0, "bad_rows": []}
-    sequence = {"ids": datasets.Sequence(datasets.Value("int32")), "mask": datasets.Sequence(datasets.Value("bool"))}
-    names = [f"{column}_{part}" for column in ("chosen", "rejected") for part in ("ids", "mask")] \
-        if objective == "dpo" else ["input_ids", "label_mask"]
-    features = datasets.Features({
-        **{name: sequence[name.rsplit("_", 1)[1]] for name in names},
-        "bad": datasets.Value("string"),  # why the row was skipped (--on_bad_row skip), else null
-    })
-    for index, (source, examples) in enumerate(parts):
-        if len(examples) == 0:  # no eval set (--eval_fraction 0): map would not apply the features
-            tokenized.append(datasets.Dataset.from_dict({name: [] for name in features}, features=features))
-            continue
-        check_objective(detect_format(examples.column_names), objective, f"{source.flag} {source.name!r}")
-        with contextlib.nullcontext() if progress else _quiet_datasets():
-            part = examples.map(
-                _tokenize_pair if objective == "dpo" else _tokenize,
-                fn_kwargs={"tokenizer": tokenizer, "spec": spec, "source": source},
-                remove_columns=examples.column_names,
-                features=features,
-                num_proc=num_proc if num_proc > 1 and len(examples) > 1 else None,
-                cache_file_name=str(work / f"{split}-documents-{index}.arrow"),
-                new_fingerprint=f"{work.name}-{split}-{index}",  # the key is ours: datasets need not hash the tokenizer
-                desc=f"tokenizing {split} ({source.name})" if len(parts) > 1 else f"tokenizing {split}",
-            )
-        tokenized.append(part)
-        bad = part.data.column("bad")
-        if bad.null_count < len(bad):
-            reasons = [reason for reason in bad.drop_null().to_pylist()[:3]]
-            seen["skipped_rows"] += len(bad) - bad.null_count
-            seen["bad_rows"] += reasons
-    sizes = [len(part) for part in tokenized]
-    weights = mixture_weights([source for source, _ in parts])
-    order = mixture_order(sizes, weights, spec.seed)
-    for (source, examples), size, used in zip(parts, sizes, documents_taken(order, sizes)):
-        kind = detect_format(examples.column_names) if len(examples) else "none"
-        seen["formats"][kind] = seen["formats"].get(kind, 0) + used
-        seen["sources"].append({"name": source.name, "documents": size, "used": used})
-    documents = datasets.concatenate_datasets(tokenized) if len(tokenized) > 1 else tokenized[0]
-    if weights is not None:
-        documents = documents.select(order)
-    if objective == "dpo":
-        return _pack_pairs_split(documents, split, seen, context_length, tokenizer, work, progress, truncate, spec)
-    packer = RowPacker(context_length, _pad_id(tokenizer))
-    truncated = 0
-    bar = _progress_bar(progress, len(documents), f"packing {split}")
-    with _RowFile(work, split) as row_file:
-        waiting = None  # a row is written once the next one (its next_id) is known
-
-        def write(row: Row | None) -> None:
-            nonlocal waiting
-            if waiting is not None:
-                row_file.write(waiting, _pad_id(tokenizer) if row is None else int(row["input_ids"][0]))
-            waiting = row
-
-        for batch in documents.with_format("arrow").iter(batch_size=256):
-            ids, masks = batch.column("input_ids"), batch.column("label_mask")
-            for index in range(batch.num_rows):
-                document = (ids[index].values.to_numpy().astype(np.int64), masks[index].values.to_numpy(zero_copy_only=False))
-                if truncate and len(document[0]) > context_length:
-                    document, truncated = truncate_document(document, context_length), truncated + 1
-                for row, _ in packer.add(document):
-                    write(row)
-            bar.update(batch.num_rows)
-        for row, _ in packer.finish():
-            write(row)
-        write(None)
-    bar.close()
-    if not packer.trainable and not (split == "eval" and len(documents) == 0):  # no eval set: an empty file
-        raise ValueError(
-            f"--dataset {spec.dataset!r} ({split} split): no usable text: the documents hold no trainable token "
-            f"(every label would be -100){_skipped_rows(seen)}"
-        )
-    del documents, tokenized
-    return _finish_split(work, split, seen, row_file.rows, context_length, packer.tokens,
-                         split_documents=packer.split_documents, truncated_documents=truncated)
-
-
-class _RowFile:
-    """``<split>.arrow`` (as ``.arrow.tmp`` until ``_finish_split``) and ``<split>.rowsums`` being
-    written, one row and its digest at a time (Note [Prepared rows]); ``rows`` counts them."""
-
-    def __init__(self, work: Path, split: str):
-        self.work, self.split, self.rows = work, split, 0
-
-    def __enter__(self) -> "_RowFile":
-        self._files = contextlib.ExitStack()
-        sink = self._files.enter_context(pa.OSFile(str(self.work / f"{self.split}.arrow.tmp"), "wb"))
-        self._writer = self._files.enter_context(pa.ipc.new_file(sink, ROW_SCHEMA))
-        self._rowsums = self._files.enter_context(open(self.work / f"{self.split}.rowsums", "wb"))
-        return self
-
-    def write(self, row: Row, next_id: int) -> None:
-        batch, digest = row_batch(row, next_id)
-        self._writer.write_batch(batch)
-        self._rowsums.write(digest)
-        self.rows += 1
-
-    def __exit__(self, *error) -> None:
-        self._files.__exit__(*error)
-
-
-def _skipped_rows(seen: dict[str, Any]) -> str:
-    """"; skipped ..." for a split's error message when rows were skipped (--on_bad_row skip), else ""."""
-    if not seen["skipped_rows"]:
-        return ""
-    return f"; {skipped_rows_line(seen['skipped_rows'], sum(x['documents'] for x in seen['sources']), seen['bad_rows'])}"
-
-
-def _finish_split(work: Path, split: str, seen: dict[str, Any], rows: int, context_length: int, tokens: int,
-                  **counts: int) -> dict[str, Any]:
-    """Put the split's rows file in place, drop its tokenized documents, and return its summary."""
-    os.rename(work / f"{split}.arrow.tmp", work / f"{split}.arrow")
-    for leftover in work.glob(f"{split}-documents*"):
-        leftover.unlink()
-    padding = rows * context_length - tokens
-    return {
-        **seen, "documents": sum(source["used"] for source in seen["sources"]), "rows": rows, "tokens": tokens,
-        "padding_fraction": round(padding / max(1, rows * context_length), 6), **counts,
-    }
-
-
-def _pack_pairs_split(
-    pairs: datasets.Dataset, split: str, seen: dict[str, Any], context_length: int,
-    tokenizer: PreTrainedTokenizerBase, work: Path, progress: bool, truncate: bool, spec: DataSpec,
-) -> dict[str, Any]:
-    """Pack the tokenized pairs of ``split`` (Note [Packed preference pairs]) into ``work/<split>.arrow``
-    and its rowsums, in the layout of SFT rows (Note [Prepared rows]): a pair's two sequences
-    are two segments, so ``sequences_of_row`` finds them again on reading."""
-    packer = PairPacker(context_length, _pad_id(tokenizer), truncate)
-    bar = _progress_bar(progress, len(pairs), f"packing {split}")
-    with _RowFile(work, split) as row_file:
-        def write(done: list[Row]) -> None:
-            for row in done:  # no label crosses a row of pairs: the next row's first token is never needed
-                row_file.write(row, _pad_id(tokenizer))
-
-        for batch in pairs.with_format("arrow").iter(batch_size=256):
-            columns = [batch.column(name) for name in ("chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")]
-            for index in range(batch.num_rows):
-                ids, mask, rejected_ids, rejected_mask = (
-                    column[index].values.to_numpy(zero_copy_only=False).tolist() for column in columns)
-                if ids:  # a skipped row (--on_bad_row skip) is empty
-                    write(packer.add(((ids, mask), (rejected_ids, rejected_mask))))
-            bar.update(batch.num_rows)
-        write(packer.finish())
-    bar.close()
-    if row_file.rows == 0 and split == "train":
-        raise ValueError(f"--dataset {spec.dataset!r} ({split} split): no preference pairs to train on"
-                         f"{_skipped_rows(seen)}")
-    del pairs
-    return _finish_split(work, split, seen, row_file.rows, context_length, packer.tokens, split_documents=0,
-                         truncated_documents=packer.truncated, pairs=packer.pairs)
-
-
-def _progress_bar(enabled: bool, total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="doc", disable=not enabled)
-
-
-def _tokenize(example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase, spec: DataSpec,
-              source: Source) -> dict[str, Any]:
-    where = f"row {example.get(ROW_NUMBER)} of {source.flag} {source.name!r}"
-    (input_ids, label_mask), reason = tokenize_row(example, tokenizer, where, spec)
-    return {"input_ids": input_ids, "label_mask": label_mask, "bad": reason}
-
-
-def _tokenize_pair(example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase, spec: DataSpec,
-                   source: Source) -> dict[str, Any]:
-    """One preference example as its (chosen, rejected) sequences; empty ones and the reason for a
-    row that cannot be made into a pair under --on_bad_row skip (as ``tokenize_row`` does)."""
-    try:
-        (ids, mask), (rejected_ids, rejected_mask) = tokenize_pair(example, tokenizer)
-        reason = None
-    except ChatRenderError as error:
-        reason = bad_row(error, f"row {example.get(ROW_NUMBER)} of {source.flag} {source.name!r}", spec)
-        ids, mask, rejected_ids, rejected_mask = [], [], [], []
-    return {"chosen_ids": ids, "chosen_mask": mask, "rejected_ids": rejected_ids, "rejected_mask": rejected_mask,
-            "bad": reason}
 
 
 def summary_lines(summary: Mapping[str, Any], context_length: int) -> list[str]:

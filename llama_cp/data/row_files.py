@@ -17,8 +17,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from llama_cp.data.packing import Row
-from llama_cp.model.loss import IGNORE_INDEX
+from llama_cp.data.packing import IGNORE_INDEX, Row
 
 SPLITS = ("train", "eval")
 

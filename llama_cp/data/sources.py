@@ -1,7 +1,7 @@
-"""Where examples come from: ``--dataset`` and ``--eval_dataset`` parsed into sources (a local
-file or directory, a ``Dataset.save_to_disk`` directory, a hub dataset, each with its options
-and a mixture weight), read with ``datasets`` and checked; and the train / eval part of each
-(a real eval split, or a seeded random hold-out).
+"""Where examples come from: the sources of ``--dataset`` and ``--eval_dataset`` (a local file
+or directory, a ``Dataset.save_to_disk`` directory, a hub dataset, each with its options and a
+mixture weight; their syntax is ``llama_cp/data/grammar.py``'s), read with ``datasets`` and
+checked; and the train / eval part of each (a real eval split, or a seeded random hold-out).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import datasets
 import numpy as np
 
 from llama_cp.data.formats import check_required_values, detect_format
+from llama_cp.data.grammar import PASSKEY, Source, check_sources, parse_sources
 from llama_cp.data.passkey import (
     DEFAULT_PASSKEY_SAMPLES,
     PASSKEY_DIGITS,
     passkey_examples,
 )
-from llama_cp.data_flags import PASSKEY, Source, check_sources, parse_sources
 
 #: Local file extensions and the ``datasets`` builder that reads them. A ``.txt``
 #: file is one document (the whole file), which is what long-context data wants.

@@ -15,10 +15,10 @@ import datasets
 import torch
 
 from llama_cp.data.formats import REQUIRED_COLUMNS, detect_format
+from llama_cp.data.grammar import Source
 from llama_cp.data.mixture import DataSpec, mixed_stream, mixture_weights, tokenize_row
 from llama_cp.data.packing import Row, RowPacker, _pad_id, truncate_document
 from llama_cp.data.sources import check_mapped_columns, declares_configs, is_saved_dataset, load_hub_dataset, local_files
-from llama_cp.data_flags import Source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

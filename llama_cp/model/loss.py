@@ -47,12 +47,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from llama_cp.attention.kernels import accumulation_dtype
+from llama_cp.data.packing import IGNORE_INDEX  # the rows' label convention (also read as model.loss.IGNORE_INDEX)
 from llama_cp.modules.causal_lm import base_causal_lm
 from llama_cp.modules.families import LogitTransform, RouterLoss, check_supported, router_loss
 from llama_cp.modules.tiling import tile_starts
 from llama_cp.parallel.sharding import SEQ_INDEX
-
-IGNORE_INDEX = -100
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTransform, acc: torch.dtype):

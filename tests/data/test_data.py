@@ -482,5 +482,5 @@ def test_loader_without_drop_last_and_too_few_rows():
 
 def test_every_file_type_read_is_one_a_dataset_path_is_checked_for():
     # --dataset ending like a file that loading reads is checked as a local path when the flag is given
-    # (llama_cp.config.check_dataset_path), never taken for a hub id
+    # (llama_cp.data.grammar.check_dataset_path), never taken for a hub id
     assert set(FILE_BUILDERS) <= set(LOCAL_FILE_SUFFIXES), set(FILE_BUILDERS) - set(LOCAL_FILE_SUFFIXES)

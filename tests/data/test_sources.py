@@ -12,11 +12,11 @@ import torch
 
 from llama_cp.config import TrainConfig
 from llama_cp.data.formats import tokenize_example
+from llama_cp.data.grammar import Source, parse_sources
 from llama_cp.data.loader import build_rows
 from llama_cp.data.mixture import DataSpec, mixed_stream, mixture_order
 from llama_cp.data.streaming import StreamingRowLoader, streaming_eval_rows
 from llama_cp.data.tokenizer import byte_tokenizer
-from llama_cp.data_flags import Source, parse_sources
 
 IGNORE = -100
 

@@ -163,7 +163,7 @@ def test_flag_table_matches_the_config():
     with open(os.path.join(ROOT, "docs", "flags.md")) as f:
         text = f.read()
     rows = re.findall(r"^\| `--(\w+)` \| `([^`]*)` \| (.*) \|$", text, flags=re.M)
-    from llama_cp.config import _shown
+    from llama_cp.flags.help import shown as _shown
 
     want = [(name, _shown(d), doc) for name, d, doc in TrainConfig.flag_docs()]
     assert rows == want

@@ -69,7 +69,7 @@ def test_bad_report_to_is_refused(value, message):
 
 
 def test_wandb_without_the_package_names_the_fix(monkeypatch):
-    monkeypatch.setattr("llama_cp.config._importable", lambda name: name != "wandb")
+    monkeypatch.setattr("llama_cp.flags.checks._importable", lambda name: name != "wandb")
     with pytest.raises(ValueError, match="--report_to wandb needs the wandb package: pip install wandb"):
         check_report_to(["wandb"])
     assert TrainConfig.from_flags(report_to="none").report_to == ("none",)
