@@ -27,13 +27,13 @@ from llama_cp.config import TrainConfig
 from llama_cp.data.tokenizer import build_tokenizer
 from llama_cp.model.build import model_path
 from llama_cp.model.flops import model_flops, peak_flops, throughput
-from llama_cp.model.loss import causal_lm_loss_sum, count_valid_tokens
 from llama_cp.optim.optimizers import build_optimizer
 from llama_cp.optim.schedule import lr_factor, start_schedule
-from llama_cp.optim.step import clip_gradients, forward_backward
+from llama_cp.optim.step import clip_gradients
 from llama_cp.parallel.mesh import init_distributed, local_peers, machine_device_type, submesh
 from llama_cp.parallel.sharding import shard_batch
 from llama_cp.train.failures import StopSignals, collective_failure, stop_nonfinite
+from llama_cp.train.objective import build_objective
 from llama_cp.train.reporting import PeakMemory
 from llama_cp.train.resume import load_resumed_state, resume_checkpoint
 from llama_cp.train.run_dir import OutputDirClaim, plot_losses, truncate_metrics, write_atomically
@@ -73,8 +73,9 @@ class Trainer:
             self._say(f"--cp_strategy auto: {self.cp_strategy}{extra} (Note [Choosing a strategy])")
         self._start_flops_count()
         self.optimizer = self._build_optimizer()
+        self.objective = build_objective(self)  # Note [Objectives as parts] in llama_cp/train/objective.py
         self._build_data()  # the schedule needs total_steps
-        self.references = self._build_references()  # from the initial weights, before any checkpoint is loaded
+        self.objective.start()  # DPO's references: from the initial weights, before any checkpoint is loaded
         self._start_schedule(0)
         os.makedirs(cfg.output_dir, exist_ok=True)
 
@@ -119,43 +120,10 @@ class Trainer:
                                on_host=self.cfg.model.offload_params)
 
     def _build_data(self) -> None:
-        from llama_cp.config import PASSKEY
-        from llama_cp.data.loader import DistributedRowLoader, build_rows
-        from llama_cp.data.mixture import DataSpec
-        from llama_cp.data.passkey import passkey_warmup_stages
-        from llama_cp.data.prepared import load_prepared_rows
-        from llama_cp.data.streaming import StreamingRowLoader, streaming_eval_rows
-
-        cfg, d, dims = self.cfg, self.cfg.data, self.dims
+        cfg, d = self.cfg, self.cfg.data
         dp = submesh(self.mesh, "dp")
         dp_rank, dp_size = dp.get_local_rank(), dp.size()
-        spec = DataSpec.of(d, cfg.seed)
-        if d.streaming:  # Note [Streaming rows] in llama_cp/data/streaming.py
-            self.loader = StreamingRowLoader(spec, self.tokenizer, d.context_length, d.batch_size, dp_rank, dp_size,
-                                             truncate=d.truncate_documents)
-            eval_rows = streaming_eval_rows(spec, self.tokenizer, d.context_length, d.num_eval_samples,
-                                            truncate=d.truncate_documents)
-        elif cfg.objective == "dpo":  # whole pairs in rows (Note [Packed preference pairs])
-            train_rows, eval_rows, warmup_rows = self._preference_rows()
-            self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed,
-                                               shuffle=not warmup_rows)
-        else:
-            warmup_rows = 0
-            if d.dataset == PASSKEY:  # generated from the seed: nothing to keep on disk
-                common = dict(tokenizer=self.tokenizer, context_length=d.context_length, cp=dims.cp, seed=cfg.seed,
-                              passkey_digits=cfg.passkey_key_digits())
-                warmup_rows = self._passkey_warmup_rows(passkey_warmup_stages(d.context_length))
-                train_rows = build_rows(d.dataset, split="train", num_samples=d.num_passkey_samples,
-                                        passkey_warmup_rows=warmup_rows, **common)
-                eval_rows = build_rows(d.dataset, split="eval", num_samples=d.num_eval_samples, **common)
-            else:  # tokenized and packed once, read from disk (Note [Prepared rows])
-                train_rows, eval_rows = load_prepared_rows(
-                    spec, self.tokenizer, d.context_length, dims.cp, d.data_cache_dir, d.data_cache_shared,
-                    d.num_proc, say=self._say, truncate=d.truncate_documents,
-                )
-            # a warm-up is an order: the rows are independent draws, so nothing is lost by not shuffling
-            self.loader = DistributedRowLoader(train_rows, d.batch_size, dp_rank, dp_size, seed=cfg.seed,
-                                               shuffle=not warmup_rows)
+        self.loader, eval_rows = self.objective.build_loader(dp_rank, dp_size)
         self.eval_batches = self._eval_batches(eval_rows, dp_rank, dp_size)
         if d.streaming:  # a stream's length is unknown: --max_steps is required (config.validate)
             self.total_steps = cfg.max_steps
@@ -180,99 +148,6 @@ class Trainer:
         rows_per_step = d.batch_size * self.dims.dp * cfg.optim.gradient_accumulation_steps
         read = min(d.num_passkey_samples, cfg.max_steps * rows_per_step) if cfg.max_steps else d.num_passkey_samples
         return round(d.passkey_warmup * read)
-
-    def _preference_rows(self):
-        """(train, eval, warm-up rows) of pairs: the built-in passkey pairs, generated from the seed
-        (the first rows of the length warm-up pack 4, then 2 pairs of shorter documents: Note
-        [Passkey length warm-up]), or the prepared pairs of a file or hub --dataset; each a
-        ``PreferenceRows``."""
-        from llama_cp.config import PASSKEY
-        from llama_cp.data.mixture import DataSpec
-        from llama_cp.data.packing import _pad_id
-        from llama_cp.data.passkey import passkey_warmup_stages
-        from llama_cp.data.preference import PreferenceRows, pack_pairs, passkey_pairs
-        from llama_cp.data.prepared import load_prepared_rows
-
-        cfg, d = self.cfg, self.cfg.data
-        if d.dataset != PASSKEY:
-            return *load_prepared_rows(DataSpec.of(d, cfg.seed), self.tokenizer, d.context_length, self.dims.cp,
-                                       d.data_cache_dir, d.data_cache_shared, d.num_proc, say=self._say,
-                                       truncate=d.truncate_documents, objective="dpo"), 0
-        # a warm-up's share of the rows the run reads, as for the SFT task; its stages hold 4 and 2 pairs a row
-        stages = [parts // 2 for parts in passkey_warmup_stages(d.context_length) if parts > 2]
-        warmup = self._passkey_warmup_rows(stages)
-        per_row = [stages[i * len(stages) // warmup] if i < warmup else 1 for i in range(d.num_passkey_samples)]
-        rows = []
-        for split, layout in (("train", per_row), ("eval", [1] * d.num_eval_samples)):
-            pairs = passkey_pairs(len(layout), d.context_length, self.tokenizer, split, cfg.seed,
-                                  cfg.passkey_key_digits(), layout)
-            rows.append(PreferenceRows(pack_pairs(pairs, d.context_length, self.dims.cp, _pad_id(self.tokenizer))))
-        return rows[0], rows[1], warmup
-
-    def _build_references(self):
-        """DPO's reference sums of every train and eval row for a full fine-tune, {"train", "eval"}
-        (Note [Reference log-probabilities computed once] in llama_cp/train/reference.py); None when
-        the step needs none stored (SFT, SimPO, ORPO, or the adapters-off pass of --use_peft)."""
-        cfg = self.cfg
-        if cfg.objective == "dpo" and cfg.dpo_loss == "sigmoid" and cfg.model.model_name == "embedded":
-            self._say("--dpo_loss sigmoid keeps the model near its reference, and the embedded model's reference is "
-                      "random weights that know nothing of the task: the built-in preference task learns from scratch "
-                      "with --dpo_loss orpo (docs/recipe.md)")
-        if cfg.objective != "dpo" or cfg.dpo_loss != "sigmoid" or cfg.peft.use_peft:
-            if cfg.objective == "dpo" and cfg.dpo_loss == "sigmoid":
-                self._say("DPO's reference model: the base model with the LoRA adapters switched off (one more "
-                          "forward per micro-batch, no gradient)")
-            return None
-        from pathlib import Path
-
-        from llama_cp.train.reference import compute_reference, load_reference, reference_key, save_reference
-
-        dp = submesh(self.mesh, "dp")
-        # the eval reads --num_eval_samples rows: computed at every start, only on them (the others stay empty)
-        sources = {"train": (self.loader.rows, None),
-                   "eval": (self.eval_batches.rows, self._eval_rows) if self.eval_batches else (None, None)}
-        prepared = getattr(self.loader.rows.rows, "path", None)  # a PreparedRows file, or generated rows
-        directory = Path(prepared).parent / "reference" if prepared else None
-        m = cfg.model
-        key = reference_key(self.model_path, cfg.seed, {"rope_theta": m.rope_theta, "rope_scaling": m.rope_scaling,
-                            "dtype": m.dtype, "device": self.device_type}, str(directory))
-        references = {}
-        for split, (rows, indices) in sources.items():
-            if rows is None:
-                continue
-            path = directory / f"{key}-{split}.npz" if directory and split == "train" else None
-            stored = load_reference(path, len(rows)) if path else None
-            # read only where every rank found it (a node without it computes, and so must all: collectives)
-            found = torch.tensor([float(stored is not None)], device=self.device)
-            dist.all_reduce(found, op=dist.ReduceOp.MIN)
-            if found.item():
-                self._say(f"DPO's reference log-probabilities of the {split} rows: read from {path}")
-                references[split] = stored
-                continue
-            references[split] = compute_reference(
-                self.model, rows, self.cfg.data.batch_size, dp.get_group(), dp.get_local_rank(), dp.size(),
-                self._to_device, self.mesh["cp"], desc=f"reference {split}", progress=self.rank == 0 and sys.stderr.isatty(),
-                indices=indices)
-            where = "computed from the initial weights"
-            if path is not None and int(os.environ.get("LOCAL_RANK", self.rank)) == 0:
-                try:
-                    save_reference(path, references[split])
-                    where += f", stored in {path}"
-                except OSError as error:  # e.g. a read-only shared cache: the run goes on, the next one computes
-                    print(f"rank {self.rank}: DPO's reference log-probabilities not stored in {path}: {error}",
-                          file=sys.stderr)
-            count = len(rows) if indices is None else len(indices)
-            self._say(f"DPO's reference log-probabilities of the {count} {split} rows: {where} (Note [Reference "
-                      "log-probabilities computed once])")
-        dist.barrier()
-        return references
-
-    def _pair_batch(self, batch: dict[str, torch.Tensor], split: str) -> dict[str, torch.Tensor]:
-        """A preference batch numbered as one (``batch_sequences``), with its rows' stored reference sums."""
-        from llama_cp.data.preference import batch_sequences
-
-        batch = batch_sequences(batch)
-        return self.references[split].add_to(batch) if self.references else batch
 
     def _eval_batches(self, eval_rows, dp_rank: int, dp_size: int):
         """This rank's share of --num_eval_samples eval rows drawn with --seed, in whole global batches
@@ -328,12 +203,7 @@ class Trainer:
             except StopIteration:  # end of an epoch: the loader moves on to the next one
                 self._iterator = iter(self.loader)
         self._step_pairs = sum(self.flops.pairs(b["position_ids"], self.cfg.data.document_mask) for b in batches)
-        if self.cfg.objective == "dpo":
-            from llama_cp.data.preference import PAIR_COUNT
-
-            self._preference_pairs = sum(int(b[PAIR_COUNT].sum()) for b in batches)  # this dp rank's
-            batches = [self._pair_batch(b, "train") for b in batches]
-        return [self._to_device(b) for b in batches]
+        return [self._to_device(b) for b in self.objective.batches(batches)]
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step. A step whose loss or gradient norm is not finite changes no weight
@@ -342,12 +212,7 @@ class Trainer:
         start = time.perf_counter()
         micro = self._next_micro_batches()
         lr = self.scheduler.get_last_lr()[0]
-        if cfg.objective == "dpo":
-            total, extra = self._preference_forward_backward(micro)
-        else:
-            num_tokens = count_valid_tokens(m["labels"] for m in micro)
-            total, extra = self._forward_backward(micro, num_tokens), {}
-            dist.all_reduce(total)
+        total, extra = self.objective.forward_backward(micro)
         grad_norm = clip_gradients(self.model, max_grad_norm=cfg.optim.max_grad_norm)
         finite = bool(torch.isfinite(total)) and bool(torch.isfinite(grad_norm))  # the same on every rank
         if finite:
@@ -373,36 +238,6 @@ class Trainer:
         }
         return row if finite else {**row, "skipped": True}
 
-    def _forward_backward(self, micro: list[dict[str, torch.Tensor]], num_tokens: int) -> torch.Tensor:
-        return forward_backward(self.model, micro, num_tokens, offload=self.cfg.model.activation_offload)
-
-    def _preference_forward_backward(self, micro: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict[str, float]]:
-        """A DPO step's loss (the mean over the step's pairs) and TRL's metrics, means over the same
-        pairs; the step's pairs counted over dp (each pair once, not once per cp rank)."""
-        from llama_cp.optim.step import preference_forward_backward
-
-        cfg = self.cfg
-        pairs = self._over_dp(torch.tensor([float(self._preference_pairs)], dtype=torch.float64, device=self.device))
-        _, sums = preference_forward_backward(
-            self.model, micro, int(pairs.item()), kind=cfg.dpo_loss, beta=cfg.dpo_beta, gamma=cfg.simpo_gamma,
-            cp_group=self.mesh["cp"], offload=cfg.model.activation_offload)
-        means = self._pair_means(sums, pairs.item())
-        loss = torch.tensor(means.pop("loss"), dtype=torch.float64, device=self.device)
-        self._preference_metrics = sorted(means)
-        return loss, means
-
-    def _pair_means(self, sums: dict[str, torch.Tensor], pairs: float) -> dict[str, float]:
-        """Each metric's mean over ``pairs`` (every dp rank's) from this dp rank's ``sums``: one all-reduce."""
-        names = sorted(sums)
-        reduced = self._over_dp(torch.stack([sums[name] for name in names]))
-        return {name: value / max(pairs, 1) for name, value in zip(names, reduced.tolist())}
-
-    def _over_dp(self, values: torch.Tensor) -> torch.Tensor:
-        """The sum over dp ranks of a value every rank of a cp group holds alike (an all-reduce over
-        the world, divided by cp: the world's group is the one every step already uses)."""
-        dist.all_reduce(values)
-        return values / self.dims.cp
-
     def _data_position(self, step: int) -> dict[str, float]:
         """``tokens_seen``: the tokens of the first ``step`` steps (all ranks, padding included);
         ``epoch``: passes over the training rows so far (a stream: the passes completed)."""
@@ -422,56 +257,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss, and for the passkey task the exact-match accuracy of the answer (from the
-        loss's own logit chunks: no full logits either way)."""
-        if self.eval_batches is None:
-            return {}
-        if self.cfg.objective == "dpo":
-            return self._evaluate_preference()
-        passkey = self.cfg.data.dataset == "passkey"
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        correct_rows = torch.zeros((), dtype=torch.float64, device=self.device)
-        labels = []
-        for batch in self.eval_batches:
-            local = self._to_device(batch)
-            loss = causal_lm_loss_sum(self.model, local, return_correct=passkey)
-            labels.append(local["labels"])
-            if not passkey:
-                loss_sum += loss.double()
-                continue
-            loss, correct = loss
-            loss_sum += loss.double()
-            # a row is right when all its answer tokens are, on every cp rank
-            wrong = (~correct).sum(dim=1).to(torch.float64)
-            dist.all_reduce(wrong, group=self.mesh["cp"].get_group())
-            correct_rows += (wrong == 0).sum()
-        dist.all_reduce(loss_sum)
-        dp = submesh(self.mesh, "dp")
-        dist.all_reduce(correct_rows, group=dp.get_group())
-        rows = sum(b["input_ids"].shape[0] for b in self.eval_batches) * dp.size()
-        result = {"eval_loss": loss_sum.item() / max(count_valid_tokens(labels), 1)}
-        if passkey:
-            result["passkey_acc"] = correct_rows.item() / rows
-        return result
-
-    def _evaluate_preference(self) -> dict[str, float]:
-        """The preference loss and TRL's metrics on the eval pairs, as ``eval_loss``, ``eval_rewards/...``."""
-        from llama_cp.data.preference import PAIR_COUNT
-        from llama_cp.model.preference import preference_losses
-
-        cfg = self.cfg
-        sums: dict[str, torch.Tensor] = {}
-        pairs = 0
-        for batch in self.eval_batches:
-            pairs += int(batch[PAIR_COUNT].sum())
-            local = self._to_device(self._pair_batch(batch, "eval"))
-            losses, metrics = preference_losses(self.model, local, kind=cfg.dpo_loss, beta=cfg.dpo_beta,
-                                                gamma=cfg.simpo_gamma, cp_group=self.mesh["cp"],
-                                                reference=local.get("reference_logps"))
-            for name, values in {"loss": losses, **metrics}.items():
-                sums[name] = sums.get(name, 0) + values.double().sum()
-        pairs = self._over_dp(torch.tensor([float(pairs)], dtype=torch.float64, device=self.device)).item()
-        return {f"eval_{name}": value for name, value in self._pair_means(sums, pairs).items()}
+        """The objective's held-out metrics (``eval_loss``, ...); none without an eval set."""
+        return {} if self.eval_batches is None else self.objective.evaluate()
 
     def fit(self) -> dict[str, Any]:
         """Train to ``max_steps`` (or ``num_epochs``), evaluate, checkpoint and export. Returns the
@@ -494,8 +281,6 @@ class Trainer:
             claim.release()  # releases the output_dir for the next run (also in this process)
 
     def _fit(self) -> dict[str, Any]:
-        from llama_cp.config import PASSKEY
-
         self.setup()
         cfg = self.cfg
         step = self._resume()
@@ -504,8 +289,8 @@ class Trainer:
         if self.rank == 0:
             truncate_metrics(metrics_path, step)
         self.reporter = self._build_reporter(step)
-        # the passkey task's accuracy before any training: the baseline of the line printed at the end
-        before = self.evaluate() if (cfg.data.dataset == PASSKEY or cfg.objective == "dpo") and step == 0 else None
+        # the baseline of the line printed at the end (the passkey task's accuracy, DPO's reward accuracy)
+        before = self.evaluate() if self.objective.evaluates_before_training and step == 0 else None
         # a bar only on a terminal: in a log file (CI, SLURM, `2> file`) its carriage returns make a partial
         # line per step; there the metrics row printed every --log_every steps is the progress
         progress = tqdm(total=self.total_steps, initial=step, desc="train", unit="step",
@@ -537,7 +322,7 @@ class Trainer:
                         stop_nonfinite(nonfinite, cfg, self.rank)
                     continue
                 last = step == self.total_steps
-                for name in ("loss", *getattr(self, "_preference_metrics", ())):
+                for name in ("loss", *self.objective.metric_names):
                     window.setdefault(name, []).append(row[name])
                 if (cfg.eval_every and step % cfg.eval_every == 0) or last:
                     row.update(self.evaluate())
@@ -559,14 +344,9 @@ class Trainer:
         self.export(os.path.join(cfg.output_dir, "final"))
         if self.rank == 0:
             plot_losses(metrics_path, os.path.join(cfg.output_dir, "loss.png"))
-        if before is not None and "eval_rewards/accuracies" in row:
-            pairs = "pairs" if cfg.data.dataset != PASSKEY else "passkey pairs"
-            self._say(f"reward accuracy (chosen over rejected) on the held-out {pairs}: "
-                      f"{before['eval_rewards/accuracies']:.2f} before training -> {row['eval_rewards/accuracies']:.2f} after")
-        if before is not None and "passkey_acc" in row:
-            rows = sum(b["input_ids"].shape[0] for b in self.eval_batches) * submesh(self.mesh, "dp").size()
-            self._say(f"passkey accuracy on {rows} held-out rows of {cfg.data.context_length} tokens: "
-                      f"{before['passkey_acc']:.2f} before training -> {row['passkey_acc']:.2f} after")
+        summary = self.objective.summary(before, row) if before is not None else None
+        if summary:
+            self._say(summary)
         return row
 
     def _say_throughput(self) -> None:

@@ -112,7 +112,7 @@ def check_trainer_step(**flags):
         trainer._to_device = lambda batch: recorded.append(batch) or to_device(batch)
         trainer._iterator = iter(trainer.loader)
         micro = trainer._next_micro_batches()
-        total, metrics = trainer._preference_forward_backward(micro)
+        total, metrics = trainer.objective.forward_backward(micro)
         # the reference: every dp rank's rows (cp ranks of a dp rank hold the same)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (submesh(trainer.mesh, "dp").get_local_rank(), recorded))
@@ -199,7 +199,7 @@ def trainer_lora_dpo_in_bf16_keeps_the_adapters_trainable():
         trainer = trainer_for(root, use_peft=True, cp=2, dtype="bfloat16")
         trainable = [name for name, param in trainer.model.named_parameters() if param.requires_grad]
         trainer._iterator = iter(trainer.loader)
-        total, metrics = trainer._preference_forward_backward(trainer._next_micro_batches())
+        total, metrics = trainer.objective.forward_backward(trainer._next_micro_batches())
         assert math.isfinite(total.item()) and metrics["rewards/margins"] == pytest.approx(0, abs=0.05)
         assert [name for name, param in trainer.model.named_parameters() if param.requires_grad] == trainable
         grads = [param.grad for param in trainer.model.parameters() if param.requires_grad]

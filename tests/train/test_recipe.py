@@ -795,15 +795,21 @@ def _nan_at(bad_steps):
     class NaNTrainer(Trainer):
         calls = 0
 
-        def _forward_backward(self, micro, num_tokens):
-            total = super()._forward_backward(micro, num_tokens)
-            NaNTrainer.calls += 1
-            if NaNTrainer.calls in bad_steps:
-                for param in self.model.parameters():
-                    if param.grad is not None:
-                        param.grad.fill_(float("nan"))
-                total = total * float("nan")
-            return total
+        def setup(self):
+            super().setup()
+            forward_backward = self.objective.forward_backward
+
+            def diverging(micro):
+                total, metrics = forward_backward(micro)
+                NaNTrainer.calls += 1
+                if NaNTrainer.calls in bad_steps:
+                    for param in self.model.parameters():
+                        if param.grad is not None:
+                            param.grad.fill_(float("nan"))
+                    total = total * float("nan")
+                return total, metrics
+
+            self.objective.forward_backward = diverging
 
     return NaNTrainer
 
