@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llama_cp.config import PASSKEY
+from llama_cp.data.grammar import PASSKEY
 from llama_cp.data.preference import PAIR_COUNT, batch_sequences
 from llama_cp.model.preference import preference_losses
 from llama_cp.optim.step import preference_forward_backward

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llama_cp.config import PASSKEY
+from llama_cp.data.grammar import PASSKEY
 from llama_cp.model.loss import causal_lm_loss_sum, count_valid_tokens
 from llama_cp.optim.step import forward_backward
 from llama_cp.parallel.mesh import submesh

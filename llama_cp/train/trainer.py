@@ -153,7 +153,7 @@ class Trainer:
         """This rank's share of --num_eval_samples eval rows drawn with --seed, in whole global batches
         (every rank must run the same number of eval forwards: FSDP collectives); None when the
         data has no eval set (--eval_fraction 0, no eval split, no --eval_dataset)."""
-        from llama_cp.config import PASSKEY
+        from llama_cp.data.grammar import PASSKEY
         from llama_cp.data.row_files import RowBatches
 
         d = self.cfg.data
