@@ -29,7 +29,10 @@ from llama_cp.modules.families import set_router_loss_coef
 from llama_cp.modules.causal_lm import (
     apply_rope_settings, base_causal_lm, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,
 )
+from llama_cp.modules.quantize import quiet_bitsandbytes
 from llama_cp.modules.tiling import apply_tiled_mlp, apply_tiled_norms
+
+quiet_bitsandbytes()  # before peft imports bitsandbytes (Note [bitsandbytes' CPU kernel warning])
 
 
 def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) -> nn.Module:

@@ -67,6 +67,7 @@ installed versions lack support; ``tests/modules/test_qlora.py`` skips there wit
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -264,3 +265,19 @@ def check_qlora_support() -> None:
     if refusal is not None:
         raise ValueError(refusal)
     import bitsandbytes  # noqa: F401  (registers the torch.ops.bitsandbytes kernels)
+
+
+# Note [bitsandbytes' CPU kernel warning]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# peft imports bitsandbytes whenever it is installed (peft/import_utils.py, is_bnb_4bit_available),
+# also for a run that quantizes nothing, and bitsandbytes 0.50's CPU backend then logs a warning at
+# import on a CPU with AVX512-BF16: "Failed to load CPU gemm_4bit_forward from kernels-community"
+# (bitsandbytes/backends/cpu/ops.py, 0.50.2: it tries the `kernels` package for its gemv_4bit op).
+# llama-cp never calls that op: NF4Linear dequantizes with dequantize_4bit and multiplies with
+# torch (Note [4-bit weights under FSDP2]), so the warning means nothing here, with or without
+# --quantization 4bit. Its logger is raised to ERROR before peft can import bitsandbytes.
+
+
+def quiet_bitsandbytes() -> None:
+    """Silence bitsandbytes' CPU gemv kernel warning (Note [bitsandbytes' CPU kernel warning])."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)

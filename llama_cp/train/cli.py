@@ -57,6 +57,7 @@ def run_cli(
     except Exception as error:  # noqa: BLE001 - every failure ends here, as one paragraph
         if debug:
             raise
+        close_progress_bars()
         rank = int(os.environ.get("RANK", "0"))
         input_error = isinstance(error, INPUT_ERRORS) or getattr(error, "same_on_every_rank", False)
         if rank == 0 or not input_error:
@@ -67,6 +68,15 @@ def run_cli(
         if callable(getattr(error, "end_job", None)):  # a stuck rank: end the whole job now (failures.CollectiveFailed)
             error.end_job()
         sys.exit(1)
+
+
+def close_progress_bars() -> None:
+    """Close the tqdm bars a failure left open: a bar on the terminal ends its line only when it
+    closes, so the error line would be printed at the end of its last refresh."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def _parameters(main: Callable) -> dict[str, inspect.Parameter]:

@@ -240,3 +240,20 @@ def test_the_export_command_lists_its_own_flags_and_refuses_a_typo_before_readin
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_error_while_a_progress_bar_is_open_is_printed_on_its_own_line(capsys):
+    """A refusal raised while tqdm draws (packing rows, DPO's reference pass) was printed at the end
+    of the bar's last refresh, ``packing train: 0%| | 0/61 error: ...``: the bar is closed first."""
+    from tqdm import tqdm
+
+    def main():
+        bar = tqdm(total=61, desc="packing train", file=sys.stderr)
+        bar.update(0)
+        raise ValueError("preference pair 0: no chosen completion")
+
+    with pytest.raises(SystemExit):
+        run_cli(main, usage="demo", argv=[])
+    err = capsys.readouterr().err
+    assert "packing train" in err
+    assert any(line.startswith("error: preference pair 0") for line in err.split("\n")), repr(err)
