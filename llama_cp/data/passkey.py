@@ -103,7 +103,7 @@ def passkey_document(
 ) -> Document:
     """The passkey document of exactly ``context_length`` tokens (Note [Passkey rows]);
     ``needle``, ``question`` and the ``filler`` sentences make other needle-in-a-haystack
-    tasks of the same shape (``recipes/eval_longctx.py``), ``task`` names it in errors."""
+    tasks of the same shape (``llama_cp/eval/needle.py``), ``task`` names it in errors."""
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 

@@ -132,12 +132,12 @@ class Trainer:
             steps_per_epoch = max(1, micro_per_epoch // cfg.optim.gradient_accumulation_steps)
             self.total_steps = cfg.max_steps or steps_per_epoch * cfg.num_epochs
         cfg.save_every = cfg.resolved_save_every(self.total_steps)
-        if not cfg.is_demo():  # Note [Defaults by run] in llama_cp/config.py: what this run resolved to
+        if not cfg.is_demo():  # Note [Defaults by run] in llama_cp/flags/defaults.py: what this run resolved to
             length = f"--max_steps {cfg.max_steps}" if cfg.max_steps else f"--num_epochs {cfg.num_epochs}"
             saves = f"every {cfg.save_every} steps" if cfg.save_every else "at the end"
             self._say(f"{self.total_steps} steps ({length}), --lr {cfg.optim.lr:g}, activation checkpointing "
                       f"{'on' if cfg.model.activation_checkpointing else 'off'}, checkpoints {saves} "
-                      "(Note [Defaults by run] in llama_cp/config.py)")
+                      "(Note [Defaults by run] in llama_cp/flags/defaults.py)")
 
     def _passkey_warmup_rows(self, stages) -> int:
         """The passkey rows that pack shorter documents (Note [Passkey length warm-up]): a share of the
