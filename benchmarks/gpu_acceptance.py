@@ -22,7 +22,7 @@ check of part 1 its verdict (pass, FAIL, or the error that stopped it):
 2. memory: a Llama-3-8B-shaped model cut to ``--layers`` decoder layers at 32K-512K
    tokens on N GPUs (cp = N), each lever (none, activation checkpointing, + offloaded
    checkpoints, + tiled MLP and norms, LoRA): the planner's per-step peak
-   (``llama_cp.plan.memory.plan_step_memory``, the ``recipes/plan_memory`` figures) against
+   (``llama_cp.plan.simulate.plan_step_memory``, the ``recipes/plan_memory`` figures) against
    ``torch.cuda.max_memory_allocated`` of a real step, reset before it.
 3. speed: tokens/s/GPU, model TFLOP/s/GPU and MFU (Note [Model FLOPs] in
    llama_cp/model/flops.py) of the same model at cp 1, 2, 4, 8 (those dividing N) and N, ring
@@ -194,7 +194,7 @@ class Settings:
     @classmethod
     def of(cls, dry_run: bool, nproc: int | None, layers: int) -> "Settings":
         from llama_cp.modules.causal_lm import EMBEDDED_LLAMA
-        from llama_cp.plan.memory import MODEL_PRESETS
+        from llama_cp.plan.simulate import MODEL_PRESETS
 
         if dry_run:
             n = nproc or 2
@@ -743,7 +743,7 @@ def _out_of_memory(message: str) -> bool:
 
 def plan(settings: Settings, context_length: int, flags: dict) -> int:
     """The planner's per-step peak bytes of one rank for that step (cp = N)."""
-    from llama_cp.plan.memory import plan_step_memory
+    from llama_cp.plan.simulate import plan_step_memory
 
     cfg = TrainConfig()
     cfg.data.context_length, cfg.parallel.cp = context_length, settings.nproc

@@ -5,7 +5,7 @@
     python -m recipes.plan_memory --model_name llama3-8b --use_peft --plot max_context.png
 
 Runs the trainer's own model build and optimizer step for one simulated rank under fake
-tensors (``llama_cp.plan.memory``), in seconds on a CPU. Training flags are the trainer's
+tensors (``llama_cp.plan.simulate``), in seconds on a CPU. Training flags are the trainer's
 (``llama_cp/config.py``, also from ``--config preset.yaml``); the planner adds:
 
     --num_gpus          world size of the planned job (default 8)
@@ -34,10 +34,10 @@ import json as json_lib
 
 from llama_cp.config import TrainConfig
 from llama_cp.train.cli import run_cli
-from llama_cp.plan.memory import (
-    GiB, MemoryBreakdown, load_model_config, plan_step_memory, planned_attention_backend, usable_bytes, with_context,
-)
-from llama_cp.plan.memory import find_max_context as search_max_context  # main's flag has the same name
+from llama_cp.plan.fit import find_max_context as search_max_context  # main's flag has the same name
+from llama_cp.plan.fit import usable_bytes, with_context
+from llama_cp.plan.memory import GiB, MemoryBreakdown
+from llama_cp.plan.simulate import load_model_config, plan_step_memory, planned_attention_backend
 
 #: Planner defaults where they differ from the trainer's (flags and --config override them).
 PLAN_DEFAULTS = {"model_name": "llama3-8b", "context_length": 131072, "gpu_memory_gb": 80.0}

@@ -79,7 +79,7 @@ def pytest_collection_finish(session):
 
 @pytest.fixture(scope="module")
 def frozen_heap():
-    """For a module that plans (``llama_cp.plan.memory``): the objects alive before it are frozen out
+    """For a module that plans (``llama_cp.plan.simulate``): the objects alive before it are frozen out
     of the collector's walk until the module ends (``dist_harness.freeze_heap``). Everything a plan
     makes is collected exactly as before (a plan's figures with and without the freeze are equal,
     checked on the memory matrix)."""

@@ -1,6 +1,6 @@
 """CPU stand-ins for the CUDA attention kernels: how the memory planner sees their workspace.
 
-The planner (``llama_cp.plan.memory``) runs on CPU fake tensors, where the CUDA kernels cannot
+The planner (``llama_cp.plan.simulate``) runs on CPU fake tensors, where the CUDA kernels cannot
 run. A :class:`ModelledBackend` passed as ``backend`` to :mod:`llama_cp.attention.kernels` makes every
 attention call of a model run the stand-in of that CUDA backend instead: a function with the
 signature of the library call ``kernel_calls`` makes (flash-attn's ``_flash_attn_forward`` /

@@ -77,7 +77,7 @@ from llama_cp.config import TrainConfig
 if TYPE_CHECKING:
     from llama_cp.plan.memory import MemoryBreakdown
 
-# The planner (llama_cp.plan.memory, FSDPMemTracker and the modelled kernels) is imported where
+# The planner (llama_cp.plan.simulate, FSDPMemTracker and the modelled kernels) is imported where
 # a plan is made: a run that plans nothing (--memory manual, a CPU without --gpu_memory_gb) does
 # not pay for its import.
 GiB = 1 << 30
@@ -172,10 +172,10 @@ def apply_levers(cfg: TrainConfig, levers: dict[str, Any]) -> None:
 def planned_model_config(model_name: str):
     """The HF config the plans use: the planner's (embedded, a preset, a local directory), or a
     hub id's config.json (fetched, or from the hub cache)."""
-    from llama_cp.plan import memory as planner
+    from llama_cp.plan import simulate
 
-    if model_name == "embedded" or model_name in planner.MODEL_PRESETS or os.path.isdir(os.path.expanduser(model_name)):
-        return planner.load_model_config(os.path.expanduser(model_name))
+    if model_name == "embedded" or model_name in simulate.MODEL_PRESETS or os.path.isdir(os.path.expanduser(model_name)):
+        return simulate.load_model_config(os.path.expanduser(model_name))
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_name)
@@ -190,7 +190,7 @@ def choose_levers(
     planner's own refusals (a ``ValueError`` naming what it does not model) pass through. Read
     from and written to the cache in ``cache_dir`` (default :func:`default_cache_dir`; Note
     [Choosing the memory levers])."""
-    from llama_cp.plan import memory as planner
+    from llama_cp.plan import simulate
 
     config = model_config if model_config is not None else planned_model_config(cfg.model.model_name)
     path = Path(cache_dir or default_cache_dir()) / f"{cache_key(cfg, world_size, budget_bytes, config)}.json"
@@ -202,7 +202,7 @@ def choose_levers(
         return LeverChoice(cached["levers"], plan, plans=0)
     for plans, levers in enumerate(candidates(cfg), start=1):
         # a copy: the planner's model build sets fields of the config it is given (its dtype)
-        plan = planner.plan_step_memory(with_levers(cfg, levers), world_size, model_config=copy.deepcopy(config))
+        plan = simulate.plan_step_memory(with_levers(cfg, levers), world_size, model_config=copy.deepcopy(config))
         if plan.total <= budget_bytes:
             _write(path, {"levers": levers, **plan_to_json(plan)})
             return LeverChoice(levers, plan, plans)
@@ -214,12 +214,12 @@ def choose_levers(
 def _nothing_fits(cfg: TrainConfig, world_size: int, budget_bytes: int, config, plan: MemoryBreakdown) -> NothingFits:
     """The refusal of ``cfg`` (the last candidate, planned to ``plan``): its peak, and the longest
     context that fits with its levers, searched in steps of about 1/32 of the asked length."""
-    from llama_cp.plan import memory as planner
+    from llama_cp.plan import fit
 
     unit = 2 * cfg.parallel.cp
     step = unit * max(1, cfg.data.context_length // (32 * unit))
-    length, _ = planner.find_max_context(cfg, world_size, budget_bytes, model_config=copy.deepcopy(config),
-                                         granularity=step, limit=cfg.data.context_length)
+    length, _ = fit.find_max_context(cfg, world_size, budget_bytes, model_config=copy.deepcopy(config),
+                                     granularity=step, limit=cfg.data.context_length)
     fits = (f"the longest --context_length that fits with them is {length:,} tokens (searched in steps of {step:,})"
             if length else f"not even {step:,} tokens fit with them: add GPUs")
     message = (f"with every lever ({describe_levers({k: getattr(cfg.model, k) for k in NO_LEVERS})}) the planned "
@@ -314,7 +314,7 @@ def choose_for_run(
     if not gpu_gb:  # a CPU without --gpu_memory_gb: nothing to plan for
         return {"memory": "auto", "planned": False}
     start = time.perf_counter()  # the planner's import included
-    from llama_cp.plan.memory import usable_bytes
+    from llama_cp.plan.fit import usable_bytes
 
     applied = device_type == "cuda"
     budget = usable_bytes(gpu_gb, m.headroom)

@@ -22,7 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from llama_cp.config import TrainConfig
-from llama_cp.plan.memory import GiB, load_model_config, simulate_step_phases
+from llama_cp.plan.memory import GiB
+from llama_cp.plan.simulate import load_model_config, simulate_step_phases
 
 
 @dataclasses.dataclass(frozen=True)

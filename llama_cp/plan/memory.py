@@ -1,94 +1,30 @@
-"""Memory as a product: per-rank memory of a training step, measured and planned.
+"""Memory of a training step, measured: one rank's tensor bytes by category at the peak of each
+phase of a step (torch's tensor-level ``FSDPMemTracker``, which counts every tensor's bytes by
+category and is deterministic on CPU).
 
-Two uses of one measurement (torch's tensor-level ``FSDPMemTracker``, which
-counts every tensor's bytes by category and is deterministic on CPU):
+- :func:`track_peak_memory`: the peak bytes per category of any block of code;
+- :func:`measure_step_memory`: the peak of each phase of one real ``Trainer`` optimizer step of a
+  sharded model, as a :class:`MemoryBreakdown`; :func:`step_peak` picks the step's peak.
 
-- :func:`measure_step_memory` tracks one real optimizer step of a sharded model;
-- :func:`simulate_step_memory` runs **the same code** (``Trainer``'s model
-  build and ``optimizer_step``) for one rank of an N-rank job under
-  ``FakeTensorMode`` with torch's ``fake`` process-group backend: tensors carry
-  shapes, dtypes and devices but no storage, collectives do nothing, so one CPU
-  process simulates a rank of an 8-GPU Llama-3-8B job in seconds.
-
-Note [Planning from a few layers]
-=================================
-
-Decoder layers are identical, and FSDP shards each layer's parameters on its
-own, so within one phase of a step every category of that phase's peak is an
-affine function of the number of layers n:
-
-- forward+backward: the peak sits at the loss or in backward, where all n
-  layers' saved activations, the sharded state of all n layers and a constant
-  set of root/head tensors are alive together;
-- optimizer (clipping + step): all n layers' sharded gradients and states and
-  the foreach temporaries, which are proportional to them.
-
-    bytes_phase(n) = bytes_phase(2) + (n - 2) * (bytes_phase(3) - bytes_phase(2))
-
-The step's peak is the larger of the two phases, and which one wins can change
-with n (many layers of small activations: the optimizer), so the phases are
-tracked and extrapolated apart (``measure_step_memory``) and compared after.
-:func:`plan_step_memory` simulates 3 and 4 layers; ``tests/plan`` checks
-the extrapolation against full simulations. Not 2 and 3: the line holds from the first
-n whose backward has a middle layer (one with a decoder layer on either side). With 2
-layers the backward never has the previous layer's reduce-scatter buffer alive while a
-middle layer recomputes, so where a middle layer's backward is the peak (long contexts
-with the MLP/norm tiles or checkpoint offload) the 2-to-3 slope took that one buffer for a
-per-layer cost: Llama-3-8B at 4M tokens on 8 GPUs was overstated by 30 x 0.81 GiB
-(tests/plan/test_memory_regression.py::test_layer_extrapolation_is_exact).
-
-Note [Planning --offload_params]
-================================
-
-With FSDP2's CPU offload policy the float32 parameter shards, their gradient shards and
-AdamW's state live in host memory (read in torch 2.13: ``_fully_shard/_fsdp_param.py``,
-``FSDPParam.all_gather_inputs``; ``_fsdp_collectives.py``, ``foreach_reduce``). The
-simulation cannot tell host from device (every fake tensor is on the CPU, and ``pin_memory``
-has no fake implementation), so the planner simulates the plain step and moves bytes by
-category: "Sharded Param", "Sharded Grad" and "OptState" go to ``host``; in the optimizer
-phase, which clips and steps CPU tensors (fused AdamW: Note [AdamW's implementation, pinned]
-in llama_cp/optim/optimizers.py), everything but the gathered parameters and the buffers
-goes there. Two device transients are added to the other
-phases, each bounded by the largest FSDP group: the copy-in (each shard is copied to the
-device, then cast to the compute dtype: one parameter's float32 shard at a time; with no
-cast the group's copies are the all-gather inputs) and the copy-out (``foreach_reduce``'s
-output, one group's float32 gradient shards, freed once copied to the host). Checked
-against an H200 (110M-parameter Llama, 8192 tokens, docs/benchmarks.md): planned 1.99 and
-0.62 GB for the plain and the offloaded step, measured 2.10 and 0.73 GB; the drop, 1.37 GB,
-is the same.
-
-The attention kernels are those of the planned GPU, modelled on CPU: Note [GPU attention
-kernels' workspace] in ``llama_cp/attention/workspace.py``.
-
-Simulated rank 0 holds the largest FSDP shards (torch pads the last ranks'
-shards, never the first), so it is the busiest rank. Not in the tracked
-numbers: the CUDA context, NCCL's and cuBLAS's workspaces and the caching
-allocator's fragmentation; the planner keeps ``headroom`` of the GPU for them.
+The planner runs the same measurement on a whole job's step simulated under fake tensors
+(``llama_cp.plan.simulate``), and searches the longest context that fits (``llama_cp.plan.fit``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import gc
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from llama_cp.attention.kernels import BACKENDS, backend_problem, check_backend
-from llama_cp.attention.workspace import MODELLED, ModelledBackend
-from llama_cp.config import TrainConfig
-from llama_cp.model.build import cp_strategy, parallelize_model
 from llama_cp.model.loss import causal_lm_loss_sum
 from llama_cp.model.preference import adapters_off_logps
-from llama_cp.modules.causal_lm import compute_dtype
 from llama_cp.optim.step import apply_gradients, forward_backward, preference_forward_backward
 
 GiB = 1 << 30
@@ -169,7 +105,8 @@ class MemoryBreakdown:
         return cls(**values, total=by_name.get("Total", sum(values.values())), host=host, tracked=by_name)
 
     def extrapolate(self, other: "MemoryBreakdown", steps: int) -> "MemoryBreakdown":
-        """``self + steps * (other - self)``, field by field (Note [Planning from a few layers])."""
+        """``self + steps * (other - self)``, field by field (Note [Planning from a few layers] in
+        llama_cp/plan/simulate.py)."""
         def line(a: int, b: int) -> int:
             return a + steps * (b - a)
 
@@ -183,50 +120,8 @@ class MemoryBreakdown:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("host", "tracked")}
 
 
-# ----------------------------------------------------------------------------- models
-
-#: Model shapes the planner knows by name (the HF configs' fields that matter for memory).
-MODEL_PRESETS: dict[str, dict] = {
-    "llama3-8b": dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False,
-    ),
-    "llama3-70b": dict(
-        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False,
-    ),
-    "llama2-7b": dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=32, rope_theta=10000.0, tie_word_embeddings=False,
-    ),
-    "llama3.2-1b": dict(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
-        tie_word_embeddings=True,
-    ),
-}
-
-
-def load_model_config(model_name: str):
-    """The HF config of ``model_name``: "embedded", a preset of ``MODEL_PRESETS``, or a local
-    directory with a config.json."""
-    from transformers import AutoConfig, LlamaConfig
-
-    from llama_cp.modules.causal_lm import embedded_llama_config
-
-    if model_name == "embedded":
-        return embedded_llama_config()
-    if model_name in MODEL_PRESETS:
-        return LlamaConfig(max_position_embeddings=1 << 24, **MODEL_PRESETS[model_name])
-    if os.path.isfile(os.path.join(model_name, "config.json")):
-        return AutoConfig.from_pretrained(model_name)
-    raise ValueError(
-        f"--model_name {model_name!r} is neither a preset ({', '.join(['embedded', *MODEL_PRESETS])}) "
-        "nor a local directory with a config.json"
-    )
-
-
 # ----------------------------------------------------------------------------- measuring
+
 
 
 def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
@@ -248,7 +143,7 @@ def measure_step_memory(
     """Peak memory of this rank in each phase of one ``Trainer`` optimizer step of a model
     built by ``parallelize_model`` (its optimizer state already allocated), and of an eval
     forward of one micro-batch: ``{"forward_backward": ..., "optimizer": ..., "eval": ...}``
-    (Note [Planning from a few layers]). :func:`step_peak` picks the step's peak.
+    (Note [Planning from a few layers] in llama_cp/plan/simulate.py). :func:`step_peak` picks the step's peak.
 
     The micro-batches run one ``forward_backward`` call each (the same arithmetic as one call
     on all of them), so that the tracker's per-module statistics can be reset in between:
@@ -308,310 +203,3 @@ def step_peak(phases: dict[str, MemoryBreakdown]) -> MemoryBreakdown:
     peak = max(phases.values(), key=lambda breakdown: breakdown.total)
     return dataclasses.replace(peak, host=max(breakdown.host for breakdown in phases.values()))
 
-
-# ----------------------------------------------------------------------------- simulating
-
-
-@contextlib.contextmanager
-def _fake_world(world_size: int) -> Iterator[None]:
-    """The default process group as torch's ``fake`` backend: this process is rank 0 of
-    ``world_size``, and every collective returns at once without moving data."""
-    if dist.is_initialized():
-        raise RuntimeError(
-            "the memory planner simulates a whole job in one process and needs torch.distributed "
-            "uninitialised: plan in a separate process (python -m recipes.plan_memory ...)"
-        )
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def simulate_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None) -> MemoryBreakdown:
-    """The step's peak of :func:`simulate_step_phases`."""
-    return step_peak(simulate_step_phases(cfg, world_size, model_config=model_config))
-
-
-def simulate_step_phases(
-    cfg: TrainConfig, world_size: int, *, model_config=None, observer=None,
-) -> dict[str, MemoryBreakdown]:
-    """Peak memory per phase of the busiest rank of a ``world_size``-rank job training ``cfg``, simulated in
-    this process with fake tensors (no memory is allocated, no other process is needed).
-
-    Runs the trainer's own path: the HF model built on the meta device (as for real
-    checkpoints) -> ``parallelize_model`` (LoRA, CP attention, chunked loss, FSDP2,
-    checkpointing) -> materialised as fake tensors -> ``optimizer_step`` on
-    ``gradient_accumulation_steps`` cp-sharded micro-batches of ``batch_size`` rows of
-    ``context_length`` tokens, tracked by ``FSDPMemTracker``. ``model_config`` (an HF
-    config) overrides ``cfg.model.model_name``. ``observer``: a context manager factory
-    entered around the tracked step, inside the fake mode (``llama_cp.plan.breakdown``).
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from llama_cp.fsdp_wrap import _reinit_rotary_buffers
-    from llama_cp.modules.causal_lm import build_causal_lm
-    from llama_cp.optim.optimizers import build_optimizer
-    from llama_cp.parallel.sharding import shard_batch
-
-    config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
-    p, o = cfg.parallel, cfg.optim
-    if cfg.model.activation_offload:
-        raise ValueError("the planner does not model --activation_offload (saved activations in host memory)")
-    offload = cfg.model.offload_params  # simulated without the policy, then split: Note [Planning --offload_params]
-    if offload:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, offload_params=False))
-    strategy, _ = cp_strategy(cfg, config)
-    if p.cp > 1 and strategy == "hybrid":
-        raise ValueError(
-            f"the planner does not model --cp_strategy hybrid{' (what auto picks here)' if p.cp_strategy == 'auto' else ''}:"
-            " plan with --cp_strategy ring and --cp_strategy ulysses at the same --cp; hybrid's attention buffers "
-            "lie between them"
-        )
-    if p.cp > 1 and strategy == "allgather":
-        raise ValueError(
-            "the planner cannot simulate --cp_strategy allgather: its layout reads which rows each rank holds, "
-            "which fake tensors do not have; plan with --cp_strategy ring and add, per rank, the row's K/V of "
-            "one layer (bf16) and its dK/dV (fp32) in backward"
-        )
-    if o.optimizer != "adamw":
-        raise ValueError(
-            f"the planner cannot simulate --optimizer {o.optimizer}: bitsandbytes reads tensor values, which "
-            "fake tensors do not have; plan with --optimizer adamw (its 8 bytes of state per trainable "
-            "parameter bound adamw8bit's ~2 from above)"
-        )
-    if cfg.peft.use_peft and cfg.peft.use_dora:
-        # measured (embedded model, cp 2, all-linear, no checkpointing): simulated 4 layers 1.6% above the
-        # real run, and the 2- and 3-layer extrapolation 0.15% below it; exact with checkpointing, but not
-        # in general, so not planned
-        raise ValueError(
-            "the planner does not model --use_dora exactly (its simulation of DoRA's weight norms was 1.6% off a "
-            "real run): plan without --use_dora and add, per rank, about three matrices of the largest adapted "
-            "weight's size in the compute dtype (B @ A, its scaled copy and its sum with the weight, whose row norms "
-            "DoRA takes while the layer runs) and 16 bytes per output row of every adapted layer, sharded "
-            "(magnitude, gradient, AdamW moments)"
-        )
-    dims = p.dims(world_size)
-    cpu = torch.device("cpu")
-    # The planned rows are one document each: plain causal attention, which document masks only
-    # skip work of. Finding documents reads position values, which fake tensors do not have.
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=False))
-    with _fake_world(world_size):
-        mesh = dims.build_mesh("cpu")  # outside the fake mode: the mesh reads real rank tensors
-        model = build_causal_lm(config, device="meta")  # the trainer's build: float32 sharded state
-        backend = planned_attention_backend(cfg, config)
-        model = parallelize_model(  # planned for GPUs: "auto" is bf16; attention: Note [GPU attention kernels' workspace]
-            model, cfg, mesh, device_type="cuda",
-            attention_backend=ModelledBackend(backend) if backend in MODELLED else backend,
-        )
-        # meta -> fake: the sharded parameters get fake storage of their real size
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model.to_empty(device=cpu)
-            _reinit_rotary_buffers(model, cpu)
-            optimizer = build_optimizer(o.optimizer, model, lr=o.lr, weight_decay=o.weight_decay,  # the trainer's
-                                        on_host=offload)  # groups and implementation
-            create_optimizer_state(model, optimizer, max_grad_norm=o.max_grad_norm)
-            shape = (cfg.data.batch_size, cfg.data.context_length)
-            micro, preference = [], None
-            for _ in range(o.gradient_accumulation_steps):
-                ids = torch.zeros(shape, dtype=torch.long)
-                batch = {"input_ids": ids, "labels": ids.clone()}
-                if cfg.objective == "dpo":  # a pair per row (more pairs change only (2P,) vectors)
-                    pairs = cfg.data.batch_size
-                    batch.update(sequence_ids=ids.clone(), sequence_lengths=torch.ones(2 * pairs, dtype=torch.long))
-                    if cfg.dpo_loss == "sigmoid" and not cfg.peft.use_peft:  # precomputed (llama_cp.train.reference)
-                        batch["reference_logps"] = torch.zeros(2 * pairs, dtype=torch.float64)
-                    preference = dict(kind=cfg.dpo_loss, beta=cfg.dpo_beta, gamma=cfg.simpo_gamma, cp_group=mesh["cp"],
-                                      num_pairs=pairs * o.gradient_accumulation_steps * dims.dp)
-                micro.append(shard_batch(batch, mesh["cp"]))
-            num_tokens = cfg.data.batch_size * cfg.data.context_length * o.gradient_accumulation_steps * dims.dp
-            with observer() if observer is not None else contextlib.nullcontext():
-                phases = measure_step_memory(model, optimizer, micro, num_tokens, max_grad_norm=o.max_grad_norm,
-                                             preference=preference)
-    if offload:
-        transient = offload_transient_bytes(model, compute_dtype(cfg.model.dtype, "cuda"))
-        phases = {name: offloaded(name, breakdown, transient) for name, breakdown in phases.items()}
-    return phases
-
-
-def offload_transient_bytes(model: nn.Module, param_dtype: torch.dtype | None) -> int:
-    """The device bytes that ``--offload_params`` adds to a step, as an upper bound: the largest
-    FSDP group's copy-in (a parameter's float32 shard copied to the device before its cast to
-    ``param_dtype``, or every shard of the group where no cast follows) plus the largest group's
-    float32 gradient shards (the reduce-scatter output, on the device until copied out)
-    (Note [Planning --offload_params])."""
-    from torch.distributed.fsdp import FSDPModule
-
-    def local_bytes(param: torch.Tensor, dtype: torch.dtype | None = None) -> int:
-        local = param.to_local() if hasattr(param, "to_local") else param
-        return local.numel() * (dtype or local.dtype).itemsize
-
-    copy_in = grads_out = 0
-    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for module in fsdp_modules:  # a group's parameters: its module's, less those of FSDP modules inside it
-        inner = {id(p) for child in module.modules() if child is not module and isinstance(child, FSDPModule)
-                 for p in child.parameters()}
-        own = [p for p in module.parameters() if id(p) not in inner]
-        if not own:
-            continue
-        cast = [local_bytes(p) for p in own if param_dtype is not None and p.dtype != param_dtype]
-        kept = [local_bytes(p) for p in own if param_dtype is None or p.dtype == param_dtype]
-        copy_in = max(copy_in, max(cast, default=0) + sum(kept))
-        grads_out = max(grads_out, sum(local_bytes(p, torch.float32) for p in own if p.requires_grad))
-    return copy_in + grads_out
-
-
-def offloaded(phase: str, breakdown: MemoryBreakdown, transient: int) -> MemoryBreakdown:
-    """``breakdown``, simulated without ``--offload_params``, as the device and host bytes of
-    the offloaded step: the sharded parameters, gradients and optimizer state move to ``host``
-    (and in the optimizer phase, which runs on the CPU, everything but the gathered parameters
-    and the buffers); the forward/backward gains ``transient`` device bytes, counted as
-    communication (Note [Planning --offload_params])."""
-    tracked = breakdown.tracked
-    sharded = tracked.get("Sharded Param", 0)
-    if phase == "optimizer":
-        device = dict(parameters=breakdown.parameters - sharded, gradients=0, optimizer=0,
-                      activations=0, temporary=0, communication=0)
-    else:
-        device = dict(parameters=breakdown.parameters - sharded,
-                      gradients=breakdown.gradients - tracked.get("Sharded Grad", 0), optimizer=0,
-                      activations=breakdown.activations, temporary=breakdown.temporary,
-                      communication=breakdown.communication + transient)
-    total = sum(device.values())
-    moved = breakdown.total - (total - (0 if phase == "optimizer" else transient))
-    kept = ("Unsharded Param", "Buffer") if phase == "optimizer" else tuple(
-        k for k in tracked if k not in ("Sharded Param", "Sharded Grad", "OptState"))
-    return MemoryBreakdown(**device, total=total, host=breakdown.host + moved, tracked={
-        **{k: v for k, v in tracked.items() if k in kept}, "Total": total, "Host State": moved,
-        "Offload Transient": 0 if phase == "optimizer" else transient})
-
-
-#: The GPU the planner plans for when it picks a backend: an sm80+ one with flash-attn installed.
-_PLANNED_GPU = dict(capability=(8, 0), flash_attn_installed=True)
-
-
-def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
-    """The attention backend the plan models: ``--attention_backend``, where "auto" is what
-    the trainer picks on an sm80+ GPU with flash-attn installed (flash_attn for bf16/fp16).
-    A CUDA backend that could not run there, or that the planner cannot model, is refused in
-    one line; sdpa_cpu and math are planned as they run on CPU (the planner's own checks)."""
-    dtype = compute_dtype(cfg.model.dtype, "cuda") or torch.float32
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    choice = cfg.model.attention_backend
-    if choice == "auto":
-        choice = next(b for b in BACKENDS if b in MODELLED + ("math",) and
-                      backend_problem(b, "cuda", dtype, head_dim, **_PLANNED_GPU) is None)
-    if choice in MODELLED:
-        check_backend(choice, "cuda", dtype, head_dim, name=f"--attention_backend {choice}", **_PLANNED_GPU)
-        if choice == "sdpa_efficient" and (dtype not in (torch.float16, torch.bfloat16) or head_dim > 128):
-            raise ValueError(
-                f"--attention_backend sdpa_efficient: the planner models its workspace for float16/bfloat16 and head "
-                f"sizes up to 128, not {str(dtype).removeprefix('torch.')} with head size {head_dim}; plan with "
-                "--dtype bfloat16 or another backend"
-            )
-    return choice
-
-
-#: Layer counts simulated for the extrapolation (Note [Planning from a few layers]).
-_FEW_LAYERS = (3, 4)
-
-
-def plan_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None) -> MemoryBreakdown:
-    """:func:`simulate_step_memory` for the whole model, from simulations of 3 and 4 layers
-    extrapolated phase by phase (Note [Planning from a few layers]); models of at most 4
-    layers are simulated whole."""
-    config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
-    layers = config.num_hidden_layers
-    if layers <= _FEW_LAYERS[-1]:
-        return simulate_step_memory(cfg, world_size, model_config=config)
-    few = []
-    for n in _FEW_LAYERS:
-        small = copy.deepcopy(config)
-        small.num_hidden_layers = n
-        few.append(simulate_step_phases(cfg, world_size, model_config=small))
-    steps = layers - _FEW_LAYERS[0]
-    return step_peak({phase: few[0][phase].extrapolate(few[1][phase], steps) for phase in few[0]})
-
-
-# ----------------------------------------------------------------------------- planning
-
-
-def usable_bytes(gpu_memory_gb: float, headroom: float) -> int:
-    """Bytes of a GPU of ``gpu_memory_gb`` GiB left to tensors after ``headroom`` (a fraction,
-    for the CUDA context, NCCL/cuBLAS workspaces and the allocator's fragmentation)."""
-    if not 0 <= headroom < 1:
-        raise ValueError(f"--headroom is a fraction of the GPU memory in [0, 1), got {headroom}")
-    return int(gpu_memory_gb * GiB * (1.0 - headroom))
-
-
-def with_context(cfg: TrainConfig, context_length: int, **parallel) -> TrainConfig:
-    """A copy of ``cfg`` with another context length (and optionally other parallel degrees)."""
-    new = copy.deepcopy(cfg)
-    new.data.context_length = context_length
-    for name, value in parallel.items():
-        setattr(new.parallel, name, value)
-    return new
-
-
-def find_max_context(
-    cfg: TrainConfig, world_size: int, budget_bytes: int, *, model_config=None, granularity: int | None = None,
-    limit: int = 1 << 26,
-) -> tuple[int, MemoryBreakdown | None]:
-    """The largest context length, a multiple of ``granularity`` (default and minimum: 2 x cp),
-    whose planned peak per rank fits in ``budget_bytes``, and its breakdown; (0, None) when
-    even ``granularity`` tokens do not fit.
-
-    Memory grows with the context length and is close to affine in it, so the search takes
-    secant steps from two lengths to a guess, then gallops from the guess to a bracket
-    [fits, does not fit] and bisects it: the answer of a bisection from scratch in a few
-    plans instead of ~30. ``limit`` caps the search.
-    """
-    config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
-    step = granularity or 2 * cfg.parallel.cp  # the context is searched in units of this many tokens
-    if step % (2 * cfg.parallel.cp):
-        raise ValueError(f"granularity {step} must be a multiple of 2 x cp = {2 * cfg.parallel.cp}")
-    cache: dict[int, MemoryBreakdown] = {}
-
-    def plan(units: int) -> MemoryBreakdown:
-        if units not in cache:
-            cache[units] = plan_step_memory(with_context(cfg, units * step), world_size, model_config=config)
-        return cache[units]
-
-    def fits(units: int) -> bool:
-        return plan(units).total <= budget_bytes
-
-    max_units = limit // step
-    if not fits(1):
-        return 0, None
-    # secant steps on the (nearly affine) total from two lengths -> a close first guess
-    x0, x1 = min(max(1, 8192 // step), max_units), min(max(2, 65536 // step), max_units)
-    guess = x1
-    for _ in range(4):
-        y0, y1 = plan(x0).total, plan(x1).total
-        if y1 <= y0 or x1 == x0:  # flat here (e.g. the optimizer phase is the peak): gallop up from x1
-            guess = x1
-            break
-        guess = min(max(int(x1 + (budget_bytes - y1) * (x1 - x0) / (y1 - y0)), 1), max_units)
-        if abs(guess - x1) <= 1:
-            break
-        x0, x1 = x1, guess
-    # gallop from the guess: low fits, high does not (or is past the limit)
-    low, high, stride = guess, guess + 1, 1
-    if fits(low):
-        while high <= max_units and fits(high):
-            low, high, stride = high, high + 2 * stride, 2 * stride
-        high = min(high, max_units + 1)
-    else:
-        high = low
-        while True:
-            low = max(1, high - stride)
-            if fits(low):
-                break
-            high, stride = low, 2 * stride
-    while high - low > 1:
-        middle = (low + high) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
-    return low * step, plan(low)

@@ -1,6 +1,6 @@
 """The CPU stand-ins of the CUDA attention kernels (llama_cp/attention/workspace.py): exact values
 against the math backend, the tracked peak of each equal to Note [GPU attention kernels'
-workspace] in llama_cp/plan/memory.py, and the planner including that workspace."""
+workspace] in llama_cp/attention/workspace.py, and the planner including that workspace."""
 
 import itertools
 
@@ -11,7 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from llama_cp.attention import kernels
 from llama_cp.attention.workspace import MODELLED, ModelledBackend, efficient_backward_workspace_bytes
 from llama_cp.config import TrainConfig
-from llama_cp.plan.memory import planned_attention_backend, simulate_step_phases, step_peak, track_peak_memory
+from llama_cp.plan.memory import step_peak, track_peak_memory
+from llama_cp.plan.simulate import planned_attention_backend, simulate_step_phases
 
 
 def _round_up(x, m):

@@ -17,7 +17,8 @@ from pathlib import Path
 from transformers import LlamaConfig
 
 from llama_cp.config import TrainConfig
-from llama_cp.plan.memory import MemoryBreakdown, simulate_step_phases, step_peak
+from llama_cp.plan.memory import MemoryBreakdown, step_peak
+from llama_cp.plan.simulate import simulate_step_phases
 
 BASELINES = Path(__file__).with_name("baselines.json")
 

@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from llama_cp.config import TrainConfig
 from llama_cp.modules.causal_lm import embedded_llama_config
-from llama_cp.plan import auto, memory
+from llama_cp.plan import auto, fit, memory, simulate
 from llama_cp.plan.auto import NothingFits, candidates, choose_for_run, choose_levers, with_levers
-from llama_cp.plan.memory import GiB, with_context
+from llama_cp.plan.fit import with_context
+from llama_cp.plan.memory import GiB
 
 #: The planned model: a config never handed to the planner itself (its build sets the config's dtype).
 CONFIG = embedded_llama_config(num_hidden_layers=3)
@@ -35,12 +36,12 @@ def model_config():
 
 @pytest.fixture(scope="module")
 def planned():
-    """``memory.plan_step_memory`` for the module: each configuration planned once, told apart by
+    """``simulate.plan_step_memory`` for the module: each configuration planned once, told apart by
     what can change its memory (``auto.cache_key``: not --output_dir, --gpu_memory_gb, ...);
     yields the list of every call's TrainConfig, which a test may clear and count."""
     done: dict[tuple, memory.MemoryBreakdown] = {}
     calls: list[TrainConfig] = []
-    plan = memory.plan_step_memory
+    plan = simulate.plan_step_memory
 
     def once(cfg, world_size, *, model_config):
         calls.append(cfg)
@@ -51,7 +52,7 @@ def planned():
         return done[key]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(memory, "plan_step_memory", once)
+        patch.setattr(simulate, "plan_step_memory", once)
         yield calls
 
 
@@ -59,7 +60,7 @@ def planned():
 def peaks(planned):
     """The planned peak of every candidate of the module's run, planned directly."""
     cfg = TrainConfig.from_flags(**RUN)
-    return [memory.plan_step_memory(with_levers(cfg, levers), 1, model_config=model_config()).total
+    return [simulate.plan_step_memory(with_levers(cfg, levers), 1, model_config=model_config()).total
             for levers in candidates(cfg)]
 
 
@@ -105,8 +106,8 @@ def test_nothing_fits_is_refused_with_the_peak_and_the_longest_context(planned, 
     # the longest: it fits with every lever, one step more does not
     every = with_levers(cfg, candidates(cfg)[-1])
     assert 0 < length < RUN["context_length"]
-    assert memory.plan_step_memory(with_context(every, length), 1, model_config=model_config()).total < peaks[-1]
-    assert memory.plan_step_memory(with_context(every, length + step), 1, model_config=model_config()).total >= peaks[-1]
+    assert simulate.plan_step_memory(with_context(every, length), 1, model_config=model_config()).total < peaks[-1]
+    assert simulate.plan_step_memory(with_context(every, length + step), 1, model_config=model_config()).total >= peaks[-1]
 
 
 def test_a_second_choice_is_read_from_the_cache(planned, peaks, tmp_path):
@@ -175,7 +176,7 @@ def test_on_cuda_the_choice_is_set_and_a_run_that_cannot_fit_is_refused(planned,
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(auto, "planned_model_config", lambda name: model_config())
         record = choose_for_run(cfg, 1, "cuda", 80 * GiB, said.append, cache_dir=str(tmp_path))
-    assert record["usable_bytes"] == memory.usable_bytes(80, 0.1)
+    assert record["usable_bytes"] == fit.usable_bytes(80, 0.1)
     assert said[-1].startswith("--memory auto: no lever -> planned peak ") and "(80 GiB GPU, 10% headroom)" in said[-1]
 
 

@@ -13,7 +13,8 @@ import torch
 
 from dist_harness import map_in_processes
 from llama_cp.config import TrainConfig
-from llama_cp.plan.memory import plan_step_memory, simulate_step_memory, simulate_step_phases, step_peak
+from llama_cp.plan.memory import step_peak
+from llama_cp.plan.simulate import plan_step_memory, simulate_step_memory, simulate_step_phases
 from memory_matrix import CASES, case_config, case_name, load_baselines, mid_size_config, once_per_arguments, run_case
 
 MiB = 1 << 20
@@ -162,11 +163,11 @@ def test_layer_extrapolation_is_exact(phases, monkeypatch):
     The last case has its backward's peak in a middle layer (1024 tokens, MLP/norm tiles, offloaded
     checkpoints and parameters), which 2 and 3 layers overstated by one layer's gradient buffer
     per extrapolated layer."""
-    import llama_cp.plan.memory as memory
+    import llama_cp.plan.simulate as simulate
 
     matrix = [((case_config(*case), case[0] * case[1]), {"model_config": mid_size_config()}, phases[name])
               for name, case in CASES.items()]
-    simulated = once_per_arguments(monkeypatch, memory, "simulate_step_phases", known=matrix)
+    simulated = once_per_arguments(monkeypatch, simulate, "simulate_step_phases", known=matrix)
     middle_peak = dataclasses.replace(case_config(2, 1, "full", True, 1024), model=dataclasses.replace(
         case_config(2, 1, "full", True, 1024).model, mlp_tile_size=1024, norm_tile_size=1024, loss_chunk_size=256,
         offload_checkpoints=True, offload_params=True))

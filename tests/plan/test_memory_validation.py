@@ -20,7 +20,8 @@ from dist_harness import Checks, map_in_processes
 from llama_cp.config import TrainConfig
 from llama_cp.modules.causal_lm import embedded_llama_config
 from llama_cp.modules.quantize import installed_qlora_refusal
-from llama_cp.plan.memory import create_optimizer_state, measure_step_memory, plan_step_memory, step_peak
+from llama_cp.plan.memory import create_optimizer_state, measure_step_memory, step_peak
+from llama_cp.plan.simulate import plan_step_memory
 
 WORLD_SIZE = 2
 PLANS_ENV = "LLAMA_CP_TEST_MEMORY_PLANS"

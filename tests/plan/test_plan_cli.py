@@ -17,7 +17,8 @@ from dist_harness import map_in_processes
 from llama_cp.config import TrainConfig
 from llama_cp.modules.causal_lm import embedded_llama_config
 from llama_cp.modules.quantize import installed_qlora_refusal
-from llama_cp.plan.memory import GiB, find_max_context, with_context
+from llama_cp.plan.fit import find_max_context, with_context
+from llama_cp.plan.memory import GiB
 from memory_matrix import once_per_arguments
 from recipes.plan_memory import main
 
@@ -33,7 +34,7 @@ def run_json(capsys, **flags) -> dict:
 def test_llama3_8b_lora_131k_cp8_json_and_activation_cut(capsys, tmp_path):
     from transformers import LlamaConfig
 
-    from llama_cp.plan.memory import MODEL_PRESETS
+    from llama_cp.plan.simulate import MODEL_PRESETS
 
     # the Llama-3-8B shape with 4 layers: one simulation a plan (the ratios below are per layer)
     LlamaConfig(**{**MODEL_PRESETS["llama3-8b"], "num_hidden_layers": 4}).save_pretrained(tmp_path)
@@ -52,17 +53,17 @@ def test_llama3_8b_lora_131k_cp8_json_and_activation_cut(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_find_max_context_is_the_largest_that_fits(monkeypatch):
-    import llama_cp.plan.memory as memory
+    import llama_cp.plan.simulate as simulate
 
     # the search's own plans of `length` and `length + 512` answer the checks below
-    once_per_arguments(monkeypatch, memory, "plan_step_memory")
+    once_per_arguments(monkeypatch, simulate, "plan_step_memory")
     config = embedded_llama_config(num_hidden_layers=3)  # 3 layers: each plan is one simulation
     cfg = TrainConfig.from_flags(cp=2, context_length=1024)
     budget = int(0.2 * GiB)
     length, at_max = find_max_context(cfg, 2, budget, model_config=config, granularity=512)
     assert length > 0 and length % 512 == 0 and at_max.total <= budget
-    assert memory.plan_step_memory(with_context(cfg, length), 2, model_config=config) == at_max
-    assert memory.plan_step_memory(with_context(cfg, length + 512), 2, model_config=config).total > budget
+    assert simulate.plan_step_memory(with_context(cfg, length), 2, model_config=config) == at_max
+    assert simulate.plan_step_memory(with_context(cfg, length + 512), 2, model_config=config).total > budget
 
 
 def test_errors_name_the_flag(capsys):
@@ -103,7 +104,7 @@ def test_bf16_checkpoint_is_planned_with_float32_shards(tmp_path):
     """The planner builds like the trainer (``build_causal_lm``): a checkpoint whose config.json
     says bfloat16 is planned with float32 sharded parameters, gradients and optimizer state,
     exactly like its float32 copy, and the parameters take 4 bytes each."""
-    from llama_cp.plan.memory import simulate_step_phases
+    from llama_cp.plan.simulate import simulate_step_phases
 
     config = embedded_llama_config(num_hidden_layers=2)
     for dtype in ("bfloat16", "float32"):
@@ -156,7 +157,7 @@ def preset_plans(tmp_path_factory) -> dict[str, dict]:
     """Every preset that can be planned here, planned in two processes (``map_in_processes``)."""
     from transformers import LlamaConfig
 
-    from llama_cp.plan.memory import MODEL_PRESETS
+    from llama_cp.plan.simulate import MODEL_PRESETS
 
     model_dir = str(tmp_path_factory.mktemp("llama3_8b_4_layers"))
     LlamaConfig(**{**MODEL_PRESETS["llama3-8b"], "num_hidden_layers": 4}).save_pretrained(model_dir)
@@ -190,7 +191,7 @@ def test_every_shipped_config_plans(preset_plans, path):
 def test_gradient_accumulation_keeps_the_sharded_gradients_between_micro_batches():
     """--gradient_accumulation_steps 2 plans (FSDPMemTracker refused a second forward before):
     the second micro-batch's peak holds the sharded gradients of the first."""
-    from llama_cp.plan.memory import simulate_step_phases
+    from llama_cp.plan.simulate import simulate_step_phases
 
     config = embedded_llama_config(num_hidden_layers=2)
     phases = {steps: simulate_step_phases(TrainConfig.from_flags(context_length=512, gradient_accumulation_steps=steps),
@@ -206,7 +207,8 @@ def test_the_categories_add_up_to_the_tracked_total():
     """Every byte FSDPMemTracker counts lands in one of the plan's categories, in every phase: the
     categories add up to the tracked total, and no tracked category is left out of them (a
     category dropped from llama_cp.plan.memory._GROUPS would still leave the total right)."""
-    from llama_cp.plan.memory import _GROUPS, simulate_step_phases
+    from llama_cp.plan.memory import _GROUPS
+    from llama_cp.plan.simulate import simulate_step_phases
 
     cfg = TrainConfig.from_flags(context_length=512, cp=2, use_peft=True, activation_checkpointing=True,
                                  offload_checkpoints=True, dtype="bfloat16")
@@ -226,7 +228,7 @@ def test_offloaded_parameters_are_planned_as_host_memory(capsys):
     here the embedding's or lm_head's) and the largest group's float32 gradient shards (a decoder
     layer's); the optimizer phase runs on the CPU with fused AdamW (no foreach temporaries), so all of
     it but the buffers is host memory. The CLI says both."""
-    from llama_cp.plan.memory import simulate_step_phases
+    from llama_cp.plan.simulate import simulate_step_phases
 
     config = embedded_llama_config(num_hidden_layers=2)
     flags = dict(context_length=1024, dp_shard=2, activation_checkpointing=True, dtype="bfloat16")
@@ -267,7 +269,7 @@ def test_breakdown_lists_the_tensors_at_the_peak_with_their_bytes_per_token():
     their AdamW state, the RoPE tables: under 2%); a tensor whose shape holds the token count
     is per token, and at twice the tokens its group holds twice the bytes."""
     from llama_cp.plan.breakdown import describe_groups, step_peak_tensors
-    from llama_cp.plan.memory import simulate_step_memory
+    from llama_cp.plan.simulate import simulate_step_memory
 
     config = embedded_llama_config()
     groups, totals = {}, {}
