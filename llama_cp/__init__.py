@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from llama_cp.optim.step import forward_backward, optimizer_step
     from llama_cp.parallel.mesh import ParallelDims, end_distributed, init_distributed
     from llama_cp.parallel.sharding import shard_batch, unshard
-    from llama_cp.train.checkpoint import load_checkpoint, resumable_checkpoint, save_checkpoint
+    from llama_cp.train.checkpoint import load_checkpoint, save_checkpoint
+    from llama_cp.train.checkpoint_files import resumable_checkpoint
     from llama_cp.train.export import export_pretrained
     from llama_cp.train.launcher import launch
     from llama_cp.train.trainer import Trainer
@@ -71,7 +72,7 @@ _MODULES = {
     "load_full_weights": "llama_cp.fsdp_wrap",
     "optimizer_step": "llama_cp.optim.step",
     "parallelize_model": "llama_cp.model.build",
-    "resumable_checkpoint": "llama_cp.train.checkpoint",
+    "resumable_checkpoint": "llama_cp.train.checkpoint_files",
     "save_checkpoint": "llama_cp.train.checkpoint",
     "shard_batch": "llama_cp.parallel.sharding",
     "shard_model": "llama_cp.fsdp_wrap",

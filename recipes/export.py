@@ -80,7 +80,7 @@ def main(checkpoint: str, output_dir: str, merge_lora: bool = False, export_dtyp
 def find_source(path: str) -> tuple[str, str]:
     """(directory, kind) of --checkpoint: kind "checkpoint" (a DCP checkpoint of a run, the
     newest complete one of a run's output_dir), "adapter" or "model" (an HF export)."""
-    from llama_cp.train.checkpoint import is_complete, latest_checkpoint, step_directories
+    from llama_cp.train.checkpoint_files import is_complete, latest_checkpoint, step_directories
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--checkpoint {path!r}: no such directory")
@@ -106,7 +106,7 @@ def run_settings(source: str, kind: str, model_name: str) -> dict:
     settings, and the LoRA settings of a checkpoint; from the checkpoint's config.yaml, or an
     adapter's llama_cp_export.json (else its adapter_config.json's base)."""
     from llama_cp.modules.causal_lm import EXPORT_INFO
-    from llama_cp.train.checkpoint import checkpoint_config
+    from llama_cp.train.checkpoint_files import checkpoint_config
 
     if kind == "checkpoint":
         config = checkpoint_config(source)

@@ -1,4 +1,4 @@
-"""Training checkpoints with ``torch.distributed.checkpoint`` (DCP): save, find the newest, resume.
+"""Training checkpoints with ``torch.distributed.checkpoint`` (DCP): save a run's state, load it to resume.
 
 One checkpoint per saved step, every rank writing only its own shards::
 
@@ -20,31 +20,17 @@ directory to ``step_N``. A rename within one directory is atomic, so a
 requires the marker, and pruning removes the marker before the files, so an
 interrupted deletion never looks complete either.
 
-Note [Verified checkpoints]: a whole checkpoint can still be damaged later (a
-truncated copy, a deleted file, flipped bits on a disk). Before the marker,
-the ranks hash the files (each a share of them) into ``MANIFEST.json``;
-``verify_checkpoint`` checks every file's size and sha256 against it (again
-shared over the ranks), and ``resumable_checkpoint`` takes the newest
-checkpoint that verifies, reporting the ones it skipped and why. A file the
-manifest does not list fails verification too (nothing unverified is read), and
-a checkpoint without a manifest is refused unless the caller allows unverified
-checkpoints (``--allow_unverified_checkpoint``). The manifest detects damage,
-not an attacker: whoever can write a checkpoint can write its manifest, and
-``dcp.load`` unpickles ``.metadata``, so a checkpoint is trusted input (resume
-only from checkpoints you or your jobs wrote).
-
 DCP loads in place into the model's (FSDP2-sharded) state, so a checkpoint can
-be resumed on another sharding of the same model.
+be resumed on another sharding of the same model. Finding the checkpoints of a run and
+verifying their files (Note [Verified checkpoints]): ``llama_cp.train.checkpoint_files``;
+a save that fails on any rank: ``llama_cp.train.write_failures``.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import warnings
 from typing import Any
@@ -63,74 +49,25 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from llama_cp.optim.optimizers import DECAYS
+from llama_cp.train.checkpoint_files import (
+    COMPLETE_MARKER,
+    CONFIG_FILE,
+    TMP_PREFIX,
+    TRAINER_STATE_FILE,
+    checkpoint_dir,
+    complete_checkpoints,
+    is_complete,
+    remove_checkpoint,
+    write_manifest,
+    yaml_dump,
+)
+from llama_cp.train.write_failures import errors_behind, fail_together
 
 
 try:
     import numpy as np
 except ImportError:  # numpy is optional: its RNG is saved only when it is installed
     np = None
-
-CHECKPOINTS_DIR = "checkpoints"
-COMPLETE_MARKER = "COMPLETE"
-CONFIG_FILE = "config.yaml"
-MANIFEST_FILE = "MANIFEST.json"
-TRAINER_STATE_FILE = "trainer_state.pt"
-TMP_PREFIX = ".tmp-"
-_STEP_DIR = re.compile(r"step_(\d+)")
-
-
-def checkpoint_dir(output_dir: str, step: int) -> str:
-    """Where the checkpoint of ``step`` lives: ``output_dir/checkpoints/step_{step:08d}``."""
-    return os.path.join(output_dir, CHECKPOINTS_DIR, f"step_{step:08d}")
-
-
-def is_complete(path: str) -> bool:
-    """Whether ``path`` is a finished checkpoint (see Note [Atomic checkpoints])."""
-    return os.path.isfile(os.path.join(path, COMPLETE_MARKER))
-
-
-def step_directories(output_dir: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every ``step_N`` directory under ``output_dir``, complete or not, oldest first."""
-    root = os.path.join(output_dir, CHECKPOINTS_DIR)
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        match = _STEP_DIR.fullmatch(name)  # ".tmp-step_..." does not match
-        if match and os.path.isdir(os.path.join(root, name)):
-            found.append((int(match.group(1)), os.path.join(root, name)))
-    return sorted(found)
-
-
-def complete_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every complete checkpoint under ``output_dir``, oldest first."""
-    return [(step, path) for step, path in step_directories(output_dir) if is_complete(path)]
-
-
-def checkpoint_config(path: str) -> dict[str, Any] | None:
-    """The config (nested dict) the run that wrote checkpoint ``path`` had, or None when the
-    checkpoint does not record it (written before checkpoints did) or it is unreadable."""
-    import yaml
-
-    try:
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            config = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
-        return None
-    return config if isinstance(config, dict) else None
-
-
-def yaml_dump(values: dict[str, Any]) -> str:
-    """``values`` as YAML in their own order, tuples as lists: the text of a config.yaml."""
-    import yaml
-
-    return yaml.safe_dump(json.loads(json.dumps(values)), sort_keys=False)  # tuples -> lists
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    """The complete checkpoint with the highest step under ``output_dir``, or None."""
-    found = complete_checkpoints(output_dir)
-    return found[-1][1] if found else None
 
 
 # ---------------------------------------------------------------- model + optimizer state
@@ -244,8 +181,8 @@ def save_checkpoint(
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - a full disk, a lost mount: tell every rank
         failure = error  # (DCP's CheckpointException is a BaseException)
     # every rank's files are written, or the ranks fail together (no rank left in a barrier)
-    _fail_together(failure, f"saving the checkpoint of step {step}", tmp, output_dir)
-    _write_manifest(tmp)
+    fail_together(failure, f"saving the checkpoint of step {step}", tmp, output_dir)
+    write_manifest(tmp)
 
     if rank == 0:
         with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
@@ -253,182 +190,15 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         if os.path.exists(final):
-            _remove_checkpoint(final)
+            remove_checkpoint(final)
         os.rename(tmp, final)
         if keep_last is not None:
             older = [path for _, path in complete_checkpoints(output_dir) if path != final]
             # the newest keep_last - 1 others stay, with the one just written
             for path in older[: max(len(older) - (keep_last - 1), 0)]:
-                _remove_checkpoint(path)
+                remove_checkpoint(path)
     dist.barrier()  # no rank returns (and maybe resumes) before the checkpoint is in place
     return final
-
-
-class WriteFailed(OSError):
-    """Writing a checkpoint or an export failed (e.g. a full disk); raised on every rank, nothing half-written kept."""
-
-    same_on_every_rank = True
-
-
-#: Free bytes under which a failed write is put down to a full filesystem.
-_NEARLY_FULL = 64 << 20
-
-
-def describe_write_failure(error: BaseException | None, what: str, directory: str, output_dir: str) -> str:
-    """One paragraph on why ``what`` (writing into ``directory``) failed: a full filesystem
-    when the error says so or almost nothing is free (torch's writer reports ENOSPC as
-    "unexpected pos"), else the error itself; and what is still safe."""
-    try:
-        free = shutil.disk_usage(directory if os.path.exists(directory) else output_dir).free
-    except OSError:
-        free = None
-    chain = _errors_behind(error)
-    reason = _root_reason(chain) if chain else "another rank failed to write"
-    full = any(getattr(e, "errno", None) == errno.ENOSPC for e in chain) or "no space left" in reason.lower() or (
-        free is not None and free < _NEARLY_FULL
-    )
-    if full:
-        reason = f"the filesystem is full ({(free or 0) / (1 << 20):.1f} MiB free; the writer said: {reason})"
-    newest = latest_checkpoint(output_dir)
-    kept = f"the newest checkpoint, {newest}, is intact" if newest else "no earlier checkpoint exists"
-    fix = "free space, lower --keep_last or choose another --output_dir" if full else "fix the cause"
-    return f"{what} in {directory} failed: {reason}. Nothing of it was kept; {kept}. {fix.capitalize()}, then --resume"
-
-
-def _errors_behind(error: BaseException | None) -> list[BaseException]:
-    """``error``, then what it wraps: causes, contexts, and the per-rank errors of DCP's
-    CheckpointException (whose own text is a traceback per rank)."""
-    found: list[BaseException] = []
-    todo = [error]
-    while todo:
-        current = todo.pop(0)
-        if current is None or any(current is seen for seen in found):
-            continue
-        found.append(current)
-        wrapped = [f[0] for f in getattr(current, "failures", {}).values() if isinstance(f, tuple) and f]
-        todo += [*wrapped, current.__cause__, current.__context__]
-    return found
-
-
-def _root_reason(chain: list[BaseException]) -> str:
-    """One line saying why a write failed: the operating system's error when there is one
-    ("[Errno 28] No space left on device"), else the innermost error's text without
-    torch's "[enforce fail at file:line]" prefix."""
-    system = [e for e in chain if isinstance(e, OSError) and e.strerror]
-    root = system[0] if system else next((e for e in reversed(chain) if not hasattr(e, "failures")), chain[-1])
-    text = " ".join(str(root).split()) if not hasattr(root, "failures") else ""
-    text = text.split("] . ", 1)[1] if text.startswith("[enforce fail at ") and "] . " in text else text
-    return text[:300] or type(root).__name__
-
-
-def _fail_together(failure: BaseException | None, what: str, tmp: str, output_dir: str) -> None:
-    """A collective: when ``failure`` happened on any rank, rank 0 removes the half-written
-    ``tmp`` and every rank raises :class:`WriteFailed` with one message."""
-    message = describe_write_failure(failure, what, tmp, output_dir) if failure is not None else None
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, message)  # works with gloo and NCCL alike
-    if all(m is None for m in gathered):
-        return
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    raise WriteFailed(next(m for m in gathered if m is not None))
-
-
-def _file_digest(path: str) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):  # 16 MiB at a time (hashlib.file_digest needs Python 3.11)
-            digest.update(block)
-    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
-
-
-def _share(names: list[str]) -> list[str]:
-    """This rank's share of ``names`` (the same sorted list on every rank)."""
-    return names[dist.get_rank() :: dist.get_world_size()]
-
-
-def _write_manifest(path: str) -> None:
-    """Every rank hashes its share of the checkpoint's files; rank 0 writes ``MANIFEST.json``
-    (Note [Verified checkpoints])."""
-    names = sorted(name for name in os.listdir(path) if name not in (MANIFEST_FILE, COMPLETE_MARKER))
-    mine = {name: _file_digest(os.path.join(path, name)) for name in _share(names)}
-    shares: list[dict] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(shares, mine)
-    if dist.get_rank() == 0:
-        files = {name: entry for share in shares for name, entry in share.items()}
-        with open(os.path.join(path, MANIFEST_FILE), "w") as f:
-            json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-
-
-class UnverifiedCheckpoint(ValueError):
-    """The checkpoint to resume from has no manifest, and unverified checkpoints are not allowed."""
-
-    same_on_every_rank = True
-
-
-def verify_checkpoint(path: str) -> str | None:
-    """None if every file of the complete checkpoint ``path`` has the size and sha256 its
-    manifest records and no other file is there, else why not (the same answer on every
-    rank; call on every rank). A checkpoint without a manifest passes here (only its marker
-    is checked): ``resumable_checkpoint`` decides whether it may be loaded."""
-    problem = None
-    if not is_complete(path):
-        problem = f"no {COMPLETE_MARKER} marker (its save was interrupted, or it is being deleted)"
-    elif os.path.isfile(os.path.join(path, MANIFEST_FILE)):
-        try:
-            with open(os.path.join(path, MANIFEST_FILE)) as f:
-                files = json.load(f)["files"]
-        except (OSError, ValueError, KeyError) as error:
-            files, problem = {}, f"unreadable {MANIFEST_FILE} ({error})"
-        unlisted = sorted(set(os.listdir(path)) - set(files) - {MANIFEST_FILE, COMPLETE_MARKER})
-        if unlisted and not problem:
-            problem = f"it holds files its {MANIFEST_FILE} does not list ({', '.join(unlisted[:5])})"
-        for name in _share(sorted(files)) if not problem else []:
-            file = os.path.join(path, name)
-            if not os.path.isfile(file):
-                problem = f"{name} is missing"
-            elif os.path.getsize(file) != files[name]["bytes"]:
-                problem = f"{name} has {os.path.getsize(file)} bytes, the manifest says {files[name]['bytes']} (truncated?)"
-            elif _file_digest(file)["sha256"] != files[name]["sha256"]:
-                problem = f"{name} does not match its sha256 in the manifest (corrupted)"
-            if problem:
-                break
-    problems: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    return next((p for p in problems if p), None)
-
-
-def resumable_checkpoint(
-    output_dir: str, *, allow_unverified: bool = False
-) -> tuple[str | None, list[tuple[str, str]]]:
-    """The newest checkpoint under ``output_dir`` that verifies (``verify_checkpoint``), and the
-    ``(path, reason)`` of every newer ``step_N`` directory skipped (damaged, or without its
-    ``COMPLETE`` marker); call on every rank. The newest whole checkpoint without a manifest
-    raises :class:`UnverifiedCheckpoint` unless ``allow_unverified``."""
-    skipped = []
-    for _, path in reversed(step_directories(output_dir)):
-        problem = verify_checkpoint(path)
-        if problem is None:
-            if not allow_unverified and not os.path.isfile(os.path.join(path, MANIFEST_FILE)):
-                raise UnverifiedCheckpoint(
-                    f"--resume: checkpoint {path} has no {MANIFEST_FILE}, so its files cannot be verified (written "
-                    "before manifests existed, or the manifest was deleted); pass --allow_unverified_checkpoint to "
-                    "load it anyway, or delete it to resume from an older checkpoint"
-                )
-            return path, skipped
-        skipped.append((path, problem))
-    return None, skipped
-
-
-def _remove_checkpoint(path: str) -> None:
-    """Delete a checkpoint, marker first, so a partial deletion never looks complete."""
-    marker = os.path.join(path, COMPLETE_MARKER)
-    if os.path.exists(marker):
-        os.remove(marker)
-    shutil.rmtree(path)
 
 
 # ---------------------------------------------------------------- load
@@ -459,7 +229,7 @@ def load_checkpoint(
     try:
         dcp.load(state, checkpoint_id=path)  # in place; fails on any key the checkpoint lacks
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException
-        if any("param_groups" in str(e) and DECAYS in str(e) for e in _errors_behind(error)):
+        if any("param_groups" in str(e) and DECAYS in str(e) for e in errors_behind(error)):
             raise ValueError(
                 f"checkpoint {path!r} was saved before the optimizer kept norms, biases and embeddings out of weight "
                 "decay (two parameter groups, issue 35): its optimizer state cannot be resumed. Start a new run from its "

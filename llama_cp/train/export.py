@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from llama_cp.modules.causal_lm import EXPORT_INFO, base_causal_lm
-from llama_cp.train.checkpoint import WriteFailed, describe_write_failure
+from llama_cp.train.write_failures import WriteFailed, describe_write_failure
 
 #: --export_dtype's choices.
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

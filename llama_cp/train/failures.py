@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from llama_cp.config import TrainConfig
-from llama_cp.train.checkpoint import checkpoint_dir, latest_checkpoint
+from llama_cp.train.checkpoint_files import checkpoint_dir, latest_checkpoint
 from llama_cp.train.run_dir import plot_losses
 
 #: Signals that stop training gracefully: finish the step, save, exit (Note [Stopping on a signal]).

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from llama_cp.config import TrainConfig
-from llama_cp.train.checkpoint import load_checkpoint, resumable_checkpoint
+from llama_cp.train.checkpoint import load_checkpoint
+from llama_cp.train.checkpoint_files import resumable_checkpoint
 
 
 def resume_checkpoint(cfg: TrainConfig, say: Callable[[str], None]) -> str | None:

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from llama_cp.config import TrainConfig
-from llama_cp.train.checkpoint import CHECKPOINTS_DIR, checkpoint_config, complete_checkpoints, yaml_dump
+from llama_cp.train.checkpoint_files import CHECKPOINTS_DIR, checkpoint_config, complete_checkpoints, yaml_dump
 
 
 # Note [Changing settings on resume]

@@ -207,7 +207,7 @@ def trainer_trains_exports_and_resumes():
 
     from llama_cp import Trainer, TrainConfig
     from llama_cp.modules.quantize import quantized_linears
-    from llama_cp.train.checkpoint import checkpoint_dir
+    from llama_cp.train.checkpoint_files import checkpoint_dir
 
     def losses(output_dir):
         with open(os.path.join(output_dir, "metrics.jsonl")) as f:

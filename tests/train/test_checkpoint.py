@@ -16,7 +16,8 @@ from dist_harness import Checks, shared_tmpdir
 from fsdp_checks import build, full_param, global_batch, sharded_step, tiny_model
 from llama_cp import ParallelDims
 from llama_cp.optim.optimizers import DECAYS, build_optimizer
-from llama_cp.train.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from llama_cp.train.checkpoint import load_checkpoint, save_checkpoint
+from llama_cp.train.checkpoint_files import checkpoint_dir, latest_checkpoint
 
 WORLD_SIZE = 2
 SAVE_AT, TRAIN_AFTER = 2, 2
@@ -162,7 +163,7 @@ def keep_last_and_incomplete_checkpoints_are_ignored():
 
 @checks.add
 def resume_skips_unmarked_and_unlisted_and_refuses_unverified_checkpoints():
-    from llama_cp.train.checkpoint import UnverifiedCheckpoint, resumable_checkpoint
+    from llama_cp.train.checkpoint_files import UnverifiedCheckpoint, resumable_checkpoint
 
     model, _, optimizer, scheduler = trainer(dict(dp_shard=2), tiny_model())
     with shared_tmpdir() as output_dir:

@@ -200,7 +200,7 @@ def test_a_structural_change_on_resume_is_one_line_before_anything_is_built(caps
     """A checkpoint records its run's config; --resume --lora_r 16 on an r=8 run is refused in one line
     (it used to be a 62-line traceback from the model load). The checkpoint here is only its marker and
     config: the refusal must come before anything would read more."""
-    from llama_cp.train.checkpoint import checkpoint_dir
+    from llama_cp.train.checkpoint_files import checkpoint_dir
     from llama_cp.train.run_dir import yaml_dump
 
     out = tmp_path / "run"

@@ -816,7 +816,8 @@ def _nan_at(bad_steps):
 
 @checks.add
 def nonfinite_steps_are_skipped_and_a_run_of_them_stops_training():
-    from llama_cp.train.checkpoint import complete_checkpoints, load_checkpoint
+    from llama_cp.train.checkpoint import load_checkpoint
+    from llama_cp.train.checkpoint_files import complete_checkpoints
 
     with tempfile.TemporaryDirectory() as straight, tempfile.TemporaryDirectory() as one_bad, \
             tempfile.TemporaryDirectory() as diverged:

@@ -70,7 +70,7 @@ DAMAGE = {
 
 @checks.add
 def damaged_checkpoints_are_skipped_and_the_trajectory_continues():
-    from llama_cp.train.checkpoint import checkpoint_dir, resumable_checkpoint
+    from llama_cp.train.checkpoint_files import checkpoint_dir, resumable_checkpoint
 
     with shared_tmpdir() as root:
         straight = os.path.join(root, "straight")
@@ -113,7 +113,7 @@ def resume_true_needs_a_checkpoint_and_auto_starts_fresh():
 @checks.add
 def an_earlier_run_is_refused_unless_resume_or_overwrite():
     from llama_cp import Trainer
-    from llama_cp.train.checkpoint import complete_checkpoints
+    from llama_cp.train.checkpoint_files import complete_checkpoints
 
     with shared_tmpdir() as root:
         out = os.path.join(root, "run")
@@ -202,7 +202,7 @@ def resume_takes_the_new_schedule_or_refuses_a_setting_in_one_line():
 @checks.add
 def a_checkpoint_without_a_manifest_needs_allow_unverified_checkpoint():
     from llama_cp import Trainer
-    from llama_cp.train.checkpoint import checkpoint_dir
+    from llama_cp.train.checkpoint_files import checkpoint_dir
 
     with shared_tmpdir() as root:
         out = os.path.join(root, "run")
@@ -355,7 +355,7 @@ def test_sigterm_saves_the_step_and_resume_continues_the_trajectory(tmp_path, un
 
 def _intact(path) -> bool:
     """Every file of checkpoint ``path`` has the size and sha256 its manifest records."""
-    from llama_cp.train.checkpoint import COMPLETE_MARKER, MANIFEST_FILE, _file_digest
+    from llama_cp.train.checkpoint_files import COMPLETE_MARKER, MANIFEST_FILE, _file_digest
 
     with open(os.path.join(path, MANIFEST_FILE)) as f:
         files = json.load(f)["files"]
@@ -478,7 +478,7 @@ def test_a_write_failure_is_described_without_traceback_text(tmp_path):
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from llama_cp.train.checkpoint import describe_write_failure
+    from llama_cp.train.write_failures import describe_write_failure
 
     def failed_save(system_error):
         """DCP's exception for a rank whose zip writer failed (while handling ``system_error``)."""
