@@ -120,18 +120,18 @@ def test_shapes_split_for_every_strategy_on_1_to_8_gpus(n):
     """What the GPU run chooses from N: heads Ulysses and the hybrid split, a hybrid degree that
     divides N and the heads (both halves over several ranks where N has a divisor between), and
     lengths the zigzag cuts into 2 x N chunks (the exactness rows into documents of L / 8 too)."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    sys.path.insert(0, ROOT)
     try:
-        import gpu_acceptance
+        from benchmarks.gpu import settings
     finally:
-        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+        sys.path.remove(ROOT)
 
-    shape = gpu_acceptance.heads_for(n, 16, 64)
+    shape = settings.heads_for(n, 16, 64)
     heads = shape["num_attention_heads"]
     assert heads >= 16 and heads % n == 0 and heads % shape["num_key_value_heads"] == 0, shape
     assert shape["hidden_size"] % 256 == 0, shape  # whole blocks of adamw8bit's state in every shard
-    u = gpu_acceptance.hybrid_degree(n, heads)
+    u = settings.hybrid_degree(n, heads)
     assert n % u == 0 and heads % u == 0 and (1 < u < n or all(n % d for d in range(2, n))), (n, u)
     for length in (8192, 2048):
-        exact = gpu_acceptance._round_up(length, 16 * n)
+        exact = settings.round_up(length, 16 * n)
         assert exact % (2 * n) == 0 and (exact // 8) % (2 * n) == 0 and exact - length < 16 * n
