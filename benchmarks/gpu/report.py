@@ -89,29 +89,34 @@ def correctness_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"| {case} | {strategy}{degree} | {documents} | {e['cp']} | {e['attention_backend']} | "
                      + _errors(e["llama_cp_bf16_error"], e["transformers_bf16_error"], ("loss", "logits", "gradients"))
                      + f" | {_num(e['feature_effect'], '.2e')} | {e['pass']} |")
-    q = report["qlora"]
-    lines += ["", "QLoRA (NF4 base + LoRA, bf16, vs transformers + bitsandbytes + peft in fp32; yardstick: the "
-              "same in bf16):", "",
-              "| cp | NF4 layers | codes identical | loss | LoRA gradients | bf16 loss | bf16 LoRA gradients | pass |",
-              "|---:|---:|---|---:|---:|---:|---:|---|"]
-    if "error" in q:
-        lines.append(f"| {q['error']} |||||||")
-    else:
-        lines.append(f"| {q['cp']} | {q['nf4_layers']} | {q['nf4_codes_identical']} | "
-                     + _errors(q["llama_cp_bf16_error"], q["transformers_bf16_error"], ("loss", "lora_gradients"))
-                     + f" | {q['pass']} |")
-    a = report["adamw8bit"]
-    lines += ["", "adamw8bit (fp32; updates after the steps vs the same optimizer in one process; yardstick: that "
-              "run vs fp32 AdamW):", "",
-              "| cp | steps | 8-bit state share | update error | yardstick | finite | pass |",
-              "|---:|---:|---:|---:|---:|---|---|"]
-    if "error" in a:
-        lines.append(f"| {a['error']} ||||||")
-    else:
-        lines.append(f"| {a['cp']} | {a['steps']} | {a['state_8bit_share']:.1%} | "
-                     f"{a['update_error_vs_one_process']:.2e} | {a['yardstick_8bit_vs_fp32_adamw']:.2e} | "
-                     f"{a['finite']} | {a['pass']} |")
+    lines += _one_row_table(
+        "QLoRA (NF4 base + LoRA, bf16, vs transformers + bitsandbytes + peft in fp32; yardstick: the same in bf16):",
+        "| cp | NF4 layers | codes identical | loss | LoRA gradients | bf16 loss | bf16 LoRA gradients | pass |",
+        "|---:|---:|---|---:|---:|---:|---:|---|", report["qlora"], _qlora_row)
+    lines += _one_row_table(
+        "adamw8bit (fp32; updates after the steps vs the same optimizer in one process; yardstick: that run vs fp32 "
+        "AdamW):", "| cp | steps | 8-bit state share | update error | yardstick | finite | pass |",
+        "|---:|---:|---:|---:|---:|---|---|", report["adamw8bit"], _adamw8bit_row)
     return lines
+
+
+def _one_row_table(caption: str, header: str, align: str, result: dict, row) -> list[str]:
+    """The table of a check with one result: ``row(result)``, or the error that stopped it."""
+    columns = header.count("|") - 1
+    return ["", caption, "", header, align,
+            f"| {result['error']} " + "|" * (columns - 1) if "error" in result else row(result)]
+
+
+def _qlora_row(q: dict) -> str:
+    return (f"| {q['cp']} | {q['nf4_layers']} | {q['nf4_codes_identical']} | "
+            + _errors(q["llama_cp_bf16_error"], q["transformers_bf16_error"], ("loss", "lora_gradients"))
+            + f" | {q['pass']} |")
+
+
+def _adamw8bit_row(a: dict) -> str:
+    return (f"| {a['cp']} | {a['steps']} | {a['state_8bit_share']:.1%} | "
+            f"{a['update_error_vs_one_process']:.2e} | {a['yardstick_8bit_vs_fp32_adamw']:.2e} | "
+            f"{a['finite']} | {a['pass']} |")
 
 
 def memory_lines(report: dict[str, Any]) -> list[str]:
