@@ -681,7 +681,7 @@ def a_local_model_with_only_model_name_and_dataset_gets_the_real_model_defaults(
         assert info["save_every"] == -(-steps // 10)
         assert len(read_metrics(run)) >= 1 and os.path.isdir(os.path.join(run, "final"))
         assert f"{steps} steps (--num_epochs 1), --lr 2e-05, activation checkpointing on, checkpoints every " \
-               f"{info['save_every']} steps (Note [Defaults by run] in llama_cp/config.py)" in said, said
+               f"{info['save_every']} steps (Note [Defaults by run] in llama_cp/flags/defaults.py)" in said, said
 
 
 @checks.add
