@@ -177,9 +177,9 @@ class OptimConfig:
     weight_decay: float = 0.0
     """AdamW weight decay of the matrices (Linear weights, an untied lm_head, LoRA's A and B); norms, biases, DoRA's magnitudes and the embeddings (a tied lm_head too) do not decay (Note [Which parameters decay] in llama_cp/optim/optimizers.py)."""
     warmup_steps: int = 10
-    """Linear warm-up steps."""
+    """Linear warm-up: optimizer step k (1-based) of the first N uses --lr * k / (N + 1), so the first step already learns; the full --lr is reached at step N + 1, where the decay starts."""
     lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay after warm-up."""
+    """The decay after warm-up, from --lr at step --warmup_steps + 1 down towards --lr * --min_lr_ratio, which the step after the last would use (constant: no decay)."""
     min_lr_ratio: float = 0.1
     """Where cosine/linear decay ends, as a fraction of --lr (0 = decay to zero)."""
     gradient_accumulation_steps: int = 1
