@@ -44,3 +44,16 @@ def test_every_module_has_at_most_500_lines():
     offenders = long_modules()
     listed = "\n".join(f"  {path}: {lines} lines" for path, lines in sorted(offenders.items()))
     assert not offenders, f"modules over {MAX_LINES} lines (split them by concern):\n{listed}"
+
+
+#: The README's size limit: what it is, the two commands, a launch, the flags, where to read on.
+README_BYTES = 10 * 1024
+
+
+def test_the_readme_is_short_and_its_history_is_in_the_changelog():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert len(readme.encode()) <= README_BYTES, f"README.md has {len(readme.encode())} bytes, more than {README_BYTES}"
+    assert "Behaviour change" not in readme, "behaviour changes belong in CHANGELOG.md"
+    with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
+        assert f.read().startswith("# ")
