@@ -18,6 +18,11 @@ then exposes them to pytest as one module fixture and one test per check::
 Every rank runs every selected check in order (collectives must line up); a
 check fails if it raised on any rank, and the test shows that rank's traceback.
 
+A check that uses only a group of ``group`` consecutive ranks (``@checks.add`` with
+``group=``: the cp group of a mesh whose other dims it leaves alone, a group of one rank) runs
+on one such group only, next to other checks of its size on the other groups (Note [Checks side
+by side]); the meshes they use are built by every rank first, in ``Checks(setup=...)``.
+
 Selecting tests selects checks: the ranks run only the checks whose tests pytest
 collected (node ids, ``-k``, ``-m``, ``--lf``; tests/conftest.py hands them to each
 module's ``Checks.select``). So ``pytest "tests/attention/test_windows.py::test_check[ring_cp2_plain_float32]"``
@@ -28,12 +33,14 @@ is selected starts none.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import json
 import os
 import shutil
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -59,6 +66,42 @@ mp.set_forkserver_preload(["dist_harness", "llama_cp.train.trainer", "llama_cp.d
                            "transformers.models.llama.modeling_llama"])
 
 
+# Note [Checks side by side]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A check of a cp-2 mesh without FSDP (dp_shard 2 x cp 2 on 4 ranks) runs the same computation on
+# both cp groups, and a cp-1 check the same single-process computation on every rank: on 2 cores
+# the copies cost as much as the check. A check registered with ``group=g`` uses only its group of
+# g consecutive ranks (ranks g*i .. g*i + g - 1: a mesh's cp group, as ParallelDims orders the
+# ranks), so the world runs world / g different ones at once:
+#
+#     group=2 checks a, b, c, d, e:   ranks 0 1 | ranks 2 3
+#                                     a, c, e   | b, d
+#     then the world's checks:        ranks 0 1 2 3, in order
+#
+# The selected checks of each group size are dealt to the groups in order of registration and run
+# before the world's checks; a check still compares with its single-process reference on every
+# rank of its group, and a rank outside the group reports it passed. The meshes the group checks
+# use are made by every rank before them (``Checks(setup=...)``, given the group sizes): a group
+# check must make no new group, and run no collective outside its own.
+
+
+def _my_checks(module_checks, names: list[str], rank: int, world_size: int) -> list[tuple[str, callable]]:
+    """The checks this rank runs, in order: its share of each group size's (Note [Checks side by
+    side]), then every world check."""
+    mine, dealt = [], {}  # group size -> checks dealt so far
+    for name, fn in module_checks.items:
+        if name not in names:
+            continue
+        group = module_checks.groups.get(name, world_size)
+        assert world_size % group == 0, f"{name}: groups of {group} ranks do not divide a world of {world_size}"
+        if group < world_size:
+            index = dealt[group] = dealt.get(group, -1) + 1
+            if index % (world_size // group) == rank // group:
+                mine.append((name, fn))
+    return mine + [(name, fn) for name, fn in module_checks.items
+                   if name in names and module_checks.groups.get(name, world_size) >= world_size]
+
+
 def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: str, names: list[str],
             environ: dict[str, str], cwd: str) -> None:
     # the fork server's environment and directory are those of its start: take the parent's now, as a spawned rank would
@@ -71,37 +114,54 @@ def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: st
         timeout=timedelta(seconds=90),
     )
     module = importlib.import_module(module_name)
-    results: dict[str, str | None] = {}
-    for name, fn in module.checks.items:
-        if name not in names:
-            continue
+    sizes = {module.checks.groups[name] for name in names if module.checks.groups.get(name, world_size) < world_size}
+    if sizes:
+        module.checks.setup(sizes)
+    results: dict[str, str | None] = {name: None for name in names}  # another group's checks: passed here
+    seconds: dict[str, tuple[float, float]] = {}  # name -> (wall, CPU) on this rank
+    for name, fn in _my_checks(module.checks, names, rank, world_size):
+        wall, cpu = time.perf_counter(), time.process_time()
         try:
             fn()
-            results[name] = None
         except (Exception, pytest.fail.Exception):  # recorded and reported by pytest in the parent
             results[name] = f"rank {rank}:\n{traceback.format_exc()}"
+        seconds[name] = (time.perf_counter() - wall, time.process_time() - cpu)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    if os.environ.get("LLAMA_CP_CHECK_SECONDS"):  # a folder: each rank's seconds per check, to find the slow ones
+        with open(os.path.join(os.environ["LLAMA_CP_CHECK_SECONDS"], f"{module_name}.rank{rank}.json"), "w") as f:
+            json.dump(seconds, f)
     end_distributed()  # Note [Leaving a gloo job] in llama_cp/parallel/mesh.py
 
 
 class Checks:
-    def __init__(self) -> None:
+    def __init__(self, setup=None) -> None:
+        """``setup(sizes)``: run by every rank before the checks, with the group sizes of the selected
+        checks of ``group=``; it makes what they need made by every rank (their meshes: Note [Checks
+        side by side])."""
         self.items: list[tuple[str, callable]] = []
         self.skips: dict[str, str] = {}  # name -> why it does not run here
+        self.groups: dict[str, int] = {}  # name -> the size of the rank group it runs on (Note [Checks side by side])
+        self.setup = setup
         self.selected: set[str] | None = None  # the names whose tests pytest selected; None: every name
 
     @property
     def names(self) -> list[str]:
         return [name for name, _ in self.items]
 
-    def add(self, fn, name: str | None = None, *, skip: str | None = None):
-        """Register ``fn`` (no arguments) under ``name`` (default: its __name__); usable as a decorator.
-        ``skip``: why it cannot run here (it is then not run, and reported as skipped)."""
+    def add(self, fn=None, name: str | None = None, *, skip: str | None = None, group: int | None = None):
+        """Register ``fn`` (no arguments) under ``name`` (default: its __name__); usable as a decorator
+        (``@checks.add(group=1)`` too). ``skip``: why it cannot run here (it is then not run, and
+        reported as skipped). ``group``: it uses only its group of that many consecutive ranks, and
+        runs on one group, next to others (Note [Checks side by side])."""
+        if fn is None:
+            return functools.partial(self.add, name=name, skip=skip, group=group)
         name = name or fn.__name__
         self.items.append((name, fn))
         if skip:
             self.skips[name] = skip
+        if group:
+            self.groups[name] = group
         return fn
 
     def select(self, names) -> None:

@@ -21,7 +21,7 @@ from llama_cp.parallel.sharding import unshard
 from llama_cp.parallel.sharding import shard_sequence
 
 WORLD_SIZE = 4
-checks = Checks()
+checks = Checks(setup=lambda sizes: [cp_mesh(cp) for cp in sorted(sizes)])  # the cp groups' meshes
 
 
 @functools.cache
@@ -88,10 +88,12 @@ MODEL_CASES = [
 for _case in MODEL_CASES:
     for _dtype, _dtype_name in ((torch.float32, "fp32"), (torch.float64, "fp64")):
         checks.add(
-            functools.partial(check_model, *_case, _dtype), name="model_{}_cp{}_h{}_kv{}_".format(*_case) + _dtype_name
+            functools.partial(check_model, *_case, _dtype), name="model_{}_cp{}_h{}_kv{}_".format(*_case) + _dtype_name,
+            group=_case[1],  # Note [Checks side by side] in dist_harness.py
         )
 for _strategy in ("ring", "ulysses"):
-    checks.add(functools.partial(check_model, _strategy, 2, 8, 2, torch.bfloat16), name=f"model_{_strategy}_cp2_h8_kv2_bf16")
+    checks.add(functools.partial(check_model, _strategy, 2, 8, 2, torch.bfloat16), name=f"model_{_strategy}_cp2_h8_kv2_bf16",
+               group=2)
 
 
 def check_kernel(strategy, cp, causal, kv_heads):
@@ -127,7 +129,7 @@ for _strategy in ("ring", "ulysses"):
             for _kv in (4, 1):
                 checks.add(
                     functools.partial(check_kernel, _strategy, _cp, _causal, _kv),
-                    name=f"kernel_{_strategy}_cp{_cp}_{'causal' if _causal else 'full'}_kv{_kv}",
+                    name=f"kernel_{_strategy}_cp{_cp}_{'causal' if _causal else 'full'}_kv{_kv}", group=_cp,
                 )
 
 
@@ -177,11 +179,11 @@ for _strategy in ("ring", "ulysses"):
                 checks.add(
                     functools.partial(check_tiled_kernel, _strategy, _causal, _kv, _block, _documents, _dtype),
                     name=f"tiled_{_strategy}_cp2_{'documents' if _documents else 'causal' if _causal else 'full'}"
-                         f"_kv{_kv}_block{_block}_{str(_dtype)[6:]}",
+                         f"_kv{_kv}_block{_block}_{str(_dtype)[6:]}", group=2,
                 )
 
 
-@checks.add
+@checks.add(group=1)
 def cp1_matches_stock_sdpa():
     reference = tiny_llama(8, 2)
     model = apply_context_parallel(copy.deepcopy(reference), cp_mesh(1), strategy="ring")
@@ -217,7 +219,7 @@ def ring_sends_native_kv_heads():
     assert sent_per_call == [expected] * (cp - 1), (sent_per_call, expected)
 
 
-@checks.add
+@checks.add(group=2)
 def no_seq_by_seq_tensor_in_cp_forward_backward():
     seq_len, cp = 1024, 2
     mesh = cp_mesh(cp)

@@ -28,7 +28,7 @@ from llama_cp import apply_context_parallel, shard_batch, unshard
 from llama_cp.attention import hybrid
 
 WORLD_SIZE = 4
-checks = Checks()
+checks = Checks(setup=lambda sizes: [mesh_for(cp, WORLD_SIZE) for cp in sorted(sizes)])  # the cp groups' meshes
 
 for _strategy in ("ring", "ulysses"):
     for _cp in (1, 2, 4):
@@ -42,13 +42,14 @@ for _strategy in ("ring", "ulysses"):
                         _strategy, _cp, _mode, _dtype,
                     ),
                     name=f"{_strategy}_cp{_cp}_{_mode}_{str(_dtype)[6:]}",
+                    group=_cp if _mode == "plain" else None,  # Note [Checks side by side] in dist_harness.py
                 )
 
 for _cp in (2, 4):
     for _dtype in (torch.float32, torch.float64):
         checks.add(
             functools.partial(lambda c, d: check_documents("allgather", mesh_for(c, WORLD_SIZE), False, d), _cp, _dtype),
-            name=f"allgather_cp{_cp}_plain_{str(_dtype)[6:]}",
+            name=f"allgather_cp{_cp}_plain_{str(_dtype)[6:]}", group=_cp,
         )
 
 
@@ -110,7 +111,7 @@ def hybrid_refuses_heads_not_divisible():
         apply_context_parallel(model, mesh_for(4, WORLD_SIZE)["cp"], strategy="hybrid", ulysses_degree=4)
 
 
-@checks.add
+@checks.add(group=2)
 def document_sharding_is_refused_by_ring_and_ulysses():
     mesh = mesh_for(2, WORLD_SIZE)
     local = shard_batch(packed_batch()[0], mesh["cp"], layout="documents")
@@ -122,7 +123,7 @@ def document_sharding_is_refused_by_ring_and_ulysses():
             model(input_ids=local["input_ids"], position_ids=local["position_ids"], seq_index=local["seq_index"])
 
 
-@checks.add
+@checks.add(group=1)
 def hf_packing_is_per_document():
     """The reference itself: transformers on packed rows equals each document run alone."""
     model = tiny_model(**HEADS).double()
@@ -138,7 +139,7 @@ def hf_packing_is_per_document():
             start += length
 
 
-@checks.add
+@checks.add(group=2)
 def document_mask_false_attends_across_documents():
     """--document_mask false: the whole row is one causal sequence (transformers with the
     position_ids of one document), which differs from the packed reference; ring, and
@@ -162,7 +163,7 @@ def document_mask_false_attends_across_documents():
         assert (got - packed).abs().max() > 1e-3
 
 
-@checks.add
+@checks.add(group=2)
 def position_ids_are_required_under_cp():
     mesh = mesh_for(2, WORLD_SIZE)
     model = apply_context_parallel(tiny_model(**HEADS), mesh["cp"])
@@ -174,7 +175,7 @@ def position_ids_are_required_under_cp():
 for _cp in (2, 4):
     for _dtype in (torch.float32, torch.float64):
         checks.add(functools.partial(check_ring_skips, _cp, WORLD_SIZE, _dtype),
-                   name=f"ring_skips_blocks_no_query_sees_cp{_cp}_{str(_dtype)[6:]}")
+                   name=f"ring_skips_blocks_no_query_sees_cp{_cp}_{str(_dtype)[6:]}", group=_cp)
 
 
 @checks.add

@@ -23,7 +23,7 @@ from document_checks import (
 
 WORLD_SIZE = 4
 WINDOW = 10
-checks = Checks()
+checks = Checks(setup=lambda sizes: [mesh_for(cp, WORLD_SIZE) for cp in sorted(sizes)])  # the cp groups' meshes
 
 
 def _name(*parts) -> str:
@@ -45,6 +45,7 @@ for _strategy, _cps in (("ring", (1, 2, 4)), ("ulysses", (2, 4)), ("allgather", 
                         _strategy, _cp, _mode, _dtype,
                     ),
                     name=_name(_strategy, f"cp{_cp}", _mode, str(_dtype)[6:]),
+                    group=_cp if _mode == "plain" else None,  # Note [Checks side by side] in dist_harness.py
                 )
 
 for _strategy in ("ring", "ulysses", "allgather", "hybrid"):
@@ -58,7 +59,7 @@ for _strategy in ("ring", "ulysses", "allgather", "hybrid"):
     )
 
 
-@checks.add
+@checks.add(group=1)
 def ring_cp1_tiled_packed_float64():
     check_documents("ring", mesh_for(1, WORLD_SIZE), False, torch.float64, block_size=4, window=WINDOW)
 

@@ -44,7 +44,7 @@ FUSED_EXPERTS_LORA_PROBLEM = (
     else f"LoRA on fused experts needs transformers >= 5 and peft >= 0.17 (installed: transformers "
          f"{transformers.__version__}, peft {peft.__version__})"
 )
-checks = Checks()
+checks = Checks(setup=lambda sizes: [mesh_for(cp) for cp in sorted(sizes)])  # the meshes of the checks of a cp group
 
 BASE = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -230,6 +230,7 @@ for _name in FAMILIES:
                         functools.partial(check_family, _name, _strategy, _cp, _sharded, _dtype),
                         name=f"{_name}_{_strategy}_cp{_cp}_{'fsdp' if _sharded else 'plain'}_{str(_dtype)[6:]}",
                         skip=transformers_refusal(FAMILIES[_name][0], transformers.__version__),
+                        group=None if _sharded else _cp,  # plain: the cp group only (Note [Checks side by side])
                     )
 
 for _name in ROPE_FLAG_FAMILIES:
@@ -269,7 +270,7 @@ def check_padding_mask_is_refused_where_it_enters(strategy: str, cp: int):
 for _strategy in ("ring", "ulysses"):
     for _cp in (1, 2, 4):
         checks.add(functools.partial(check_padding_mask_is_refused_where_it_enters, _strategy, _cp),
-                   name=f"padding_mask_refused_{_strategy}_cp{_cp}")
+                   name=f"padding_mask_refused_{_strategy}_cp{_cp}", group=_cp)
 
 
 @checks.add
