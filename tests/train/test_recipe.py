@@ -49,7 +49,9 @@ def start_cli(output_dir, *flags, nproc=1, launcher_name="torchrun") -> subproce
         os.makedirs(output_dir, exist_ok=True)
         with open(config, "w") as f:
             f.write(ACCELERATE_CONFIG.replace("num_processes: 2", f"num_processes: {nproc}"))
-        launcher = ["accelerate", "launch", "--config_file", config, "-m", "recipes.finetune_longctx"]
+        # through this interpreter, not the `accelerate` script on PATH (a venv used without activating it)
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "-m",
+                    "recipes.finetune_longctx"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [*launcher, *SMALL, "--output_dir", str(output_dir), *flags],
