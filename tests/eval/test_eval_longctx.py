@@ -81,6 +81,7 @@ def test_unknown_flags_and_bad_values_are_refused_before_anything_is_loaded(tmp_
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.slow  # a torchrun of the command (end to end); .ci/run's floors job runs it by name too
 def test_perplexity_under_cp_2_equals_a_single_process_reference(tmp_path):
     """--task perplexity under torchrun --cp 2 (ring) on the embedded model: per length and per
     position bucket, the loss of the first L tokens of the first 3 documents of >= 257 tokens (a
