@@ -166,6 +166,7 @@ def test_the_layers_folders_are_faces():
             assert len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), init
 
 
+@pytest.mark.slow  # fresh interpreters, to see what an import leaves loaded
 def test_the_package_face_imports_a_layer_when_a_name_is_read():
     """Note [A lazy package face]: ``import llama_cp`` (and a low layer) leaves transformers, datasets and
     the trainer unimported; reading a name imports its module only. The names type checkers see
