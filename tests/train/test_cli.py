@@ -119,34 +119,34 @@ def test_model_directories_without_config_or_tokenizer_are_refused(capsys, tmp_p
     assert not (tmp_path / "run").exists()  # refused before the run claimed anything
 
 
-def test_an_empty_dataset_is_one_line(capsys, tmp_path):
-    """The recipe's command line in this process (run_cli, as ``python -m recipes.finetune_longctx``
-    calls it): what is checked is the one line and the untouched output_dir, not the process boundary."""
+@pytest.mark.slow
+def test_an_empty_dataset_is_one_line(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli(finetune_longctx.main, usage="x",
-                argv=["--dataset", str(tmp_path / "empty.jsonl"), "--output_dir", str(tmp_path / "run")])
-    assert exit_info.value.code == 1
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error")]
+    result = subprocess.run(
+        [sys.executable, "-m", "recipes.finetune_longctx", "--dataset", str(tmp_path / "empty.jsonl"),
+         "--output_dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert errors == [f"error: --dataset '{tmp_path / 'empty.jsonl'}' is empty: it holds no rows "
-                      "(rerun with --debug for the traceback)"], err[-2000:]
+                      "(rerun with --debug for the traceback)"], result.stderr[-2000:]
     assert not (tmp_path / "run").exists()  # refused before the run left anything (.lock, config.yaml)
 
 
 @pytest.mark.slow
-def test_a_log_file_gets_a_plain_line_every_log_every_steps(capsys, tmp_path):
-    """stdout and stderr not a terminal (CI, SLURM, `> file 2>&1`; here pytest's capture): no progress
-    bar and its carriage returns, only the metrics row every --log_every steps (tokens/s and memory in it).
-    The recipe's command line runs in this process (run_cli, as ``python -m recipes.finetune_longctx``)."""
-    assert not sys.stdout.isatty() and not sys.stderr.isatty()
-    run_cli(finetune_longctx.main, usage="x",
-            argv=["--context_length", "128", "--max_steps", "4", "--log_every", "2", "--num_passkey_samples", "8",
-                  "--num_eval_samples", "1", "--report_to", "none", "--output_dir", str(tmp_path / "run")])
-    out, err = capsys.readouterr()
-    assert "\r" not in out + err and "train:" not in err, err[-2000:]
-    rows = [line for line in out.splitlines() if line.startswith("step=")]
-    assert [row.split()[0] for row in rows] == ["step=2", "step=4"], out
+def test_a_log_file_gets_a_plain_line_every_log_every_steps(tmp_path):
+    """stdout and stderr not a terminal (CI, SLURM, `> file 2>&1`): no progress bar and its
+    carriage returns, only the metrics row every --log_every steps (tokens/s and memory in it)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "recipes.finetune_longctx", "--context_length", "128", "--max_steps", "4",
+         "--log_every", "2", "--num_passkey_samples", "8", "--num_eval_samples", "1", "--report_to", "none",
+         "--output_dir", str(tmp_path / "run")],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "\r" not in result.stdout + result.stderr and "train:" not in result.stderr, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("step=")]
+    assert [row.split()[0] for row in rows] == ["step=2", "step=4"], result.stdout
     assert all(re.search(r" tokens_per_sec=[\d.]+ .*peak_memory_bytes=\d+", row) for row in rows), rows
 
 
