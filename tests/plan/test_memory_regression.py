@@ -6,6 +6,7 @@ in this process (no memory is allocated, no other process is started)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -102,18 +103,15 @@ def test_activations_split_by_cp(planned, cp):
     assert checked == 16
 
 
-def _shard_bytes(config, tuning: str, world: int) -> tuple[int, int, int]:
-    """(all parameters, trainable parameters, the largest of the optimizer's param groups) bytes of
-    rank 0's FSDP shards: fp32 storage, except LoRA's frozen weights, stored in bf16
-    (``--frozen_dtype auto`` with bf16 compute, as in the matrix); dim 0 of every tensor is split in
-    ``world`` pieces of ceil(dim0 / world) rows (rank 0 is never short)."""
-    from llama_cp.optim.optimizers import parameter_groups
-
+@functools.lru_cache(maxsize=None)
+def _meta_model(tuning: str):
+    """The matrix's model on the meta device (LoRA-wrapped for "lora"): built once per tuning, as
+    its parameters do not depend on the world size."""
     cfg = case_config(1, 1, tuning, False, 2048)
     with torch.device("meta"):
         from transformers import LlamaForCausalLM
 
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(mid_size_config())
         if tuning == "lora":
             from peft import LoraConfig, get_peft_model
 
@@ -121,6 +119,17 @@ def _shard_bytes(config, tuning: str, world: int) -> tuple[int, int, int]:
                 r=cfg.peft.lora_r, lora_alpha=cfg.peft.lora_alpha,
                 target_modules=list(cfg.peft.lora_target_modules), task_type="CAUSAL_LM",
             ))
+    return model
+
+
+def _shard_bytes(tuning: str, world: int) -> tuple[int, int, int]:
+    """(all parameters, trainable parameters, the largest of the optimizer's param groups) bytes of
+    rank 0's FSDP shards: fp32 storage, except LoRA's frozen weights, stored in bf16
+    (``--frozen_dtype auto`` with bf16 compute, as in the matrix); dim 0 of every tensor is split in
+    ``world`` pieces of ceil(dim0 / world) rows (rank 0 is never short)."""
+    from llama_cp.optim.optimizers import parameter_groups
+
+    model = _meta_model(tuning)
     everything = trainable = 0
     shard = {}
     for param in model.parameters():
@@ -134,12 +143,11 @@ def _shard_bytes(config, tuning: str, world: int) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("tuning", ["full", "lora"])
 def test_state_is_sharded_over_dp_shard_x_cp(phases, tuning):
-    config = mid_size_config()
     for name, (cp, dp_shard, case_tuning, checkpointing, seq_len) in CASES.items():
         if case_tuning != tuning:
             continue
         world = cp * dp_shard
-        params, trainable, largest_group = _shard_bytes(config, tuning, world)
+        params, trainable, largest_group = _shard_bytes(tuning, world)
         # in the optimizer phase every gradient exists, reduce-scattered to its shard
         optimizer_phase = phases[name]["optimizer"]
         assert optimizer_phase.tracked["Sharded Param"] == params, name
