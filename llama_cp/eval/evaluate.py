@@ -15,6 +15,7 @@ from llama_cp.eval.adapter import Adapter, load_tokenizer
 from llama_cp.eval.needle import DEFAULT_DEPTHS, RETRIEVAL_TASKS, evaluate_grid, format_grid, parse_grid, read_haystack
 from llama_cp.eval.perplexity import DEFAULT_BUCKETS, PERPLEXITY, evaluate_perplexity, format_perplexity, long_documents
 from llama_cp.eval.plots import plot_heatmap, plot_perplexity, write_results
+from llama_cp.parallel.sharding import layout_for
 
 #: Every --task. A task is a module of its own beside needle.py and perplexity.py (RULER-style
 #: tasks will be one more), named here, its flags checked in check_task_flags and its measure
@@ -102,7 +103,7 @@ def evaluate_model(
     if adapter:
         adapter.load_into(model)
     if task == PERPLEXITY:
-        layout = "documents" if strategy_of(cfg, model.config)[0] == "allgather" else "zigzag"
+        layout = layout_for(strategy_of(cfg, model.config)[0])
         result = evaluate_perplexity(model, mesh, documents, lengths, buckets, device=device, layout=layout)
         result.update(model=model_name, dataset=dataset)
         name, text, plot = "perplexity", format_perplexity(result), plot_perplexity

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from llama_cp.eval.needle import DEFAULT_DEPTHS, evaluate_grid, format_grid
 from llama_cp.eval.perplexity import DEFAULT_BUCKETS, evaluate_perplexity, format_perplexity, long_documents
 from llama_cp.eval.plots import plot_perplexity, write_results
+from llama_cp.parallel.sharding import layout_for
 
 #: Samples per (length, depth) cell of --eval_needle's grid.
 TRAINING_SAMPLES_PER_CELL = 4
@@ -59,7 +60,7 @@ def evaluate_trained_perplexity(trainer) -> dict:
         fix="give --eval_dataset longer documents or lower --context_length; final/ is written, and python -m "
             "recipes.eval_longctx --task perplexity evaluates it at the lengths you choose",
     )
-    layout = "documents" if trainer.cp_strategy == "allgather" else "zigzag"
+    layout = layout_for(trainer.cp_strategy)
     result = evaluate_perplexity(trainer.model, trainer.mesh, documents, lengths, DEFAULT_BUCKETS,
                                  device=trainer.device, layout=layout)
     result.update(model=os.path.join(cfg.output_dir, "final"), dataset=where)

@@ -60,6 +60,12 @@ LAYOUTS: tuple[str, ...] = ("zigzag", "documents")
 SEQ_INDEX = "seq_index"
 
 
+def layout_for(strategy: str) -> str:
+    """The :func:`shard_batch` layout a cp strategy reads its rows in: "documents" for the
+    all-gather strategy, "zigzag" for the others."""
+    return "documents" if strategy == "allgather" else "zigzag"
+
+
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, L) position_ids -> (B, L): the row index where each token's document starts
     (Note [Document masks under CP] in llama_cp/attention/documents.py)."""

@@ -31,7 +31,7 @@ from llama_cp.optim.optimizers import build_optimizer
 from llama_cp.optim.schedule import lr_factor, start_schedule
 from llama_cp.optim.step import clip_gradients
 from llama_cp.parallel.mesh import init_distributed, local_peers, machine_device_type, submesh
-from llama_cp.parallel.sharding import shard_batch
+from llama_cp.parallel.sharding import layout_for, shard_batch
 from llama_cp.train.failures import StopSignals, collective_failure, stop_nonfinite
 from llama_cp.train.objective import build_objective
 from llama_cp.train.reporting import PeakMemory
@@ -191,7 +191,7 @@ class Trainer:
 
     # ------------------------------------------------------------ loop
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        layout = "documents" if self.cp_strategy == "allgather" else "zigzag"
+        layout = layout_for(self.cp_strategy)
         local = shard_batch(batch, self.mesh["cp"], layout=layout)
         return {k: v.to(self.device) for k, v in local.items()}
 
