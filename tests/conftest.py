@@ -30,6 +30,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 _DATASETS_CACHE = tempfile.mkdtemp(prefix="llama_cp_tests_datasets_")
 os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE
 atexit.register(shutil.rmtree, _DATASETS_CACHE, ignore_errors=True)
+# GGUF files converted by the tests (tests/real: Note [GGUF in] in llama_cp/modules/gguf.py) likewise: once per session.
+_MODEL_CACHE = tempfile.mkdtemp(prefix="llama_cp_tests_models_")
+os.environ["LLAMA_CP_CACHE"] = _MODEL_CACHE
+atexit.register(shutil.rmtree, _MODEL_CACHE, ignore_errors=True)
 
 #: Modules whose tests run the recipes end to end.
 E2E = {"test_recipe", "test_reliability", "test_notebook"}
@@ -58,6 +62,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = _tier(item.module)
         item.add_marker(getattr(pytest.mark, tier))
+        if os.path.basename(os.path.dirname(str(item.path))) == "real":  # the pretrained model: slow, whatever tier
+            item.add_marker(pytest.mark.real)
+            item.add_marker(pytest.mark.slow)
         module = item.module.__name__.rsplit(".", 1)[-1]
         quick = getattr(getattr(item, "callspec", None), "params", {}).get("name") in QUICK_CHECKS.get(module, ())
         if (tier != "unit" or module in SLOW_UNIT) and not quick:

@@ -26,6 +26,7 @@ from llama_cp.cp_attention import apply_context_parallel
 from llama_cp.fsdp_wrap import _reinit_rotary_buffers, cast_frozen_parameters, load_full_weights, shard_model
 from llama_cp.model.loss import enable_chunked_loss
 from llama_cp.modules.families import set_router_loss_coef
+from llama_cp.modules.gguf import gguf_model_dir, gguf_path
 from llama_cp.modules.causal_lm import (
     apply_rope_settings, base_causal_lm, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,
 )
@@ -220,6 +221,19 @@ def cp_strategy(cfg: TrainConfig, config) -> tuple[str, int]:
     return choose_strategy(config.num_attention_heads, p.cp, packed)
 
 
+def check_strategy_heads(cfg: TrainConfig, config) -> None:
+    """Refuse Ulysses where the model's query heads do not split over --cp, before anything is
+    built: one line with the head count and the strategies that work."""
+    strategy, _ = cp_strategy(cfg, config)
+    heads, cp = config.num_attention_heads, cfg.parallel.cp
+    if strategy == "ulysses" and heads % cp:
+        raise ValueError(
+            f"--cp_strategy ulysses at --cp {cp}: this model has {heads} attention heads, which do not split over "
+            f"{cp} ranks; use --cp_strategy ring or allgather (any head count), or hybrid with a --ulysses_degree "
+            f"that divides both {heads} and {cp}"
+        )
+
+
 def check_attention_backend(cfg: TrainConfig, config, device_type: str) -> None:
     """Refuse an explicit ``--attention_backend`` that cannot run on this machine, before anything
     is built: one line naming the cause and the backends that would run."""
@@ -246,10 +260,14 @@ HUB_MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.
 
 
 def model_path(name: str) -> str | None:
-    """The local directory of ``--model_name`` (None for "embedded"): the directory itself, or
-    the hub snapshot of a hub id (downloaded when online, else from the local cache)."""
+    """The local directory of ``--model_name`` (None for "embedded"): the directory itself, the
+    converted directory of a GGUF file (``llama_cp.modules.gguf``), or the hub snapshot of a hub
+    id (downloaded when online, else from the local cache)."""
     if name == "embedded":
         return None
+    gguf_file = gguf_path(name)
+    if gguf_file is not None:
+        return gguf_model_dir(gguf_file)  # converted once, then read from the cache (Note [GGUF in])
     if os.path.isdir(os.path.expanduser(name)):
         return os.path.expanduser(name)
     from huggingface_hub import snapshot_download

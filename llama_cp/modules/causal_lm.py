@@ -83,9 +83,15 @@ EXPORT_INFO = "llama_cp_export.json"
 
 def check_model_name(name: str) -> None:
     """Fail before anything is built when ``--model_name`` names a local directory (a path:
-    it starts with /, ./, ../ or ~, or exists) that is missing or is no HF model directory.
-    Other names are hub ids ("meta-llama/Llama-3.1-8B") or "embedded"."""
+    it starts with /, ./, ../ or ~, or exists) that is missing or is no HF model directory, a
+    .gguf file that is missing, or a packaged GGUF model whose package is not installed
+    (``llama_cp.modules.gguf``). Other names are hub ids ("meta-llama/Llama-3.1-8B") or "embedded"."""
     if name == "embedded":
+        return
+    from llama_cp.modules.gguf import gguf_path, require_gguf
+
+    if gguf_path(name) is not None:  # a .gguf file that exists, or an installed packaged model
+        require_gguf()
         return
     path = os.path.expanduser(name)
     looks_local = name.startswith(("/", "./", "../", "~")) or os.path.exists(path)
@@ -94,7 +100,7 @@ def check_model_name(name: str) -> None:
     if not os.path.isdir(path):
         raise FileNotFoundError(
             f"--model_name {name!r}: no such directory ({os.path.abspath(path)}); pass a local HF model "
-            "directory (with config.json, *.safetensors and the tokenizer), a hub id, or embedded"
+            "directory (with config.json, *.safetensors and the tokenizer), a .gguf file, a hub id, or embedded"
         )
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(

@@ -170,11 +170,14 @@ def apply_levers(cfg: TrainConfig, levers: dict[str, Any]) -> None:
 
 
 def planned_model_config(model_name: str):
-    """The HF config the plans use: the planner's (embedded, a preset, a local directory), or a
-    hub id's config.json (fetched, or from the hub cache)."""
+    """The HF config the plans use: the planner's (embedded, a preset, a local directory, a GGUF
+    file), or a hub id's config.json (fetched, or from the hub cache)."""
     from llama_cp.plan import simulate
 
-    if model_name == "embedded" or model_name in simulate.MODEL_PRESETS or os.path.isdir(os.path.expanduser(model_name)):
+    from llama_cp.modules.gguf import gguf_path
+
+    local = os.path.isdir(os.path.expanduser(model_name)) or gguf_path(model_name) is not None
+    if model_name == "embedded" or model_name in simulate.MODEL_PRESETS or local:
         return simulate.load_model_config(os.path.expanduser(model_name))
     from transformers import AutoConfig
 

@@ -108,11 +108,12 @@ MODEL_PRESETS: dict[str, dict] = {
 
 
 def load_model_config(model_name: str):
-    """The HF config of ``model_name``: "embedded", a preset of ``MODEL_PRESETS``, or a local
-    directory with a config.json."""
+    """The HF config of ``model_name``: "embedded", a preset of ``MODEL_PRESETS``, a local
+    directory with a config.json, or a GGUF file (``llama_cp.modules.gguf``)."""
     from transformers import AutoConfig, LlamaConfig
 
     from llama_cp.modules.causal_lm import embedded_llama_config
+    from llama_cp.modules.gguf import gguf_config, gguf_path
 
     if model_name == "embedded":
         return embedded_llama_config()
@@ -120,9 +121,12 @@ def load_model_config(model_name: str):
         return LlamaConfig(max_position_embeddings=1 << 24, **MODEL_PRESETS[model_name])
     if os.path.isfile(os.path.join(model_name, "config.json")):
         return AutoConfig.from_pretrained(model_name)
+    gguf_file = gguf_path(model_name)
+    if gguf_file is not None:
+        return gguf_config(gguf_file)  # the metadata alone: planning does not dequantize the file
     raise ValueError(
-        f"--model_name {model_name!r} is neither a preset ({', '.join(['embedded', *MODEL_PRESETS])}) "
-        "nor a local directory with a config.json"
+        f"--model_name {model_name!r} is neither a preset ({', '.join(['embedded', *MODEL_PRESETS])}), "
+        "a local directory with a config.json, nor a .gguf file"
     )
 
 

@@ -21,14 +21,14 @@ import numpy as np
 import torch
 
 from llama_cp.modules.causal_lm import rope_parameters
+# GGUF_SOURCE: written by GGUF in into a directory converted from a GGUF file; its "tokenizer_pre" is the
+# pre-tokenizer name that file carried
+from llama_cp.modules.gguf import GGUF_SOURCE
 
 #: --gguf_type's choices: the tensor type of the weight matrices.
 GGUF_TYPES = ("f16", "bf16", "q8_0")
 #: model_type -> the llama.cpp architecture it is written as (llama.cpp runs Mistral as "llama").
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-#: Written by llama_cp/modules/gguf.py into a directory converted from a GGUF file: its
-#: "tokenizer_pre" is the pre-tokenizer name that file carried.
-GGUF_SOURCE = "llama_cp_gguf_source.json"
 #: The byte-level pre-tokenizers recognised from tokenizer.json (Note [Which pre-tokenizer a GGUF names]).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -101,12 +101,10 @@ _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 def require_gguf():
-    """The `gguf` module; ImportError naming the install line when it is missing."""
-    try:
-        import gguf
-    except ImportError as error:
-        raise ImportError("--format gguf needs the gguf package: pip install gguf") from error
-    return gguf
+    """The `gguf` module; one line naming the fix when it is missing or transformers is too old."""
+    from llama_cp.modules.gguf import require_gguf as required
+
+    return required("--format gguf")
 
 
 def write_gguf(model_dir: str, out_path: str, outtype: str, name: str | None = None,

@@ -370,20 +370,31 @@ class Trainer:
         message, now that the number of processes is known (``ParallelConfig.check``)."""
         from transformers import AutoConfig
 
-        from llama_cp.model.build import check_attention_backend
+        from llama_cp.model.build import check_attention_backend, check_strategy_heads
         from llama_cp.modules.causal_lm import apply_rope_settings, check_tokenizer_files, embedded_llama_config
+        from llama_cp.modules.gguf import gguf_config, gguf_path
 
         name = os.path.expanduser(self.cfg.model.model_name)
         local = self.cfg.model.model_name != "embedded" and os.path.isdir(name)
+        gguf_file = gguf_path(self.cfg.model.model_name)  # its tokenizer is in the file
         if local:
             check_tokenizer_files(name)
-        if self.cfg.model.model_name == "embedded" or local:  # a hub id's config comes with its download
-            config = AutoConfig.from_pretrained(name) if local else embedded_llama_config()
+        if self.cfg.model.model_name == "embedded" or local or gguf_file:  # a hub id's config comes with its download
+            config = (AutoConfig.from_pretrained(name) if local else gguf_config(gguf_file) if gguf_file
+                      else embedded_llama_config())
             model = self.cfg.model
             apply_rope_settings(config, model.rope_theta, model.rope_scaling, self.cfg.data.context_length)
             check_attention_backend(self.cfg, config, machine_device_type())
+            check_strategy_heads(self.cfg, config)
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.cfg.parallel.check(self.cfg.data.context_length, world)
+
+    def _model_source(self) -> dict:
+        """What run_info.json records of a GGUF --model_name: the file and its sha256 (Note [GGUF in])."""
+        from llama_cp.modules.gguf import gguf_path, gguf_source
+
+        gguf_file = gguf_path(self.cfg.model.model_name)
+        return {"gguf": gguf_source(gguf_file)} if gguf_file else {}
 
     def _resume(self) -> int:
         """Load the newest intact checkpoint when --resume asks for it (``llama_cp.train.resume``) and
@@ -418,7 +429,8 @@ class Trainer:
                         dims={"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard,
                               "cp": self.dims.cp}, resumed_from_step=step, load_peak_memory_bytes=load_peak,
                         model_flops={"per_token": self.flops.per_token, "per_attention_pair": self.flops.per_pair,
-                                     "peak_flops_per_gpu": self.peak_flops}, memory=self.memory_choice)
+                                     "peak_flops_per_gpu": self.peak_flops}, memory=self.memory_choice,
+                        **self._model_source())
         if self.rank == 0:
             write_atomically(os.path.join(self.cfg.output_dir, "run_info.json"), json.dumps(info, indent=1))
         report_to = [name for name in self.cfg.report_to if name != "none"]

