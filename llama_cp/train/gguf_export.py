@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 
 import numpy as np
@@ -162,19 +163,39 @@ def write_gguf(model_dir: str, out_path: str, outtype: str, name: str | None = N
     return out_path
 
 
-def _check_family(config) -> str:
+def write_final_gguf(model_dir: str, out_dir: str, outtype: str, base_dir: str | None) -> str:
+    """--export_gguf: ``out_dir``/model-<TYPE>.gguf from a run's exported ``model_dir`` (final_merged/
+    or final/), replacing an earlier one; a base converted from a GGUF file (``base_dir`` holds
+    GGUF_SOURCE) gives its pre-tokenizer name. Returns the file's path."""
+    pre = None
+    if base_dir and os.path.isfile(os.path.join(base_dir, GGUF_SOURCE)):
+        with open(os.path.join(base_dir, GGUF_SOURCE)) as f:
+            pre = json.load(f).get("tokenizer_pre")
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)  # the previous export of this output_dir
+    os.makedirs(out_dir)
+    return write_gguf(model_dir, os.path.join(out_dir, f"model-{outtype.upper()}.gguf"), outtype, tokenizer_pre=pre)
+
+
+def check_gguf_family(config, flag: str = "--format gguf") -> str:
+    """The llama.cpp architecture of ``config``; ValueError naming ``flag`` for a family or setting
+    not written here (the trainer asks before training, for --export_gguf)."""
+    return _check_family(config, flag)
+
+
+def _check_family(config, flag: str = "--format gguf") -> str:
     """The llama.cpp architecture of ``config``; ValueError for a family or setting not written here."""
     model_type = config.model_type
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"--format gguf writes the Llama architecture (llama, mistral) and qwen2; {model_type} is "
+        raise ValueError(f"{flag} writes the Llama architecture (llama, mistral) and qwen2; {model_type} is "
                          "not one: export safetensors (--format safetensors) and convert them with llama.cpp's "
                          "convert_hf_to_gguf.py")
     if getattr(config, "mlp_bias", False):
-        raise ValueError(f"--format gguf: this {model_type} has MLP biases (mlp_bias), which llama.cpp's llama "
+        raise ValueError(f"{flag}: this {model_type} has MLP biases (mlp_bias), which llama.cpp's llama "
                          "architecture does not load; export safetensors instead")
     if getattr(config, "use_sliding_window", False) or (model_type == "mistral" and config.sliding_window
                                                         and config.sliding_window < config.max_position_embeddings):
-        raise ValueError(f"--format gguf: this {model_type} uses sliding-window attention, which llama.cpp's "
+        raise ValueError(f"{flag}: this {model_type} uses sliding-window attention, which llama.cpp's "
                          f"{ARCHITECTURES[model_type]} architecture does not; export safetensors instead")
     return ARCHITECTURES[model_type]
 

@@ -43,7 +43,7 @@ RESUME_MAY_CHANGE = {
     "resume", "overwrite", "allow_unverified_checkpoint", "max_steps", "num_epochs", "eval_every", "save_every",
     "keep_last", "log_every", "max_nonfinite_steps", "output_dir", "collective_timeout", "report_to",
     "num_eval_samples", "data_cache_dir", "data_cache_shared", "num_proc", "peak_tflops", "eval_needle",
-    "eval_perplexity", "export_dtype", "merge_lora",
+    "eval_perplexity", "export_dtype", "merge_lora", "export_gguf",
     # the update
     "lr", "warmup_steps", "lr_scheduler", "min_lr_ratio", "weight_decay", "max_grad_norm", "lora_dropout",
     "dpo_beta", "simpo_gamma",

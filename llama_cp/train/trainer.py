@@ -386,15 +386,12 @@ class Trainer:
             apply_rope_settings(config, model.rope_theta, model.rope_scaling, self.cfg.data.context_length)
             check_attention_backend(self.cfg, config, machine_device_type())
             check_strategy_heads(self.cfg, config)
+            if self.cfg.export_gguf != "none":  # refused now, not after the run
+                from llama_cp.train.gguf_export import check_gguf_family
+
+                check_gguf_family(config, "--export_gguf")
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self.cfg.parallel.check(self.cfg.data.context_length, world)
-
-    def _model_source(self) -> dict:
-        """What run_info.json records of a GGUF --model_name: the file and its sha256 (Note [GGUF in])."""
-        from llama_cp.modules.gguf import gguf_path, gguf_source
-
-        gguf_file = gguf_path(self.cfg.model.model_name)
-        return {"gguf": gguf_source(gguf_file)} if gguf_file else {}
 
     def _resume(self) -> int:
         """Load the newest intact checkpoint when --resume asks for it (``llama_cp.train.resume``) and
@@ -422,6 +419,7 @@ class Trainer:
     def _build_reporter(self, step: int):
         """TensorBoard / W&B (``--report_to``) on rank 0, and ``run_info.json`` (the resolved
         config, versions and layout of the run, and its start-up peak memory) beside ``config.yaml``."""
+        from llama_cp.modules.gguf import model_source
         from llama_cp.train.reporting import Reporter, run_info
 
         load_peak = self._max_over_ranks(self.peak_memory.read())  # Note [Peak memory in metrics]
@@ -430,7 +428,7 @@ class Trainer:
                               "cp": self.dims.cp}, resumed_from_step=step, load_peak_memory_bytes=load_peak,
                         model_flops={"per_token": self.flops.per_token, "per_attention_pair": self.flops.per_pair,
                                      "peak_flops_per_gpu": self.peak_flops}, memory=self.memory_choice,
-                        **self._model_source())
+                        **model_source(self.cfg.model.model_name))
         if self.rank == 0:
             write_atomically(os.path.join(self.cfg.output_dir, "run_info.json"), json.dumps(info, indent=1))
         report_to = [name for name in self.cfg.report_to if name != "none"]
@@ -463,7 +461,7 @@ class Trainer:
             self._say(f"exported with the tokenizer's special-token ids: {', '.join(changed)}")
         dtype = export_dtype(cfg.export_dtype, self.model_path)
         name = cfg.model.model_name
-        local = name != "embedded" and os.path.isdir(os.path.expanduser(name))
+        local = name != "embedded" and (os.path.isdir(os.path.expanduser(name)) or name.lower().endswith(".gguf"))
         base = os.path.abspath(os.path.expanduser(name)) if local else name
         if hasattr(self.model, "peft_config") and name != "embedded":
             for adapter in self.model.peft_config.values():  # where PeftModel.from_pretrained users find the base
@@ -472,6 +470,12 @@ class Trainer:
                 "rope_scaling": cfg.model.rope_scaling, "context_length": cfg.data.context_length}
         for target, merge in targets:
             export_pretrained(self.model, target, self.tokenizer, dtype=dtype, merge_lora=merge, info=info)
+        if cfg.export_gguf != "none" and self.rank == 0:
+            from llama_cp.train.gguf_export import write_final_gguf
+
+            out = os.path.join(os.path.dirname(path.rstrip(os.sep)), "final_gguf")
+            self._say(f"wrote {write_final_gguf(targets[-1][0], out, cfg.export_gguf, self.model_path)} (docs/gguf.md)")
+        dist.barrier()
         rope = " ".join(f"--{k} {v}" for k, v in (("rope_theta", cfg.model.rope_theta),
                                                    ("rope_scaling", cfg.model.rope_scaling)) if v not in (0, "none"))
         if rope and hasattr(self.model, "peft_config"):  # peft loads an adapter onto the base's own config

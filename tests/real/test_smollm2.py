@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import types
 import unittest.mock
 
 import pytest
@@ -92,16 +91,10 @@ def test_chatml_trains_exactly_the_assistant_turns_and_their_im_end():
 
 
 def test_run_info_records_the_file_and_its_sha256():
-    from llama_cp.config import TrainConfig
-    from llama_cp.train.trainer import Trainer
-
-    cfg = TrainConfig()
-    cfg.model.model_name = NAME
-    source = Trainer._model_source(types.SimpleNamespace(cfg=cfg))["gguf"]
+    source = gguf_in.model_source(NAME)["gguf"]
     with open(gguf_in.gguf_path(NAME), "rb") as f:
         assert source == {"file": gguf_in.gguf_path(NAME), "sha256": hashlib.sha256(f.read()).hexdigest()}
-    cfg.model.model_name = "embedded"
-    assert Trainer._model_source(types.SimpleNamespace(cfg=cfg)) == {}
+    assert gguf_in.model_source("embedded") == {} and gguf_in.model_source(model_dir()) == {}
 
 
 def test_a_missing_package_or_file_is_one_line_naming_the_fix(tmp_path):

@@ -328,3 +328,24 @@ def test_a_real_vocabulary_round_trips(tmp_path):
         assert tokenizer(text).input_ids == reference(text).input_ids, text
     assert tokenizer.chat_template == reference.chat_template
     assert np.array_equal(tokenizer.all_special_ids, reference.all_special_ids)
+
+
+def test_export_gguf_flag_is_checked_before_training():
+    """--export_gguf: refused at the flags (LoRA without --merge_lora, the embedded byte tokenizer) and,
+    for a family the writer does not write, at the trainer's start, with the flag's name."""
+    from transformers import AutoConfig
+
+    from llama_cp.config import TrainConfig
+    from llama_cp.train.gguf_export import check_gguf_family
+
+    with pytest.raises(ValueError, match=r"^--export_gguf q8_0 with --use_peft: a GGUF file holds one model, written "
+                                         r"from the merged one: add --merge_lora$"):
+        TrainConfig.from_flags(model_name="org/model", use_peft=True, export_gguf="q8_0")
+    with pytest.raises(ValueError, match=r"^--export_gguf: the embedded model's byte tokenizer has no BPE merges"):
+        TrainConfig.from_flags(export_gguf="f16")
+    cfg = TrainConfig.from_flags(model_name="org/model", use_peft=True, merge_lora=True, export_gguf="bf16")
+    assert cfg.export_gguf == "bf16"
+    with pytest.raises(ValueError, match=r"^--export_gguf writes the Llama architecture \(llama, mistral\) and "
+                                         "qwen2; gemma2 is not one"):
+        check_gguf_family(AutoConfig.for_model("gemma2"), "--export_gguf")
+    assert check_gguf_family(tiny_config()) == "llama"
