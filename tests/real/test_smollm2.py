@@ -20,7 +20,7 @@ MISSING = why_missing()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 
-def test_the_name_converts_on_a_rank_other_than_0_into_the_files_model_exactly():
+def test_the_name_converts_on_a_rank_other_than_0_into_the_files_model_exactly(tmp_path):
     """The session's first conversion runs as rank 1 of a process group: transformers 5's
     save_pretrained writes nothing there, which left a directory without config.json or weights
     (found by the cp 2 checks, whichever rank took the lock). Then: the directory's model gives
@@ -31,8 +31,12 @@ def test_the_name_converts_on_a_rank_other_than_0_into_the_files_model_exactly()
     path = gguf_in.gguf_path(NAME)
     assert path.endswith(".gguf") and os.path.isfile(path)
     rank1 = dict(is_initialized=lambda: True, get_rank=lambda group=None: 1, get_world_size=lambda group=None: 2)
-    with unittest.mock.patch.multiple(torch.distributed, **rank1):
-        directory = model_dir()
+    converted = os.path.isdir(gguf_in.cache_root()) and any(
+        os.path.isdir(os.path.join(gguf_in.cache_root(), name)) for name in os.listdir(gguf_in.cache_root()))
+    # the session's conversion when this test comes first (it does in a whole run), else one of its own
+    cache = {"LLAMA_CP_CACHE": str(tmp_path)} if converted else {}
+    with unittest.mock.patch.multiple(torch.distributed, **rank1), unittest.mock.patch.dict(os.environ, cache):
+        directory = model_dir() if not converted else gguf_in.gguf_model_dir(path)
     assert {"config.json", "model.safetensors", "tokenizer.json", gguf_in.GGUF_SOURCE} <= set(os.listdir(directory))
     with open(os.path.join(directory, gguf_in.GGUF_SOURCE)) as f:
         source = json.load(f)
@@ -51,7 +55,8 @@ def test_the_name_converts_on_a_rank_other_than_0_into_the_files_model_exactly()
     text = "def f(x):\n    return x ** 2  # 1234 Ünïcode <|im_end|>"
     assert direct_tokenizer(text)["input_ids"] == tokenizer()(text)["input_ids"]
     assert direct_tokenizer.chat_template == tokenizer().chat_template
-    assert gguf_in.gguf_model_dir(path) == directory  # found again by its sha256, not converted twice
+    with unittest.mock.patch.dict(os.environ, cache):
+        assert gguf_in.gguf_model_dir(path) == directory  # found again by its sha256, not converted twice
 
 
 def test_the_planner_reads_the_files_metadata_only(tmp_path):
