@@ -65,7 +65,7 @@ def build_rows(
         documents = (tokenize_example(example, tokenizer, context_length) for example in examples)
     else:
         spec = dataset if isinstance(dataset, DataSpec) else DataSpec(dataset, seed=seed)
-        documents = list(spec_documents(spec, _check_split(split), tokenizer, say))
+        documents = list(spec_documents(spec, _check_split(split), tokenizer, say, context_length))
         if not documents and _check_split(split) == "eval":
             return []  # --eval_fraction 0 and no eval split: no eval
         dataset = spec.dataset if split == "train" or not spec.eval_dataset else spec.eval_dataset

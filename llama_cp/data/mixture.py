@@ -177,10 +177,11 @@ def mixture_line(split: str, sources: Sequence[Source], counts: Sequence[int], s
 
 
 def spec_documents(
-    spec: DataSpec, split: str, tokenizer: PreTrainedTokenizerBase, say=None
+    spec: DataSpec, split: str, tokenizer: PreTrainedTokenizerBase, say=None, context_length: int | None = None
 ) -> Iterator[Document]:
     """The documents of ``split`` of every source, tokenized in memory, in mixture order; rows
-    that cannot be rendered are skipped (said through ``say``) or refused (``--on_bad_row``)."""
+    that cannot be rendered are skipped (said through ``say``) or refused (``--on_bad_row``); a
+    passkey row without a length fills a row of ``context_length``."""
     from llama_cp.data.sources import ROW_NUMBER
 
     sources, documents, reasons, total = [], [], [], 0
@@ -189,7 +190,7 @@ def spec_documents(
         for index, example in enumerate(examples):
             row = example.get(ROW_NUMBER, index + 1)
             where = f"row {row} of {source.flag} {source.name!r}"
-            document, reason = tokenize_row(example, tokenizer, where, spec)
+            document, reason = tokenize_row(example, tokenizer, where, spec, context_length)
             mine.append(document)
             reasons += [reason] if reason else []
         sources.append(source)

@@ -62,7 +62,9 @@ def prepare_split(
         with contextlib.nullcontext() if progress else _quiet_datasets():
             part = examples.map(
                 _tokenize_pair if objective == "dpo" else _tokenize,
-                fn_kwargs={"tokenizer": tokenizer, "spec": spec, "source": source},
+                fn_kwargs={"tokenizer": tokenizer, "spec": spec, "source": source}
+                if objective == "dpo" else {"tokenizer": tokenizer, "spec": spec, "source": source,
+                                            "context_length": context_length},
                 remove_columns=examples.column_names,
                 features=features,
                 num_proc=num_proc if num_proc > 1 and len(examples) > 1 else None,
@@ -206,9 +208,10 @@ def _progress_bar(enabled: bool, total: int, desc: str):
 
 
 def _tokenize(example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase, spec: DataSpec,
-              source: Source) -> dict[str, Any]:
+              source: Source, context_length: int) -> dict[str, Any]:
+    """One example's document; a passkey row without a length fills a row of ``context_length``."""
     where = f"row {example.get(ROW_NUMBER)} of {source.flag} {source.name!r}"
-    (input_ids, label_mask), reason = tokenize_row(example, tokenizer, where, spec)
+    (input_ids, label_mask), reason = tokenize_row(example, tokenizer, where, spec, context_length)
     return {"input_ids": input_ids, "label_mask": label_mask, "bad": reason}
 
 

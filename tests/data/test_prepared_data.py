@@ -424,3 +424,20 @@ def test_streaming_refuses_missing_values_and_needs_max_steps(tokenizer, tmp_pat
         TrainConfig.from_flags(streaming=True, dataset=str(dataset), max_steps=0)
     with pytest.raises(ValueError, match=r"^--streaming reads a file or hub --dataset of unknown length"):
         TrainConfig.from_flags(streaming=True)
+
+
+def test_passkey_rows_of_a_file_fill_a_row_on_every_path(tokenizer, tmp_path):
+    """A passkey file's rows without a length fill a row of --context_length (the retrieval rows of
+    configs/smollm2_extend_32k.yaml's mixture): prepared and in memory alike, each row holding its key
+    as the only trained tokens (--streaming refuses passkey files)."""
+    keys = tmp_path / "passkeys.jsonl"
+    keys.write_text("".join(json.dumps({"passkey": f"{k}", "depth": d}) + "\n"
+                            for k, d in [(3, 0.1), (7, 0.5), (5, 0.9)] * 8))
+    directory, _ = prepare_dataset(str(keys), tokenizer, 128, cache_dir=str(tmp_path / "cache"))
+    prepared = list(PreparedRows(directory / "train.arrow"))
+    memory = build_rows(str(keys), tokenizer, 128, split="train")
+    assert_rows_equal(memory, prepared)
+    for row in prepared:
+        assert row["input_ids"].shape == (128,) and row["position_ids"][-1] == 127  # one document, the whole row
+        trained = row["labels"][row["labels"] != -100]
+        assert tokenizer.decode(trained).rstrip(tokenizer.eos_token) in {"3", "7", "5"}

@@ -100,3 +100,23 @@ def test_dpo_starts_at_log_2_with_zero_rewards(tmp_path):
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6), first
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
         assert first[name] == pytest.approx(0.0, abs=1e-6), first
+
+
+def test_the_context_extension_recipe_runs_end_to_end_at_cpu_lengths(tmp_path):
+    """configs/smollm2_extend_32k.yaml as shipped, at 512 tokens and 2 steps (its GPU run is 32768 tokens and
+    100 steps): the long-text corpus, the mixture with passkey rows, YaRN, LoRA merged, both evals."""
+    data = tmp_path / "long_text"
+    run("recipes.long_text", "--output_dir", str(data), "--min_chars", "20000", "--max_documents", "3",
+        "--passkeys", "4")
+    out = tmp_path / "extend"
+    run("recipes.finetune_longctx", "--config", "configs/smollm2_extend_32k.yaml", "--context_length", "512",
+        "--max_steps", "2", "--eval_every", "0", "--num_eval_samples", "1", "--report_to", "none",
+        "--dataset", f"{data}/train.jsonl:0.9,{data}/passkeys.jsonl:0.1", "--eval_dataset", f"{data}/eval.jsonl",
+        "--output_dir", str(out))
+    with open(out / "final_merged" / "config.json") as f:
+        rope = json.load(f)["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 8192), rope
+    with open(out / "perplexity.json") as f:
+        assert [row["length"] for row in json.load(f)["per_length"]] == [128, 256, 512]
+    with open(out / "needle.json") as f:
+        assert json.load(f)["lengths"][-1] == 512
