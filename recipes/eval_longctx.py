@@ -18,6 +18,12 @@ Perplexity (--task perplexity): loss and perplexity on your own documents (--dat
 context length and by position within it (Note [Perplexity by position]). Writes
 <output_dir>/perplexity.json and perplexity.png (loss by position, a line per length).
 
+RULER-style tasks (--task ruler_multikey, ruler_multivalue, ruler_variables, ruler_common_words, or
+ruler for all four; llama_cp/eval/ruler.py): several needles, one key with several values,
+variable tracking and common-word extraction, each row filled to every --lengths, scored like
+retrieval (every answer token the model's argmax). Writes <output_dir>/ruler.json (accuracy per
+task and length) and ruler.png.
+
 Rows run the trainer's model path (context parallel over --cp ranks, FSDP over the rest) and
 its chunked loss, which never builds the logits of a whole row. A LoRA adapter directory is
 evaluated on its base (Note [Evaluating an adapter]). ``python -m recipes.finetune_longctx
@@ -42,8 +48,9 @@ main.__signature__ = inspect.signature(evaluate_model)
 
 def cli(argv: list[str] | None = None) -> None:
     """``python -m recipes.eval_longctx``: :func:`main` with its own flags (``--help`` lists them)."""
-    run_cli(main, usage="python -m recipes.eval_longctx --model_name DIR [--task passkey|needle|perplexity] "
-                        "[--lengths 256,512,1024] [--depths ...] [--dataset FILE] [--cp N]", argv=argv, flags=FLAGS)
+    run_cli(main, usage="python -m recipes.eval_longctx --model_name DIR "
+                        "[--task passkey|needle|perplexity|ruler|ruler_...] [--lengths 256,512,1024] [--depths ...] "
+                        "[--dataset FILE] [--cp N]", argv=argv, flags=FLAGS)
 
 
 if __name__ == "__main__":
