@@ -85,6 +85,20 @@ mp.set_forkserver_preload(["dist_harness", "llama_cp.train.trainer", "llama_cp.d
 # check must make no new group, and run no collective outside its own.
 
 
+# Note [Worlds side by side]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A module whose checks each need a whole world of their own (the trainer in a world of one: it
+# uses the default process group, so a check of ``group=`` cannot hold it) runs them one after the
+# other on one core, the other idle. ``Checks(worlds=n)`` runs n independent worlds at once, each
+# its own process group (its own port) of ``world_size`` ranks; the selected checks are dealt to the
+# worlds in order of registration (check i to world i % n), and each world runs its share in order:
+#
+#     worlds=2, checks a, b, c, d, e:   world 0 (1 rank): a, c, e  |  world 1 (1 rank): b, d
+#
+# A check's result is that of the ranks of the world that ran it. A check must not rely on another
+# having run before it in the same process (each still runs in a rank forked from the server).
+
+
 def _my_checks(module_checks, names: list[str], rank: int, world_size: int) -> list[tuple[str, callable]]:
     """The checks this rank runs, in order: its share of each group size's (Note [Checks side by
     side]), then every world check."""
@@ -129,20 +143,31 @@ def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: st
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     if os.environ.get("LLAMA_CP_CHECK_SECONDS"):  # a folder: each rank's seconds per check, to find the slow ones
-        with open(os.path.join(os.environ["LLAMA_CP_CHECK_SECONDS"], f"{module_name}.rank{rank}.json"), "w") as f:
+        world = os.path.basename(out_dir) if os.path.basename(out_dir).startswith("world") else ""
+        with open(os.path.join(os.environ["LLAMA_CP_CHECK_SECONDS"],
+                               f"{module_name}.{world + '.' if world else ''}rank{rank}.json"), "w") as f:
             json.dump(seconds, f)
     end_distributed()  # Note [Leaving a gloo job] in llama_cp/parallel/mesh.py
 
 
+def _world_worker(index: int, world_size: int, ports: list[int], module_name: str, out_dirs: list[str],
+                  shares: list[list[str]], environ: dict[str, str], cwd: str) -> None:
+    """Process ``index`` of Note [Worlds side by side]: rank ``index % world_size`` of world ``index // world_size``."""
+    world, rank = divmod(index, world_size)
+    _worker(rank, world_size, ports[world], module_name, out_dirs[world], shares[world], environ, cwd)
+
+
 class Checks:
-    def __init__(self, setup=None) -> None:
+    def __init__(self, setup=None, worlds: int = 1) -> None:
         """``setup(sizes)``: run by every rank before the checks, with the group sizes of the selected
         checks of ``group=``; it makes what they need made by every rank (their meshes: Note [Checks
-        side by side])."""
+        side by side]). ``worlds``: independent worlds that run the checks at once, dealt between
+        them (Note [Worlds side by side])."""
         self.items: list[tuple[str, callable]] = []
         self.skips: dict[str, str] = {}  # name -> why it does not run here
         self.groups: dict[str, int] = {}  # name -> the size of the rank group it runs on (Note [Checks side by side])
         self.setup = setup
+        self.worlds = worlds
         self.selected: set[str] | None = None  # the names whose tests pytest selected; None: every name
 
     @property
@@ -179,20 +204,40 @@ class Checks:
                 if name not in self.skips and (self.selected is None or name in self.selected)]
 
     def run(self, module_name: str, world_size: int) -> dict[str, list[str | None]]:
-        """Run :attr:`to_run` on ``world_size`` gloo ranks (Note [Ranks forked from a preloaded server]):
-        name -> per rank, None
+        """Run :attr:`to_run` on ``world_size`` gloo ranks (Note [Ranks forked from a preloaded server]),
+        in :attr:`worlds` worlds side by side (Note [Worlds side by side]): name -> per rank, None
         (passed) or the traceback."""
         names = self.to_run
+        worlds = max(1, min(self.worlds, len(names)))
+        shares = [names[world::worlds] for world in range(worlds)]
         with tempfile.TemporaryDirectory() as out_dir:
-            mp.start_processes(
-                _worker, args=(world_size, free_port(), module_name, out_dir, names, dict(os.environ), os.getcwd()),
-                nprocs=world_size, start_method="forkserver", join=True,
-            )
-            per_rank = []
-            for rank in range(world_size):
-                with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-                    per_rank.append(json.load(f))
-        return {name: [r.get(name, None if name in self.skips else "not run") for r in per_rank] for name in self.names}
+            if worlds == 1:
+                mp.start_processes(
+                    _worker, args=(world_size, free_port(), module_name, out_dir, names, dict(os.environ),
+                                   os.getcwd()),
+                    nprocs=world_size, start_method="forkserver", join=True,
+                )
+                out_dirs = [out_dir]
+            else:
+                out_dirs = [os.path.join(out_dir, f"world{world}") for world in range(worlds)]
+                for path in out_dirs:
+                    os.mkdir(path)
+                ports = [free_port() for _ in range(worlds)]
+                while len(set(ports)) < worlds:  # a port handed out twice: ask again
+                    ports = [free_port() for _ in range(worlds)]
+                mp.start_processes(
+                    _world_worker, args=(world_size, ports, module_name, out_dirs, shares, dict(os.environ),
+                                         os.getcwd()),
+                    nprocs=worlds * world_size, start_method="forkserver", join=True,
+                )
+            ran = {}  # name -> per rank of the world that ran it
+            for path, share in zip(out_dirs, shares, strict=True):
+                per_rank = []
+                for rank in range(world_size):
+                    with open(os.path.join(path, f"rank{rank}.json")) as f:
+                        per_rank.append(json.load(f))
+                ran.update({name: [r.get(name, "not run") for r in per_rank] for name in share})
+        return {name: ran.get(name, [None if name in self.skips else "not run"] * world_size) for name in self.names}
 
     def module_fixture(self, module_name: str, world_size: int):
         @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The recipe end to end: the CLI on 1 and 2 processes, crash + resume, 8-bit AdamW, LoRA export.
 
 CLI runs are subprocesses (plain python and torchrun); the in-process checks run
-in one world-1 gloo process group (dist_harness), like a notebook would.
+in a world-1 gloo process group (dist_harness), like a notebook would: two such worlds side by
+side, each running half of the checks (Note [Worlds side by side] in tests/dist_harness.py).
 """
 
 import json
@@ -270,7 +271,8 @@ def test_unknown_flag_is_a_clear_error(tmp_path, monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------- in-process checks (world 1)
-checks = Checks()
+# Each check trains in its own world of one, one core each: two worlds at once (Note [Worlds side by side]).
+checks = Checks(worlds=2)
 
 
 def _config(output_dir, **flags):
