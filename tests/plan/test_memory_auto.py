@@ -15,6 +15,7 @@ import os
 import pytest
 import torch.distributed as dist
 
+from dist_harness import map_in_processes
 from llama_cp.config import TrainConfig
 from llama_cp.modules.causal_lm import embedded_llama_config
 from llama_cp.plan import auto, fit, memory, simulate
@@ -34,34 +35,54 @@ def model_config():
     return embedded_llama_config(num_hidden_layers=3)
 
 
+class Calls(list):
+    """Every call's TrainConfig (a test may clear and count them), and the plans made so far."""
+
+    def __init__(self):
+        super().__init__()
+        self.done: dict[tuple, memory.MemoryBreakdown] = {}
+
+    @staticmethod
+    def key(cfg, world_size, model_config) -> tuple:
+        shape = {k: v for k, v in model_config.to_dict().items() if k != "dtype"}  # dtype: set by a plan
+        return auto.cache_key(cfg, world_size, 0, CONFIG), json.dumps(shape, sort_keys=True)
+
+
 @pytest.fixture(scope="module")
 def planned():
     """``simulate.plan_step_memory`` for the module: each configuration planned once, told apart by
     what can change its memory (``auto.cache_key``: not --output_dir, --gpu_memory_gb, ...);
-    yields the list of every call's TrainConfig, which a test may clear and count."""
-    done: dict[tuple, memory.MemoryBreakdown] = {}
-    calls: list[TrainConfig] = []
+    yields the list of every call's TrainConfig (``Calls``), which a test may clear and count."""
+    calls = Calls()
     plan = simulate.plan_step_memory
 
     def once(cfg, world_size, *, model_config):
         calls.append(cfg)
-        shape = {k: v for k, v in model_config.to_dict().items() if k != "dtype"}  # dtype: set by a plan
-        key = (auto.cache_key(cfg, world_size, 0, CONFIG), json.dumps(shape, sort_keys=True))
-        if key not in done:
-            done[key] = plan(cfg, world_size, model_config=model_config)
-        return done[key]
+        key = calls.key(cfg, world_size, model_config)
+        if key not in calls.done:
+            calls.done[key] = plan(cfg, world_size, model_config=model_config)
+        return calls.done[key]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(simulate, "plan_step_memory", once)
         yield calls
 
 
+def plan_candidate(levers: dict) -> memory.MemoryBreakdown:
+    """``simulate.plan_step_memory`` of the module's run with ``levers``, for ``map_in_processes``."""
+    return simulate.plan_step_memory(with_levers(TrainConfig.from_flags(**RUN), levers), 1, model_config=model_config())
+
+
 @pytest.fixture(scope="module")
 def peaks(planned):
-    """The planned peak of every candidate of the module's run, planned directly."""
+    """The planned peak of every candidate of the module's run, planned directly: in two processes
+    (``map_in_processes``: one core each), each plan then kept as the module's plan of its candidate."""
     cfg = TrainConfig.from_flags(**RUN)
-    return [simulate.plan_step_memory(with_levers(cfg, levers), 1, model_config=model_config()).total
-            for levers in candidates(cfg)]
+    levers = candidates(cfg)
+    plans = map_in_processes(plan_candidate, levers)
+    for lever, plan in zip(levers, plans, strict=True):
+        planned.done.setdefault(planned.key(with_levers(cfg, lever), 1, model_config()), plan)
+    return [plan.total for plan in plans]
 
 
 def test_the_candidates_are_cumulative_cheapest_first():

@@ -265,22 +265,30 @@ def test_offloaded_parameters_are_planned_as_host_memory(capsys):
     assert "sharded parameters, gradients and AdamW state (--offload_params)" in out and "a node of 2 GPUs" in out
 
 
+def breakdown_at(tokens: int) -> tuple[list, int]:
+    """The groups ``step_peak_tensors`` finds at ``tokens`` tokens, and the planner's tracked peak
+    there (two simulations of their own), for ``map_in_processes``."""
+    from llama_cp.plan.breakdown import step_peak_tensors
+    from llama_cp.plan.simulate import simulate_step_memory
+
+    config = embedded_llama_config()
+    cfg = TrainConfig.from_flags(context_length=tokens, use_peft=True, activation_checkpointing=True, dtype="bfloat16")
+    return step_peak_tensors(cfg, 1, model_config=config), simulate_step_memory(cfg, 1, model_config=config).total
+
+
 def test_breakdown_lists_the_tensors_at_the_peak_with_their_bytes_per_token():
     """--breakdown (llama_cp/plan/breakdown.py): the tensors made in the step and alive at its peak
     add up to the planner's tracked peak less what existed before the step (the LoRA weights,
     their AdamW state, the RoPE tables: under 2%); a tensor whose shape holds the token count
-    is per token, and at twice the tokens its group holds twice the bytes."""
-    from llama_cp.plan.breakdown import describe_groups, step_peak_tensors
-    from llama_cp.plan.simulate import simulate_step_memory
+    is per token, and at twice the tokens its group holds twice the bytes. The two lengths are
+    planned in two processes (``map_in_processes``: one core each)."""
+    from llama_cp.plan.breakdown import describe_groups
 
-    config = embedded_llama_config()
     groups, totals = {}, {}
-    for tokens in (2048, 4096):
-        cfg = TrainConfig.from_flags(context_length=tokens, use_peft=True, activation_checkpointing=True,
-                                     dtype="bfloat16")
-        found = step_peak_tensors(cfg, 1, model_config=config)
+    lengths = (2048, 4096)
+    for tokens, (found, total) in zip(lengths, map_in_processes(breakdown_at, list(lengths)), strict=True):
         groups[tokens] = {group.label: group for group in found}
-        totals[tokens] = simulate_step_memory(cfg, 1, model_config=config).total
+        totals[tokens] = total
         made = sum(group.nbytes for group in found)
         assert 0.98 * totals[tokens] <= made <= totals[tokens], (tokens, made, totals[tokens])
         assert [group.nbytes for group in found] == sorted((group.nbytes for group in found), reverse=True)
