@@ -1,5 +1,5 @@
 """RULER-style synthetic tasks (``--task ruler_multikey``, ``ruler_multivalue``, ``ruler_variables``,
-``ruler_common_words``, or ``ruler`` for all four): rows of an exact token length whose answer
+``ruler_common_words``, ``ruler_multiquery``, ``ruler_frequent_words``, or ``ruler`` for all six): rows of an exact token length whose answer
 needs more than finding one needle, scored by teacher forcing (Note [Scoring RULER-style tasks
 by teacher forcing]). The task definitions follow RULER (Hsieh et al., 2024, "RULER: What's the
 Real Context Size of Your Long-Context Language Models?"); the wording, the made-up words and
@@ -14,10 +14,16 @@ the sizes are ours:
   five variables that hold the asked value, in the order they are assigned.
 - ``ruler_common_words``: a list of made-up words in which three appear 8 times and every other
   word at most twice; the answer names the three, in the order they first appear.
+- ``ruler_multiquery``: four needles as in ``ruler_multikey``; the question asks for three of the
+  keys' numbers, in an order of its own, and the answer gives them in that order.
+- ``ruler_frequent_words``: a list of made-up words drawn from a Zipf-like distribution over a
+  small vocabulary, trimmed so that the three most frequent have distinct counts, each above
+  every other word's; the answer names the three, most frequent first.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,8 +38,9 @@ from llama_cp.model.loss import IGNORE_INDEX, causal_lm_loss_sum
 from llama_cp.parallel.mesh import submesh
 from llama_cp.parallel.sharding import shard_batch
 
-#: --task ruler runs these four, in this order.
-RULER_TASKS = ("ruler_multikey", "ruler_multivalue", "ruler_variables", "ruler_common_words")
+#: --task ruler runs these six, in this order.
+RULER_TASKS = ("ruler_multikey", "ruler_multivalue", "ruler_variables", "ruler_common_words", "ruler_multiquery",
+               "ruler_frequent_words")
 RULER = "ruler"
 
 # Note [Scoring RULER-style tasks by teacher forcing]
@@ -63,6 +70,8 @@ _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 NEEDLES, VALUE_DIGITS = 4, 7
 CHAIN, VARIABLE_DIGITS = 5, 5
 COMMON_WORDS, COMMON_TIMES, RARE_TIMES = 3, 8, 2
+QUERIES = 3  # ruler_multiquery: keys asked, of the NEEDLES
+FREQUENT_WORDS, VOCABULARY, ZIPF_EXPONENT = 3, 50, 1.0  # ruler_frequent_words: word k drawn with weight 1 / k**1.0
 
 
 @dataclass(frozen=True)
@@ -192,12 +201,72 @@ def draw_common_words(rng, encode, filler) -> Draw:
                 answer=" " + ", ".join(common), context=context)
 
 
+def draw_multiquery(rng, encode, filler) -> Draw:
+    keys = _words(rng, NEEDLES)
+    values = [_number(rng, VALUE_DIGITS) for _ in keys]
+    asked = rng.sample(range(NEEDLES), QUERIES)  # the question's order, not the needles'
+    named = ", ".join(keys[i] for i in asked[:-1]) + f" and {keys[asked[-1]]}"
+    needles = [encode(_magic(key, value)) for key, value in zip(keys, values)]
+    return Draw(intro="Some special magic numbers are hidden in the text below. Remember them: a question about "
+                      "them follows.\n",
+                question=f"\nWhat are the special magic numbers for {named} mentioned in the text above? Give them "
+                         "in the order the keys are asked.",
+                prefix=f"The special magic numbers for {named} mentioned in the text above are:",
+                answer=" " + ", ".join(values[i] for i in asked),
+                context=lambda budget: hide(rng, budget, needles, filler, "ruler_multiquery"))
+
+
+def _separate_top(counts: dict[str, int], top: int) -> dict[str, int]:
+    """``counts`` cut so that its first ``top`` words have distinct counts in falling order, each
+    above every later word's: each word at most one fewer than the one before it (for the first
+    ``top``) or than the ``top``-th (for the rest)."""
+    words = list(counts)
+    counts = dict(counts)
+    for rank, word in enumerate(words[1:], 1):
+        counts[word] = min(counts[word], counts[words[min(rank, top) - 1]] - 1)
+    return counts
+
+
+def draw_frequent_words(rng, encode, filler) -> Draw:
+    vocabulary = _words(rng, VOCABULARY)  # word k is drawn with weight 1 / (k + 1) ** ZIPF_EXPONENT
+    cumulative = list(itertools.accumulate(1 / (k + 1) ** ZIPF_EXPONENT for k in range(VOCABULARY)))
+    sizes = {word: len(encode(" " + word)) for word in vocabulary}
+    head = encode("Here is a list of words:")
+
+    def context(budget: int) -> list[int]:
+        # the first three words 3, 2 and 1 times to start: after _separate_top they keep >= 3, 2, 1
+        counts = dict.fromkeys(vocabulary, 0) | dict(zip(vocabulary, (3, 2, 1)))
+        used = len(head) + sum(sizes[word] * n for word, n in counts.items())
+        if used > budget:
+            raise ValueError(f"too short for --task ruler_frequent_words: its list needs {used - budget} tokens more")
+        while True:  # draw until a word does not fit
+            (word,) = rng.choices(vocabulary, cum_weights=cumulative)
+            if used + sizes[word] > budget:
+                break
+            counts[word] += 1
+            used += sizes[word]
+        # the draws rank the first three first almost always; where they do not, the cut makes them
+        counts = _separate_top(counts, FREQUENT_WORDS)
+        listed = [word for word, n in counts.items() for _ in range(n)]
+        rng.shuffle(listed)
+        used = len(head) + sum(sizes[word] for word in listed)  # the cut words' tokens become filler
+        return hide(rng, budget - used, [], filler, "ruler_frequent_words") + head + [
+            token for word in listed for token in encode(" " + word)]
+
+    return Draw(intro="Below is a list of made-up words, some drawn far more often than others.\n",
+                question=f"\nWhat are the {FREQUENT_WORDS} words that appear most often in the list above? Name "
+                         "them from the most frequent down.",
+                prefix=f"Answer: the {FREQUENT_WORDS} most frequent words, most frequent first, are:",
+                answer=" " + ", ".join(vocabulary[:FREQUENT_WORDS]), context=context)
+
+
 DRAWS = {"ruler_multikey": draw_multikey, "ruler_multivalue": draw_multivalue, "ruler_variables": draw_variables,
-         "ruler_common_words": draw_common_words}
+         "ruler_common_words": draw_common_words, "ruler_multiquery": draw_multiquery,
+         "ruler_frequent_words": draw_frequent_words}
 
 
 def parse_ruler_task(task: str) -> list[str]:
-    """The tasks --task names: one, or all four for ``ruler``."""
+    """The tasks --task names: one, or all six for ``ruler``."""
     return list(RULER_TASKS) if task == RULER else [task]
 
 

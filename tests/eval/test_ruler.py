@@ -13,7 +13,8 @@ import torch
 
 from llama_cp.data.tokenizer import byte_tokenizer
 from llama_cp.eval.plots import write_results
-from llama_cp.eval.ruler import RULER_TASKS, chat_frame, format_ruler, plot_ruler, ruler_row, score_row
+from llama_cp.eval.ruler import (RULER_TASKS, _separate_top, chat_frame, format_ruler, plot_ruler, ruler_row,
+                                 score_row)
 
 LENGTH = 1024  # bytes: the multi-needle tasks need about 500 with the byte tokenizer
 
@@ -42,9 +43,21 @@ def expected_answer(task: str, text: str) -> str:
             if source == value or source in holders:
                 holders.append(name)
         return " " + ", ".join(holders)
+    if task == "ruler_multiquery":
+        named = re.search(r"What are the special magic numbers for (.+) mentioned in", prompt).group(1)
+        keys = re.split(r", | and ", named)
+        assert len(keys) == len(set(keys)) >= 2
+        values = [re.findall(rf"magic numbers for {key} is: (\d+)\. ", prompt) for key in keys]
+        assert all(len(found) == 1 for found in values)  # each asked key has one needle
+        assert len(re.findall(r"magic numbers for \w+ is: ", prompt)) > len(keys)  # and some are not asked
+        return " " + ", ".join(found[0] for found in values)
     words = prompt.split("Here is a list of words:")[1].split("\nWhat are")[0].split()
     counts = collections.Counter(words)
     top = sorted(counts, key=lambda word: -counts[word])
+    if task == "ruler_frequent_words":
+        ranked = [counts[word] for word in top]
+        assert ranked[0] > ranked[1] > ranked[2] > ranked[3] and len(counts) > 10, ranked  # one answer
+        return " " + ", ".join(top[:3])
     assert min(counts[word] for word in top[:3]) > max(counts[word] for word in top[3:])  # three stand out
     return " " + ", ".join(word for word in dict.fromkeys(words) if word in top[:3])
 
@@ -82,6 +95,13 @@ def test_rows_are_a_function_of_task_seed_length_and_index():
     answers = {tokenizer.decode(ruler_row("ruler_multikey", tokenizer, LENGTH, 0, i)["labels"].clamp(min=0)[-9:-1])
                for i in range(6)}
     assert len(answers) == 6
+
+
+def test_the_frequent_words_cut_ranks_the_first_three_strictly_above_the_rest():
+    """Whatever the draws: ties are cut, and a later word drawn more often is cut below the third."""
+    assert _separate_top({"a": 5, "b": 5, "c": 5, "d": 5, "e": 1}, 3) == {"a": 5, "b": 4, "c": 3, "d": 2, "e": 1}
+    assert _separate_top({"a": 3, "b": 9, "c": 1, "d": 4}, 3) == {"a": 3, "b": 2, "c": 1, "d": 0}
+    assert _separate_top({"a": 9, "b": 6, "c": 4, "d": 3}, 3) == {"a": 9, "b": 6, "c": 4, "d": 3}
 
 
 def test_a_length_too_short_names_the_flag_and_the_shortfall():
