@@ -18,11 +18,12 @@ Perplexity (--task perplexity): loss and perplexity on your own documents (--dat
 context length and by position within it (Note [Perplexity by position]). Writes
 <output_dir>/perplexity.json and perplexity.png (loss by position, a line per length).
 
-RULER-style tasks (--task ruler_multikey, ruler_multivalue, ruler_variables, ruler_common_words, or
-ruler for all four; llama_cp/eval/ruler.py): several needles, one key with several values,
-variable tracking and common-word extraction, each row filled to every --lengths, scored like
-retrieval (every answer token the model's argmax). Writes <output_dir>/ruler.json (accuracy per
-task and length) and ruler.png.
+RULER-style tasks (--task ruler_multikey, ruler_multivalue, ruler_variables, ruler_common_words,
+ruler_multiquery, ruler_frequent_words, or ruler for all six; llama_cp/eval/ruler.py): several
+needles, one key with several values, variable tracking, common- and frequent-word extraction,
+several keys asked at once, each row filled to every --lengths, scored like retrieval (every
+answer token the model's argmax). Writes <output_dir>/ruler.json (accuracy per task and length)
+and ruler.png.
 
 Rows run the trainer's model path (context parallel over --cp ranks, FSDP over the rest) and
 its chunked loss, which never builds the logits of a whole row. A LoRA adapter directory is

@@ -31,7 +31,7 @@ FLAGS = {
                   "embedded (the untrained embedded model: the chance baseline)",
     "task": "passkey or needle (retrieval accuracy over --lengths x --depths), perplexity (loss by length and "
             "position on --dataset's documents), or a RULER-style task by --lengths: ruler_multikey, ruler_multivalue, "
-            "ruler_variables, ruler_common_words, or ruler for all four",
+            "ruler_variables, ruler_common_words, ruler_multiquery, ruler_frequent_words, or ruler for all six",
     "lengths": "comma-separated context lengths in tokens, each a multiple of 2 x --cp",
     "depths": "passkey / needle: comma-separated needle depths in [0, 1] (0 = the start of the filler, 1 = its end); "
               "the ruler tasks draw their needles' depths and refuse it",

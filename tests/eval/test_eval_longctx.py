@@ -53,7 +53,7 @@ def _write_jsonl(path, rows):
 @pytest.mark.parametrize("flags, message", [
     (["--num_sample", "4"], "unknown flag --num_sample; did you mean --num_samples?"),
     (["--task", "bogus"], "--task must be one of passkey, needle, perplexity, ruler, ruler_multikey, ruler_multivalue, "
-                            "ruler_variables, ruler_common_words, got 'bogus'"),
+                            "ruler_variables, ruler_common_words, ruler_multiquery, ruler_frequent_words, got 'bogus'"),
     (["--lengths", "250", "--cp", "2"], "--lengths: 250 is not a multiple of 2 x cp = 4"),
     (["--task", "perplexity"], "--task perplexity needs --dataset"),
     (["--task", "perplexity", "--dataset", "passkey"], "the passkey task is not natural text"),
