@@ -4,7 +4,8 @@ The notebook runs the README's default job in its kernel (the check that it lear
 lives here: one run of it serves both), loads its final/ with plain transformers and generates,
 trains LoRA in the kernel's own process with a merged export, then runs the same config with
 ``launch(cfg, nprocs=2)`` at cp=2. Here we check what it displayed against what it wrote
-under ``tmp_path``, and evaluate the default job's final/ under torchrun --cp 2.
+under ``tmp_path``, and evaluate the default job's final/ under torchrun --cp 2 (started as soon
+as the default job's cell has run, beside the notebook's later cells).
 """
 
 import ast
@@ -58,11 +59,35 @@ def test_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_CP_OUTPUT_DIR", str(tmp_path))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(nb)
-    client = nbclient.NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
-    )
-    client.execute()  # raises CellExecutionError on the first failing cell (the asserts of the check cell too)
+    eval_cp2 = []  # the eval CLI on the default job's final/ under torchrun --cp 2, checked below
 
+    def start_eval_cp2(cell, cell_index, execute_reply):
+        """Once the default job's cell has run (its final/ written), its eval starts beside the later cells."""
+        if "default" in cell.metadata.get("tags", []) and (execute_reply or {}).get("content", {}).get("status") == "ok":
+            eval_cp2.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                 "recipes.eval_longctx", "--output_dir", str(tmp_path / "cp2"), "--model_name",
+                 str(tmp_path / "default" / "final"), "--lengths", "1024", "--num_samples", "4", "--cp", "2",
+                 "--passkey_digits", "1"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=NOTEBOOK.parents[1],
+                env={**os.environ, "OMP_NUM_THREADS": "1"}))
+
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}},
+        on_cell_executed=start_eval_cp2,
+    )
+    try:
+        client.execute()  # raises CellExecutionError on the first failing cell (the asserts of the check cell too)
+        _check_notebook_outputs(nb, tmp_path, eval_cp2)
+    finally:
+        for proc in eval_cp2:
+            if proc.returncode is None:  # not waited for by the checks: a failure before them
+                proc.kill()
+                proc.communicate()
+
+
+def _check_notebook_outputs(nb, tmp_path: Path, eval_cp2: list) -> None:
+    """What the executed notebook ``nb`` displayed and wrote, and the eval started beside it."""
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert errors == []
 
@@ -81,12 +106,9 @@ def test_notebook_runs(tmp_path, monkeypatch):
     right = int(re.search(r"generate\(\) with plain transformers: (\d+)/10 keys right", export)[1])
     assert right >= 8 and export.count("in 2 tokens, stopped at eos: True") >= right, export
     # the eval CLI on the exported final/ under torchrun --cp 2 gives the trained grid's 1024-token row
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-         "recipes.eval_longctx", "--output_dir", str(tmp_path / "cp2"), "--model_name",
-         str(tmp_path / "default" / "final"), "--lengths", "1024", "--num_samples", "4", "--cp", "2",
-         "--passkey_digits", "1"],
-        capture_output=True, text=True, cwd=NOTEBOOK.parents[1], timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert len(eval_cp2) == 1  # started when the default job's cell had run
+    stdout, stderr = eval_cp2[0].communicate(timeout=600)
+    result = subprocess.CompletedProcess(eval_cp2[0].args, eval_cp2[0].returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "cp2" / "needle.json") as f:
         cp2 = json.load(f)
