@@ -109,9 +109,11 @@ def test_the_context_extension_recipe_runs_end_to_end_at_cpu_lengths(tmp_path):
     run("recipes.long_text", "--output_dir", str(data), "--min_chars", "20000", "--max_documents", "3",
         "--passkeys", "4")
     out = tmp_path / "extend"
-    run("recipes.finetune_longctx", "--config", "configs/smollm2_extend_32k.yaml", "--context_length", "512",
+    run("recipes.finetune_longctx", "--config", "configs/smollm2_extend_32k.yaml", "--model_name", NAME,
+        "--context_length", "512",
         "--max_steps", "2", "--eval_every", "0", "--num_eval_samples", "1", "--report_to", "none",
         "--dataset", f"{data}/train.jsonl:0.9,{data}/passkeys.jsonl:0.1", "--eval_dataset", f"{data}/eval.jsonl",
+        "--eval_perplexity",
         "--output_dir", str(out))
     with open(out / "final_merged" / "config.json") as f:
         rope = json.load(f)["rope_parameters"]
