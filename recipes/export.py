@@ -119,7 +119,7 @@ def export_gguf(model, output_dir: str, tokenizer, dtype: torch.dtype, merge_lor
     directory beside ``output_dir``, converted, the HF files removed, the directory renamed into
     place. The base's record of its own GGUF (Note [Which pre-tokenizer a GGUF names]) goes along."""
     from llama_cp.train.export import export_pretrained
-    from llama_cp.train.gguf_export import GGUF_SOURCE, write_gguf
+    from llama_cp.train.gguf_export import source_tokenizer_pre, write_gguf
 
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
@@ -127,10 +127,9 @@ def export_gguf(model, output_dir: str, tokenizer, dtype: torch.dtype, merge_lor
     try:
         hf_dir = os.path.join(staging, "hf")
         export_pretrained(model, hf_dir, tokenizer, dtype=dtype, merge_lora=merge_lora)
-        if base_dir is not None and os.path.isfile(os.path.join(base_dir, GGUF_SOURCE)):
-            shutil.copy(os.path.join(base_dir, GGUF_SOURCE), hf_dir)
         name = f"model-{gguf_type.upper()}.gguf"
-        write_gguf(hf_dir, os.path.join(staging, name), gguf_type, name=os.path.basename(os.path.abspath(output_dir)))
+        write_gguf(hf_dir, os.path.join(staging, name), gguf_type, name=os.path.basename(os.path.abspath(output_dir)),
+                   tokenizer_pre=source_tokenizer_pre(base_dir))
         shutil.rmtree(hf_dir)
         os.rename(staging, output_dir)
     except BaseException:

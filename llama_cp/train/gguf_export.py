@@ -58,7 +58,8 @@ _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # llama.cpp splits text before merging by the regexes of the name in tokenizer.ggml.pre (an
 # unknown name fails the load). The name is, in this order:
 #   1. the one the model's own GGUF carried, when the directory was converted from one (its
-#      llama_cp_gguf_source.json, "tokenizer_pre"; recipes/export copies it from the base model).
+#      llama_cp_gguf_source.json, "tokenizer_pre"; recipes.export and --export_gguf pass the base
+#      model's: source_tokenizer_pre).
 #      transformers rebuilds such a tokenizer.json without the original split (SmolLM2's digit
 #      split, "smollm"), so the file is the only faithful record;
 #   2. else the name whose split tokenizer.json's pre_tokenizer spells out:
@@ -167,14 +168,21 @@ def write_final_gguf(model_dir: str, out_dir: str, outtype: str, base_dir: str |
     """--export_gguf: ``out_dir``/model-<TYPE>.gguf from a run's exported ``model_dir`` (final_merged/
     or final/), replacing an earlier one; a base converted from a GGUF file (``base_dir`` holds
     GGUF_SOURCE) gives its pre-tokenizer name. Returns the file's path."""
-    pre = None
-    if base_dir and os.path.isfile(os.path.join(base_dir, GGUF_SOURCE)):
-        with open(os.path.join(base_dir, GGUF_SOURCE)) as f:
-            pre = json.load(f).get("tokenizer_pre")
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)  # the previous export of this output_dir
     os.makedirs(out_dir)
-    return write_gguf(model_dir, os.path.join(out_dir, f"model-{outtype.upper()}.gguf"), outtype, tokenizer_pre=pre)
+    return write_gguf(model_dir, os.path.join(out_dir, f"model-{outtype.upper()}.gguf"), outtype,
+                      tokenizer_pre=source_tokenizer_pre(base_dir))
+
+
+def source_tokenizer_pre(directory: str | None) -> str | None:
+    """The pre-tokenizer name of the GGUF file ``directory`` was converted from (its GGUF_SOURCE,
+    written by GGUF in), None for any other directory (Note [Which pre-tokenizer a GGUF names])."""
+    source = os.path.join(directory or "", GGUF_SOURCE)
+    if not directory or not os.path.isfile(source):
+        return None
+    with open(source) as f:
+        return json.load(f).get("tokenizer_pre")
 
 
 def check_gguf_family(config, flag: str = "--format gguf") -> str:
@@ -381,12 +389,9 @@ def _add_tokenizer(writer, model_dir: str, config, tokenizer_pre: str | None, gg
 def pre_tokenizer_name(model_dir: str, spec: dict) -> str:
     """llama.cpp's name for the tokenizer's split (Note [Which pre-tokenizer a GGUF names]):
     the source GGUF's, else the one tokenizer.json's pre_tokenizer spells out; ValueError else."""
-    source = os.path.join(model_dir, GGUF_SOURCE)
-    if os.path.isfile(source):
-        with open(source) as f:
-            pre = json.load(f).get("tokenizer_pre")
-        if pre:
-            return pre
+    pre = source_tokenizer_pre(model_dir)
+    if pre:
+        return pre
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     shape = tuple(_describe_step(step) for step in steps)

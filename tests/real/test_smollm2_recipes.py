@@ -78,6 +78,9 @@ def test_lora_sft_then_merged_model_and_its_gguf_still_answer(tmp_path):
 
     assert os.listdir(out / "final_gguf") == ["model-Q8_0.gguf"]  # --export_gguf, from final_merged/
     folder, name = str(out / "final_gguf"), "model-Q8_0.gguf"
+    import gguf  # the base GGUF's pre-tokenizer name, passed on (the rebuilt tokenizer.json lacks its digit split)
+
+    assert gguf.GGUFReader(os.path.join(folder, name)).fields["tokenizer.ggml.pre"].contents() == "smollm"
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     assert_still_answers(answers(model, AutoTokenizer.from_pretrained(folder, gguf_file=name)))
 
