@@ -113,15 +113,15 @@ def reference(dtype: torch.dtype, use_lora: bool):
     return _reference[key]
 
 
-def check_real_model(strategy: str, mesh, sharded: bool, use_lora: bool, dtype: torch.dtype) -> None:
-    """Logits, loss and every gradient of SmolLM2 on packed chat rows, context-parallel over
-    ``mesh["cp"]`` (FSDP over dp_shard x cp when ``sharded``; LoRA on q and v), equal plain
-    transformers on the whole rows."""
-    from document_checks import lora
+def check_real_model(strategy: str, cp: int, sharded: bool, use_lora: bool, dtype: torch.dtype) -> None:
+    """Logits, loss and every gradient of SmolLM2 on packed chat rows, context-parallel over a world
+    of ``cp`` ranks (FSDP over them when ``sharded``; LoRA on q and v), equal plain transformers on
+    the whole rows."""
+    from document_checks import lora, mesh_for
     from fsdp_checks import check_cp_against_reference
 
     ref, ref_logits, ref_loss = reference(dtype, use_lora)
     model = load_model(dtype)
     model = lora(model) if use_lora else model
-    check_cp_against_reference(model, ref, packed_chat_rows(SEQ_LEN, ROWS), ref_logits, ref_loss, mesh,
+    check_cp_against_reference(model, ref, packed_chat_rows(SEQ_LEN, ROWS), ref_logits, ref_loss, mesh_for(cp, cp),
                                strategy=strategy, sharded=sharded, tol=TOLERANCE[dtype], max_seq_len=SEQ_LEN)

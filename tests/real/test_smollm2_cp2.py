@@ -8,17 +8,12 @@ import pytest
 import torch
 
 from dist_harness import Checks
-from llama_cp import ParallelDims
+from document_checks import mesh_for
 from smollm2 import check_real_model, why_missing
 
 WORLD_SIZE = 2
 MISSING = why_missing()
 checks = Checks()
-
-
-@functools.cache
-def mesh():
-    return ParallelDims(dp_shard=1, cp=2).build_mesh("cpu")
 
 
 CASES = [  # (strategy, sharded, LoRA, dtype), grouped by reference (each is built once)
@@ -29,7 +24,7 @@ CASES = [  # (strategy, sharded, LoRA, dtype), grouped by reference (each is bui
     ("ring", False, True, torch.float64),
 ]
 for _strategy, _sharded, _lora, _dtype in CASES:
-    checks.add(functools.partial(lambda *a: check_real_model(a[0], mesh(), *a[1:]), _strategy, _sharded, _lora, _dtype),
+    checks.add(functools.partial(check_real_model, _strategy, 2, _sharded, _lora, _dtype),
                name=f"{_strategy}_cp2_{'fsdp' if _sharded else 'plain'}{'_lora' if _lora else ''}_{str(_dtype)[6:]}",
                skip=MISSING)
 
@@ -51,7 +46,7 @@ def ulysses_cp2_is_refused_naming_the_heads():
     message = str(refused.value)
     assert "\n" not in message and "9" in message and "--cp_strategy ring" in message and "hybrid" in message, message
     with pytest.raises(ValueError, match=r"num_attention_heads \(9\) divisible by cp \(2\)"):
-        apply_context_parallel(model, mesh()["cp"], strategy="ulysses", max_seq_len=120)
+        apply_context_parallel(model, mesh_for(2, WORLD_SIZE)["cp"], strategy="ulysses", max_seq_len=120)
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)

@@ -9,17 +9,11 @@ import pytest
 import torch
 
 from dist_harness import Checks
-from llama_cp import ParallelDims
 from smollm2 import check_real_model, why_missing
 
 WORLD_SIZE = 3
 MISSING = why_missing()
 checks = Checks()
-
-
-@functools.cache
-def mesh():
-    return ParallelDims(dp_shard=1, cp=3).build_mesh("cpu")
 
 
 CASES = [  # (strategy, sharded, LoRA), grouped by reference (each is built once)
@@ -29,8 +23,7 @@ CASES = [  # (strategy, sharded, LoRA), grouped by reference (each is built once
     ("allgather", True, True),
 ]
 for _strategy, _sharded, _lora in CASES:
-    checks.add(functools.partial(lambda *a: check_real_model(a[0], mesh(), *a[1:], torch.float32),
-                                 _strategy, _sharded, _lora),
+    checks.add(functools.partial(check_real_model, _strategy, 3, _sharded, _lora, torch.float32),
                name=f"{_strategy}_cp3_{'fsdp' if _sharded else 'plain'}{'_lora' if _lora else ''}_float32",
                skip=MISSING)
 
