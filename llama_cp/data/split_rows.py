@@ -60,11 +60,10 @@ def prepare_split(
             continue
         check_objective(detect_format(examples.column_names), objective, f"{source.flag} {source.name!r}")
         with contextlib.nullcontext() if progress else _quiet_datasets():
+            shared = {"tokenizer": tokenizer, "spec": spec, "source": source}
             part = examples.map(
                 _tokenize_pair if objective == "dpo" else _tokenize,
-                fn_kwargs={"tokenizer": tokenizer, "spec": spec, "source": source}
-                if objective == "dpo" else {"tokenizer": tokenizer, "spec": spec, "source": source,
-                                            "context_length": context_length},
+                fn_kwargs=shared if objective == "dpo" else {**shared, "context_length": context_length},
                 remove_columns=examples.column_names,
                 features=features,
                 num_proc=num_proc if num_proc > 1 and len(examples) > 1 else None,

@@ -470,12 +470,14 @@ class Trainer:
                 "rope_scaling": cfg.model.rope_scaling, "context_length": cfg.data.context_length}
         for target, merge in targets:
             export_pretrained(self.model, target, self.tokenizer, dtype=dtype, merge_lora=merge, info=info)
-        if cfg.export_gguf != "none" and self.rank == 0:
+        if cfg.export_gguf != "none":
             from llama_cp.train.gguf_export import write_final_gguf
 
             out = os.path.join(os.path.dirname(path.rstrip(os.sep)), "final_gguf")
-            self._say(f"wrote {write_final_gguf(targets[-1][0], out, cfg.export_gguf, self.model_path)} (docs/gguf.md)")
-        dist.barrier()
+            if self.rank == 0:
+                self._say(f"wrote {write_final_gguf(targets[-1][0], out, cfg.export_gguf, self.model_path)} "
+                          "(docs/gguf.md)")
+            dist.barrier()  # the other ranks go on once the file is written
         rope = " ".join(f"--{k} {v}" for k, v in (("rope_theta", cfg.model.rope_theta),
                                                    ("rope_scaling", cfg.model.rope_scaling)) if v not in (0, "none"))
         if rope and hasattr(self.model, "peft_config"):  # peft loads an adapter onto the base's own config
