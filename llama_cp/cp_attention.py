@@ -239,10 +239,41 @@ def cp_attention_forward(
     check_attention_mask(attention_mask)
     if dropout:
         raise ValueError(f"context-parallel attention does not support attention dropout (got {dropout})")
+    for name, feature in UNCOMPUTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes {name}= to its attention: {feature}, which context-parallel "
+                "attention does not compute; this model cannot be trained with llama-cp"
+            )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    # Note [A window held, not passed]
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     out = attention(query, key, value, causal=causal, scale=scaling, documents=kwargs.get(DOCUMENTS_KWARG),
-                    softcap=kwargs.get("softcap") or 0.0, window=kwargs.get("sliding_window"))
+                    softcap=kwargs.get("softcap") or 0.0, window=window)
     return out.transpose(1, 2).contiguous(), None
+
+
+#: Keyword arguments of transformers' attention calls that change the result and that the kernel
+#: does not compute (their names in transformers 5.24's modeling code and integrations/sdpa_attention.py);
+#: refused when set, never dropped.
+UNCOMPUTED_KWARGS = {
+    "s_aux": "learned attention sinks in the softmax denominator (gpt_oss)",
+    "sinks": "learned attention sinks in the softmax denominator",
+    "position_bias": "an additive position bias on the scores",
+}
+
+# Note [A window held, not passed]
+# ================================
+#
+# A sliding window reaches the kernel as the attention call's ``sliding_window=`` (Mistral,
+# Qwen2, Gemma 2/3, ...). Qwen2-MoE's attention sets ``self.sliding_window`` on its windowed
+# layers but does not pass it (transformers 5.24 models/qwen2_moe/modeling_qwen2_moe.py,
+# Qwen2MoeAttention): single-process transformers windows those layers through the mask
+# (create_sliding_window_causal_mask), and llama-cp's attention receives no mask, so without the
+# module's own window they would attend over the whole sequence. Where the call passes no
+# ``sliding_window``, the module's is used. In every family of SUPPORTED_FAMILIES, in 4.56.2 and
+# 5.24, a module holding a window either passes a ``sliding_window=`` (Exaone 4 passes None on its
+# full layers while holding the config's window: the kwarg wins) or is Qwen2-MoE's.
 
 
 # ---------------------------------------------------------------- RoPE
@@ -279,7 +310,8 @@ def bind_global_rope(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Make position-dependent RoPE modules choose their frequencies from the global sequence
     (Note [Position-dependent RoPE under CP]); other rotary modules are left as they are."""
     for module in model.modules():
-        if "inv_freq" not in dict(module.named_buffers(recurse=False)):
+        # "inv_freq", or one per layer type ("full_attention_inv_freq": Gemma 3, OLMo 3)
+        if not any(name.endswith("inv_freq") for name, _ in module.named_buffers(recurse=False)):
             continue
         if group is not None and _reads_positions(module):
             module.cp_group = group

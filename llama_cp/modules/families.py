@@ -68,10 +68,24 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "mixtral": _plain,
     "qwen3_moe": _plain,
     "olmoe": _plain,
+    "qwen2_moe": _plain,  # + a shared expert gated per token; its windows: Note [A window held, not passed]
+    "glm4_moe": _plain,  # sigmoid router with group selection, shared experts; transformers adds no router loss
+    # everything they add happens in the attention module before the attention call, or per token:
+    "ministral": _plain,  # windowed and full layers
+    "ernie4_5": _plain,  # q/k/v/o and MLP biases, interleaved RoPE
+    "hunyuan_v1_dense": _plain,  # q/k norm after RoPE, static NTK-alpha RoPE
+    "seed_oss": _plain,  # q/k/v and o biases (its config's default attention_dropout 0.1 is refused below)
+    "glm4": _plain,  # partial interleaved RoPE, qkv bias, norms after attention and MLP
+    "cohere2": _cohere,  # windowed RoPE layers, full layers without RoPE (NoPE), parallel block
+    "exaone4": _plain,  # windowed RoPE layers, full NoPE layers, q/k norm, norms after attention and MLP
+    "smollm3": _plain,  # NoPE layers among RoPE ones (no_rope_layers), windows where use_sliding_window
+    "olmo3": _plain,  # windowed and full layers, a RoPE per layer type
 }
 
 #: MoE families -> the config field holding their number of experts.
-_EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts"}
+#: (GLM-4.5's glm4_moe has a router but its forward adds no load-balancing loss: not here.)
+_EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts",
+                  "qwen2_moe": "num_experts"}
 
 
 @dataclass(frozen=True)
@@ -100,8 +114,8 @@ def set_router_loss_coef(config, coef: float) -> None:
     if coef == -1:
         return
     if config.model_type not in _EXPERTS_FIELD:
-        raise ValueError(f"--router_aux_loss_coef {coef}: {config.model_type!r} has no router (an MoE family: "
-                         f"{', '.join(sorted(_EXPERTS_FIELD))}); drop the flag")
+        raise ValueError(f"--router_aux_loss_coef {coef}: {config.model_type!r} adds no router load-balancing loss "
+                         f"(families that do: {', '.join(sorted(_EXPERTS_FIELD))}); drop the flag")
     if coef < 0:
         raise ValueError(f"--router_aux_loss_coef must be >= 0 (0 = no router loss), or -1 for the model's own; "
                          f"got {coef}")
@@ -111,10 +125,29 @@ def set_router_loss_coef(config, coef: float) -> None:
 #: Families whose attention reads ``config.sliding_window`` itself (others set it per layer).
 _WINDOW_IN_CONFIG = {"mistral", "phi3", "mixtral", "olmoe", "qwen3_moe"}
 
+_RECURRENT = ("carry a recurrent state along the sequence, which under CP would restart at every rank's shard "
+              "(no context-parallel algorithm here passes it across ranks)")
+_NOT_YET = "which the context-parallel kernel does not compute yet"
+
 #: Why some well-known families are refused.
 _REFUSAL_REASONS = {
     "phi": "its attention has no o_proj and a partial rotary embedding",
+    # linear-attention and state-space hybrids: their non-attention layers see only the local shard
+    "qwen3_next": f"its linear-attention layers (gated DeltaNet with a causal convolution) {_RECURRENT}",
+    "kimi_linear": f"its linear-attention layers (Kimi Delta Attention) {_RECURRENT}",
+    "falcon_h1": f"its Mamba2 mixers, one beside the attention of every layer, {_RECURRENT}",
+    "granitemoehybrid": f"its Mamba2 layers {_RECURRENT}",
+    "lfm2": f"its short-convolution layers {_RECURRENT}",
+    # attention the kernel does not compute yet
+    "gpt_oss": f"its attention adds learned per-head sinks to the softmax denominator (s_aux), {_NOT_YET}",
+    "deepseek_v2": f"its multi-head latent attention has a value head dim (v_head_dim) unlike the query/key head dim, "
+                   f"{_NOT_YET}",
+    "deepseek_v3": f"its multi-head latent attention has a value head dim (v_head_dim) unlike the query/key head dim, "
+                   f"{_NOT_YET}",
+    "llama4_text": f"its chunked local attention (attention_chunk_size; transformers passes the chunks only in a mask) "
+                   f"and its NoPE layers' query temperature by global position (attn_temperature_tuning), {_NOT_YET}",
 }
+_REFUSAL_REASONS["llama4"] = _REFUSAL_REASONS["llama4_text"]
 
 # Note [A family's transformers floor]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -133,8 +166,12 @@ _REFUSAL_REASONS = {
 # 5.0.0 has ALL_ATTENTION_FUNCTIONS. Every other family of SUPPORTED_FAMILIES calls through
 # the interface in 4.56.2 already. tests/modules/test_families.py checks the refusal.
 
+#
+# Qwen2-MoE the same: 4.56.2 and 4.57.6 have QWEN2MOE_ATTENTION_CLASSES (Qwen2MoeSdpaAttention ->
+# SDPA), 5.0.0 has ALL_ATTENTION_FUNCTIONS (read in the released wheels' models/qwen2_moe/modeling_qwen2_moe.py).
+
 #: Family -> the first transformers release whose code of it calls the attention interface.
-_NEEDS_TRANSFORMERS = {"olmoe": (5, 0)}
+_NEEDS_TRANSFORMERS = {"olmoe": (5, 0), "qwen2_moe": (5, 0)}
 
 
 def transformers_refusal(family: str, transformers_version: str) -> str | None:
@@ -188,6 +225,14 @@ def check_supported(model: nn.Module) -> LogitTransform:
         raise ValueError(
             f"{family}: config.attention_dropout={config.attention_dropout}; context-parallel attention has no "
             "attention dropout: set it to 0.0"
+        )
+    if family == "smollm3" and not config.use_sliding_window and "sliding_attention" in (config.layer_types or ()):
+        # SmolLM3Attention passes no window then, but the model's mask still windows those layers
+        # (transformers 5.24 models/smollm3/modeling_smollm3.py): its own attention paths disagree
+        raise ValueError(
+            "smollm3: config.layer_types has sliding_attention layers but use_sliding_window=False, which "
+            "transformers itself computes two ways (sdpa windows them, flash_attention does not): set "
+            "use_sliding_window=True, or layer_types to full_attention"
         )
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError(

@@ -1,0 +1,288 @@
+"""The families of issue 47 the kernel computes as it is, against plain single-process transformers on
+4 CPU ranks (gloo), as tests/modules/test_families.py checks the older ones (its BASE model, batch,
+meshes and tolerances); and the families refused, each in one line with the reason.
+
+Per family: logits, chunked loss and every parameter gradient under ring, Ulysses (cp 1, 2, 4),
+all-gather (cp 2) and hybrid (cp 4), plain and FSDP, float32 and float64 (``RUNS``). The configurations
+make each family's feature count: windows of 6 tokens (longer than a zigzag chunk at cp 4, shorter
+at cp 2) on some layers, NoPE layers next to RoPE layers, partial rotary, non-zero q/k/v/o biases
+(transformers initialises biases to zero: a zero bias would prove nothing), shared experts, a RoPE
+per layer type; ``features_change_the_result`` records how far the logits move without each.
+"""
+
+import copy
+import functools
+import re
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+from dist_harness import Checks
+from fsdp_checks import check_cp_against_reference
+from llama_cp import apply_context_parallel
+from llama_cp.cp_attention import UNCOMPUTED_KWARGS, cp_attention_forward
+from llama_cp.modules.families import check_supported, transformers_refusal
+from test_families import BASE, MOE_LOSS, SEQ_LEN, TOLERANCE, TRANSFORMERS_5, WINDOW, WORLD_SIZE, batch, mesh_for, rope
+
+checks = Checks(setup=lambda sizes: [mesh_for(cp) for cp in sorted(sizes)])
+
+SLIDING_FULL = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)
+PARTIAL_ROTARY = dict(partial_rotary_factor=0.5)  # 4 of head_dim 8 rotated
+
+
+def per_layer_type_rope(full: dict) -> dict:
+    """OLMo 3's RoPE per layer type: windowed layers theta 100, full layers ``full``."""
+    return dict(rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+                                 "full_attention": full})
+
+
+#: name -> (model_type, config overrides).
+FAMILIES = {
+    "ministral": ("ministral", SLIDING_FULL),
+    "ernie4_5": ("ernie4_5", dict(use_bias=True)),  # interleaved RoPE
+    # q/k norm after RoPE; "dynamic" with an alpha is transformers' static NTK-alpha RoPE
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", dict(attention_bias=True, **rope(
+        rope_type="dynamic", rope_theta=10000.0, factor=1.0, alpha=1000.0))),
+    "seed_oss": ("seed_oss", dict(attention_bias=True, attention_out_bias=True, attention_dropout=0.0,
+                                  residual_dropout=0.0)),
+    "glm4": ("glm4", dict(attention_bias=True, **PARTIAL_ROTARY)),
+    # RoPE on the windowed layer only: the full layer is NoPE (weights 2.5x the usual init: at 0.02 the
+    # NoPE layer moved the logits by 3e-4 only)
+    "cohere2": ("cohere2", dict(**SLIDING_FULL, logit_scale=0.25, initializer_range=0.05)),
+    "exaone4": ("exaone4", SLIDING_FULL),  # the same NoPE rule, q/k norm
+    # layer 0 full with RoPE, layer 1 windowed without (no_rope_layers [1, 0])
+    "smollm3": ("smollm3", dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=WINDOW)),
+    "olmo3": ("olmo3", dict(**SLIDING_FULL, **per_layer_type_rope(dict(rope_type="default", rope_theta=10000.0)))),
+    # the full layers' RoPE picks its frequencies from the longest position (32 > 16): Note
+    # [Position-dependent RoPE under CP] on a rotary module with a RoPE per layer type
+    "olmo3_dynamic_rope": ("olmo3", dict(**SLIDING_FULL, max_position_embeddings=16, **per_layer_type_rope(
+        dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)))),
+    # layer 0 dense, layer 1 sigmoid-routed experts plus a shared one; no router loss in transformers
+    "glm4_moe": ("glm4_moe", dict(
+        attention_bias=True, use_qk_norm=True, **PARTIAL_ROTARY, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=2.0)),
+    # layer 0 dense and windowed (its window reaches attention only as the module's: Note [A window
+    # held, not passed]), layer 1 experts plus a gated shared expert, with the router loss
+    "qwen2_moe": ("qwen2_moe", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+        mlp_only_layers=[0], qkv_bias=True, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2,
+        **MOE_LOSS)),
+}
+MOE = {"glm4_moe", "qwen2_moe"}
+#: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
+#: LayerNorm), routers in float32 (GLM-4.5's gate and its score bias), the router loss.
+FLOAT32_ONLY = {"cohere2", *MOE}
+
+
+def skip_reason(name: str) -> str | None:
+    """Why family ``name`` cannot be checked with the installed transformers: absent, or refused."""
+    model_type = FAMILIES[name][0]
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return f"transformers {transformers.__version__} has no {model_type!r}"
+    return transformers_refusal(model_type, transformers.__version__)
+
+
+def family_model(name: str, dtype=torch.float32, **overrides):
+    """The family's model in ``dtype``, its biases (and GLM-4.5's router score bias) set non-zero."""
+    model_type, family_overrides = FAMILIES[name]
+    config = AutoConfig.for_model(model_type, **{**BASE, **family_overrides, **overrides})
+    torch.manual_seed(0)
+    experts = {"experts_implementation": "eager"} if model_type in MOE else {}
+    # .to: GLM-4.5 keeps its router's weight and score bias in float32 whatever the dtype (its
+    # _keep_in_fp32_modules_strict); its router computes in float32 either way
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **experts).to(dtype)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for tensor_name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor_name.endswith(("_proj.bias", "e_score_correction_bias")):
+                tensor.copy_(torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype) - 0.5)
+    return model
+
+
+@functools.cache
+def family_reference(name: str, dtype: torch.dtype):
+    """(pristine, reference, logits, loss): test_families.family_reference of this module's families."""
+    reference = family_model(name, dtype)
+    pristine = copy.deepcopy(reference)
+    data = batch()
+    hf_labels = torch.cat([torch.full((data["labels"].shape[0], 1), -100), data["labels"][:, :-1]], dim=1)
+    ref = reference(input_ids=data["input_ids"], labels=hf_labels)
+    ref_loss = torch.nn.functional.cross_entropy(ref.logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+    if getattr(ref, "aux_loss", None) is not None:
+        ref_loss = ref_loss + reference.config.router_aux_loss_coef * ref.aux_loss
+    torch.testing.assert_close(ref_loss.float(), ref.loss.float(), **TOLERANCE[torch.float32])
+    ref_loss.backward()
+    return pristine, reference, ref.logits.detach(), ref_loss.detach()
+
+
+def check_family(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.dtype):
+    tol = TOLERANCE[torch.float32 if FAMILIES[name][0] in FLOAT32_ONLY else dtype]
+    pristine, reference, ref_logits, ref_loss = family_reference(name, dtype)
+    check_cp_against_reference(copy.deepcopy(pristine), reference, batch(), ref_logits, ref_loss, mesh_for(cp),
+                               strategy=strategy, sharded=sharded, tol=tol, max_seq_len=SEQ_LEN,
+                               ulysses_degree=2 if strategy == "hybrid" else 0)
+
+
+#: (strategy, cp, FSDP, dtype) of each family's checks: every strategy, cp 1, 2 and 4, plain and FSDP,
+#: float32 and float64, but not every combination (test_families.py's 18 per family: the kernel's code is
+#: the same for every family, and these families differ from the older ones only before and after it).
+#: Measured on the 2-core machine: the full matrix and all-gather and hybrid, 240 checks, 63 s; these, ~25 s.
+RUNS = [("ring", 1, False, torch.float64), ("ring", 2, True, torch.float32), ("ulysses", 2, False, torch.float64),
+        ("ring", 4, False, torch.float64), ("ulysses", 4, True, torch.float32), ("allgather", 2, False, torch.float32),
+        ("hybrid", 4, True, torch.float64)]
+for _name in FAMILIES:
+    for _strategy, _cp, _sharded, _dtype in RUNS:
+        checks.add(functools.partial(check_family, _name, _strategy, _cp, _sharded, _dtype),
+                   name=f"{_name}_{_strategy}_cp{_cp}_{'fsdp' if _sharded else 'plain'}_{str(_dtype)[6:]}",
+                   skip=skip_reason(_name), group=None if _sharded else _cp)
+
+
+def _zero(*suffixes: str):
+    """A change of a built model: the parameters whose names end with one of ``suffixes`` zeroed."""
+    def change(model):
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(suffixes):
+                    tensor.zero_()
+    return change
+
+
+BIASES = _zero("_proj.bias")
+NO_WINDOWS = dict(sliding_window=SEQ_LEN)
+#: Full layers without RoPE (windows as long as the sequence are no-ops) against the same layers
+#: made windowed ones, which take RoPE.
+NOPE_OFF = dict(layer_types=["sliding_attention"] * 2, sliding_window=SEQ_LEN)
+#: "family: feature" -> (family, config overrides with the feature, config overrides and a change
+#: of the built model without it).
+FEATURES = {
+    "ministral: windows": ("ministral", {}, NO_WINDOWS, None),
+    "ernie4_5: biases": ("ernie4_5", {}, {}, BIASES),
+    "hunyuan_v1_dense: biases": ("hunyuan_v1_dense", {}, {}, BIASES),
+    "hunyuan_v1_dense: NTK-alpha RoPE": ("hunyuan_v1_dense", {}, rope(rope_type="default", rope_theta=10000.0), None),
+    "seed_oss: biases": ("seed_oss", {}, {}, BIASES),
+    "glm4: biases": ("glm4", {}, {}, BIASES),
+    "glm4: partial rotary": ("glm4", {}, dict(partial_rotary_factor=1.0), None),
+    "cohere2: windows": ("cohere2", {}, NO_WINDOWS, None),
+    "cohere2: NoPE full layer": ("cohere2", NO_WINDOWS, NOPE_OFF, None),
+    "exaone4: windows": ("exaone4", {}, NO_WINDOWS, None),
+    "exaone4: NoPE full layer": ("exaone4", NO_WINDOWS, NOPE_OFF, None),
+    "smollm3: windows": ("smollm3", {}, NO_WINDOWS, None),
+    "smollm3: NoPE layer": ("smollm3", {}, dict(no_rope_layers=[1, 1]), None),
+    "olmo3: windows": ("olmo3", {}, NO_WINDOWS, None),
+    "olmo3: RoPE per layer type": ("olmo3", {}, per_layer_type_rope(dict(rope_type="default", rope_theta=100.0)),
+                                   None),
+    "olmo3_dynamic_rope: dynamic RoPE": ("olmo3_dynamic_rope", {}, per_layer_type_rope(
+        dict(rope_type="default", rope_theta=10000.0)), None),
+    "glm4_moe: biases": ("glm4_moe", {}, {}, BIASES),
+    "glm4_moe: partial rotary": ("glm4_moe", {}, dict(partial_rotary_factor=1.0), None),
+    "glm4_moe: shared experts": ("glm4_moe", {}, {}, _zero("shared_experts.down_proj.weight")),
+    "glm4_moe: router score bias": ("glm4_moe", {}, {}, _zero("e_score_correction_bias")),
+    "qwen2_moe: windows": ("qwen2_moe", {}, NO_WINDOWS, None),
+    "qwen2_moe: biases": ("qwen2_moe", {}, {}, BIASES),
+    "qwen2_moe: shared expert": ("qwen2_moe", {}, {}, _zero("shared_expert.down_proj.weight")),
+}
+
+
+@functools.partial(checks.add, group=1, skip=next(filter(None, map(skip_reason, FAMILIES)), None))
+def features_change_the_result():
+    """Each family's feature is not a no-op on the test batch: switched off, the logits move by more
+    than 1e-3 (the assertion message lists how far each moved)."""
+    input_ids = batch()["input_ids"]
+    moved = {}
+    for feature, (name, with_it, without_it, change) in FEATURES.items():
+        with torch.no_grad():
+            on, off = family_model(name, **with_it), family_model(name, **without_it)
+            if change is not None:
+                change(off)
+            moved[feature] = float((on(input_ids=input_ids).logits - off(input_ids=input_ids).logits).abs().max())
+    assert min(moved.values()) > 1e-3, moved
+
+
+def test_attention_kwargs_it_does_not_compute_are_refused():
+    """A kwarg of the attention call that changes the result (gpt_oss's sinks, s_aux) is refused in
+    one line naming it, not dropped; None (no such feature) is accepted."""
+    model = apply_context_parallel(AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **BASE)), None)
+    layer = model.model.layers[0].self_attn
+    q = k = v = torch.randn(1, 4, 8, 8)
+    for name in UNCOMPUTED_KWARGS:
+        with pytest.raises(ValueError, match=rf"^LlamaAttention passes {name}= to its attention: .*, which "
+                                             "context-parallel attention does not compute"):
+            cp_attention_forward(layer, q, k, v, None, **{name: torch.zeros(4)})
+    out, _ = cp_attention_forward(layer, q, k, v, None, s_aux=None, position_bias=None)
+    assert out.shape == (1, 8, 4, 8)
+
+
+results = checks.module_fixture(__name__, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("name", checks.names)
+def test_check(results, name):
+    checks.assert_passed(results, name)
+
+
+#: Refused families -> (config fields of a tiny one, what the one-line reason names).
+REFUSED = {
+    "qwen3_next": ({}, r"linear-attention layers \(gated DeltaNet.*recurrent state"),
+    "kimi_linear": ({}, r"linear-attention layers \(Kimi Delta Attention\).*recurrent state"),
+    "falcon_h1": ({}, r"Mamba2 mixers.*recurrent state"),
+    "granitemoehybrid": (dict(mamba_n_heads=8), r"Mamba2 layers.*recurrent state"),
+    "lfm2": ({}, r"short-convolution layers.*recurrent state"),
+    "gpt_oss": (dict(attn_implementation="eager"), r"learned per-head sinks.*\(s_aux\)"),
+    "deepseek_v2": (dict(head_dim=None), r"value head dim \(v_head_dim\) unlike the query/key head dim"),
+    "deepseek_v3": (dict(head_dim=None), r"value head dim \(v_head_dim\) unlike the query/key head dim"),
+    "llama4_text": ({}, r"chunked local attention \(attention_chunk_size.*attn_temperature_tuning"),
+}
+
+
+@pytest.mark.parametrize("model_type", REFUSED)
+def test_refused_by_name_with_the_reason(model_type):
+    """Built on the meta device: refused at apply_context_parallel (and check_supported) in one line."""
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
+    fields, reason = REFUSED[model_type]
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in {**BASE, **fields}.items() if v is not None})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=rf"^model family '{model_type}' \(\w+\) is not supported by llama-cp: "
+                                         rf"[^\n]*{reason}[^\n]*\. Supported families: [^\n]*$"):
+        apply_context_parallel(model, None)
+
+
+def test_smollm3_windows_its_attention_would_not_take_are_refused():
+    """SmolLM3 with sliding_attention layers but use_sliding_window=False (transformers' sdpa windows
+    them, its attention call passes no window) is refused in one line naming both fields."""
+    if skip_reason("smollm3"):
+        pytest.skip(skip_reason("smollm3"))
+    model = family_model("smollm3", use_sliding_window=False, layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match=r"^smollm3: config.layer_types has sliding_attention layers but "
+                                         r"use_sliding_window=False.*set use_sliding_window=True"):
+        check_supported(model)
+
+
+def test_qwen2_moe_is_refused_where_transformers_calls_sdpa_itself():
+    """Note [A family's transformers floor]: Qwen2-MoE below transformers 5 is refused in one line."""
+    assert transformers_refusal("qwen2_moe", "4.57.6") == (
+        "model family 'qwen2_moe' needs transformers >= 5.0 (installed: 4.57.6): before that its attention calls "
+        "SDPA itself, so context-parallel attention cannot take its place; upgrade transformers")
+    assert transformers_refusal("qwen2_moe", "5.0.0") is None
+    refusal = transformers_refusal("qwen2_moe", transformers.__version__)
+    if refusal is not None:
+        with pytest.raises(ValueError, match=re.escape(refusal)):
+            apply_context_parallel(AutoModelForCausalLM.from_config(AutoConfig.for_model(
+                "qwen2_moe", **BASE, num_experts=4, num_experts_per_tok=2)), None)
+
+
+def test_each_layer_window_is_the_one_its_attention_takes():
+    """layer_windows (CP's windowed layouts, FLOPs) names the window each layer's attention call
+    takes: Exaone 4 holds the config's window on its full layers too but passes None there."""
+    from llama_cp.modules.families import layer_windows
+
+    for name in ("ministral", "cohere2", "exaone4", "smollm3", "olmo3", "qwen2_moe"):
+        if skip_reason(name):
+            continue
+        want = [None, WINDOW] if name == "smollm3" else [WINDOW, None]
+        assert layer_windows(family_model(name).config) == want, name
