@@ -41,11 +41,12 @@ FLOPs the *model* needs for a step by what the devices could do in the step's ti
   llama_cp/attention/documents.py), the whole row when --document_mask is off.
 - Sliding windows: a query of a windowed layer sees at most the window's keys, so
   the pairs are counted per layer and averaged over the layers (``ModelFlops.pairs``).
-- Mixture of experts (Mixtral, Qwen3-MoE, OLMoE): a token runs through its top k
+- Mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.5): a token runs through its top k
   experts, so an MoE layer's MLP counts k x (gate, up, down) at the expert's
   intermediate size (``moe_intermediate_size`` where the config has one), plus the
-  router (hidden -> experts); Qwen3-MoE's dense layers (``mlp_only_layers``,
-  ``decoder_sparse_step``) count as dense. LoRA on the fused experts
+  router (hidden -> experts) and a shared expert every token runs (Qwen2-MoE's, with its
+  hidden -> 1 gate; GLM-4.5's); Qwen2/3-MoE's dense layers (``mlp_only_layers``,
+  ``decoder_sparse_step``) and GLM-4.5's first ``first_k_dense_replace`` count as dense. LoRA on the fused experts
   (--lora_target_parameters) is not counted.
 - Recomputation is not model work: activation checkpointing's second forward,
   flash-attention's recomputed scores in its backward, the chunked loss's recomputed
@@ -187,17 +188,19 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     }
     weight_passes = 2 if lora_r else 3  # frozen: forward + input gradient; trained: + weight gradient
 
-    def layer_flops(mlp_copies: int, mlp_shape: dict) -> int:
+    def layer_flops(mlp_copies: int, mlp_shape: dict, attention: bool = True) -> int:
         per_layer = 0
         for name, features in _LAYER_LINEARS.items():
             mlp = name in _MLP_LINEARS
+            if not (mlp or attention):
+                continue
             fan_in, fan_out = features(mlp_shape if mlp else shape)
             copies = mlp_copies if mlp else 1
             per_layer += copies * 2 * (3 if name in trained else weight_passes) * fan_in * fan_out
             if lora_r and name in lora_targets:
                 per_layer += copies * 2 * 3 * lora_r * (fan_in + fan_out)
         for name, features in _FUSED_LINEARS.items():
-            if lora_r and name in lora_targets:
+            if lora_r and name in lora_targets and attention:
                 per_layer += 2 * 3 * lora_r * sum(features(shape))
         return per_layer
 
@@ -208,6 +211,10 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
         if experts and _is_moe_layer(config, index):
             expert = {**shape, "intermediate": getattr(config, "moe_intermediate_size", None) or shape["intermediate"]}
             decoder += layer_flops(top_k, expert) + 2 * weight_passes * config.hidden_size * experts  # + the router
+            shared, gated = _shared_expert(config)
+            if shared:  # every token, beside the routed experts
+                decoder += layer_flops(1, {**shape, "intermediate": shared}, attention=False)
+                decoder += 2 * weight_passes * config.hidden_size * gated
         else:
             decoder += layer_flops(1, shape)
     head_in, head_out = config.hidden_size, config.vocab_size
@@ -255,10 +262,22 @@ def _moe(config: Any) -> tuple[int, int]:
     return (top_k, experts) if experts and top_k else (0, 0)
 
 
+def _shared_expert(config: Any) -> tuple[int, int]:
+    """(intermediate size of the MLP every token runs beside the routed experts, outputs of its gate):
+    Qwen2-MoE's ``shared_expert`` gated by a Linear(hidden, 1), GLM-4.5's ``n_shared_experts`` experts
+    as one ungated MLP (transformers 5.24 models/qwen2_moe, models/glm4_moe); (0, 0): none."""
+    if getattr(config, "shared_expert_intermediate_size", None):
+        return config.shared_expert_intermediate_size, 1
+    if getattr(config, "n_shared_experts", None):
+        return config.n_shared_experts * config.moe_intermediate_size, 0
+    return 0, 0
+
+
 def _is_moe_layer(config: Any, index: int) -> bool:
-    """Whether decoder layer ``index`` has experts (Qwen3-MoE: not in ``mlp_only_layers`` and every
-    ``decoder_sparse_step``-th; Mixtral and OLMoE: every layer)."""
-    if index in (getattr(config, "mlp_only_layers", None) or ()):
+    """Whether decoder layer ``index`` has experts (Qwen2/3-MoE: not in ``mlp_only_layers`` and every
+    ``decoder_sparse_step``-th; GLM-4.5: from ``first_k_dense_replace`` on; Mixtral and OLMoE: every layer)."""
+    if index in (getattr(config, "mlp_only_layers", None) or ()) or index < (
+            getattr(config, "first_k_dense_replace", None) or 0):
         return False
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return (index + 1) % step == 0

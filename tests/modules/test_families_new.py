@@ -278,11 +278,28 @@ def test_qwen2_moe_is_refused_where_transformers_calls_sdpa_itself():
 
 def test_each_layer_window_is_the_one_its_attention_takes():
     """layer_windows (CP's windowed layouts, FLOPs) names the window each layer's attention call
-    takes: Exaone 4 holds the config's window on its full layers too but passes None there."""
+    takes (Note [A window held, not passed]), recorded on a forward: Exaone 4 holds the config's
+    window on its full layer too but passes None there; Qwen2-MoE holds its window, passes none."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     from llama_cp.modules.families import layer_windows
 
+    taken = {}
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        held = getattr(module, "sliding_window", None)
+        taken[module.layer_idx] = kwargs["sliding_window"] if "sliding_window" in kwargs else held
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("llama_cp_test_record_windows", record)
     for name in ("ministral", "cohere2", "exaone4", "smollm3", "olmo3", "qwen2_moe"):
         if skip_reason(name):
             continue
+        model = family_model(name)
+        model.set_attn_implementation("llama_cp_test_record_windows")
+        taken.clear()
+        with torch.no_grad():
+            model(input_ids=batch()["input_ids"])
         want = [None, WINDOW] if name == "smollm3" else [WINDOW, None]
-        assert layer_windows(family_model(name).config) == want, name
+        assert [taken[i] for i in range(2)] == layer_windows(model.config) == want, name

@@ -1,0 +1,90 @@
+"""The planner and the model FLOPs of the families of issue 47 (tests/modules/test_families_new.py
+checks them exact): a tiny config of each is planned (ring, cp 2, the trainer's build), and its
+model_flops are what torch's FlopCounterMode measures on a forward and backward (shared experts,
+dense layers among the MoE ones, fused gate_up_proj, biases)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+from llama_cp.config import TrainConfig
+from llama_cp.model.flops import model_flops
+from llama_cp.modules.families import SUPPORTED_FAMILIES, transformers_refusal
+from llama_cp.plan.simulate import plan_step_memory
+
+BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+WINDOWED = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+#: model_type -> config fields: what changes the shapes or the work.
+FAMILIES = {
+    "ministral": WINDOWED,
+    "ernie4_5": dict(use_bias=True),  # the MLP's biases too
+    "hunyuan_v1_dense": dict(attention_bias=True),
+    "seed_oss": dict(attention_bias=True, attention_out_bias=True, attention_dropout=0.0),
+    "glm4": dict(attention_bias=True, partial_rotary_factor=0.5),  # fused gate_up_proj
+    "cohere2": WINDOWED,
+    "exaone4": WINDOWED,
+    "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=6),
+    "olmo3": WINDOWED,
+    # layer 0 dense (its own intermediate size), layer 1 routed experts + the shared ones
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=16,
+                     first_k_dense_replace=1, n_group=2, topk_group=1),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24, mlp_only_layers=[0]),
+}
+MOE = {"glm4_moe", "qwen2_moe"}
+
+
+def family_config(model_type: str, **overrides):
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
+    refusal = transformers_refusal(model_type, transformers.__version__)
+    if refusal:
+        pytest.skip(refusal)
+    return AutoConfig.for_model(model_type, **{**BASE, **FAMILIES[model_type], **overrides})
+
+
+def test_every_family_here_is_supported():
+    assert FAMILIES.keys() <= SUPPORTED_FAMILIES.keys()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_model_flops_are_what_the_flop_counter_measures(model_type):
+    """Eager attention computes all L x L pairs (the mask is applied after, windows too); the linear
+    layers (mm, and addmm where they have a bias) are per_token x tokens, exactly."""
+    config = family_config(model_type, attn_implementation="eager")
+    torch.manual_seed(0)
+    experts = {"experts_implementation": "eager"} if model_type in MOE else {}
+    model = AutoModelForCausalLM.from_config(config, **experts)
+    rows, length = 2, 24
+    ids = torch.randint(3, config.vocab_size, (rows, length))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    by_module = counter.get_flop_counts()
+    measured = {str(op): flops for op, flops in by_module["Global"].items()}
+    for module, by_op in by_module.items():  # the rotary table (inv_freq x positions) is no model FLOP
+        if module.endswith("rotary_emb"):
+            for op, flops in by_op.items():
+                measured[str(op)] -= flops
+    flops = model_flops(config)
+    assert measured.get("aten.mm", 0) + measured.get("aten.addmm", 0) == flops.per_token * rows * length
+    assert measured["aten.bmm"] == flops.per_pair * rows * length ** 2
+
+
+@pytest.mark.slow  # a simulation each, ~1.5 s
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_each_family_plans(model_type):
+    """The planner simulates the trainer's step of each family at cp 2; a windowed model is planned as
+    full attention (an upper bound: llama_cp/plan/simulate.py, _FullAttention), so its windows of 6
+    tokens plan what windows as long as the sequence (which cut nothing) do (checked on Ministral)."""
+    cfg = TrainConfig.from_flags(context_length=64, cp=2, report_to="none")
+    plan = plan_step_memory(cfg, 2, model_config=family_config(model_type))
+    assert plan.total > 0 and plan.activations > 0
+    if model_type == "ministral":
+        assert plan == plan_step_memory(cfg, 2, model_config=family_config(model_type, sliding_window=64))
