@@ -3,14 +3,16 @@ Python package ships, ``smollm2-135m-instruct``) becomes an HF model directory, 
 
     path = gguf_path("smollm2-135m-instruct")    # the package's .gguf file; None for other names
     directory = gguf_model_dir(path)              # the cached HF directory the rest of llama-cp reads
-    config = gguf_config(path)                    # the config alone, from the file's metadata
+    config = gguf_config(path)                    # the config alone (no tensor read)
 
 Note [GGUF in] says why the file is converted into a directory and what the conversion keeps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -51,8 +53,9 @@ GGUF_SOURCE = "llama_cp_gguf_source.json"
 # in host memory (4 bytes a parameter), in one process: the other ranks of a run wait on a file
 # lock and then read the directory. It is written under a temporary name and renamed, so a
 # directory that exists is complete. The cache lives in $LLAMA_CP_CACHE, else
-# ~/.cache/llama_cp. The planner reads only the file's metadata (gguf_config): planning an 8B
-# GGUF does not dequantize it. GGUF in and out need transformers >= 5 (GGUF_TRANSFORMERS_FLOOR):
+# ~/.cache/llama_cp. The planner and the trainer's checks before start read only a config
+# (gguf_config): the converted directory's once there is one, else the file's metadata, so planning
+# an 8B GGUF does not dequantize it. GGUF in and out need transformers >= 5 (GGUF_TRANSFORMERS_FLOOR):
 # on 4.56, the floor of the rest, a tokenizer rebuilt from a GGUF file encodes with more tokens
 # than 5's and than the file's model was trained with, so both are refused there in one line.
 
@@ -111,16 +114,20 @@ def require_gguf(what: str = "a .gguf --model_name"):
     return gguf
 
 
-def file_sha256(path: str) -> str:
-    """The sha256 of the file ``path``, remembered in the cache by path, size and mtime."""
+def _sha256_memo(path: str) -> tuple[str, dict]:
+    """(the key of ``path`` by path, size and mtime, the remembered sha256s)."""
     stat = os.stat(path)
-    key = f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
-    memo_path = os.path.join(cache_root(), "sha256.json")
     try:
-        with open(memo_path) as f:
+        with open(os.path.join(cache_root(), "sha256.json")) as f:
             memo = json.load(f)
     except (OSError, ValueError):
         memo = {}
+    return f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}", memo
+
+
+def file_sha256(path: str) -> str:
+    """The sha256 of the file ``path``, remembered in the cache by path, size and mtime."""
+    key, memo = _sha256_memo(path)
     if key in memo:
         return memo[key]
     digest = hashlib.sha256()
@@ -129,7 +136,7 @@ def file_sha256(path: str) -> str:
             digest.update(block)
     memo[key] = digest.hexdigest()
     os.makedirs(cache_root(), exist_ok=True)
-    _write_json(memo_path, memo)
+    _write_json(os.path.join(cache_root(), "sha256.json"), memo)
     return memo[key]
 
 
@@ -145,21 +152,30 @@ def model_source(name: str) -> dict:
 
 
 def gguf_config(path: str):
-    """The HF config of the GGUF file ``path``, from its metadata alone (no tensor is read)."""
+    """The HF config of the GGUF file ``path``: the converted directory's when the file was converted
+    already (its sha256 remembered: the model a run trains), else from the file's metadata alone (no
+    tensor is read, nothing is hashed)."""
     from transformers import AutoConfig
 
     require_gguf()
+    key, memo = _sha256_memo(path)
+    if key in memo and os.path.isdir(_converted(path, memo[key])):
+        return AutoConfig.from_pretrained(_converted(path, memo[key]))
     config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     config.__dict__.pop("quantization_config", None)
     return config
+
+
+def _converted(path: str, sha256: str) -> str:
+    """Where the conversion of ``path`` (with this sha256) lives in the cache."""
+    return os.path.join(cache_root(), f"{os.path.splitext(os.path.basename(path))[0]}-{sha256[:16]}")
 
 
 def gguf_model_dir(path: str) -> str:
     """The HF model directory of the GGUF file ``path``: converted on first use (Note [GGUF in])."""
     require_gguf()
     sha256 = file_sha256(path)
-    stem = os.path.splitext(os.path.basename(path))[0]
-    target = os.path.join(cache_root(), f"{stem}-{sha256[:16]}")
+    target = _converted(path, sha256)
     if os.path.isdir(target):
         return target
     os.makedirs(cache_root(), exist_ok=True)
@@ -170,16 +186,58 @@ def gguf_model_dir(path: str) -> str:
     return target
 
 
+# Note [Reading a GGUF file once]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# transformers 5.24 (modeling_gguf_pytorch_utils.py; 4.56.2 likewise) parses the whole file with
+# gguf.GGUFReader in each of AutoConfig, AutoTokenizer and the model's load_gguf_checkpoint: every
+# token and merge string, one numpy slice each (about 5 s for SmolLM2's 49,152 tokens on one
+# core). Its get_gguf_hf_weights_map calls gguf.get_tensor_name_map(arch, blocks) again for every
+# submodule of the model, and each call builds the whole name table (about 12 s in all for 30
+# layers). Both are functions of their arguments alone (the reader maps the file read-only, the
+# table is only read), so while reading_once() is open the reader is made once per path and the
+# table once per (arch, blocks); transformers finds them by name in the gguf module at each call.
+# The conversion of a SmolLM2 file goes from about 22 s to 8. Whether the model read this way is
+# the one transformers reads without it: tests/real/test_smollm2.py compares their logits exactly.
+
+
+@contextlib.contextmanager
+def reading_once():
+    """Within: ``gguf.GGUFReader`` reads a path once and ``gguf.get_tensor_name_map`` builds a
+    table once (Note [Reading a GGUF file once]); both restored on exit. Nested: the outer one's."""
+    import gguf
+
+    if getattr(gguf.GGUFReader, "reading_once", False):
+        yield
+        return
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = {}
+
+    def read(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    read.reading_once = True
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def _convert(path: str, sha256: str, target: str) -> None:
     """Dequantize ``path`` through transformers into an HF directory at ``target`` (temporary name, then renamed)."""
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.dirname(path), os.path.basename(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with reading_once():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        fields = gguf.GGUFReader(path).fields
     model.config.__dict__.pop("quantization_config", None)  # the tensors are plain float32 now
-    fields = gguf.GGUFReader(path).fields
     source = {"file": path, "sha256": sha256, "gguf_version": metadata.version("gguf")}
     for key, field in (("tokenizer_pre", "tokenizer.ggml.pre"), ("file_type", "general.file_type"),
                        ("name", "general.name"), ("architecture", "general.architecture")):

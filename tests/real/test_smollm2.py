@@ -67,6 +67,13 @@ def test_the_planner_reads_the_files_metadata_only(tmp_path):
         assert [p for p in tmp_path.rglob("*") if p.is_dir() and p.name != "gguf"] == []  # nothing converted
     assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads) == (30, 576, 3)
     assert not hasattr(config, "quantization_config")
+    # once converted, the config is the directory's (the model a run trains), read without parsing the file
+    directory = model_dir()
+    with unittest.mock.patch("gguf.GGUFReader", side_effect=AssertionError("the file was parsed")):
+        converted = gguf_in.gguf_config(gguf_in.gguf_path(NAME))
+    assert converted._name_or_path == directory
+    where_from = {"_name_or_path": None, "dtype": None, "architectures": None}  # the model's and its save's only
+    assert converted.to_dict() | where_from == config.to_dict() | where_from
 
 
 def test_chatml_trains_exactly_the_assistant_turns_and_their_im_end():

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from llama_cp.modules.gguf import reading_once
 from smollm2 import NAME, why_missing
 
 MISSING = why_missing()
@@ -33,8 +34,9 @@ ASKED = {"What is the capital of France?": "Paris", "What is the capital of Germ
 
 
 def run(module: str, *flags: str) -> None:
+    """``python -m module flags``: one process, on every core (torch's default threads)."""
     result = subprocess.run([sys.executable, "-m", module, *flags], capture_output=True, text=True, cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+                            timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
@@ -81,8 +83,10 @@ def test_lora_sft_then_merged_model_and_its_gguf_still_answer(tmp_path):
     import gguf  # the base GGUF's pre-tokenizer name, passed on (the rebuilt tokenizer.json lacks its digit split)
 
     assert gguf.GGUFReader(os.path.join(folder, name)).fields["tokenizer.ggml.pre"].contents() == "smollm"
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    assert_still_answers(answers(model, AutoTokenizer.from_pretrained(folder, gguf_file=name)))
+    with reading_once():  # the file parsed once for the model and its tokenizer
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    assert_still_answers(answers(model, tokenizer))
 
 
 def test_dpo_starts_at_log_2_with_zero_rewards(tmp_path):
@@ -106,14 +110,15 @@ def test_dpo_starts_at_log_2_with_zero_rewards(tmp_path):
 
 
 def test_the_context_extension_recipe_runs_end_to_end_at_cpu_lengths(tmp_path):
-    """configs/smollm2_extend_32k.yaml as shipped, at 512 tokens and 2 steps (its GPU run is 32768 tokens and
-    100 steps): the long-text corpus, the mixture with passkey rows, YaRN, LoRA merged, both evals."""
+    """configs/smollm2_extend_32k.yaml as shipped, at 256 tokens and 2 steps (its GPU run is 32768 tokens and
+    100 steps): the long-text corpus, the mixture with passkey rows, YaRN, LoRA merged, both evals (the
+    passkey grid at 128 and 256 tokens: 64 cannot hold the task)."""
     data = tmp_path / "long_text"
     run("recipes.long_text", "--output_dir", str(data), "--min_chars", "20000", "--max_documents", "3",
         "--passkeys", "4")
     out = tmp_path / "extend"
     run("recipes.finetune_longctx", "--config", "configs/smollm2_extend_32k.yaml", "--model_name", NAME,
-        "--context_length", "512",
+        "--context_length", "256",
         "--max_steps", "2", "--eval_every", "0", "--num_eval_samples", "1", "--report_to", "none",
         "--dataset", f"{data}/train.jsonl:0.9,{data}/passkeys.jsonl:0.1", "--eval_dataset", f"{data}/eval.jsonl",
         "--eval_perplexity",
@@ -122,6 +127,6 @@ def test_the_context_extension_recipe_runs_end_to_end_at_cpu_lengths(tmp_path):
         rope = json.load(f)["rope_parameters"]
     assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 8192), rope
     with open(out / "perplexity.json") as f:
-        assert [row["length"] for row in json.load(f)["per_length"]] == [128, 256, 512]
+        assert [row["length"] for row in json.load(f)["per_length"]] == [64, 128, 256]
     with open(out / "needle.json") as f:
-        assert json.load(f)["lengths"][-1] == 512
+        assert json.load(f)["lengths"] == [128, 256]

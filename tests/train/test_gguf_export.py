@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from llama_cp.modules.gguf import reading_once  # noqa: E402
 from llama_cp.train.gguf_export import GGUF_SOURCE, write_gguf  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -66,10 +67,12 @@ def model_dir(path, config, tokenizer=None, seed: int = 0):
 
 
 def read_back(path: str):
-    """transformers' reading of the GGUF file ``path``: (model in float32, tokenizer)."""
+    """transformers' reading of the GGUF file ``path``: (model in float32, tokenizer); the file parsed
+    once for both (Note [Reading a GGUF file once] in llama_cp/modules/gguf.py)."""
     folder, name = os.path.split(path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with reading_once():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+        return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
 def fields(path: str) -> dict:
@@ -141,6 +144,22 @@ def test_q8_0_weights_stay_within_the_block_bound(tmp_path):
     want = AutoModelForCausalLM.from_config(source.config).eval()
     want.load_state_dict(want_state)
     torch.testing.assert_close(logits(back, tokenizer), logits(want, small_tokenizer()), atol=1e-5, rtol=1e-5)
+
+
+def test_reading_once_parses_a_file_once_and_restores_the_reader(tmp_path):
+    """Note [Reading a GGUF file once]: inside, one reader per path and one name table per arguments;
+    nested, the outer's; after, gguf's own again. What transformers reads through it: tests/real."""
+    _, directory = model_dir(tmp_path / "hf", tiny_config())
+    path = write_gguf(directory, str(tmp_path / "m.gguf"), "f16")
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with reading_once():
+        first = gguf.GGUFReader(path)
+        with reading_once():
+            assert gguf.GGUFReader(os.path.join(str(tmp_path), ".", "m.gguf")) is first
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.GGUFReader(path) is first
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(path) is not first
 
 
 def test_the_metadata_llama_cpp_reads(tmp_path):
@@ -310,24 +329,25 @@ def test_a_real_vocabulary_round_trips(tmp_path):
     """SmolLM2's tokenizer (49152 tokens, 48900 merges, 17 control tokens, ChatML) on a tiny model,
     as llama_cp/modules/gguf.py converts it (with its llama_cp_gguf_source.json): the GGUF names
     "smollm" and the same control tokens; transformers reads back the same ids and chat template."""
-    path = smollm2_gguf()
-    reference = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    config = tiny_config(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
-    _, directory = model_dir(tmp_path / "hf", config, reference)
-    with open(os.path.join(directory, GGUF_SOURCE), "w") as f:
-        json.dump({"tokenizer_pre": gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents()}, f)
-    out = write_gguf(directory, str(tmp_path / "m.gguf"), "q8_0")
-    meta, original = fields(out), fields(path)
-    assert meta["tokenizer.ggml.pre"] == "smollm"
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id",
-                "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.chat_template"):
-        assert meta[key] == original[key], key
-    _, tokenizer = read_back(out)
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    for text in (*TEXTS, reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)):
-        assert tokenizer(text).input_ids == reference(text).input_ids, text
-    assert tokenizer.chat_template == reference.chat_template
-    assert np.array_equal(tokenizer.all_special_ids, reference.all_special_ids)
+    with reading_once():  # each file parsed once for all its readers here (Note [Reading a GGUF file once])
+        path = smollm2_gguf()
+        reference = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        config = tiny_config(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+        _, directory = model_dir(tmp_path / "hf", config, reference)
+        with open(os.path.join(directory, GGUF_SOURCE), "w") as f:
+            json.dump({"tokenizer_pre": gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents()}, f)
+        out = write_gguf(directory, str(tmp_path / "m.gguf"), "q8_0")
+        meta, original = fields(out), fields(path)
+        assert meta["tokenizer.ggml.pre"] == "smollm"
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id",
+                    "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.chat_template"):
+            assert meta[key] == original[key], key
+        _, tokenizer = read_back(out)
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        for text in (*TEXTS, reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)):
+            assert tokenizer(text).input_ids == reference(text).input_ids, text
+        assert tokenizer.chat_template == reference.chat_template
+        assert np.array_equal(tokenizer.all_special_ids, reference.all_special_ids)
 
 
 def test_export_gguf_flag_is_checked_before_training():
