@@ -68,7 +68,7 @@ from benchmarks.gpu.ranks import run_jobs  # noqa: E402
 from benchmarks.gpu.report import environment, markdown, verdict  # noqa: E402
 from benchmarks.gpu.settings import Settings  # noqa: E402
 from benchmarks.gpu.speed import ring_efficiency, speed_jobs, speed_rows  # noqa: E402
-from llama_cp.train.run_dir import write_atomically  # noqa: E402
+from llama_cp.files import write_text  # noqa: E402
 
 
 def main(dry_run: bool = False, output_dir: str = "gpu_acceptance", nproc: int | None = None, layers: int = 2,
@@ -96,8 +96,8 @@ def main(dry_run: bool = False, output_dir: str = "gpu_acceptance", nproc: int |
         "longest": None if skip_longest else results["longest"],
     }
     os.makedirs(output_dir, exist_ok=True)
-    write_atomically(os.path.join(output_dir, "gpu_acceptance.json"), json.dumps(report, indent=1))
-    write_atomically(os.path.join(output_dir, "gpu_acceptance.md"), markdown(report))
+    write_text(os.path.join(output_dir, "gpu_acceptance.json"), json.dumps(report, indent=1))
+    write_text(os.path.join(output_dir, "gpu_acceptance.md"), markdown(report))
     print(markdown(report))
 
 

@@ -18,6 +18,8 @@ import random
 from collections.abc import Iterator
 from importlib import metadata
 
+from llama_cp.files import write_text
+
 #: Files read as documents: source code and documentation.
 TEXT_SUFFIXES = (".py", ".md", ".rst", ".txt", ".pyi")
 
@@ -72,9 +74,5 @@ def write_long_text(output_dir: str, min_chars: int = 100_000, max_documents: in
         if not rows:
             raise ValueError(f"no installed file of at least {min_chars} characters for {name}.jsonl: "
                              "lower --min_chars")
-        path = os.path.join(output_dir, f"{name}.jsonl")
-        with open(path + ".tmp", "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        os.replace(path + ".tmp", path)
+        write_text(os.path.join(output_dir, f"{name}.jsonl"), "".join(json.dumps(row) + "\n" for row in rows))
     return {name: len(rows) for name, rows in split.items()}

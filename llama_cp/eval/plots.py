@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
-from pathlib import Path
 
 from llama_cp.eval.needle import describe_keys
+from llama_cp.files import write_text, write_whole
 
 
 def write_results(result: dict, output_dir: str, name: str = "needle", plot=None) -> None:
     """``<output_dir>/<name>.json`` and ``<name>.png`` (``plot(result, path)``; default the needle
     heatmap), each written to a temporary name and renamed."""
     os.makedirs(output_dir, exist_ok=True)
-    text = json.dumps(result, indent=1)
-    _write_whole(os.path.join(output_dir, f"{name}.json"), lambda tmp: Path(tmp).write_text(text))
+    write_text(os.path.join(output_dir, f"{name}.json"), json.dumps(result, indent=1))
     (plot or plot_heatmap)(result, os.path.join(output_dir, f"{name}.png"))
 
 
@@ -71,13 +69,5 @@ def _save_figure(fig, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    _write_whole(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    write_whole(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     plt.close(fig)
-
-
-def _write_whole(path: str, write: Callable[[str], object]) -> None:
-    """``write`` a temporary file beside ``path``, then rename it to ``path``: a reader never sees half a file."""
-    directory, base = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".tmp-{base}")
-    write(tmp)
-    os.replace(tmp, path)

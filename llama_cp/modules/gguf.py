@@ -22,6 +22,8 @@ from importlib import metadata
 
 import torch
 
+from llama_cp.files import write_text
+
 #: Names that stand for a GGUF file a Python package ships: name -> (distribution, file name).
 PACKAGED_GGUF = {
     # SmolLM2-135M-Instruct as Q4_1 (98 MB, Apache-2.0). The package's own dependencies are an `llm`
@@ -136,7 +138,7 @@ def file_sha256(path: str) -> str:
             digest.update(block)
     memo[key] = digest.hexdigest()
     os.makedirs(cache_root(), exist_ok=True)
-    _write_json(os.path.join(cache_root(), "sha256.json"), memo)
+    write_text(os.path.join(cache_root(), "sha256.json"), json.dumps(memo, indent=1))
     return memo[key]
 
 
@@ -247,7 +249,7 @@ def _convert(path: str, sha256: str, target: str) -> None:
     try:
         _save_model(model, staging)
         tokenizer.save_pretrained(staging)
-        _write_json(os.path.join(staging, GGUF_SOURCE), source)
+        write_text(os.path.join(staging, GGUF_SOURCE), json.dumps(source, indent=1))
         os.rename(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -271,10 +273,3 @@ def _save_model(model, directory: str) -> None:
         seen.add(tensor.data_ptr())
         state[name] = tensor.contiguous()
     save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-
-
-def _write_json(path: str, value) -> None:
-    fd, staging = tempfile.mkstemp(prefix=".", suffix=".json", dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as f:
-        json.dump(value, f, indent=1)
-    os.replace(staging, path)

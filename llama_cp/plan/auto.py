@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llama_cp.config import TrainConfig
+from llama_cp.files import write_text
 
 if TYPE_CHECKING:
     from llama_cp.plan.memory import MemoryBreakdown
@@ -289,9 +290,7 @@ def _write(path: Path, entry: dict) -> None:
     a cache that cannot be written (a read-only home) is skipped."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(entry))
-        os.replace(temporary, path)
+        write_text(path, json.dumps(entry))
     except OSError:
         pass
 

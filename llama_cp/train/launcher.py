@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llama_cp.config import TrainConfig
+from llama_cp.files import write_text
 from llama_cp.parallel.mesh import end_distributed, free_port
 
 _RESULT_FILE = "rank0_metrics.json"
@@ -69,10 +70,7 @@ def _run_rank(rank: int, cfg: TrainConfig, world_size: int, port: int, result_di
             dist.destroy_process_group()
         raise
     if rank == 0:
-        path = os.path.join(result_dir, _RESULT_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump(row, f)
-        os.replace(path + ".tmp", path)
+        write_text(os.path.join(result_dir, _RESULT_FILE), json.dumps(row))
     # A spawned child's interpreter finalizes like a script's, where a gloo worker can abort the
     # finished rank (Note [Leaving a gloo job] in llama_cp/parallel/mesh.py): this function is the child's
     # whole program, so it leaves the way a script does.

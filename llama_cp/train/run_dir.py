@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from llama_cp.config import TrainConfig
+from llama_cp.files import write_text
 from llama_cp.train.checkpoint_files import CHECKPOINTS_DIR, checkpoint_config, complete_checkpoints, yaml_dump
 
 
@@ -95,12 +96,6 @@ def check_resume_settings(saved: dict[str, Any], cfg: TrainConfig, where: str) -
         )
     quiet = {"resume", "overwrite", "allow_unverified_checkpoint", "output_dir"}
     return [f"{name}: {old[name]!r} -> {new[name]!r}" for name in changed if name not in quiet]
-
-
-def write_atomically(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def lock_output_dir(path: str):
@@ -188,7 +183,7 @@ class OutputDirClaim:
             for line in check_resume_settings(saved, cfg, os.path.join(out, CHECKPOINTS_DIR)) if saved else []:
                 say(f"--resume with a changed setting, in effect from the resumed step on: {line}")
         if rank == 0:
-            write_atomically(os.path.join(out, "config.yaml"), yaml_dump(cfg.to_dict()))
+            write_text(os.path.join(out, "config.yaml"), yaml_dump(cfg.to_dict()))
 
     def leave_as_found(self) -> None:
         """A run that fails before its first step (bad data, model or flags found while setting
@@ -204,7 +199,7 @@ class OutputDirClaim:
                 if os.path.exists(config):
                     os.remove(config)
             elif os.path.isfile(config):
-                write_atomically(config, found["config"])
+                write_text(config, found["config"])
             if not found["lock"] and os.path.exists(os.path.join(out, ".lock")):
                 os.remove(os.path.join(out, ".lock"))
             if not found["dir"]:
@@ -233,7 +228,7 @@ def truncate_metrics(path: str, step: int) -> None:
         return
     with open(path) as f:
         kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    write_atomically(path, "".join(kept))
+    write_text(path, "".join(kept))
 
 
 def plot_losses(metrics_path: str, png_path: str) -> dict[str, list]:

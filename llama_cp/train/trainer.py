@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from llama_cp.config import TrainConfig
 from llama_cp.data.tokenizer import build_tokenizer
+from llama_cp.files import write_text
 from llama_cp.model.build import model_path
 from llama_cp.model.flops import model_flops, peak_flops, throughput
 from llama_cp.optim.optimizers import build_optimizer
@@ -36,7 +37,7 @@ from llama_cp.train.failures import StopSignals, collective_failure, stop_nonfin
 from llama_cp.train.objective import build_objective
 from llama_cp.train.reporting import PeakMemory
 from llama_cp.train.resume import load_resumed_state, resume_checkpoint
-from llama_cp.train.run_dir import OutputDirClaim, plot_losses, truncate_metrics, write_atomically
+from llama_cp.train.run_dir import OutputDirClaim, plot_losses, truncate_metrics
 
 
 class Trainer:
@@ -430,7 +431,7 @@ class Trainer:
                                      "peak_flops_per_gpu": self.peak_flops}, memory=self.memory_choice,
                         **model_source(self.cfg.model.model_name))
         if self.rank == 0:
-            write_atomically(os.path.join(self.cfg.output_dir, "run_info.json"), json.dumps(info, indent=1))
+            write_text(os.path.join(self.cfg.output_dir, "run_info.json"), json.dumps(info, indent=1))
         report_to = [name for name in self.cfg.report_to if name != "none"]
         return Reporter(self.cfg.output_dir, report_to, run_info=info, start_step=step, enabled=self.rank == 0)
 
