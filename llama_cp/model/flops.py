@@ -257,7 +257,8 @@ def _lora_layers(config: Any, targets: tuple[str, ...], modules_to_save: tuple[s
 
 def _moe(config: Any) -> tuple[int, int]:
     """(experts per token, experts) of an MoE config; (0, 0) for a dense one."""
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+               or getattr(config, "n_routed_experts", None) or 0)  # GLM-4.5 in transformers 4 (5 aliases it)
     top_k = getattr(config, "num_experts_per_tok", None) or 0
     return (top_k, experts) if experts and top_k else (0, 0)
 

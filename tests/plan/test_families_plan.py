@@ -39,6 +39,7 @@ FAMILIES = {
                       shared_expert_intermediate_size=24, mlp_only_layers=[0]),
 }
 MOE = {"glm4_moe", "qwen2_moe"}
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
 def family_config(model_type: str, **overrides):
@@ -60,7 +61,7 @@ def test_model_flops_are_what_the_flop_counter_measures(model_type):
     layers (mm, and addmm where they have a bias) are per_token x tokens, exactly."""
     config = family_config(model_type, attn_implementation="eager")
     torch.manual_seed(0)
-    experts = {"experts_implementation": "eager"} if model_type in MOE else {}
+    experts = {"experts_implementation": "eager"} if model_type in MOE and TRANSFORMERS_5 else {}
     model = AutoModelForCausalLM.from_config(config, **experts)
     rows, length = 2, 24
     ids = torch.randint(3, config.vocab_size, (rows, length))
@@ -83,6 +84,9 @@ def test_each_family_plans(model_type):
     """The planner simulates the trainer's step of each family at cp 2; a windowed model is planned as
     full attention (an upper bound: llama_cp/plan/simulate.py, _FullAttention), so its windows of 6
     tokens plan what windows as long as the sequence (which cut nothing) do (checked on Ministral)."""
+    if model_type in MOE and not TRANSFORMERS_5:
+        pytest.skip(f"transformers {transformers.__version__} runs experts as a loop over Linear layers, routed by "
+                    "torch.where on the router's choice, which fake tensors cannot simulate")
     cfg = TrainConfig.from_flags(context_length=64, cp=2, report_to="none")
     plan = plan_step_memory(cfg, 2, model_config=family_config(model_type))
     assert plan.total > 0 and plan.activations > 0
