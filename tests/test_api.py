@@ -37,9 +37,9 @@ def test_exports_are_what_a_loop_needs_and_nothing_test_only():
 #: data's own grammar (data/grammar.py), and the rows' conventions (IGNORE_INDEX) are the data's,
 #: which the loss in model/ reads; the layers under config take plain values.
 #: eval stands right under train: a run ends with the evaluations of its trained model, and
-#: they read nothing of train.
+#: they read nothing of train. files (a file written whole) is on the ground: every layer writes.
 LAYERS = (("train",), ("eval",), ("plan",), ("optim",), ("model",), ("config",), ("flags",), ("data",),
-          ("cp_attention", "fsdp_wrap"), ("attention",), ("modules",), ("parallel",))
+          ("cp_attention", "fsdp_wrap"), ("attention",), ("modules",), ("parallel", "files"))
 
 
 #: llama_cp/__init__.py in the import graph: the public API, above every layer.
