@@ -117,12 +117,14 @@ class ContextParallelAttention:
 
     def __call__(
         self, q, k, v, *, causal: bool, scale: float | None, documents: DocumentLayout | None = None,
-        softcap: float = 0.0, window: int | None = None,
+        softcap: float = 0.0, window: int | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) -> (B, H, S/cp, D). ``documents``: attend
         only within each packed document (Note [Document masks under CP]); ``softcap``: Note
         [Soft-capped attention] in ``llama_cp/attention/kernels.py``; ``window``: a sliding window of that
-        many tokens (Note [Sliding windows under CP] in ``llama_cp/attention/documents.py``)."""
+        many tokens (Note [Sliding windows under CP] in ``llama_cp/attention/documents.py``); ``sinks``
+        (H,): a learned sink logit per head (Note [Attention sinks under CP] in
+        ``llama_cp/attention/sinks.py``)."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         seq_len = q.shape[2] * self.cp_size
         if window is not None and window < 1:
@@ -141,13 +143,13 @@ class ContextParallelAttention:
             block = None if documents is None else documents.ring_pieces(0, window)
             return local_attention(
                 q, k, v, causal=causal, scale=scale, backend=self.backend, block_size=self.block_size, block=block,
-                softcap=softcap,
+                softcap=softcap, sinks=sinks,
             )
         if self.strategy == "allgather":
             if documents is None or documents.gathered_rows is None:
                 raise RuntimeError("all-gather attention called without its layout; call the model, not the layer")
             return _AllGatherAttention.apply(
-                q, k, v, self.group, scale, self.backend, documents, self.block_size, softcap, window
+                q, k, v, self.group, scale, self.backend, documents, self.block_size, softcap, window, sinks
             )
         if self.strategy == "ring":
             if q.shape[2] % 2:
@@ -156,16 +158,16 @@ class ContextParallelAttention:
                     "shard the batch with llama_cp.shard_batch"
                 )
             return _RingAttention.apply(
-                q, k, v, self.group, causal, scale, self.backend, documents, self.block_size, softcap, window
+                q, k, v, self.group, causal, scale, self.backend, documents, self.block_size, softcap, window, sinks
             )
         if self.strategy == "hybrid":
             return hybrid_attention(
                 q, k, v, self.inner, self.outer, causal=causal, scale=scale, backend=self.backend,
-                documents=documents, block_size=self.block_size, softcap=softcap, window=window,
+                documents=documents, block_size=self.block_size, softcap=softcap, window=window, sinks=sinks,
             )
         return ulysses_attention(
             q, k, v, self.group, causal=causal, scale=scale, backend=self.backend, documents=documents,
-            block_size=self.block_size, softcap=softcap, window=window,
+            block_size=self.block_size, softcap=softcap, window=window, sinks=sinks,
         )
 
 
@@ -248,16 +250,19 @@ def cp_attention_forward(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     # Note [A window held, not passed]
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    sinks = kwargs.get("s_aux")  # gpt_oss's learned sinks, (H,): Note [Attention sinks under CP]
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(f"{type(module).__name__} passes s_aux= of shape {tuple(sinks.shape)}; context-parallel "
+                         f"attention computes one sink logit per query head, shape ({query.shape[1]},)")
     out = attention(query, key, value, causal=causal, scale=scaling, documents=kwargs.get(DOCUMENTS_KWARG),
-                    softcap=kwargs.get("softcap") or 0.0, window=window)
+                    softcap=kwargs.get("softcap") or 0.0, window=window, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
 #: Keyword arguments of transformers' attention calls that change the result and that the kernel
 #: does not compute (their names in transformers 5.24's modeling code and integrations/sdpa_attention.py);
-#: refused when set, never dropped.
+#: refused when set, never dropped. (gpt_oss's sinks arrive as ``s_aux``, which is computed.)
 UNCOMPUTED_KWARGS = {
-    "s_aux": "learned attention sinks in the softmax denominator (gpt_oss)",
     "sinks": "learned attention sinks in the softmax denominator",
     "position_bias": "an additive position bias on the scores",
 }

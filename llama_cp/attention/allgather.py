@@ -19,6 +19,7 @@ from llama_cp.attention import kernels
 from llama_cp.attention.documents import DocumentLayout, tiles
 from llama_cp.attention.kernels import Backend
 from llama_cp.attention.pieces import pieces_backward, pieces_forward
+from llama_cp.attention.sinks import add_sinks, sink_gradient
 from llama_cp.attention.wire import _count
 from llama_cp.parallel.collectives import all_gather_into, reduce_scatter_into
 
@@ -79,19 +80,22 @@ def allgather_backward(
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, backend, documents, block_size, softcap, window):
+    def forward(ctx, q, k, v, group, scale, backend, documents, block_size, softcap, window, sinks=None):
         out, lse = allgather_forward(group, q, k, v, documents, scale=scale, backend=backend, block_size=block_size,
                                      softcap=softcap, window=window)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # Note [Attention sinks under CP] in llama_cp/attention/sinks.py
+            out, lse = add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.scale, ctx.backend, ctx.documents, ctx.block_size = group, scale, backend, documents, block_size
         ctx.softcap, ctx.window = softcap, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         grads = allgather_backward(
             ctx.group, dout, q, k, v, out, lse, ctx.documents, scale=ctx.scale, backend=ctx.backend,
             block_size=ctx.block_size, softcap=ctx.softcap, window=ctx.window,
         )
-        return *grads, None, None, None, None, None, None, None
+        dsinks = sink_gradient(dout, out, lse, sinks) if ctx.needs_input_grad[-1] else None  # frozen: none
+        return *grads, None, None, None, None, None, None, None, dsinks

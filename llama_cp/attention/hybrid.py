@@ -35,6 +35,7 @@ from llama_cp.attention.documents import DocumentLayout
 from llama_cp.attention.kernels import Backend
 from llama_cp.attention.local import local_attention
 from llama_cp.attention.ring import _RingAttention
+from llama_cp.attention.sinks import local_sinks
 from llama_cp.attention.ulysses import _AllToAll, _heads_to_seq, _seq_to_heads
 from llama_cp.parallel.collectives import warm_up_group
 
@@ -81,19 +82,22 @@ def hybrid_groups(group: dist.ProcessGroup, ulysses_degree: int) -> tuple[dist.P
 def hybrid_attention(
     q, k, v, inner: dist.ProcessGroup, outer: dist.ProcessGroup, *, causal: bool, scale: float,
     backend: Backend | None = None, documents: DocumentLayout | None = None, block_size: int = 0,
-    softcap: float = 0.0, window: int | None = None,
+    softcap: float = 0.0, window: int | None = None, sinks=None,
 ):
     """Ulysses over ``inner``, then the ring over ``outer`` (Note [Hybrid attention]); q: (B, H,
     S/cp, D), k/v: (B, Hkv, S/cp, D) zigzag shards of the cp group. ``documents``: the layout of
-    the outer ring (``cp_size`` its size). Differentiable."""
+    the outer ring (``cp_size`` its size); ``sinks`` (H,): Note [Attention sinks under CP], the
+    inner group's slice of the heads. Differentiable."""
     u = dist.get_world_size(inner)
     kv_repeat = u // math.gcd(k.shape[1], u)
     k, v = kernel_calls.expand_kv(k, kv_repeat), kernel_calls.expand_kv(v, kv_repeat)
     q, k, v = (_AllToAll.apply(t, inner, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
+    sinks = local_sinks(sinks, inner)
     if dist.get_world_size(outer) == 1:  # u = cp: Ulysses
         block = None if documents is None else documents.ring_pieces(0, window)
         out = local_attention(q, k, v, causal=causal, scale=scale, backend=backend, block_size=block_size, block=block,
-                              softcap=softcap)
+                              softcap=softcap, sinks=sinks)
     else:
-        out = _RingAttention.apply(q, k, v, outer, causal, scale, backend, documents, block_size, softcap, window)
+        out = _RingAttention.apply(q, k, v, outer, causal, scale, backend, documents, block_size, softcap, window,
+                                   sinks)
     return _AllToAll.apply(out, inner, _heads_to_seq, _seq_to_heads)

@@ -88,6 +88,7 @@ import torch
 from llama_cp.attention import kernels
 from llama_cp.attention.documents import Piece, planned_tiles
 from llama_cp.attention.kernels import Backend
+from llama_cp.attention.sinks import add_sinks, sink_gradient
 
 
 def pieces_forward(
@@ -355,26 +356,30 @@ class _PiecesAttention(torch.autograd.Function):
     block: packed documents, tiles (Note [Tiled attention]), or both."""
 
     @staticmethod
-    def forward(ctx, q, k, v, block, scale, backend, softcap):
+    def forward(ctx, q, k, v, block, scale, backend, softcap, sinks):
         out, lse = pieces_forward(q, k, v, block, scale=scale, backend=backend, softcap=softcap)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # Note [Attention sinks under CP] in llama_cp/attention/sinks.py
+            out, lse = add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.block, ctx.scale, ctx.backend, ctx.softcap = block, scale, backend, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         acc = kernels.accumulation_dtype(q)
         dk, dv = (torch.zeros_like(t, dtype=acc) for t in (k, v))  # every query block adds to every key
         dq = pieces_backward(
             dout, q, k, v, out, lse, ctx.block, scale=ctx.scale, backend=ctx.backend, dq=None, dk=dk, dv=dv,
             softcap=ctx.softcap,
         )
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dsinks = sink_gradient(dout, out, lse, sinks) if ctx.needs_input_grad[-1] else None  # frozen: none
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsinks
 
 
 def pieces_attention(q, k, v, block: list[Piece], *, scale: float, backend: Backend | None = None,
-                     softcap: float = 0.0):
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None):
     """Differentiable attention of (q, k, v) restricted to ``block``'s pieces (one query slice's
-    pieces consecutive, as :func:`pieces` and :func:`tiles` make them)."""
-    return _PiecesAttention.apply(q, k, v, block, scale, backend, softcap)
+    pieces consecutive, as :func:`pieces` and :func:`tiles` make them); ``sinks``: Note
+    [Attention sinks under CP]."""
+    return _PiecesAttention.apply(q, k, v, block, scale, backend, softcap, sinks)

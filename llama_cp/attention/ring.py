@@ -71,6 +71,7 @@ from llama_cp.attention import kernels
 from llama_cp.attention.documents import DocumentLayout, Piece, tiles
 from llama_cp.attention.kernels import Backend
 from llama_cp.attention.pieces import pieces_backward, pieces_forward
+from llama_cp.attention.sinks import add_sinks, sink_gradient
 from llama_cp.attention.wire import _count
 
 
@@ -314,22 +315,26 @@ def _ring_step_pieces(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend, documents, block_size, softcap=0.0, window=None):
+    def forward(ctx, q, k, v, group, causal, scale, backend, documents, block_size, softcap=0.0, window=None,
+                sinks=None):
         out, lse = ring_forward(
             RingComm(group), q, k, v, causal=causal, scale=scale, backend=backend, documents=documents,
             block_size=block_size, softcap=softcap, window=window,
         )
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # after the last block's merge: Note [Attention sinks under CP]
+            out, lse = add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.documents = group, causal, scale, backend, documents
         ctx.block_size, ctx.softcap, ctx.window = block_size, softcap, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ring_backward(
             RingComm(ctx.group, tag=0), RingComm(ctx.group, tag=1, kind="ring dK/dV"), dout, q, k, v, out, lse,
             causal=ctx.causal, scale=ctx.scale, backend=ctx.backend, documents=ctx.documents,
             block_size=ctx.block_size, softcap=ctx.softcap, window=ctx.window,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        dsinks = sink_gradient(dout, out, lse, sinks) if ctx.needs_input_grad[-1] else None  # frozen: none
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks

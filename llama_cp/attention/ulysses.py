@@ -20,6 +20,7 @@ from llama_cp.attention import kernel_calls
 from llama_cp.attention.documents import DocumentLayout
 from llama_cp.attention.kernels import Backend
 from llama_cp.attention.local import local_attention
+from llama_cp.attention.sinks import local_sinks
 from llama_cp.attention.wire import _count
 
 
@@ -77,15 +78,16 @@ class _AllToAll(torch.autograd.Function):
 def ulysses_attention(
     q, k, v, group, *, causal: bool, scale: float, backend: Backend | None = None,
     documents: DocumentLayout | None = None, block_size: int = 0, softcap: float = 0.0, window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Ulysses attention; q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) zigzag shards. Differentiable.
     With ``documents``, causal attention within each document of the gathered row; ``block_size``:
-    Note [Tiled attention]."""
+    Note [Tiled attention]; ``sinks`` (H,): Note [Attention sinks under CP], the local heads' own."""
     cp = dist.get_world_size(group)
     kv_repeat = cp // math.gcd(k.shape[1], cp)  # make the KV heads split evenly across cp
     k, v = kernel_calls.expand_kv(k, kv_repeat), kernel_calls.expand_kv(v, kv_repeat)
     q, k, v = (_AllToAll.apply(t, group, _seq_to_heads, _heads_to_seq) for t in (q, k, v))
     block = None if documents is None else documents.full_row_pieces(window)
     out = local_attention(q, k, v, causal=causal, scale=scale, backend=backend, block_size=block_size, block=block,
-                          softcap=softcap)
+                          softcap=softcap, sinks=local_sinks(sinks, group))
     return _AllToAll.apply(out, group, _heads_to_seq, _seq_to_heads)

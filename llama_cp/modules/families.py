@@ -80,12 +80,15 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "exaone4": _plain,  # windowed RoPE layers, full NoPE layers, q/k norm, norms after attention and MLP
     "smollm3": _plain,  # NoPE layers among RoPE ones (no_rope_layers), windows where use_sliding_window
     "olmo3": _plain,  # windowed and full layers, a RoPE per layer type
+    # learned per-head sinks (s_aux: Note [Attention sinks under CP]), windowed and full layers,
+    # experts with clamped SwiGLU and the router loss
+    "gpt_oss": _plain,
 }
 
 #: MoE families -> the config field holding their number of experts.
 #: (GLM-4.5's glm4_moe has a router but its forward adds no load-balancing loss: not here.)
 _EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts",
-                  "qwen2_moe": "num_experts"}
+                  "qwen2_moe": "num_experts", "gpt_oss": "num_local_experts"}
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,6 @@ _REFUSAL_REASONS = {
     "granitemoehybrid": f"its Mamba2 layers {_RECURRENT}",
     "lfm2": f"its short-convolution layers {_RECURRENT}",
     # attention the kernel does not compute yet
-    "gpt_oss": f"its attention adds learned per-head sinks to the softmax denominator (s_aux), {_NOT_YET}",
     "deepseek_v2": f"its multi-head latent attention has a value head dim (v_head_dim) unlike the query/key head dim, "
                    f"{_NOT_YET}",
     "deepseek_v3": f"its multi-head latent attention has a value head dim (v_head_dim) unlike the query/key head dim, "
