@@ -100,6 +100,7 @@ def test_the_candidates_are_cumulative_cheapest_first():
     assert candidates(saved)[3]["norm_tile_size"] == 0 and candidates(saved)[3]["mlp_tile_size"] == auto.TILE_SIZE
 
 
+@pytest.mark.slow  # the planned fixtures: six plans (tests/conftest.py's tiers)
 def test_auto_takes_the_first_candidate_that_fits(planned, peaks, tmp_path):
     cfg = TrainConfig.from_flags(**RUN)
     levers = candidates(cfg)
@@ -115,6 +116,7 @@ def test_auto_takes_the_first_candidate_that_fits(planned, peaks, tmp_path):
     assert cfg == TrainConfig.from_flags(**RUN)  # the run's own config is left as it was
 
 
+@pytest.mark.slow  # the planned fixtures: six plans (tests/conftest.py's tiers)
 def test_nothing_fits_is_refused_with_the_peak_and_the_longest_context(planned, peaks, tmp_path):
     cfg = TrainConfig.from_flags(**RUN)
     with pytest.raises(NothingFits) as refused:
@@ -131,6 +133,7 @@ def test_nothing_fits_is_refused_with_the_peak_and_the_longest_context(planned, 
     assert simulate.plan_step_memory(with_context(every, length + step), 1, model_config=model_config()).total >= peaks[-1]
 
 
+@pytest.mark.slow  # the planned fixtures: six plans (tests/conftest.py's tiers)
 def test_a_second_choice_is_read_from_the_cache(planned, peaks, tmp_path):
     cfg = TrainConfig.from_flags(**RUN)
     first = choose_levers(cfg, 1, peaks[1], model_config=model_config(), cache_dir=str(tmp_path))
@@ -175,6 +178,7 @@ def test_memory_default_resolves_by_the_levers_given():
         TrainConfig.from_flags(headroom=1.0)
 
 
+@pytest.mark.slow  # the planned fixtures: six plans (tests/conftest.py's tiers)
 def test_on_cuda_the_choice_is_set_and_a_run_that_cannot_fit_is_refused(planned, peaks, tmp_path):
     """``choose_for_run`` as the trainer calls it on a CUDA machine (the device type is passed in)."""
     said = []
@@ -217,6 +221,7 @@ def test_a_run_the_planner_cannot_plan_keeps_its_levers(monkeypatch, tmp_path):
     assert len(said) == 1
 
 
+@pytest.mark.slow  # the planned fixtures: six plans (tests/conftest.py's tiers)
 def test_the_cpu_trainer_says_the_choice_and_keeps_the_levers(planned, peaks, tmp_path, monkeypatch, capsys):
     from llama_cp import Trainer
 
@@ -251,6 +256,7 @@ def test_the_cpu_trainer_says_the_choice_and_keeps_the_levers(planned, peaks, tm
     assert info["config"]["model"]["activation_checkpointing"] is False
 
 
+@pytest.mark.slow  # the planned fixtures: six plans (tests/conftest.py's tiers)
 def test_the_child_process_answers_what_choose_levers_returns_or_raises(planned, peaks, tmp_path, monkeypatch):
     """``python -m llama_cp.plan.auto``'s answer to what ``plan_elsewhere`` sends, through JSON,
     and the parent's reading of it: choose_levers' choice or its refusal."""
@@ -272,6 +278,7 @@ def test_the_child_process_answers_what_choose_levers_returns_or_raises(planned,
     assert not isinstance(cannot.value, NothingFits)
 
 
+@pytest.mark.slow  # the planned fixtures: six plans (tests/conftest.py's tiers)
 def test_the_trainer_chooses_before_it_claims_the_output_dir(planned, peaks, tmp_path, monkeypatch, capsys):
     """fit() chooses before OutputDirClaim writes config.yaml (so it records the levers the run
     trains with on CUDA), not in setup() after it."""

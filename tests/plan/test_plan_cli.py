@@ -100,6 +100,7 @@ def test_plot_max_context_fsdp_only_vs_cp(tmp_path, monkeypatch):
     assert len(searched) == 3  # 1 GPU (once), 2 GPUs FSDP only, 2 GPUs FSDP + CP
 
 
+@pytest.mark.slow  # plans under fake tensors: seconds each
 def test_bf16_checkpoint_is_planned_with_float32_shards(tmp_path):
     """The planner builds like the trainer (``build_causal_lm``): a checkpoint whose config.json
     says bfloat16 is planned with float32 sharded parameters, gradients and optimizer state,
@@ -190,6 +191,7 @@ def test_every_shipped_config_plans(preset_plans, path):
     assert on_gpu > GiB / num_gpus
 
 
+@pytest.mark.slow  # plans under fake tensors: seconds each
 def test_gradient_accumulation_keeps_the_sharded_gradients_between_micro_batches():
     """--gradient_accumulation_steps 2 plans (FSDPMemTracker refused a second forward before):
     the second micro-batch's peak holds the sharded gradients of the first."""
@@ -205,6 +207,7 @@ def test_gradient_accumulation_keeps_the_sharded_gradients_between_micro_batches
     assert phases[2]["forward_backward"].total > phases[1]["forward_backward"].total
 
 
+@pytest.mark.slow  # plans under fake tensors: seconds each
 def test_the_categories_add_up_to_the_tracked_total():
     """Every byte FSDPMemTracker counts lands in one of the plan's categories, in every phase: the
     categories add up to the tracked total, and no tracked category is left out of them (a
@@ -223,6 +226,7 @@ def test_the_categories_add_up_to_the_tracked_total():
         assert plan.tracked["Total"] == plan.total, phase
 
 
+@pytest.mark.slow  # plans under fake tensors: seconds each
 def test_offloaded_parameters_are_planned_as_host_memory(capsys):
     """Note [Planning --offload_params]: the offloaded step's device bytes are the plain step's less
     the sharded parameters, gradients and AdamW state (float32: 4 + 4 + 8 bytes per parameter
@@ -276,6 +280,7 @@ def breakdown_at(tokens: int) -> tuple[list, int]:
     return step_peak_tensors(cfg, 1, model_config=config), simulate_step_memory(cfg, 1, model_config=config).total
 
 
+@pytest.mark.slow  # plans under fake tensors: seconds each
 def test_breakdown_lists_the_tensors_at_the_peak_with_their_bytes_per_token():
     """--breakdown (llama_cp/plan/breakdown.py): the tensors made in the step and alive at its peak
     add up to the planner's tracked peak less what existed before the step (the LoRA weights,
@@ -300,6 +305,7 @@ def test_breakdown_lists_the_tensors_at_the_peak_with_their_bytes_per_token():
     assert groups[4096][largest.label].nbytes == 2 * largest.nbytes, largest
 
 
+@pytest.mark.slow  # plans under fake tensors: seconds each
 def test_plan_memory_with_memory_auto_chooses_then_plans(capsys, tmp_path, monkeypatch):
     """python -m recipes.plan_memory --memory auto: the trainer's choice (llama_cp/plan/auto.py) is
     printed, and the plan and the max-context search are made with its levers."""
