@@ -41,13 +41,15 @@ FLOPs the *model* needs for a step by what the devices could do in the step's ti
   llama_cp/attention/documents.py), the whole row when --document_mask is off.
 - Sliding windows: a query of a windowed layer sees at most the window's keys, so
   the pairs are counted per layer and averaged over the layers (``ModelFlops.pairs``).
-- Mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.5): a token runs through its top k
+- Mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.5, gpt_oss): a token runs through its top k
   experts, so an MoE layer's MLP counts k x (gate, up, down) at the expert's
   intermediate size (``moe_intermediate_size`` where the config has one), plus the
   router (hidden -> experts) and a shared expert every token runs (Qwen2-MoE's, with its
   hidden -> 1 gate; GLM-4.5's); Qwen2/3-MoE's dense layers (``mlp_only_layers``,
   ``decoder_sparse_step``) and GLM-4.5's first ``first_k_dense_replace`` count as dense. LoRA on the fused experts
-  (--lora_target_parameters) is not counted.
+  (--lora_target_parameters) is not counted. gpt_oss's experts (fused gate_up_proj) count the same;
+  its attention sinks (one more logit per query row and head, Note [Attention sinks under CP]) and its
+  experts' biases are no matmul: left out.
 - Recomputation is not model work: activation checkpointing's second forward,
   flash-attention's recomputed scores in its backward, the chunked loss's recomputed
   logits all cost time and count nothing. MFU is therefore below the hardware's

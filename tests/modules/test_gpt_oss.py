@@ -229,3 +229,46 @@ def test_s_aux_of_another_shape_is_refused():
         cp_attention_forward(layer, q, k, v, None, s_aux=torch.zeros(2))
     with_sinks = cp_attention_forward(layer, q, k, v, None, s_aux=torch.zeros(4))[0]
     assert not torch.allclose(with_sinks, cp_attention_forward(layer, q, k, v, None)[0])
+
+
+def test_model_flops_are_what_the_flop_counter_measures():
+    """model_flops of gpt_oss (k of E experts, gate_up and down at intermediate_size, the router) are
+    what FlopCounterMode measures on a forward and backward: the linear layers per token, eager
+    attention all L x L pairs; the sinks add no matmul (tests/plan/test_families_plan.py's check)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from llama_cp.model.flops import model_flops
+
+    if SKIP:
+        pytest.skip(SKIP)
+    model = gpt_oss_model()
+    ids = batch()["input_ids"]
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    by_module = counter.get_flop_counts()
+    measured = {str(op): flops for op, flops in by_module["Global"].items()}
+    for module, by_op in by_module.items():  # the rotary table is no model FLOP
+        if module.endswith("rotary_emb"):
+            for op, flops in by_op.items():
+                measured[str(op)] -= flops
+    flops = model_flops(model.config)
+    assert measured["aten.mm"] + measured["aten.addmm"] == flops.per_token * ids.numel()
+    assert measured["aten.bmm"] == flops.per_pair * ids.shape[0] * ids.shape[1] ** 2
+    assert flops.windows == (WINDOW, None)
+
+
+@pytest.mark.slow  # a simulation, ~1.5 s
+def test_the_planner_plans_it():
+    """The planner simulates the trainer's step of the tiny gpt_oss at cp 2 (its window planned as
+    full attention, an upper bound: llama_cp/plan/simulate.py). Without the router loss: with it, the
+    planner's fake tensors stop at loss.router_statistics' bincount (DynamicOutputShapeException, any
+    MoE family; Mixtral too)."""
+    from llama_cp.config import TrainConfig
+    from llama_cp.plan.simulate import plan_step_memory
+
+    if SKIP:
+        pytest.skip(SKIP)
+    fields = {k: v for k, v in GPT_OSS.items() if k != "attn_implementation"}
+    config = AutoConfig.for_model("gpt_oss", **{**fields, "output_router_logits": False})
+    plan = plan_step_memory(TrainConfig.from_flags(context_length=64, cp=2, report_to="none"), 2, model_config=config)
+    assert plan.total > 0 and plan.activations > 0
