@@ -316,3 +316,17 @@ def test_each_layer_window_is_the_one_its_attention_takes():
             model(input_ids=batch()["input_ids"])
         want = [None, WINDOW] if name == "smollm3" else [WINDOW, None]
         assert [taken[i] for i in range(2)] == layer_windows(model.config) == want, name
+
+
+def test_router_loss_where_transformers_adds_one():
+    """Qwen2-MoE's forward adds the router loss (the checks above include it); GLM-4.5's adds none, so
+    --router_aux_loss_coef is refused for it in one line rather than training a loss it never had."""
+    from llama_cp.modules.families import RouterLoss, router_loss, set_router_loss_coef
+
+    if not skip_reason("qwen2_moe"):
+        assert router_loss(family_model("qwen2_moe")) == RouterLoss(num_experts=4, top_k=2, coef=0.3)
+    config = AutoConfig.for_model("glm4_moe", **{**BASE, **FAMILIES["glm4_moe"][1]})
+    with pytest.raises(ValueError, match=r"^--router_aux_loss_coef 0.1: 'glm4_moe' adds no router load-balancing "
+                                         r"loss \(families that do: .*qwen2_moe.*\); drop the flag$"):
+        set_router_loss_coef(config, 0.1)
+    set_router_loss_coef(config, -1)  # the model's own: accepted
