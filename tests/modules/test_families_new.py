@@ -242,7 +242,6 @@ REFUSED = {
     "granitemoehybrid": (dict(mamba_n_heads=8, layer_types=["linear_attention", "full_attention"] if TRANSFORMERS_5
                               else ["mamba", "attention"]), r"Mamba2 layers.*recurrent state"),
     "lfm2": ({}, r"short-convolution layers.*recurrent state"),
-    "gpt_oss": (dict(attn_implementation="eager"), r"learned per-head sinks.*\(s_aux\)"),
     "deepseek_v2": (dict(head_dim=None), r"value head dim \(v_head_dim\) unlike the query/key head dim"),
     "deepseek_v3": (dict(head_dim=None), r"value head dim \(v_head_dim\) unlike the query/key head dim"),
     "llama4_text": ({}, r"chunked local attention \(attention_chunk_size.*attn_temperature_tuning"),
