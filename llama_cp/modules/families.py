@@ -140,7 +140,8 @@ _REFUSAL_REASONS = {
     "kimi_linear": f"its linear-attention layers (Kimi Delta Attention) {_RECURRENT}",
     "falcon_h1": f"its Mamba2 mixers, one beside the attention of every layer, {_RECURRENT}",
     "granitemoehybrid": f"its Mamba2 layers {_RECURRENT}",
-    "lfm2": f"its short-convolution layers {_RECURRENT}",
+    "lfm2": "its short-convolution layers read the few tokens before each position, which under CP lie on another "
+            "rank's shard at every shard's start (no context-parallel algorithm here passes them across ranks)",
     # attention the kernel does not compute yet
     "deepseek_v2": f"its multi-head latent attention has a value head dim (v_head_dim) unlike the query/key head dim, "
                    f"{_NOT_YET}",
