@@ -254,9 +254,16 @@ def cp_attention_forward(
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         raise ValueError(f"{type(module).__name__} passes s_aux= of shape {tuple(sinks.shape)}; context-parallel "
                          f"attention computes one sink logit per query head, shape ({query.shape[1]},)")
+    width = value.shape[-1]  # Note [Value heads narrower than keys]
+    if width > query.shape[-1]:
+        raise ValueError(f"{type(module).__name__}: value heads of {width} wider than its query/key heads of "
+                         f"{query.shape[-1]}, which context-parallel attention does not compute (it pads narrower "
+                         "ones: Note [Value heads narrower than keys]); this model cannot be trained with llama-cp")
+    if width < query.shape[-1]:
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - width))
     out = attention(query, key, value, causal=causal, scale=scaling, documents=kwargs.get(DOCUMENTS_KWARG),
                     softcap=kwargs.get("softcap") or 0.0, window=window, sinks=sinks)
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :width].transpose(1, 2).contiguous(), None
 
 
 #: Keyword arguments of transformers' attention calls that change the result and that the kernel
@@ -266,6 +273,29 @@ UNCOMPUTED_KWARGS = {
     "sinks": "learned attention sinks in the softmax denominator",
     "position_bias": "an additive position bias on the scores",
 }
+
+# Note [Value heads narrower than keys]
+# =====================================
+#
+# DeepSeek's multi-head latent attention (deepseek_v2, deepseek_v3: DeepSeek-V2/V3, Kimi K2,
+# Moonlight) scores with query/key heads of qk_nope_head_dim + qk_rope_head_dim (192) and weighs
+# value heads of v_head_dim (128) (transformers 5.24 models/deepseek_v3/modeling_deepseek_v3.py,
+# DeepseekV3Attention.expand_kv: v unpadded). Every strategy's kernels and buffers hold k and v
+# of one shape, so v is padded with zeros to the key width and the output sliced back:
+#
+#     v (B, H, S, 128) -> [v | 0] (B, H, S, 192) -> attention -> out[..., :128]
+#
+# Exact: the scores and their softmax (and lse, the sinks, every merge of the ring, Ulysses,
+# all-gather and hybrid) read only q and k; each output column is sum_j p_ij v_jc on its own, so
+# the first 128 are those of the unpadded call and the rest are 0. Backward: the slice hands the
+# padded columns dO = 0, so dP = dO v^T and rowsum(dO * out) are unchanged, and the pad's
+# backward hands v the first 128 columns of dv. The cost: the padded v travels and is computed
+# as a key: 1 + (qk - v) / v times the value bytes on the wire and in the saved v and out (1.5x
+# for DeepSeek-V3, 1.2x of k + v), and 3 of attention's 6 matmuls (p.v; dV, dP) at qk width (1.2x
+# of its FLOPs). transformers 4.56.2 pads v the same way, itself, for flash_attention_2 only
+# (models/deepseek_v2/modeling_deepseek_v2.py, DeepseekV2Attention.forward), so llama-cp's
+# attention gets v unpadded there too. Values wider than the keys are refused.
+
 
 # Note [A window held, not passed]
 # ================================
@@ -308,7 +338,10 @@ def _global_rope_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.T
     dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.cp_group)
     extended = torch.cat([position_ids, last.expand(*position_ids.shape[:-1], 1)], dim=-1)
     seq_dim, seq_len = position_ids.dim() - 1, position_ids.shape[-1]
-    return tuple(t.narrow(seq_dim, 0, seq_len) for t in type(self).forward(self, x, extended, *args, **kwargs))
+    out = type(self).forward(self, x, extended, *args, **kwargs)
+    if isinstance(out, torch.Tensor):  # DeepSeek-V2's one complex (B, S, D/2) freqs_cis, not (cos, sin)
+        return out.narrow(seq_dim, 0, seq_len)
+    return tuple(t.narrow(seq_dim, 0, seq_len) for t in out)
 
 
 def bind_global_rope(model: nn.Module, group: dist.ProcessGroup | None) -> None:

@@ -83,10 +83,15 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # learned per-head sinks (s_aux: Note [Attention sinks under CP]), windowed and full layers,
     # experts with clamped SwiGLU and the router loss
     "gpt_oss": _plain,
+    # multi-head latent attention: values narrower than the keys (Note [Value heads narrower than keys] in
+    # llama_cp/cp_attention.py), RoPE on a slice of each head; routed + shared experts (v2: softmax router,
+    # v3: sigmoid with a score bias and groups); transformers adds no router loss
+    "deepseek_v2": _plain,
+    "deepseek_v3": _plain,
 }
 
 #: MoE families -> the config field holding their number of experts.
-#: (GLM-4.5's glm4_moe has a router but its forward adds no load-balancing loss: not here.)
+#: (GLM-4.5's glm4_moe and DeepSeek-V2/V3 have a router but their forwards add no load-balancing loss: not here.)
 _EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts",
                   "qwen2_moe": "num_experts", "gpt_oss": "num_local_experts"}
 
@@ -143,10 +148,6 @@ _REFUSAL_REASONS = {
     "lfm2": "its short-convolution layers read the few tokens before each position, which under CP lie on another "
             "rank's shard at every shard's start (no context-parallel algorithm here passes them across ranks)",
     # attention the kernel does not compute yet
-    "deepseek_v2": f"its multi-head latent attention has a value head dim (v_head_dim) unlike the query/key head dim, "
-                   f"{_NOT_YET}",
-    "deepseek_v3": f"its multi-head latent attention has a value head dim (v_head_dim) unlike the query/key head dim, "
-                   f"{_NOT_YET}",
     "llama4_text": f"its chunked local attention (attention_chunk_size; transformers passes the chunks only in a mask) "
                    f"and its NoPE layers' query temperature by global position (attn_temperature_tuning), {_NOT_YET}",
 }
@@ -187,6 +188,14 @@ def transformers_refusal(family: str, transformers_version: str) -> str | None:
     return (f"model family {family!r} needs transformers >= {'.'.join(map(str, needed))} (installed: "
             f"{transformers_version}): before that its attention calls SDPA itself, so context-parallel attention "
             "cannot take its place; upgrade transformers")
+
+
+def attention_head_dim(config) -> int:
+    """The head size attention computes with: the query/key heads' (DeepSeek's multi-head latent
+    attention: qk_nope_head_dim + qk_rope_head_dim; its config's head_dim is the RoPE slice's)."""
+    if getattr(config, "qk_nope_head_dim", None) is not None:
+        return config.qk_nope_head_dim + config.qk_rope_head_dim
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def model_family(model: nn.Module) -> str:
