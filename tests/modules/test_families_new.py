@@ -3,7 +3,8 @@
 meshes and tolerances); and the families refused, each in one line with the reason.
 
 Per family: logits, chunked loss and every parameter gradient under ring, Ulysses (cp 1, 2, 4),
-all-gather (cp 2) and hybrid (cp 4), plain and FSDP, float32 and float64 (``RUNS``). The configurations
+all-gather (cp 2) and hybrid (cp 4), plain and FSDP, float32 and float64 (``RUNS``); once each, packed
+documents (ring, cp 2, FSDP, float32) and peft's LoRA (Ulysses or all-gather, cp 2, float64). The configurations
 make each family's feature count: windows of 6 tokens (longer than a zigzag chunk at cp 4, shorter
 at cp 2) on some layers, NoPE layers next to RoPE layers, partial rotary, non-zero q/k/v/o biases
 (transformers initialises biases to zero: a zero bias would prove nothing), shared experts, a RoPE
@@ -12,6 +13,7 @@ per layer type; ``features_change_the_result`` records how far the logits move w
 
 import copy
 import functools
+import itertools
 import re
 
 import pytest
@@ -21,11 +23,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from dist_harness import Checks
+from document_checks import SEQ_LEN as DOCUMENT_LEN, packed_batch
 from fsdp_checks import check_cp_against_reference
 from llama_cp import apply_context_parallel
 from llama_cp.cp_attention import UNCOMPUTED_KWARGS, cp_attention_forward
-from llama_cp.modules.families import SUPPORTED_FAMILIES, check_supported, transformers_refusal
-from test_families import BASE, MOE_LOSS, SEQ_LEN, TOLERANCE, TRANSFORMERS_5, WINDOW, WORLD_SIZE, batch, mesh_for, rope
+from llama_cp.modules.families import SUPPORTED_FAMILIES, check_supported, layer_windows, transformers_refusal
+from test_families import (
+    BASE, FUSED_EXPERTS_LORA_PROBLEM, MOE_LOSS, SEQ_LEN, TOLERANCE, TRANSFORMERS_5, WINDOW, WORLD_SIZE, batch,
+    mesh_for, rope,
+)
 
 checks = Checks(setup=lambda sizes: [mesh_for(cp) for cp in sorted(sizes)])
 
@@ -146,6 +152,90 @@ for _name in FAMILIES:
         checks.add(functools.partial(check_family, _name, _strategy, _cp, _sharded, _dtype),
                    name=f"{_name}_{_strategy}_cp{_cp}_{'fsdp' if _sharded else 'plain'}_{str(_dtype)[6:]}",
                    skip=skip_reason(_name, _dtype), group=None if _sharded else _cp)
+
+
+
+# Packed documents and LoRA, once per family (tests/attention/test_documents.py and test_families.py check
+# the older ones in every layout): the kernel's document mask and peft's adapters are the same code for
+# every family, so one run each shows they meet the family's windows, NoPE layers, biases and experts.
+#: The families of issue 47, each once (olmo3_dynamic_rope is a second olmo3).
+ISSUE_47 = [name for name, (model_type, _) in FAMILIES.items() if name == model_type]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # transformers 5's fused experts
+
+
+def forward_and_loss(model, data: dict):
+    """Single-process transformers on ``data``'s rows (with their position_ids, if any): (logits, mean
+    cross-entropy of the pre-shifted labels plus the router loss where the family's forward adds one)."""
+    out = model(input_ids=data["input_ids"], position_ids=data.get("position_ids"), use_cache=False)
+    loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+    if getattr(out, "aux_loss", None) is not None:
+        loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+    return out.logits, loss
+
+
+def check_documents(name: str):
+    """Packed rows (document_checks.packed_batch: 1, 2, 7 and 50 documents of 96 tokens, position_ids
+    restarting at each, documents cut by the shards) under ring at cp 2 with FSDP, float32, against
+    transformers on the same rows (each document alone: ``documents_reference_is_per_document``)."""
+    data, lengths = packed_batch()
+    # a document crosses an edge of the zigzag chunks at cp 2 (24, 48, 72), a window is shorter than a document
+    edges = range(DOCUMENT_LEN // 4, DOCUMENT_LEN, DOCUMENT_LEN // 4)
+    assert any(edge not in itertools.accumulate(row) for row in lengths for edge in edges)
+    reference = family_model(name)
+    assert all(window < max(map(max, lengths)) for window in layer_windows(reference.config) if window)
+    pristine = copy.deepcopy(reference)
+    logits, loss = forward_and_loss(reference, data)
+    loss.backward()
+    check_cp_against_reference(pristine, reference, data, logits.detach(), loss.detach(), mesh_for(2), strategy="ring",
+                               sharded=True, tol=TOLERANCE[torch.float32], max_seq_len=DOCUMENT_LEN)
+
+
+def check_documents_reference(name: str):
+    """The reference of ``check_documents``: transformers on the packed rows equals each document run alone."""
+    data, lengths = packed_batch()
+    model = family_model(name)
+    with torch.no_grad():
+        packed = model(input_ids=data["input_ids"], position_ids=data["position_ids"], use_cache=False).logits
+        for row, row_lengths in enumerate(lengths):
+            pieces = (data["input_ids"][row], data["position_ids"][row], packed[row])
+            for ids, positions, want in zip(*(piece.split(row_lengths) for piece in pieces), strict=True):
+                alone = model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
+                torch.testing.assert_close(want, alone, **TOLERANCE[torch.float32])
+
+
+def check_lora(name: str, strategy: str):
+    """peft's LoRA on q/k/v/o (and an MoE's fused experts: target_parameters) at cp 2, float64, against
+    single-process peft."""
+    from peft import LoraConfig, get_peft_model
+
+    from llama_cp.model.build import check_lora_targets
+
+    experts = EXPERTS if name in MOE else []
+    reference = family_model(name, torch.float64)
+    check_lora_targets(reference, LORA_TARGETS, experts)
+    torch.manual_seed(1)
+    reference = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS,
+                                                     init_lora_weights=False,
+                                                     **({"target_parameters": experts} if experts else {})))
+    assert sum("experts" in key for key, p in reference.named_parameters() if p.requires_grad) == 2 * len(experts)
+    pristine = copy.deepcopy(reference)
+    logits, loss = forward_and_loss(reference, batch())
+    loss.backward()
+    tol = TOLERANCE[torch.float32 if FAMILIES[name][0] in FLOAT32_ONLY else torch.float64]
+    check_cp_against_reference(pristine, reference, batch(), logits.detach(), loss.detach(), mesh_for(2),
+                               strategy=strategy, sharded=False, tol=tol, max_seq_len=SEQ_LEN)
+
+
+for _index, _name in enumerate(ISSUE_47):
+    checks.add(functools.partial(check_documents, _name), name=f"{_name}_documents_ring_cp2_fsdp_float32",
+               skip=skip_reason(_name))
+    checks.add(functools.partial(check_documents_reference, _name), skip=skip_reason(_name), group=1,
+               name=f"{_name}_documents_reference_is_per_document")
+    _strategy = ("ulysses", "allgather")[_index % 2]
+    checks.add(functools.partial(check_lora, _name, _strategy), name=f"{_name}_lora_{_strategy}_cp2_plain_float64",
+               skip=skip_reason(_name) or (FUSED_EXPERTS_LORA_PROBLEM if _name in MOE else None)
+               or skip_reason(_name, torch.float64), group=2)
 
 
 def _zero(*suffixes: str):
@@ -294,8 +384,6 @@ def test_each_layer_window_is_the_one_its_attention_takes():
     window on its full layer too but passes None there; Qwen2-MoE holds its window, passes none."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from llama_cp.modules.families import layer_windows
 
     taken = {}
 
