@@ -34,19 +34,24 @@ FLOPs the *model* needs for a step by what the devices could do in the step's ti
   of 8K tokens per micro-batch at r <= 8.
 - Attention: per (query, key) pair and query head, q.k and p.v are 2 x head_dim
   multiply-adds, 4 x head_dim FLOPs forward, and the backward's four products (dP,
-  dV, dQ, dK) twice that: 12 x head_dim x heads x layers per pair. Counted are the
+  dV, dQ, dK) twice that: 12 x head_dim x heads x layers per pair. DeepSeek's multi-head
+  latent attention: q.k, dQ and dK at the query/key head size (qk_nope + qk_rope), p.v, dP and
+  dV at v_head_dim, 6 x (qk + v) x heads x layers; its low-rank projections (q_a/q_b_proj,
+  kv_a_proj_with_mqa, kv_b_proj) are linear layers as above. The zeros llama-cp pads the values
+  with (Note [Value heads narrower than keys] in llama_cp/cp_attention.py) are not model work. Counted are the
   pairs attention really computes: a causal row of L tokens L(L+1)/2 (query t sees
   keys 0..t), packed documents of lengths d_i sum d_i(d_i+1)/2 (each sees only
   itself; ``DocumentLayout.visible_pairs``, Note [Document masks under CP] in
   llama_cp/attention/documents.py), the whole row when --document_mask is off.
 - Sliding windows: a query of a windowed layer sees at most the window's keys, so
   the pairs are counted per layer and averaged over the layers (``ModelFlops.pairs``).
-- Mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.5, gpt_oss): a token runs through its top k
-  experts, so an MoE layer's MLP counts k x (gate, up, down) at the expert's
+- Mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.5, gpt_oss, DeepSeek-V2/V3): a token
+  runs through its top k experts, so an MoE layer's MLP counts k x (gate, up, down) at the expert's
   intermediate size (``moe_intermediate_size`` where the config has one), plus the
   router (hidden -> experts) and a shared expert every token runs (Qwen2-MoE's, with its
-  hidden -> 1 gate; GLM-4.5's); Qwen2/3-MoE's dense layers (``mlp_only_layers``,
-  ``decoder_sparse_step``) and GLM-4.5's first ``first_k_dense_replace`` count as dense. LoRA on the fused experts
+  hidden -> 1 gate; GLM-4.5's and DeepSeek's); Qwen2/3-MoE's dense layers (``mlp_only_layers``,
+  ``decoder_sparse_step``) and GLM-4.5's and DeepSeek's first ``first_k_dense_replace`` count as
+  dense. LoRA on the fused experts
   (--lora_target_parameters) is not counted. gpt_oss's experts (fused gate_up_proj) count the same;
   its attention sinks (one more logit per query row and head, Note [Attention sinks under CP]) and its
   experts' biases are no matmul: left out.
@@ -80,7 +85,7 @@ from typing import Any
 
 import torch
 
-from llama_cp.modules.families import layer_windows
+from llama_cp.modules.families import attention_head_dim, layer_windows
 
 #: Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per GPU by the exact name
 #: ``torch.cuda.get_device_name()`` reports; a name not here gets no MFU (--peak_tflops sets one).
@@ -190,14 +195,14 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     }
     weight_passes = 2 if lora_r else 3  # frozen: forward + input gradient; trained: + weight gradient
 
+    attention_linears = _attention_linears(config, shape)
+
     def layer_flops(mlp_copies: int, mlp_shape: dict, attention: bool = True) -> int:
         per_layer = 0
-        for name, features in _LAYER_LINEARS.items():
-            mlp = name in _MLP_LINEARS
-            if not (mlp or attention):
-                continue
-            fan_in, fan_out = features(mlp_shape if mlp else shape)
-            copies = mlp_copies if mlp else 1
+        linears = [*(attention_linears.items() if attention else ()),
+                   *((name, _LAYER_LINEARS[name](mlp_shape)) for name in _MLP_LINEARS)]
+        for name, (fan_in, fan_out) in linears:
+            copies = mlp_copies if name in _MLP_LINEARS else 1
             per_layer += copies * 2 * (3 if name in trained else weight_passes) * fan_in * fan_out
             if lora_r and name in lora_targets:
                 per_layer += copies * 2 * 3 * lora_r * (fan_in + fan_out)
@@ -223,10 +228,32 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     head = 2 * (3 if "lm_head" in trained else weight_passes) * head_in * head_out
     if lora_r and "lm_head" in lora_targets:
         head += 2 * 3 * lora_r * (head_in + head_out)
-    per_pair = 3 * 4 * shape["head_dim"] * heads * layers
+    # q.k at the query/key heads' size, p.v at the values' (DeepSeek's MLA: unlike), each 2 FLOPs a multiply-add
+    per_pair = 3 * 2 * (attention_head_dim(config) + _value_head_dim(config)) * heads * layers
     windows = tuple(layer_windows(config))
     return ModelFlops(per_token=float(decoder + head), per_pair=float(per_pair),
                       windows=windows if any(w is not None for w in windows) else ())
+
+
+def _value_head_dim(config: Any) -> int:
+    return getattr(config, "v_head_dim", None) or attention_head_dim(config)
+
+
+def _attention_linears(config: Any, shape: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer of a decoder layer's attention: Llama's q, k, v and o,
+    or DeepSeek's multi-head latent attention (transformers 5.24 models/deepseek_v3, DeepseekV3Attention):
+    q_proj, or q_a_proj -> q_b_proj (q_lora_rank); kv_a_proj_with_mqa to the latent and the shared
+    RoPE key, kv_b_proj from the latent to every head's key (no RoPE part) and value; o_proj."""
+    if getattr(config, "qk_nope_head_dim", None) is None:
+        return {name: _LAYER_LINEARS[name](shape) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    hidden, heads, latent = shape["hidden"], shape["heads"], config.kv_lora_rank
+    queries = heads * attention_head_dim(config)
+    q_rank = getattr(config, "q_lora_rank", None)
+    q = ({"q_proj": (hidden, queries)} if q_rank is None
+         else {"q_a_proj": (hidden, q_rank), "q_b_proj": (q_rank, queries)})
+    return {**q, "kv_a_proj_with_mqa": (hidden, latent + config.qk_rope_head_dim),
+            "kv_b_proj": (latent, heads * (config.qk_nope_head_dim + config.v_head_dim)),
+            "o_proj": (heads * config.v_head_dim, hidden)}
 
 
 #: The MLP's layers: an MoE runs them once per routed expert.

@@ -82,6 +82,7 @@ from llama_cp.config import TrainConfig
 from llama_cp.cp_attention import ContextParallelAttention
 from llama_cp.model.build import cp_strategy, parallelize_model
 from llama_cp.modules.causal_lm import compute_dtype
+from llama_cp.modules.families import attention_head_dim
 from llama_cp.plan.memory import MemoryBreakdown, create_optimizer_state, measure_step_memory, step_peak
 
 # ----------------------------------------------------------------------------- models
@@ -338,7 +339,7 @@ def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
     A CUDA backend that could not run there, or that the planner cannot model, is refused in
     one line; sdpa_cpu and math are planned as they run on CPU (the planner's own checks)."""
     dtype = compute_dtype(cfg.model.dtype, "cuda") or torch.float32
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    head_dim = attention_head_dim(model_config)  # DeepSeek's MLA: the query/key heads', not config.head_dim
     choice = cfg.model.attention_backend
     if choice == "auto":
         choice = next(b for b in BACKENDS if b in MODELLED + ("math",) and

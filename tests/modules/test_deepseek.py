@@ -56,8 +56,8 @@ def yarn(mscale_all_dim: float = 1.0) -> dict:
 FAMILIES = {
     "deepseek_v2": ("deepseek_v2", dict(q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2,
                                         topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
-    "deepseek_v3": ("deepseek_v3", dict(q_lora_rank=12, n_routed_experts=8, num_experts_per_tok=2,
-                                        norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True, **yarn())),
+    "deepseek_v3": ("deepseek_v3", dict(q_lora_rank=12, n_routed_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                        routed_scaling_factor=2.5, rope_interleave=True, **yarn())),
 }
 #: V2's complex RoPE picks its frequencies from the longest position (32 > 16): Note [Position-dependent
 #: RoPE under CP]; with q_lora_rank, V2's q_a_proj -> q_b_proj

@@ -38,7 +38,14 @@ FAMILIES = {
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                       shared_expert_intermediate_size=24, mlp_only_layers=[0]),
 }
-MOE = {"glm4_moe", "qwen2_moe"}
+#: DeepSeek's MLA (q/k heads of 8 + 4, values of 6; V2 q_proj, V3 q_a_proj -> q_b_proj), layer 0 dense
+#: and layer 1 experts + a shared one; no head_dim (V3's config would take it for the RoPE slice's)
+MLA = dict(head_dim=None, num_key_value_heads=4, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+           first_k_dense_replace=1, n_group=2, topk_group=1)
+FAMILIES["deepseek_v2"] = dict(MLA, q_lora_rank=None)
+FAMILIES["deepseek_v3"] = dict(MLA, q_lora_rank=12)
+MOE = {"glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
@@ -48,7 +55,10 @@ def family_config(model_type: str, **overrides):
     refusal = transformers_refusal(model_type, transformers.__version__)
     if refusal:
         pytest.skip(refusal)
-    return AutoConfig.for_model(model_type, **{**BASE, **FAMILIES[model_type], **overrides})
+    fields = {**BASE, **FAMILIES[model_type], **overrides}
+    if fields["head_dim"] is None:  # MLA: none at all
+        del fields["head_dim"]
+    return AutoConfig.for_model(model_type, **fields)
 
 
 def test_every_family_here_is_supported():
@@ -92,3 +102,18 @@ def test_each_family_plans(model_type):
     assert plan.total > 0 and plan.activations > 0
     if model_type == "ministral":
         assert plan == plan_step_memory(cfg, 2, model_config=family_config(model_type, sliding_window=64))
+
+
+def test_mla_plans_the_kernel_at_the_query_key_head_size():
+    """DeepSeek-V3's attention runs at qk_nope + qk_rope = 192 (its config's head_dim is the RoPE
+    slice's, 64): the planner models that kernel, and refuses sdpa_efficient's above 128 in one line."""
+    from llama_cp.plan.simulate import planned_attention_backend
+
+    config = family_config("deepseek_v3", qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    assert config.head_dim == 64
+    cfg = TrainConfig.from_flags(context_length=64, cp=2, report_to="none", attention_backend="sdpa_efficient",
+                                 dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"^--attention_backend sdpa_efficient: the planner models its workspace "
+                                         r"for float16/bfloat16 and head sizes up to 128, not bfloat16 with head size "
+                                         r"192; plan with"):
+        planned_attention_backend(cfg, config)
