@@ -209,21 +209,24 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _read_checkpoint(path: str, config) -> dict[str, torch.Tensor]:
+def _read_checkpoint(path: str, config, load_kwargs: dict | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors by the names of the model transformers builds. Most families store
     them under those names (the files are read as they are); the MoE families of transformers 5
     store per-expert Linear weights that it fuses into one tensor per layer when it loads them
     (``conversion_mapping.get_checkpoint_conversion_mapping``), so for those transformers itself
-    loads the model on this rank (one full copy, as reading the files takes) and hands its state."""
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    except ImportError:  # transformers 4.x: checkpoints hold the model's own names
-        return _read_safetensors(path)
-    if not get_checkpoint_conversion_mapping(config.model_type):
-        return _read_safetensors(path)
+    loads the model on this rank (one full copy, as reading the files takes) and hands its state; so it
+    does, with them, for ``load_kwargs`` (an MXFP4 checkpoint's dequantization: Note [MXFP4 checkpoints]
+    in llama_cp/model/build.py)."""
+    if not load_kwargs:
+        try:
+            from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        except ImportError:  # transformers 4.x: checkpoints hold the model's own names
+            return _read_safetensors(path)
+        if not get_checkpoint_conversion_mapping(config.model_type):
+            return _read_safetensors(path)
     from transformers import AutoModelForCausalLM
 
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype="auto", device_map="cpu")
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype="auto", device_map="cpu", **(load_kwargs or {}))
     return dict(loaded.state_dict())
 
 
@@ -260,7 +263,8 @@ def _full_state_for(model_state: dict[str, torch.Tensor], checkpoint: dict[str, 
     return full
 
 
-def load_full_weights(model: nn.Module, path: str, device: torch.device | str, params_on_cpu: bool = False) -> None:
+def load_full_weights(model: nn.Module, path: str, device: torch.device | str, params_on_cpu: bool = False,
+                      load_kwargs: dict | None = None) -> None:
     """Load an HF checkpoint directory (safetensors) into a model that was built on the meta
     device (optionally wrapped by peft) and sharded: rank 0 reads the files, every rank
     receives only its shards. LoRA adapters start as peft initialises them; NF4 layers
@@ -268,13 +272,13 @@ def load_full_weights(model: nn.Module, path: str, device: torch.device | str, p
 
     Peak host memory is one full copy on rank 0 and one shard per rank elsewhere.
     ``params_on_cpu``: the shards live in host memory (``shard_model(cpu_offload=True)``); the
-    RoPE buffers still go to ``device``.
+    RoPE buffers still go to ``device``. ``load_kwargs``: transformers loads the files, with them.
     """
     model.to_empty(device="cpu" if params_on_cpu else device)
     _reinit_rotary_buffers(model, torch.device(device))
     full: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
-        checkpoint = _read_checkpoint(path, base_causal_lm(model).config)
+        checkpoint = _read_checkpoint(path, base_causal_lm(model).config, load_kwargs)
         if quantized_linears(model):  # --quantization 4bit: the NF4 codes of the checkpoint's weights
             checkpoint = quantize_checkpoint(model, checkpoint, _checkpoint_key, device=device)
         full = _full_state_for(get_model_state_dict(model), checkpoint, path)
