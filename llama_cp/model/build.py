@@ -17,6 +17,7 @@ import os
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from llama_cp.attention.choose import choose_strategy
@@ -45,6 +46,11 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
 
     torch.manual_seed(cfg.seed)
     config = embedded_llama_config() if path is None else AutoConfig.from_pretrained(path)
+    load_kwargs = mxfp4_load_kwargs(config)
+    if load_kwargs:  # Note [MXFP4 checkpoints]
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(MXFP4_LINE, flush=True)
+        del config.quantization_config  # the model built, trained and saved is an ordinary one
     apply_rope_settings(config, cfg.model.rope_theta, cfg.model.rope_scaling, cfg.data.context_length)
     set_router_loss_coef(config, cfg.model.router_aux_loss_coef)
     check_attention_backend(cfg, config, device.type)
@@ -55,7 +61,7 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
         model = build_causal_lm(config, device="meta")
     model = parallelize_model(model, cfg, mesh, device_type=device.type)
     if path is not None:
-        load_full_weights(model, path, device=device, params_on_cpu=offload)
+        load_full_weights(model, path, device=device, params_on_cpu=offload, load_kwargs=load_kwargs)
     elif offload:
         _reinit_rotary_buffers(model, device)  # buffers are not offloaded: the RoPE tables compute on the device
     return model
@@ -115,6 +121,35 @@ def parallelize_model(
         offload_checkpoints=cfg.model.offload_checkpoints, cpu_offload=cfg.model.offload_params,
     )
     return model
+
+
+# Note [MXFP4 checkpoints]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# gpt-oss checkpoints hold their experts' weights in MXFP4: ``*_blocks`` (two FP4 values a byte) and
+# ``*_scales`` (a power-of-two exponent per 32 values), config.quantization_config.quant_method
+# "mxfp4". Training needs ordinary parameters. transformers (5.24; 4.56.2 in bfloat16) dequantizes
+# them as it loads with ``Mxfp4Config(dequantize=True)`` (quantizers/quantizer_mxfp4.py: no triton
+# kernels then; integrations/mxfp4.py ``Mxfp4Dequantize``: FP4 value x 2^(scale - 127), exact in
+# bfloat16 and float32), and without triton >= 3.5 or the kernels package it does so by itself with
+# a warning. llama-cp asks for it (``mxfp4_load_kwargs``: rank 0 reads the checkpoint through
+# transformers, ``fsdp_wrap.load_full_weights(load_kwargs=)``), says so in one line, drops
+# quantization_config from the config it builds from, and trains (and saves) the dequantized weights.
+#: What a run prints when its checkpoint is MXFP4.
+MXFP4_LINE = ("model: the checkpoint's experts are MXFP4 (quantization_config quant_method mxfp4): loaded "
+              "dequantized (transformers' Mxfp4Config(dequantize=True)) and trained, and saved, unquantized")
+
+
+def mxfp4_load_kwargs(config) -> dict:
+    """transformers' ``from_pretrained`` kwargs that load ``config``'s checkpoint dequantized when it is
+    MXFP4 (Note [MXFP4 checkpoints]); {} for any other."""
+    quantization = getattr(config, "quantization_config", None)
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    if str(getattr(method, "value", method)) != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def peft_supports_target_parameters() -> bool:

@@ -167,14 +167,84 @@ def features_change_the_result():
         moved = {
             "sinks": gpt_oss_model(sinks=(float("-inf"),) * 4)(input_ids=ids).logits,
             "window": gpt_oss_model(sliding_window=SEQ_LEN)(input_ids=ids).logits,
-            "SwiGLU clamp": gpt_oss_model(swiglu_limit=1e9)(input_ids=ids).logits,
             "documents alone": reference_forward(gpt_oss_model(), data, PACKED_LENGTHS)[0],
         }
+        if TRANSFORMERS_5:  # 4.x clamps at 7.0 whatever the config (models/gpt_oss GptOssExperts.limit)
+            moved["SwiGLU clamp"] = gpt_oss_model(swiglu_limit=1e9)(input_ids=ids).logits
         moved = {name: float((logits - on).abs().max()) for name, logits in moved.items()}
         with_router = reference_forward(gpt_oss_model(), batch())[1]
         without = reference_forward(gpt_oss_model(router_aux_loss_coef=0.0), batch())[1]
         moved["router loss"] = float((with_router - without).abs())
     assert min(moved.values()) > 1e-3, moved
+
+
+def save_mxfp4_checkpoint(path: str) -> None:
+    """A tiny gpt_oss checkpoint as gpt-oss ships (Note [MXFP4 checkpoints] in llama_cp/model/build.py):
+    the experts' weights as random MXFP4 ``*_blocks`` and ``*_scales`` (transformers 5.24 writes MXFP4
+    only with triton kernels, which a CPU lacks), quantization_config quant_method mxfp4."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    gpt_oss_model(intermediate_size=32).save_pretrained(path)  # MXFP4 blocks hold 32 values: I % 32 == 0
+    file = os.path.join(path, "model.safetensors")
+    state, generator = load_file(file), torch.Generator().manual_seed(5)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, fan_in, fan_out = state.pop(name).shape  # stored (E, out, in / 32, 16): two FP4 values a byte
+        state[name + "_blocks"] = torch.randint(0, 256, (experts, fan_out, fan_in // 32, 16), generator=generator,
+                                                dtype=torch.uint8)
+        state[name + "_scales"] = torch.randint(124, 130, (experts, fan_out, fan_in // 32), generator=generator,
+                                                dtype=torch.uint8)  # 2^-3 .. 2^2
+    save_file(state, file, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+@functools.partial(checks.add, skip=SKIP)
+def mxfp4_checkpoint_loads_dequantized_through_build_model_cp2():
+    """build_model on an MXFP4 checkpoint (ring, cp 2 x dp_shard 2, FSDP): says so in one line, and
+    its experts are transformers' dequantization (Mxfp4Config(dequantize=True); 4.56.2's in bfloat16, exact
+    for FP4 values times powers of two); the model's
+    config no longer claims MXFP4, and its logits are those of the dequantized model."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+    from transformers import Mxfp4Config
+
+    from dist_harness import shared_tmpdir
+    from fsdp_checks import full_param
+    from llama_cp import TrainConfig
+    from llama_cp.model.build import MXFP4_LINE, build_model
+    from llama_cp.parallel.sharding import shard_batch, unshard
+
+    with shared_tmpdir() as path:
+        if dist.get_rank() == 0:
+            save_mxfp4_checkpoint(path)
+        dist.barrier()
+        cfg = TrainConfig.from_flags(model_name=path, cp=2, dp_shard=2, cp_strategy="ring", report_to="none")
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            model = build_model(cfg, mesh_for(2), torch.device("cpu"), path)
+        assert printed.getvalue() == (MXFP4_LINE + "\n" if dist.get_rank() == 0 else ""), printed.getvalue()
+        assert getattr(model.config, "quantization_config", None) is None
+        experts = {"experts_implementation": "eager"} if TRANSFORMERS_5 else {}
+        want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **experts,
+                                                    quantization_config=Mxfp4Config(dequantize=True)).float()
+        got = dict(model.named_parameters())
+        for name, param in want.named_parameters():
+            torch.testing.assert_close(full_param(got[name]), param.detach(), atol=0, rtol=0)
+        assert want.model.layers[0].mlp.experts.down_proj.abs().max() > 1  # dequantized, not zero or raw bytes
+        data = batch()
+        with torch.no_grad():
+            local = shard_batch(data, mesh_for(2)["cp"])
+            logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+            torch.testing.assert_close(unshard(logits, mesh_for(2)["cp"]), want(input_ids=data["input_ids"]).logits,
+                                       **TOL)
 
 
 results = checks.module_fixture(__name__, WORLD_SIZE)
@@ -266,8 +336,9 @@ def test_the_planner_plans_it():
     from llama_cp.config import TrainConfig
     from llama_cp.plan.simulate import plan_step_memory
 
-    if SKIP:
-        pytest.skip(SKIP)
+    if SKIP or not TRANSFORMERS_5:
+        pytest.skip(SKIP or f"transformers {transformers.__version__} routes its experts by torch.where on the "
+                            "router's choice, which fake tensors cannot simulate")
     fields = {k: v for k, v in GPT_OSS.items() if k != "attn_implementation"}
     config = AutoConfig.for_model("gpt_oss", **{**fields, "output_router_logits": False})
     plan = plan_step_memory(TrainConfig.from_flags(context_length=64, cp=2, report_to="none"), 2, model_config=config)
