@@ -192,16 +192,24 @@ def check_documents(name: str):
 
 
 def check_documents_reference(name: str):
-    """The reference of ``check_documents``: transformers on the packed rows equals each document run alone."""
+    """The reference of ``check_documents``: transformers on the packed rows equals each document run
+    alone, and moves by more than 1e-3 with the rows attended whole (and, windowed, without windows)."""
     data, lengths = packed_batch()
     model = family_model(name)
+    rows = dict(input_ids=data["input_ids"], position_ids=data["position_ids"], use_cache=False)
     with torch.no_grad():
-        packed = model(input_ids=data["input_ids"], position_ids=data["position_ids"], use_cache=False).logits
+        packed = model(**rows).logits
         for row, row_lengths in enumerate(lengths):
             pieces = (data["input_ids"][row], data["position_ids"][row], packed[row])
             for ids, positions, want in zip(*(piece.split(row_lengths) for piece in pieces), strict=True):
                 alone = model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
                 torch.testing.assert_close(want, alone, **TOLERANCE[torch.float32])
+        # a mask of ones: transformers' plain causal mask over the whole row (no packed-sequence detection)
+        off = {"documents": model(**rows, attention_mask=torch.ones_like(data["input_ids"])).logits}
+        if any(layer_windows(model.config)):
+            off["windows"] = family_model(name, sliding_window=DOCUMENT_LEN)(**rows).logits
+    moved = {feature: float((packed - logits).abs().max()) for feature, logits in off.items()}
+    assert min(moved.values()) > 1e-3, moved
 
 
 def check_lora(name: str, strategy: str):
@@ -222,6 +230,9 @@ def check_lora(name: str, strategy: str):
     pristine = copy.deepcopy(reference)
     logits, loss = forward_and_loss(reference, batch())
     loss.backward()
+    with torch.no_grad(), reference.disable_adapter():
+        moved = float((reference(input_ids=batch()["input_ids"]).logits - logits).abs().max())
+    assert moved > 1e-3, f"the adapters move the logits by {moved} only"
     tol = TOLERANCE[torch.float32 if FAMILIES[name][0] in FLOAT32_ONLY else torch.float64]
     check_cp_against_reference(pristine, reference, batch(), logits.detach(), loss.detach(), mesh_for(2),
                                strategy=strategy, sharded=False, tol=tol, max_seq_len=SEQ_LEN)
