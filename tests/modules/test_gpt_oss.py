@@ -124,10 +124,11 @@ def reference(dtype: torch.dtype, packed: bool = False, lora: bool = False):
     return pristine, model, data, logits.detach(), loss.detach()
 
 
-def check(strategy: str, cp: int, sharded: bool, dtype: torch.dtype, packed: bool = False, lora: bool = False):
+def check(strategy: str, cp: int, sharded: bool, dtype: torch.dtype, packed: bool = False, lora: bool = False,
+          block_size: int = 0):
     pristine, model, data, logits, loss = reference(dtype, packed, lora)
     check_cp_against_reference(copy.deepcopy(pristine), model, data, logits, loss, mesh_for(cp), strategy=strategy,
-                               sharded=sharded, tol=TOL, max_seq_len=SEQ_LEN,
+                               sharded=sharded, tol=TOL, max_seq_len=SEQ_LEN, block_size=block_size,
                                ulysses_degree=2 if strategy == "hybrid" else 0)
 
 
@@ -143,6 +144,9 @@ for _strategy, _cp, _sharded, _dtype, _packed in RUNS:
                name=f"{_strategy}_cp{_cp}_{'fsdp' if _sharded else 'plain'}_{str(_dtype)[6:]}"
                     f"{'_packed' if _packed else ''}",
                skip=SKIP, group=None if _sharded else _cp)
+for _strategy, _cp in (("ring", 2), ("ulysses", 4)):  # kernel calls of 3 x 3 (Note [Tiled attention]), merged first
+    checks.add(functools.partial(check, _strategy, _cp, False, F64, True, block_size=3),
+               name=f"{_strategy}_cp{_cp}_plain_float64_packed_tiled", skip=SKIP, group=_cp)
 
 
 @functools.partial(checks.add, skip=SKIP or FUSED_EXPERTS_LORA_PROBLEM)
