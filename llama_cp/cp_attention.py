@@ -422,9 +422,11 @@ def apply_context_parallel(
         )
     check_ulysses_degree(strategy, ulysses_degree, cp, heads)
     layers = [m for m in model.modules()
-              if (hasattr(m, "q_proj") or hasattr(m, "qkv_proj")) and hasattr(m, "o_proj") and hasattr(m, "config")]
+              # q_a_proj: DeepSeek's MLA with q_lora_rank, which transformers 4.56.2 builds without a q_proj
+              if any(hasattr(m, name) for name in ("q_proj", "qkv_proj", "q_a_proj")) and hasattr(m, "o_proj")
+              and hasattr(m, "config")]
     if not layers:
-        raise ValueError(f"found no attention layers (modules with q_proj or qkv_proj, and o_proj) in "
+        raise ValueError(f"found no attention layers (modules with q_proj, qkv_proj or q_a_proj, and o_proj) in "
                          f"{type(model).__name__}")
 
     inner = outer = None
