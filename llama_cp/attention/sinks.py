@@ -20,7 +20,10 @@ With ``lse`` and ``out`` the log-sum-exp and output of a row over all its real k
     out' = out * exp(lse - lse')               (= out * sigmoid(lse - s_h))
 
 It enters ONCE, after the final merge (``add_sinks``): merged into every block, or on
-every rank, it would count once per block. A row that sees no key (lse = -inf) gets
+every rank, it would count once per block. The autograd functions that finish a merge call
+it, and ``sink_gradient`` in their backward: ``_RingAttention`` (ring; hybrid's ring over
+its heads), ``_AllGatherAttention``, ``_LocalAttention`` and ``_PiecesAttention`` (cp 1,
+Ulysses' and hybrid's local heads; packed documents, windows and tiles). A row that sees no key (lse = -inf) gets
 out' = 0, lse' = s_h. Sliding windows and documents only decide which real keys are in
 ``lse``, so they combine with the sink unchanged.
 
@@ -28,7 +31,9 @@ Backward. Every kernel's backward takes the final (out, lse) of a row and recomp
 probabilities as exp(s - lse) (FlashAttention-2's trick, ``kernels.attention_backward``);
 given (out', lse') those are the probabilities of the softmax with the sink column, and
 its D = rowsum(dO * out') is the right one too, because the sink's value is zero: so the
-q/k/v gradients are exact with no change to any kernel. The sink's own gradient
+q/k/v gradients are exact with no change to any kernel (flash-attn's, torch's CUDA and CPU
+kernels and the math one all take out and lse and compute D themselves; checked on CPU,
+tests/modules/test_gpt_oss.py). The sink's own gradient
 (``sink_gradient``), P_sink = exp(s_h - lse'), dP_sink = dO . 0 = 0:
 
     d s_h = sum_rows P_sink * (dP_sink - D) = -sum_rows exp(s_h - lse'_row) * rowsum(dO_row * out'_row)

@@ -46,7 +46,7 @@ GPT_OSS = dict(
     **rope(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
            original_max_position_embeddings=64),
 )
-#: per head of layer 0; layer i adds i (gpt-oss-20b's trained sinks span a few units around 0 too)
+#: the sinks of layer 0's heads; layer i adds i
 SINKS = (-1.0, 0.5, 1.5, 3.0)
 #: documents of each packed row (SEQ_LEN tokens): split across zigzag chunks at cp 2 and 4, one of 1 token
 PACKED_LENGTHS = [[5, 1, 14, 12], [9, 23]]
