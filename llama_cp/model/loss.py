@@ -348,7 +348,9 @@ def router_statistics(router_logits: tuple[torch.Tensor, ...], router: RouterLos
     for logits in router_logits:
         probs = torch.softmax(logits.to(acc), dim=-1)
         picked = torch.topk(probs.detach(), router.top_k, dim=-1).indices
-        count += torch.bincount(picked.reshape(-1), minlength=router.num_experts).to(count.dtype)
+        # index_add_, not bincount: its output's shape is known without reading the indices, so the
+        # planner's fake tensors run it (bincount's is data-dependent: they refuse it)
+        count.index_add_(0, picked.reshape(-1), torch.ones(picked.numel(), dtype=count.dtype, device=count.device))
         prob = prob + probs.sum(0)
         rows += logits.shape[0]
     return count, prob, rows

@@ -142,3 +142,23 @@ def test_bf16_weight_gradient_in_vocabulary_slices_is_exact(monkeypatch):
     want = probs.t() @ h
     torch.testing.assert_close(gpu_path.double(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(gpu_path, cpu_path, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(int(__import__("transformers").__version__.split(".")[0]) < 5,
+                    reason="transformers 4 routes experts by torch.where on the router's choice, which fake tensors "
+                           "cannot simulate")
+def test_the_planner_plans_a_model_with_its_router_loss():
+    """The router loss's expert counts (``router_statistics``) have a shape known without reading the
+    router's choice, so the planner's fake tensors run an MoE with its load-balancing loss on (with
+    bincount they stopped there: DynamicOutputShapeException). Its exactness: tests/modules/test_families.py."""
+    from transformers import AutoConfig
+
+    from llama_cp.config import TrainConfig
+    from llama_cp.plan.simulate import plan_step_memory
+
+    config = AutoConfig.for_model(
+        "mixtral", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.3)
+    plan = plan_step_memory(TrainConfig.from_flags(context_length=64, cp=2, report_to="none"), 2, model_config=config)
+    assert plan.total > 0 and plan.activations > 0
