@@ -13,7 +13,9 @@ transformers adds no router loss for either (their forwards return none). Checke
 loss and every gradient under ring, Ulysses, all-gather and hybrid, cp 1, 2 and 4, plain and FSDP,
 float32 and float64, packed documents, LoRA on the MLA projections, V2's dynamic RoPE bound to
 global positions. Their routers compute in float32 whatever the dtype, so float64 runs agree to
-float32 precision (1e-5); a dense V3 (no router) is checked in float64 to 1e-10.
+float32 precision (1e-5); a dense V3 (no router) is checked in float64 to 1e-10, also on packed
+documents in tiles of 4 tokens (Note [Tiled attention]). On transformers 4.x V3 routes each token to
+its whole group (4 of 8) and its float64 MoE runs are skipped (``skip_reason``).
 """
 
 import copy
@@ -138,19 +140,19 @@ def reference(name: str, dtype: torch.dtype, packed: bool = False, lora: bool = 
 
 
 def check(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.dtype, packed: bool = False,
-          lora: bool = False):
+          lora: bool = False, block_size: int = 0):
     pristine, model, data, logits, loss = reference(name, dtype, packed, lora)
     tol = TOLERANCE[dtype if name == "deepseek_v3_dense" else F32]  # float32 routers (module docstring)
     check_cp_against_reference(copy.deepcopy(pristine), model, data, logits, loss, mesh_for(cp), strategy=strategy,
-                               sharded=sharded, tol=tol, max_seq_len=SEQ_LEN,
+                               sharded=sharded, tol=tol, max_seq_len=SEQ_LEN, block_size=block_size,
                                ulysses_degree=2 if strategy == "hybrid" else 0)
 
 
 def _add(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.dtype, packed: bool = False,
-         lora: bool = False):
-    checks.add(functools.partial(check, name, strategy, cp, sharded, dtype, packed, lora),
-               name=f"{name}_{strategy}_cp{cp}_{'fsdp' if sharded else 'plain'}_{str(dtype)[6:]}"
-                    f"{'_packed' if packed else ''}{'_lora' if lora else ''}",
+         lora: bool = False, block_size: int = 0):
+    extras = f"{'_packed' if packed else ''}{'_lora' if lora else ''}{f'_tiles{block_size}' if block_size else ''}"
+    checks.add(functools.partial(check, name, strategy, cp, sharded, dtype, packed, lora, block_size),
+               name=f"{name}_{strategy}_cp{cp}_{'fsdp' if sharded else 'plain'}_{str(dtype)[6:]}{extras}",
                skip=skip_reason(name, dtype), group=None if sharded else cp)
 
 
@@ -163,6 +165,7 @@ _add("deepseek_v3", "ulysses", 2, True, F32, lora=True)
 _add("deepseek_v2_dynamic_rope", "ring", 4, False, F64)
 _add("deepseek_v2_dynamic_rope", "hybrid", 4, True, F32)
 _add("deepseek_v3_dense", "hybrid", 4, False, F64)
+_add("deepseek_v3_dense", "ring", 2, False, F64, packed=True, block_size=4)  # Note [Tiled attention]
 
 
 @functools.partial(checks.add, group=2, skip=skip_reason("deepseek_v3"))
@@ -170,17 +173,24 @@ def padded_values_reach_the_strategies():
     """Every layer's attention call at cp 2 (ring) gets v of the query/key heads' width (12, the
     last 6 columns zero) and hands back 6 columns per head: the path of Note [Value heads narrower
     than keys] is the one the checks above take."""
+    from llama_cp import shard_batch
+
     model = apply_context_parallel(family_model("deepseek_v3"), mesh_for(2)["cp"], strategy="ring")
     seen = []
-    for layer in model.model.layers:
-        attention = layer.self_attn.cp_attention
 
-        def record(q, k, v, attention=attention, **kwargs):
+    class Recorded:  # the layer's ContextParallelAttention, its calls recorded
+        def __init__(self, attention):
+            self.attention = attention
+
+        def __getattr__(self, name):
+            return getattr(self.attention, name)
+
+        def __call__(self, q, k, v, **kwargs):
             seen.append((q.shape[-1], k.shape[-1], v.shape[-1], bool((v[..., 6:] == 0).all())))
-            return attention(q, k, v, **kwargs)
+            return self.attention(q, k, v, **kwargs)
 
-        layer.self_attn.cp_attention = record
-    from llama_cp import shard_batch
+    for layer in model.model.layers:
+        layer.self_attn.cp_attention = Recorded(layer.self_attn.cp_attention)
 
     local = shard_batch(batch(), mesh_for(2)["cp"])
     hidden = model.model(input_ids=local["input_ids"], position_ids=local["position_ids"]).last_hidden_state
