@@ -28,6 +28,7 @@ attention] there.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from llama_cp.attention import kernels
 from llama_cp.attention.allgather import _AllGatherAttention
+from llama_cp.attention.chunks import chunked_layout, scale_queries, take_query_temperature
 from llama_cp.attention.choose import STRATEGIES, Strategy
 from llama_cp.attention.documents import DocumentLayout
 from llama_cp.attention.hybrid import check_ulysses_degree, hybrid_attention, hybrid_groups
@@ -46,13 +48,15 @@ from llama_cp.attention.local import local_attention
 from llama_cp.attention.ring import _RingAttention
 from llama_cp.attention.ulysses import ulysses_attention
 from llama_cp.modules.causal_lm import base_causal_lm
-from llama_cp.modules.families import check_supported, sliding_windows
+from llama_cp.modules.families import bind_decoder, check_supported, layer_chunks, sliding_windows
 from llama_cp.parallel.sharding import SEQ_INDEX, check_attention_mask, document_starts, unshard, zigzag_index
 
 #: Name under which the attention function is registered with transformers.
 ATTENTION_NAME = "llama_cp"
 #: Keyword under which the decoder hands the batch's :class:`DocumentLayout` to every attention call.
 DOCUMENTS_KWARG = "llama_cp_documents"
+#: ... and Llama 4's chunked layers their layout (Note [Chunked attention under CP] in llama_cp/attention/chunks.py).
+CHUNKS_KWARG = "llama_cp_chunks"
 
 
 # ---------------------------------------------------------------- HF binding
@@ -71,6 +75,8 @@ class ContextParallelAttention:
     outer: dist.ProcessGroup | None = None
     #: some layer has a sliding window: every batch gets a layout (Note [Sliding windows under CP])
     sliding: bool = False
+    #: Llama 4's attention_chunk_size, where some layer is chunked: every batch gets a chunked layout
+    chunk_size: int | None = None
 
     @property
     def cp_size(self) -> int:
@@ -90,22 +96,32 @@ class ContextParallelAttention:
         positions = unshard(position_ids, self.group, seq_index=local_rows)
         starts = document_starts(positions) if self.document_mask else torch.zeros_like(positions)
         return DocumentLayout(
-            starts, cp_rank=rank, cp_size=cp, local_rows=local_rows.cpu(), gathered_rows=torch.cat(gathered).cpu()
+            starts, cp_rank=rank, cp_size=cp, local_rows=local_rows.cpu(), gathered_rows=torch.cat(gathered).cpu(),
+            positions=positions,
         )
 
     def document_layout(self, position_ids: torch.Tensor) -> DocumentLayout | None:
         """The documents of a batch from its local (B, S/cp) global ``position_ids``; None when
         every row is one document (Note [Document masks under CP]). A collective over the cp group."""
-        starts = document_starts(unshard(position_ids, self.group))
+        positions = unshard(position_ids, self.group)
+        starts = document_starts(positions)
         if not bool(starts.any()):
             return None
-        return self.zigzag_layout(starts)
+        return dataclasses.replace(self.zigzag_layout(starts), positions=positions)
 
     def one_document_layout(self, rows: int, seq_len: int, device: torch.device) -> DocumentLayout:
         """The layout of ``rows`` rows of one document of ``seq_len`` tokens each (global): what the
         windowed layers run on when the batch has no documents (Note [Sliding windows under CP])."""
         starts = torch.zeros((rows, seq_len), dtype=torch.long, device=device)
         return self.zigzag_layout(starts, single=True)
+
+    def query_rows(self, local_len: int, documents: DocumentLayout | None, device: torch.device) -> torch.Tensor:
+        """(S/cp,) the global rows of this rank's tokens: the all-gather's ``local_rows``, else zigzag."""
+        if documents is not None and documents.local_rows is not None:
+            return documents.local_rows.to(device)
+        if self.group is None:
+            return torch.arange(local_len, device=device)
+        return zigzag_index(local_len * self.cp_size, self.cp_size, dist.get_rank(self.group), device=device)
 
     def zigzag_layout(self, starts: torch.Tensor, single: bool = False) -> DocumentLayout:
         """The layout of (B, L) document ``starts`` on this rank's zigzag chunks (hybrid: the
@@ -211,11 +227,13 @@ def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple
             documents = attention.gathered_layout(positions, seq_index)
         else:
             documents = attention.document_layout(positions) if attention.document_mask else None
-            if documents is None and attention.sliding:  # one layout for every windowed layer of the batch
+            if documents is None and (attention.sliding or attention.chunk_size):  # windowed or chunked layers
                 documents = attention.one_document_layout(rows, positions.shape[-1] * attention.cp_size,
                                                           positions.device)
         if documents is not None:
             kwargs = {**kwargs, DOCUMENTS_KWARG: documents}
+        if attention.chunk_size:
+            kwargs[CHUNKS_KWARG] = chunked_layout(documents, attention.chunk_size)
     return args, kwargs
 
 
@@ -261,7 +279,15 @@ def cp_attention_forward(
                          "ones: Note [Value heads narrower than keys]); this model cannot be trained with llama-cp")
     if width < query.shape[-1]:
         value = torch.nn.functional.pad(value, (0, query.shape[-1] - width))
-    out = attention(query, key, value, causal=causal, scale=scaling, documents=kwargs.get(DOCUMENTS_KWARG),
+    documents = kwargs.get(DOCUMENTS_KWARG)
+    if getattr(module, "cp_temperature", None) is not None:  # Note [Query temperature under CP]
+        query = scale_queries(query, attention.query_rows(query.shape[2], documents, query.device),
+                              *module.cp_temperature)
+    chunk = layer_chunks(module.config)[module.layer_idx] if attention.chunk_size else None
+    if chunk is not None:  # Note [Chunked attention under CP]; built here for a call without the hook's
+        documents = kwargs.get(CHUNKS_KWARG) or chunked_layout(documents or attention.one_document_layout(
+            query.shape[0], query.shape[2] * attention.cp_size, query.device), chunk)
+    out = attention(query, key, value, causal=causal, scale=scaling, documents=documents,
                     softcap=kwargs.get("softcap") or 0.0, window=window, sinks=sinks)
     return out[..., :width].transpose(1, 2).contiguous(), None
 
@@ -435,10 +461,14 @@ def apply_context_parallel(
     attention = ContextParallelAttention(
         group=group if cp > 1 else None, strategy=strategy, backend=backend, document_mask=document_mask,
         block_size=block_size, inner=inner, outer=outer, sliding=bool(windows),
+        chunk_size=next((c for c in layer_chunks(base_causal_lm(model).config) if c is not None), None),
     )
+    bind_decoder(base_causal_lm(model))
     decoder = base_causal_lm(model).get_decoder()
     for module in (*layers, decoder):
         module.cp_attention = attention  # a plain attribute: bound per model, no module globals
+    for module in layers:
+        take_query_temperature(module)  # Note [Query temperature under CP]
     bind_global_rope(model, attention.group)
     if not getattr(decoder, "_llama_cp_hook", False):
         decoder.register_forward_pre_hook(_prepare_decoder_call, with_kwargs=True)

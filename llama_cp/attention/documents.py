@@ -282,7 +282,9 @@ class DocumentLayout:
     ranks may hold any tokens, gives ``local_rows`` (S,), the rows of this rank's tokens in
     local order, and ``gathered_rows`` (cp x S,), the rows of every rank's tokens, rank after
     rank (the order of an all-gather). ``single``: every row is one document, a layout made
-    only for the windowed layers (Note [Sliding windows under CP]).
+    only for the windowed layers (Note [Sliding windows under CP]). ``positions`` (B, L): the
+    call's global position_ids, which Llama 4's chunks may count (Note [Chunked attention under
+    CP] in ``llama_cp/attention/chunks.py``).
     """
 
     starts: torch.Tensor
@@ -291,6 +293,7 @@ class DocumentLayout:
     local_rows: torch.Tensor | None = None
     gathered_rows: torch.Tensor | None = None
     single: bool = False
+    positions: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property

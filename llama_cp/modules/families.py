@@ -88,6 +88,11 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # v3: sigmoid with a score bias and groups); transformers adds no router loss
     "deepseek_v2": _plain,
     "deepseek_v3": _plain,
+    # chunked local attention on the RoPE layers (Note [Chunked attention under CP]), NoPE full layers
+    # whose queries are scaled by their row (Note [Query temperature under CP], both in
+    # llama_cp/attention/chunks.py), q/k L2 norm; routed (sigmoid top-k) + shared experts,
+    # transformers adds no router loss
+    "llama4_text": _plain,
 }
 
 #: MoE families -> the config field holding their number of experts.
@@ -135,7 +140,6 @@ _WINDOW_IN_CONFIG = {"mistral", "phi3", "mixtral", "olmoe", "qwen3_moe"}
 
 _RECURRENT = ("carry a recurrent state along the sequence, which under CP would restart at every rank's shard "
               "(no context-parallel algorithm here passes it across ranks)")
-_NOT_YET = "which the context-parallel kernel does not compute yet"
 
 #: Why some well-known families are refused.
 _REFUSAL_REASONS = {
@@ -147,11 +151,10 @@ _REFUSAL_REASONS = {
     "granitemoehybrid": f"its Mamba2 layers {_RECURRENT}",
     "lfm2": "its short-convolution layers read the few tokens before each position, which under CP lie on another "
             "rank's shard at every shard's start (no context-parallel algorithm here passes them across ranks)",
-    # attention the kernel does not compute yet
-    "llama4_text": f"its chunked local attention (attention_chunk_size; transformers passes the chunks only in a mask) "
-                   f"and its NoPE layers' query temperature by global position (attn_temperature_tuning), {_NOT_YET}",
+    # AutoModelForCausalLM builds Llama4ForCausalLM (model_type llama4_text) from a llama4 config
+    "llama4": "it is the vision-language Llama4ForConditionalGeneration, not checked under CP; its text model is "
+              "supported: AutoModelForCausalLM builds Llama4ForCausalLM (llama4_text) from the same config",
 }
-_REFUSAL_REASONS["llama4"] = _REFUSAL_REASONS["llama4_text"]
 
 # Note [A family's transformers floor]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -217,6 +220,25 @@ def layer_windows(config) -> list[int | None]:
         return [window] * config.num_hidden_layers
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     return [window if kind == "sliding_attention" else None for kind in types]
+
+
+def layer_chunks(config) -> list[int | None]:
+    """Each decoder layer's attention chunk (None: none): Llama 4's "chunked_attention" layer_types
+    take ``config.attention_chunk_size`` (Note [Chunked attention under CP] in llama_cp/attention/chunks.py)."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [chunk if kind == "chunked_attention" else None for kind in types]
+
+
+def bind_decoder(causal_lm: nn.Module) -> None:
+    """Make ``causal_lm.get_decoder()`` return its decoder, which the CP hook, the chunked loss and
+    FSDP's final norm all look up: transformers 5.24's Llama4ForCausalLM holds it as ``.model`` but names
+    ``base_model_prefix`` "language_model" (the vision-language checkpoint's key prefix), so its
+    get_decoder() returns the causal LM itself (models/llama4/modeling_llama4.py; 4.56.2's returns
+    the decoder). The instance's prefix is set to "model"; the weights are loaded by then."""
+    decoder = getattr(causal_lm, "model", None)
+    if causal_lm.get_decoder() is causal_lm and isinstance(decoder, nn.Module) and decoder is not causal_lm:
+        causal_lm.base_model_prefix = "model"
 
 
 def check_supported(model: nn.Module) -> LogitTransform:

@@ -343,7 +343,6 @@ REFUSED = {
     "granitemoehybrid": (dict(mamba_n_heads=8, layer_types=["linear_attention", "full_attention"] if TRANSFORMERS_5
                               else ["mamba", "attention"]), r"Mamba2 layers.*recurrent state"),
     "lfm2": ({}, r"short-convolution layers read the few tokens before each position.*another rank's shard"),
-    "llama4_text": ({}, r"chunked local attention \(attention_chunk_size.*attn_temperature_tuning"),
 }
 
 
