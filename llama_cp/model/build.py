@@ -26,7 +26,7 @@ from llama_cp.config import ALL_LINEAR, PASSKEY, TrainConfig, check_all_linear
 from llama_cp.cp_attention import apply_context_parallel
 from llama_cp.fsdp_wrap import _reinit_rotary_buffers, cast_frozen_parameters, load_full_weights, shard_model
 from llama_cp.model.loss import enable_chunked_loss
-from llama_cp.modules.families import set_router_loss_coef
+from llama_cp.modules.families import attention_head_dim, set_router_loss_coef
 from llama_cp.modules.gguf import gguf_model_dir, gguf_path
 from llama_cp.modules.causal_lm import (
     apply_rope_settings, base_causal_lm, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,
@@ -275,7 +275,7 @@ def check_attention_backend(cfg: TrainConfig, config, device_type: str) -> None:
     if cfg.model.attention_backend == "auto":
         return
     dtype = compute_dtype(cfg.model.dtype, device_type) or torch.float32
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = attention_head_dim(config)  # DeepSeek's latent attention: not its config's head_dim
     backend = cfg.model.attention_backend
     check_backend(backend, device_type, dtype, head_dim, name=f"--attention_backend {backend}")
 

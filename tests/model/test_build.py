@@ -104,3 +104,18 @@ def test_a_run_that_quantizes_nothing_says_nothing_of_bitsandbytes():
     assert "gemm_4bit_forward" not in result.stderr, result.stderr
     if warns_here != "True":
         pytest.skip("this CPU has no AVX512-BF16, where bitsandbytes does not warn: nothing was silenced")
+
+
+def test_the_backend_check_takes_the_head_size_attention_computes_with():
+    """DeepSeek's latent attention runs at qk_nope + qk_rope (its config's head_dim is the RoPE
+    slice's): an explicit --attention_backend is checked at that size, in one line."""
+    from transformers import AutoConfig
+
+    from llama_cp.model.build import check_attention_backend
+
+    config = AutoConfig.for_model("deepseek_v3", hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                  qk_nope_head_dim=256, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=16)
+    assert config.head_dim == 64
+    cfg = TrainConfig.from_flags(attention_backend="sdpa_flash", dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"^--attention_backend sdpa_flash .*takes head sizes 8, 16, \.\.\., 256, not 320"):
+        check_attention_backend(cfg, config, "cuda")
