@@ -48,15 +48,13 @@ from llama_cp.attention.local import local_attention
 from llama_cp.attention.ring import _RingAttention
 from llama_cp.attention.ulysses import ulysses_attention
 from llama_cp.modules.causal_lm import base_causal_lm
-from llama_cp.modules.families import bind_decoder, check_supported, layer_chunks, sliding_windows
+from llama_cp.modules.families import attention_chunk, bind_decoder, check_supported, sliding_windows
 from llama_cp.parallel.sharding import SEQ_INDEX, check_attention_mask, document_starts, unshard, zigzag_index
 
 #: Name under which the attention function is registered with transformers.
 ATTENTION_NAME = "llama_cp"
 #: Keyword under which the decoder hands the batch's :class:`DocumentLayout` to every attention call.
 DOCUMENTS_KWARG = "llama_cp_documents"
-#: ... and Llama 4's chunked layers their layout (Note [Chunked attention under CP] in llama_cp/attention/chunks.py).
-CHUNKS_KWARG = "llama_cp_chunks"
 
 
 # ---------------------------------------------------------------- HF binding
@@ -75,8 +73,6 @@ class ContextParallelAttention:
     outer: dist.ProcessGroup | None = None
     #: some layer has a sliding window: every batch gets a layout (Note [Sliding windows under CP])
     sliding: bool = False
-    #: Llama 4's attention_chunk_size, where some layer is chunked: every batch gets a chunked layout
-    chunk_size: int | None = None
 
     @property
     def cp_size(self) -> int:
@@ -227,13 +223,11 @@ def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple
             documents = attention.gathered_layout(positions, seq_index)
         else:
             documents = attention.document_layout(positions) if attention.document_mask else None
-            if documents is None and (attention.sliding or attention.chunk_size):  # windowed or chunked layers
+            if documents is None and attention.sliding:  # one layout for every windowed layer of the batch
                 documents = attention.one_document_layout(rows, positions.shape[-1] * attention.cp_size,
                                                           positions.device)
         if documents is not None:
             kwargs = {**kwargs, DOCUMENTS_KWARG: documents}
-        if attention.chunk_size:
-            kwargs[CHUNKS_KWARG] = chunked_layout(documents, attention.chunk_size)
     return args, kwargs
 
 
@@ -283,9 +277,9 @@ def cp_attention_forward(
     if getattr(module, "cp_temperature", None) is not None:  # Note [Query temperature under CP]
         query = scale_queries(query, attention.query_rows(query.shape[2], documents, query.device),
                               *module.cp_temperature)
-    chunk = layer_chunks(module.config)[module.layer_idx] if attention.chunk_size else None
-    if chunk is not None:  # Note [Chunked attention under CP]; built here for a call without the hook's
-        documents = kwargs.get(CHUNKS_KWARG) or chunked_layout(documents or attention.one_document_layout(
+    chunk = attention_chunk(module)
+    if chunk is not None:  # Note [Chunked attention under CP]
+        documents = chunked_layout(documents or attention.one_document_layout(
             query.shape[0], query.shape[2] * attention.cp_size, query.device), chunk)
     out = attention(query, key, value, causal=causal, scale=scaling, documents=documents,
                     softcap=kwargs.get("softcap") or 0.0, window=window, sinks=sinks)
@@ -461,7 +455,6 @@ def apply_context_parallel(
     attention = ContextParallelAttention(
         group=group if cp > 1 else None, strategy=strategy, backend=backend, document_mask=document_mask,
         block_size=block_size, inner=inner, outer=outer, sliding=bool(windows),
-        chunk_size=next((c for c in layer_chunks(base_causal_lm(model).config) if c is not None), None),
     )
     bind_decoder(base_causal_lm(model))
     decoder = base_causal_lm(model).get_decoder()

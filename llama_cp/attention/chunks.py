@@ -30,7 +30,8 @@ key[t] is what transformers' masking_utils.chunked_overlay compares (kv_idx // C
 
 The layout is one like any other, so ring, Ulysses, all-gather and hybrid compute it exactly
 through their document paths (a chunk no local query sees is neither computed nor, by the ring,
-sent); only the chunked layers take it, the full (NoPE) layers take the batch's documents.
+sent). cp_attention_forward makes it from the batch's layout (one document per row without one)
+for the chunked layers only; the full (NoPE) layers take the batch's documents.
 
 Note [Query temperature under CP]
 =================================
@@ -70,13 +71,18 @@ _LOG1P = _RELEASE >= (4, 57)
 
 def chunked_layout(documents: DocumentLayout, chunk_size: int) -> DocumentLayout:
     """``documents`` with each attention chunk of ``chunk_size`` tokens a document of its own
-    (Note [Chunked attention under CP]); ``documents.positions`` (B, L): the call's position_ids."""
+    (Note [Chunked attention under CP]); ``documents.positions`` (B, L): the call's position_ids.
+    Made once per batch: kept in ``documents``' cache for the next chunked layer."""
+    if ("chunked", chunk_size) in documents._cache:
+        return documents._cache[("chunked", chunk_size)]
     starts = documents.starts
     rows = torch.arange(starts.shape[-1], device=starts.device).expand_as(starts)
     packed = documents.positions is not None and bool(starts.any())
     keys = documents.positions.to(starts.device) if packed and CHUNKS_BY_POSITION else rows
     chunk_starts = torch.maximum(starts, rows - keys % chunk_size)
-    return dataclasses.replace(documents, starts=chunk_starts, single=False, _cache={})
+    chunked = dataclasses.replace(documents, starts=chunk_starts, single=False, _cache={})
+    documents._cache[("chunked", chunk_size)] = chunked
+    return chunked
 
 
 def take_query_temperature(module) -> None:

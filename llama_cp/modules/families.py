@@ -230,6 +230,13 @@ def layer_chunks(config) -> list[int | None]:
     return [chunk if kind == "chunked_attention" else None for kind in types]
 
 
+def attention_chunk(module: nn.Module) -> int | None:
+    """The attention chunk of an attention ``module``'s layer (None: none; no other family has one)."""
+    if getattr(module.config, "attention_chunk_size", None) is None:
+        return None
+    return layer_chunks(module.config)[module.layer_idx]
+
+
 def bind_decoder(causal_lm: nn.Module) -> None:
     """Make ``causal_lm.get_decoder()`` return its decoder, which the CP hook, the chunked loss and
     FSDP's final norm all look up: transformers 5.24's Llama4ForCausalLM holds it as ``.model`` but names

@@ -99,8 +99,8 @@ for _chunk in CHUNKS:
 for _strategy, _cp, _dtype in (("ring", 4, F64), ("allgather", 2, F32), ("hybrid", 4, F32)):
     checks.add(functools.partial(check, _strategy, _cp, False, _dtype, 6, packed=True),
                name=f"chunk6_{_strategy}_cp{_cp}_plain_{str(_dtype)[6:]}_packed", skip=SKIP, group=_cp)
-checks.add(functools.partial(check, "ulysses", 2, False, F64, 6, lora=True), name="chunk6_lora_ulysses_cp2_plain_float64",
-           skip=SKIP, group=2)
+checks.add(functools.partial(check, "ulysses", 2, False, F64, 6, lora=True),
+           name="chunk6_lora_ulysses_cp2_plain_float64", skip=SKIP, group=2)
 
 
 @functools.partial(checks.add, group=1, skip=SKIP)
