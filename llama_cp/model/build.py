@@ -26,6 +26,7 @@ from llama_cp.config import ALL_LINEAR, PASSKEY, TrainConfig, check_all_linear
 from llama_cp.cp_attention import apply_context_parallel
 from llama_cp.fsdp_wrap import _reinit_rotary_buffers, cast_frozen_parameters, load_full_weights, shard_model
 from llama_cp.model.loss import enable_chunked_loss
+from llama_cp.modules.experts import apply_expert_gradients
 from llama_cp.modules.families import attention_head_dim, set_router_loss_coef
 from llama_cp.modules.gguf import gguf_model_dir, gguf_path
 from llama_cp.modules.causal_lm import (
@@ -75,7 +76,8 @@ def parallelize_model(
     (peft, with ``--use_peft``) -> frozen weights in their storage dtype (``--frozen_dtype``)
     -> context-parallel attention over ``mesh["cp"]`` (kernel calls of ``--attention_block_size``
     tokens) -> the chunked loss path -> tiled MLPs
-    and norms (``--mlp_tile_size``, ``--norm_tile_size``) -> FSDP2 over ``dp_shard x cp`` (with
+    and norms (``--mlp_tile_size``, ``--norm_tile_size``) -> a gradient for every MoE expert on every
+    rank (``llama_cp.modules.experts``) -> FSDP2 over ``dp_shard x cp`` (with
     activation checkpointing, and its inputs offloaded with ``--offload_checkpoints``).
     The compute dtype is ``--dtype`` on ``device_type`` (default: the mesh's; the planner
     passes "cuda"): :func:`llama_cp.modules.causal_lm.compute_dtype`. ``attention_backend``: the attention
@@ -116,6 +118,7 @@ def parallelize_model(
         apply_tiled_mlp(decoder_layers(model), cfg.model.mlp_tile_size)
     if cfg.model.norm_tile_size:
         apply_tiled_norms(model, decoder_layers(model), cfg.model.norm_tile_size)
+    apply_expert_gradients(model)  # experts as separate modules (transformers 4.x): Note [An expert no token picked]
     shard_model(
         model, mesh, param_dtype=param_dtype, activation_checkpointing=cfg.model.activation_checkpointing,
         offload_checkpoints=cfg.model.offload_checkpoints, cpu_offload=cfg.model.offload_params,
