@@ -129,16 +129,19 @@ class ContextParallelAttention:
 
     def __call__(
         self, q, k, v, *, causal: bool, scale: float | None, documents: DocumentLayout | None = None,
-        softcap: float = 0.0, window: int | None = None, sinks: torch.Tensor | None = None,
+        softcap: float = 0.0, window: int | None = None, sinks: torch.Tensor | None = None, chunk: int | None = None,
     ) -> torch.Tensor:
         """q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) -> (B, H, S/cp, D). ``documents``: attend
         only within each packed document (Note [Document masks under CP]); ``softcap``: Note
         [Soft-capped attention] in ``llama_cp/attention/kernels.py``; ``window``: a sliding window of that
         many tokens (Note [Sliding windows under CP] in ``llama_cp/attention/documents.py``); ``sinks``
         (H,): a learned sink logit per head (Note [Attention sinks under CP] in
-        ``llama_cp/attention/sinks.py``)."""
+        ``llama_cp/attention/sinks.py``); ``chunk``: Llama 4's attention chunk of that many tokens
+        (Note [Chunked attention under CP] in ``llama_cp/attention/chunks.py``)."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         seq_len = q.shape[2] * self.cp_size
+        if chunk is not None:  # each chunk a document of its own: the document paths of every strategy
+            documents = chunked_layout(documents or self.one_document_layout(q.shape[0], seq_len, q.device), chunk)
         if window is not None and window < 1:
             raise ValueError(f"a sliding window must hold at least 1 token, got {window}")
         if window is not None and window >= seq_len:
@@ -277,12 +280,8 @@ def cp_attention_forward(
     if getattr(module, "cp_temperature", None) is not None:  # Note [Query temperature under CP]
         query = scale_queries(query, attention.query_rows(query.shape[2], documents, query.device),
                               *module.cp_temperature)
-    chunk = attention_chunk(module)
-    if chunk is not None:  # Note [Chunked attention under CP]
-        documents = chunked_layout(documents or attention.one_document_layout(
-            query.shape[0], query.shape[2] * attention.cp_size, query.device), chunk)
     out = attention(query, key, value, causal=causal, scale=scaling, documents=documents,
-                    softcap=kwargs.get("softcap") or 0.0, window=window, sinks=sinks)
+                    softcap=kwargs.get("softcap") or 0.0, window=window, sinks=sinks, chunk=attention_chunk(module))
     return out[..., :width].transpose(1, 2).contiguous(), None
 
 

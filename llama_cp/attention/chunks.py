@@ -75,14 +75,19 @@ def chunked_layout(documents: DocumentLayout, chunk_size: int) -> DocumentLayout
     Made once per batch: kept in ``documents``' cache for the next chunked layer."""
     if ("chunked", chunk_size) in documents._cache:
         return documents._cache[("chunked", chunk_size)]
-    starts = documents.starts
-    rows = torch.arange(starts.shape[-1], device=starts.device).expand_as(starts)
-    packed = documents.positions is not None and bool(starts.any())
-    keys = documents.positions.to(starts.device) if packed and CHUNKS_BY_POSITION else rows
-    chunk_starts = torch.maximum(starts, rows - keys % chunk_size)
-    chunked = dataclasses.replace(documents, starts=chunk_starts, single=False, _cache={})
+    starts = chunk_starts(documents.starts, documents.positions, chunk_size)
+    chunked = dataclasses.replace(documents, starts=starts, single=False, _cache={})
     documents._cache[("chunked", chunk_size)] = chunked
     return chunked
+
+
+def chunk_starts(starts: torch.Tensor, positions: torch.Tensor | None, chunk_size: int) -> torch.Tensor:
+    """(B, L) the row where each token's attention chunk starts, from the call's document ``starts``
+    and ``positions`` (B, L) (None: count by row) (Note [Chunked attention under CP])."""
+    rows = torch.arange(starts.shape[-1], device=starts.device).expand_as(starts)
+    packed = positions is not None and bool(starts.any())
+    keys = positions.to(starts.device) if packed and CHUNKS_BY_POSITION else rows
+    return torch.maximum(starts, rows - keys % chunk_size)
 
 
 def take_query_temperature(module) -> None:

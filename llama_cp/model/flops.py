@@ -54,7 +54,12 @@ FLOPs the *model* needs for a step by what the devices could do in the step's ti
   dense. LoRA on the fused experts
   (--lora_target_parameters) is not counted. gpt_oss's experts (fused gate_up_proj) count the same;
   its attention sinks (one more logit per query row and head, Note [Attention sinks under CP]) and its
-  experts' biases are no matmul: left out.
+  experts' biases are no matmul: left out. Llama 4: its ``moe_layers`` have routed experts and an
+  ungated shared expert at ``intermediate_size``, its dense layers ``intermediate_size_mlp``;
+  transformers 5.24's Llama4TextExperts runs every token through all E experts (one bmm, the
+  unchosen ones' inputs scaled to 0), E / k times the routed work: that excess is not model work.
+- Llama 4's chunked attention: a query of a chunked layer sees only its chunk's keys (Note
+  [Chunked attention under CP] in llama_cp/attention/chunks.py), counted per layer as windows are.
 - Recomputation is not model work: activation checkpointing's second forward,
   flash-attention's recomputed scores in its backward, the chunked loss's recomputed
   logits all cost time and count nothing. MFU is therefore below the hardware's
@@ -85,7 +90,7 @@ from typing import Any
 
 import torch
 
-from llama_cp.modules.families import attention_head_dim, layer_windows
+from llama_cp.modules.families import attention_head_dim, layer_chunks, layer_windows
 
 #: Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per GPU by the exact name
 #: ``torch.cuda.get_device_name()`` reports; a name not here gets no MFU (--peak_tflops sets one).
@@ -162,6 +167,8 @@ class ModelFlops:
     """of attention, per visible (query, key) pair, all layers."""
     windows: tuple[int | None, ...] = ()
     """each layer's sliding window (None: full); empty: no layer has one."""
+    chunks: tuple[int | None, ...] = ()
+    """each layer's attention chunk (Llama 4; None: none); empty: no layer has one."""
 
     def step(self, tokens: int, pairs: float) -> float:
         """Model FLOPs of ``tokens`` tokens whose attention sees ``pairs`` (query, key) pairs
@@ -170,10 +177,11 @@ class ModelFlops:
 
     def pairs(self, position_ids: torch.Tensor, document_mask: bool = True) -> float:
         """The visible (query, key) pairs of a batch (:func:`attention_pairs`), averaged over the
-        layers, whose sliding windows see fewer."""
-        windows = self.windows or (None,)
-        counts = {w: attention_pairs(position_ids, document_mask, w) for w in set(windows)}
-        return sum(counts[w] for w in windows) / len(windows)
+        layers, whose sliding windows or attention chunks see fewer."""
+        layers = max(len(self.windows), len(self.chunks), 1)
+        kinds = list(zip(self.windows or (None,) * layers, self.chunks or (None,) * layers))
+        counts = {kind: attention_pairs(position_ids, document_mask, *kind) for kind in set(kinds)}
+        return sum(counts[kind] for kind in kinds) / len(kinds)
 
 
 def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] = (),
@@ -191,7 +199,8 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
         "hidden": config.hidden_size, "heads": heads,
         "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
         "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
-        "intermediate": config.intermediate_size,
+        # Llama 4's dense layers: intermediate_size_mlp (its experts and shared expert: intermediate_size)
+        "intermediate": getattr(config, "intermediate_size_mlp", None) or config.intermediate_size,
     }
     weight_passes = 2 if lora_r else 3  # frozen: forward + input gradient; trained: + weight gradient
 
@@ -216,7 +225,8 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     decoder = 0
     for index in range(layers):
         if experts and _is_moe_layer(config, index):
-            expert = {**shape, "intermediate": getattr(config, "moe_intermediate_size", None) or shape["intermediate"]}
+            expert_size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+            expert = {**shape, "intermediate": expert_size}
             decoder += layer_flops(top_k, expert) + 2 * weight_passes * config.hidden_size * experts  # + the router
             shared, gated = _shared_expert(config)
             if shared:  # every token, beside the routed experts
@@ -230,9 +240,10 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
         head += 2 * 3 * lora_r * (head_in + head_out)
     # q.k at the query/key heads' size, p.v at the values' (DeepSeek's MLA: unlike), each 2 FLOPs a multiply-add
     per_pair = 3 * 2 * (attention_head_dim(config) + _value_head_dim(config)) * heads * layers
-    windows = tuple(layer_windows(config))
+    windows, chunks = tuple(layer_windows(config)), tuple(layer_chunks(config))
     return ModelFlops(per_token=float(decoder + head), per_pair=float(per_pair),
-                      windows=windows if any(w is not None for w in windows) else ())
+                      windows=windows if any(w is not None for w in windows) else (),
+                      chunks=chunks if any(c is not None for c in chunks) else ())
 
 
 def _value_head_dim(config: Any) -> int:
@@ -300,12 +311,17 @@ def _shared_expert(config: Any) -> tuple[int, int]:
         return config.shared_expert_intermediate_size, 1
     if getattr(config, "n_shared_experts", None):
         return config.n_shared_experts * config.moe_intermediate_size, 0
+    if config.model_type == "llama4_text":  # Llama4TextMoe.shared_expert, ungated
+        return config.intermediate_size, 0
     return 0, 0
 
 
 def _is_moe_layer(config: Any, index: int) -> bool:
     """Whether decoder layer ``index`` has experts (Qwen2/3-MoE: not in ``mlp_only_layers`` and every
-    ``decoder_sparse_step``-th; GLM-4.5: from ``first_k_dense_replace`` on; Mixtral and OLMoE: every layer)."""
+    ``decoder_sparse_step``-th; GLM-4.5: from ``first_k_dense_replace`` on; Llama 4: in ``moe_layers``;
+    Mixtral and OLMoE: every layer)."""
+    if getattr(config, "moe_layers", None) is not None:
+        return index in config.moe_layers
     if index in (getattr(config, "mlp_only_layers", None) or ()) or index < (
             getattr(config, "first_k_dense_replace", None) or 0):
         return False
@@ -313,14 +329,19 @@ def _is_moe_layer(config: Any, index: int) -> bool:
     return (index + 1) % step == 0
 
 
-def attention_pairs(position_ids: torch.Tensor, document_mask: bool = True, window: int | None = None) -> int:
+def attention_pairs(position_ids: torch.Tensor, document_mask: bool = True, window: int | None = None,
+                    chunk: int | None = None) -> int:
     """Visible (query, key) pairs of a batch of whole rows, (B, L) global ``position_ids``:
     causal within each packed document (``document_mask``), else causal over the row; a query
-    sees at most ``window`` keys (a sliding window)."""
+    sees at most ``window`` keys (a sliding window), and only those of its ``chunk`` (Llama 4's
+    chunked attention: Note [Chunked attention under CP] in llama_cp/attention/chunks.py)."""
+    from llama_cp.attention.chunks import chunk_starts
     from llama_cp.parallel.sharding import document_starts, visible_pairs_per_token
 
     position_ids = position_ids.reshape(-1, position_ids.shape[-1]).cpu()
     starts = document_starts(position_ids) if document_mask else torch.zeros_like(position_ids)
+    if chunk is not None:
+        starts = chunk_starts(starts, position_ids if document_mask else None, chunk)
     return int(visible_pairs_per_token(starts, window).sum())
 
 

@@ -82,7 +82,7 @@ from llama_cp.config import TrainConfig
 from llama_cp.cp_attention import ContextParallelAttention
 from llama_cp.model.build import cp_strategy, parallelize_model
 from llama_cp.modules.causal_lm import compute_dtype
-from llama_cp.modules.families import attention_head_dim
+from llama_cp.modules.families import attention_head_dim, layer_chunks
 from llama_cp.plan.memory import MemoryBreakdown, create_optimizer_state, measure_step_memory, step_peak
 
 # ----------------------------------------------------------------------------- models
@@ -227,7 +227,7 @@ def simulate_step_phases(
             model, cfg, mesh, device_type="cuda",
             attention_backend=ModelledBackend(backend) if backend in MODELLED else backend,
         )
-        plan_windows_as_full(model)  # an upper bound: windows only skip work
+        plan_windows_as_full(model)  # an upper bound: windows and chunks only skip work
         # meta -> fake: the sharded parameters get fake storage of their real size
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=cpu)
@@ -259,20 +259,23 @@ def simulate_step_phases(
 
 
 class _FullAttention(ContextParallelAttention):
-    """A windowed model's attention as the planner runs it: every layer full causal. Which keys a
-    window lets a block see is read from the batch's layout (``DocumentLayout`` in
-    llama_cp/attention/documents.py), whose values fake tensors do not have; a window only skips
-    blocks, tiles and ring transfers, so the plan is an upper bound of the windowed run's memory."""
+    """A windowed (or Llama 4's chunked) model's attention as the planner runs it: every layer full
+    causal. Which keys a window or chunk lets a block see is read from the batch's layout
+    (``DocumentLayout`` in llama_cp/attention/documents.py), whose values fake tensors do not have; a
+    window or chunk only skips blocks, tiles and ring transfers, so the plan is an upper bound of the
+    run's memory."""
 
-    def __call__(self, q, k, v, *, window: int | None = None, **kwargs):
+    def __call__(self, q, k, v, *, window: int | None = None, chunk: int | None = None, **kwargs):
         return super().__call__(q, k, v, **kwargs)
 
 
 def plan_windows_as_full(model: nn.Module) -> None:
-    """Give a model with sliding windows :class:`_FullAttention` on every module that holds its attention."""
+    """Give a model with sliding windows or attention chunks :class:`_FullAttention` on every module
+    that holds its attention."""
+    chunked = any(chunk is not None for chunk in layer_chunks(model.config))
     for module in model.modules():
         attention = module.__dict__.get("cp_attention")
-        if isinstance(attention, ContextParallelAttention) and attention.sliding:
+        if isinstance(attention, ContextParallelAttention) and (attention.sliding or chunked):
             fields = {field.name: getattr(attention, field.name) for field in dataclasses.fields(attention)}
             module.cp_attention = _FullAttention(**{**fields, "sliding": False})
 

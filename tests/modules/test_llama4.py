@@ -164,7 +164,7 @@ def test_chunks_are_transformers_chunked_mask(lengths):
     ids = torch.zeros(len(lengths), 40, dtype=torch.long)
     positions = documents_batch(ids, lengths)["position_ids"]
     starts = document_starts(positions)
-    layout = chunked_layout(DocumentLayout(starts, positions=positions if starts.any() else None), 7)
+    layout = chunked_layout(DocumentLayout(starts, positions=positions), 7)
     rows = torch.arange(40)
     ours = (layout.starts[:, :, None] <= rows[None, None, :]) & (rows[None, None, :] <= rows[None, :, None])
     assert torch.equal(ours, transformers_chunked_mask(config, positions))

@@ -45,6 +45,9 @@ MLA = dict(head_dim=None, num_key_value_heads=4, kv_lora_rank=8, qk_nope_head_di
            first_k_dense_replace=1, n_group=2, topk_group=1)
 FAMILIES["deepseek_v2"] = dict(MLA, q_lora_rank=None)
 FAMILIES["deepseek_v3"] = dict(MLA, q_lora_rank=12)
+#: layer 0 RoPE, chunks of 6, a dense MLP of intermediate_size_mlp; layer 1 NoPE, full, 4 experts (top 1) + a shared one
+FAMILIES["llama4_text"] = dict(no_rope_layers=[1, 0], attention_chunk_size=6, num_local_experts=4,
+                               num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size_mlp=48)
 MOE = {"glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
@@ -65,7 +68,24 @@ def test_every_family_here_is_supported():
     assert FAMILIES.keys() <= SUPPORTED_FAMILIES.keys()
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+def measured_flops(config, rows: int, length: int, **build) -> dict:
+    """FlopCounterMode's counts of a forward and backward, by module: "Global" without the rotary table
+    (inv_freq x positions), which is no model FLOP."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, **build)
+    ids = torch.randint(3, config.vocab_size, (rows, length))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    by_module = {module: {str(op): flops for op, flops in by_op.items()}
+                 for module, by_op in counter.get_flop_counts().items()}
+    for module, by_op in by_module.items():
+        if module.endswith("rotary_emb"):
+            for op, flops in by_op.items():
+                by_module["Global"][op] -= flops
+    return by_module
+
+
+@pytest.mark.parametrize("model_type", [name for name in FAMILIES if name != "llama4_text"])
 def test_model_flops_are_what_the_flop_counter_measures(model_type):
     """Eager attention computes all L x L pairs (the mask is applied after, windows too); the linear
     layers (mm, and addmm where they have a bias) are per_token x tokens, exactly."""
@@ -117,3 +137,23 @@ def test_mla_plans_the_kernel_at_the_query_key_head_size():
                                          r"for float16/bfloat16 and head sizes up to 128, not bfloat16 with head size "
                                          r"192; plan with"):
         planned_attention_backend(cfg, config)
+
+
+def test_llama4_flops_count_its_chunks_and_its_routed_experts():
+    """Llama 4's model_flops against FlopCounterMode: the linear layers are its mm, but for the routed
+    experts, which transformers runs for every token through all 4 (one bmm each for gate_up and down:
+    4x the top-1 work, Note [Model FLOPs]); eager attention computes all L x L pairs, of which the
+    chunked layer's queries see only their chunk's (pairs(): 4 chunks of 6, 21 pairs each, and the
+    full layer's 300, averaged)."""
+    config = family_config("llama4_text", attn_implementation="eager")
+    rows, length = 2, 24
+    by_module = measured_flops(config, rows, length)
+    experts = sum(flops for module, by_op in by_module.items() if module.endswith("feed_forward.experts")
+                  for flops in by_op.values())
+    hidden, inner = config.hidden_size, config.intermediate_size
+    assert experts == 4 * 3 * 2 * (2 * inner + inner) * hidden * rows * length  # E x (fwd + bwd) x 2 FLOPs a MAC
+    measured, flops = by_module["Global"], model_flops(config)
+    assert measured["aten.mm"] + experts / 4 == flops.per_token * rows * length
+    assert measured["aten.bmm"] - experts == flops.per_pair * rows * length ** 2
+    assert flops.chunks == (6, None)
+    assert flops.pairs(torch.arange(length).expand(rows, -1)) == rows * (4 * 21 + 300) / 2
