@@ -151,9 +151,9 @@ _REFUSAL_REASONS = {
     "granitemoehybrid": f"its Mamba2 layers {_RECURRENT}",
     "lfm2": "its short-convolution layers read the few tokens before each position, which under CP lie on another "
             "rank's shard at every shard's start (no context-parallel algorithm here passes them across ranks)",
-    # AutoModelForCausalLM builds Llama4ForCausalLM (model_type llama4_text) from a llama4 config
+    # transformers 5's AutoModelForCausalLM builds Llama4ForCausalLM (llama4_text) from a llama4 config
     "llama4": "it is the vision-language Llama4ForConditionalGeneration, not checked under CP; its text model is "
-              "supported: AutoModelForCausalLM builds Llama4ForCausalLM (llama4_text) from the same config",
+              "supported: Llama4ForCausalLM (llama4_text) of its config's text_config",
 }
 
 # Note [A family's transformers floor]

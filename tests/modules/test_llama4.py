@@ -197,7 +197,8 @@ def test_without_position_ids_at_cp1():
 
 
 def test_the_vision_language_llama4_is_refused_its_text_model_not():
-    """AutoModelForCausalLM builds Llama4ForCausalLM (llama4_text) from a llama4 config: supported;
+    """Llama4ForCausalLM of a llama4 config's text_config (llama4_text; transformers 5's
+    AutoModelForCausalLM builds it from the llama4 config itself) is supported;
     Llama4ForConditionalGeneration (llama4) is refused in one line pointing to it."""
     from transformers import Llama4ForConditionalGeneration
 
@@ -210,9 +211,24 @@ def test_the_vision_language_llama4_is_refused_its_text_model_not():
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
         patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32))
     with torch.device("meta"):
-        assert AutoModelForCausalLM.from_config(config).config.model_type == "llama4_text"
+        text_model = AutoModelForCausalLM.from_config(config if TRANSFORMERS_5 else config.get_text_config())
         model = Llama4ForConditionalGeneration(config)
+    apply_context_parallel(text_model, None)
     with pytest.raises(ValueError, match=r"^model family 'llama4' \(Llama4ForConditionalGeneration\) is not supported "
-                                         r"by llama-cp: it is the vision-language .*AutoModelForCausalLM builds "
-                                         r"Llama4ForCausalLM \(llama4_text\) from the same config\. Supported"):
+                                         r"by llama-cp: it is the vision-language .*supported: Llama4ForCausalLM "
+                                         r"\(llama4_text\) of its config's text_config\. Supported"):
         apply_context_parallel(model, None)
+
+
+def test_no_router_loss_as_in_transformers():
+    """Llama4ForCausalLM's forward adds no router loss, whatever output_router_logits says: neither does
+    llama-cp, and --router_aux_loss_coef is refused in one line."""
+    from llama_cp.modules.families import router_loss, set_router_loss_coef
+
+    if SKIP:
+        pytest.skip(SKIP)
+    model = llama4_model(output_router_logits=True, router_aux_loss_coef=0.3)
+    assert router_loss(model) is None
+    with pytest.raises(ValueError, match=r"^--router_aux_loss_coef 0.1: 'llama4_text' adds no router load-balancing "
+                                         r"loss \(families that do: .*\); drop the flag$"):
+        set_router_loss_coef(model.config, 0.1)
