@@ -26,12 +26,14 @@ key[t] is what transformers' masking_utils.chunked_overlay compares (kv_idx // C
   token's position_id, in every row of that call (remap_positions_for_packed_sequence). A row
   that continues a document from position p then has its chunks counted from p, not from its first
   token; which rule a row gets depends on the other rows of the call, in transformers as here
-  (``DocumentLayout.starts`` holds every row of the call).
+  (``DocumentLayout.starts`` holds every row of the call: under data parallelism, the rank's
+  micro-batch, as a transformers process of that rank would count them).
 
 The layout is one like any other, so ring, Ulysses, all-gather and hybrid compute it exactly
 through their document paths (a chunk no local query sees is neither computed nor, by the ring,
-sent). cp_attention_forward makes it from the batch's layout (one document per row without one)
-for the chunked layers only; the full (NoPE) layers take the batch's documents.
+sent). ContextParallelAttention makes it from the batch's layout (one document per row without
+one) for the chunked layers only (its ``chunk=``, from families.attention_chunk); the full (NoPE)
+layers take the batch's documents. The planner runs chunked layers as full ones (an upper bound).
 
 Note [Query temperature under CP]
 =================================
@@ -47,7 +49,7 @@ call holds its zigzag rows, which the module would scale as rows 0 .. S/cp - 1. 
 apply_context_parallel turns the module's own scaling off (its forward reads
 ``self.attn_temperature_tuning``) and cp_attention_forward scales the queries of the global
 rows (``zigzag_index``, or the all-gather's ``local_rows``) with transformers' own ops,
-(q * s).to(q.dtype): the values single-process transformers computes, bit for bit.
+(q * s).to(q.dtype): the same float32 scales and the same product as single-process transformers.
 """
 
 from __future__ import annotations
