@@ -234,7 +234,11 @@ def test_layer_windows_are_those_the_attention_layers_hold(window):
                 num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     experts = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16),
                "olmoe": dict(num_experts=4)}
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
     for family in SUPPORTED_FAMILIES:
+        if family not in CONFIG_MAPPING_NAMES:  # newer than the installed transformers (ministral, olmo3 on 4.56)
+            continue
         config = AutoConfig.for_model(family, **base, **experts.get(family, {}), **window)
         model = AutoModelForCausalLM.from_config(config)
         attention = [m for m in model.modules() if hasattr(m, "o_proj")]
