@@ -187,27 +187,32 @@ def batch() -> dict[str, torch.Tensor]:
     return {"input_ids": tokens[:, :-1], "labels": labels}
 
 
-@functools.cache
-def family_reference(name: str, dtype: torch.dtype):
-    """(pristine, reference, logits, loss) of family ``name`` in ``dtype``, built once per rank and
-    shared by every strategy, cp and sharding of it: ``pristine`` is an untouched copy of the model
-    (each check makes its CP model from a copy of it), ``reference`` the same model after HF's own
-    forward and ``labels=`` loss and its backward (the checks only read its gradients)."""
-    reference = family_model(name, dtype)
-    pristine = copy.deepcopy(reference)  # before the reference's forward (dynamic RoPE updates its buffers)
-    data = batch()
-    # the reference: HF's own forward and loss (labels unshifted; HF shifts them). HF computes
-    # the loss in float32 whatever the model's dtype, so the float64 reference is the same
-    # cross-entropy of the same logits, checked against HF's at float32 precision
-    hf_labels = torch.cat([torch.full((BATCH, 1), -100), data["labels"][:, :-1]], dim=1)
+def hf_reference(reference, data: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, loss) of ``reference`` on ``data`` by HF's own forward and ``labels=`` loss (labels
+    unshifted; HF shifts them), after its backward (the checks read its gradients). HF computes
+    the loss in float32 whatever the model's dtype, so the float64 reference is the same
+    cross-entropy of the same logits, checked against HF's at float32 precision."""
+    labels = data["labels"]
+    hf_labels = torch.cat([torch.full((labels.shape[0], 1), -100), labels[:, :-1]], dim=1)
     ref = reference(input_ids=data["input_ids"], labels=hf_labels)
-    ref_loss = F.cross_entropy(ref.logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+    ref_loss = F.cross_entropy(ref.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
     if getattr(ref, "aux_loss", None) is not None:  # MoE: the router's loss, as the family's forward adds it
         assert ref.aux_loss > 0
         ref_loss = ref_loss + reference.config.router_aux_loss_coef * ref.aux_loss
     torch.testing.assert_close(ref_loss.float(), ref.loss.float(), **TOLERANCE[torch.float32])
     ref_loss.backward()
-    return pristine, reference, ref.logits.detach(), ref_loss.detach()
+    return ref.logits.detach(), ref_loss.detach()
+
+
+@functools.cache
+def family_reference(name: str, dtype: torch.dtype):
+    """(pristine, reference, logits, loss) of family ``name`` in ``dtype``, built once per rank and
+    shared by every strategy, cp and sharding of it: ``pristine`` is an untouched copy of the model
+    (each check makes its CP model from a copy of it), ``reference`` the same model after
+    :func:`hf_reference`."""
+    reference = family_model(name, dtype)
+    pristine = copy.deepcopy(reference)  # before the reference's forward (dynamic RoPE updates its buffers)
+    return pristine, reference, *hf_reference(reference, batch())
 
 
 def check_family(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.dtype):

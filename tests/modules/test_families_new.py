@@ -30,7 +30,7 @@ from llama_cp.cp_attention import UNCOMPUTED_KWARGS, cp_attention_forward
 from llama_cp.modules.families import SUPPORTED_FAMILIES, check_supported, layer_windows, transformers_refusal
 from test_families import (
     BASE, FUSED_EXPERTS_LORA_PROBLEM, MOE_LOSS, SEQ_LEN, TOLERANCE, TRANSFORMERS_5, WINDOW, WORLD_SIZE, batch,
-    mesh_for, rope,
+    hf_reference, mesh_for, rope,
 )
 
 checks = Checks(setup=lambda sizes: [mesh_for(cp) for cp in sorted(sizes)])
@@ -121,15 +121,7 @@ def family_reference(name: str, dtype: torch.dtype):
     """(pristine, reference, logits, loss): test_families.family_reference of this module's families."""
     reference = family_model(name, dtype)
     pristine = copy.deepcopy(reference)
-    data = batch()
-    hf_labels = torch.cat([torch.full((data["labels"].shape[0], 1), -100), data["labels"][:, :-1]], dim=1)
-    ref = reference(input_ids=data["input_ids"], labels=hf_labels)
-    ref_loss = torch.nn.functional.cross_entropy(ref.logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
-    if getattr(ref, "aux_loss", None) is not None:
-        ref_loss = ref_loss + reference.config.router_aux_loss_coef * ref.aux_loss
-    torch.testing.assert_close(ref_loss.float(), ref.loss.float(), **TOLERANCE[torch.float32])
-    ref_loss.backward()
-    return pristine, reference, ref.logits.detach(), ref_loss.detach()
+    return pristine, reference, *hf_reference(reference, batch())
 
 
 def check_family(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.dtype):
