@@ -55,20 +55,19 @@ rows (``zigzag_index``, or the all-gather's ``local_rows``) with transformers' o
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import torch
 import transformers
 from transformers import masking_utils
 
 from llama_cp.attention.documents import DocumentLayout
+from llama_cp.modules.families import release
 
 #: transformers 5.24 counts a packed call's chunks by position_ids, earlier releases by rows
 #: (Note [Chunked attention under CP]): the function that remaps them came with the change.
 CHUNKS_BY_POSITION = hasattr(masking_utils, "remap_positions_for_packed_sequence")
-_RELEASE = tuple(int(part) for part in re.match(r"\d+\.\d+", transformers.__version__).group().split("."))
 #: transformers 4.56 computes the temperature's log as log(x + 1), 4.57.6 on as log1p(x)
-_LOG1P = _RELEASE >= (4, 57)
+_LOG1P = release(transformers.__version__) >= (4, 57)
 
 
 def chunked_layout(documents: DocumentLayout, chunk_size: int) -> DocumentLayout:

@@ -181,12 +181,16 @@ _REFUSAL_REASONS = {
 _NEEDS_TRANSFORMERS = {"olmoe": (5, 0), "qwen2_moe": (5, 0)}
 
 
+def release(version: str) -> tuple[int, ...]:
+    """The numbers of a version string: "4.57.6" -> (4, 57, 6), "5.0.0.dev0" -> (5, 0, 0)."""
+    return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
+
+
 def transformers_refusal(family: str, transformers_version: str) -> str | None:
     """None when llama-cp's attention runs in ``family`` under this transformers version, else the
     one-line reason (Note [A family's transformers floor])."""
     needed = _NEEDS_TRANSFORMERS.get(family)
-    release = tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", transformers_version).group().split("."))
-    if needed is None or release >= needed:
+    if needed is None or release(transformers_version) >= needed:
         return None
     return (f"model family {family!r} needs transformers >= {'.'.join(map(str, needed))} (installed: "
             f"{transformers_version}): before that its attention calls SDPA itself, so context-parallel attention "
