@@ -163,11 +163,12 @@ def feature_refusal(case: str, device: torch.device, head_dim: int) -> str | Non
 
 
 def exactness(s: Settings, case: str, strategy: str, packed: bool, ulysses_degree: int,
-              references: dict) -> dict[str, Any]:
+              references: dict, block_size: int = 0) -> dict[str, Any]:
     """Relative errors of transformers bf16 and of llama-cp's cp = N bf16 against transformers
     fp32 (Note [The acceptance yardsticks]), on rank 0 (the others: {}). ``references``: the
     weights and rank 0's single-process runs of the last (case, packed), kept for the next
-    strategy."""
+    strategy. ``block_size``: llama-cp's ``--attention_block_size`` (0: whole shards), whose
+    kernel calls on parts of a shard are merged by their log-sum-exp, as the ring's are."""
     from llama_cp import apply_context_parallel, shard_batch
     from llama_cp.attention.kernels import select_backend
     from llama_cp.parallel.sharding import SEQ_INDEX, unshard
@@ -223,7 +224,8 @@ def exactness(s: Settings, case: str, strategy: str, packed: bool, ulysses_degre
     # a config of its own: apply_context_parallel names its attention in the model's config
     cp_model = _causal_lm(case_config(s, case)).to(device, torch.bfloat16)
     cp_model.load_state_dict(state)
-    apply_context_parallel(cp_model, group, strategy=strategy, max_seq_len=length, ulysses_degree=ulysses_degree)
+    apply_context_parallel(cp_model, group, strategy=strategy, max_seq_len=length, ulysses_degree=ulysses_degree,
+                           block_size=block_size)
     local = shard_batch(batch, group, layout="documents" if strategy == "allgather" else "zigzag")
     with AttentionKernels() as kernels:
         ours = run(cp_model, local, cp=True)
@@ -244,6 +246,7 @@ def exactness(s: Settings, case: str, strategy: str, packed: bool, ulysses_degre
         passed = passed and effect > 4 * yardstick["logits"]
     return {"case": case, "strategy": strategy, "documents": "packed" if packed else "one",
             "cp": dist.get_world_size(), "ulysses_degree": ulysses_degree or None, "tokens": length,
+            "block_size": block_size or None,
             "attention_backend": kernels.backends(selected), "attention_ops": sorted(kernels.ops),
             "feature_effect": effect, "transformers_bf16_error": yardstick, "llama_cp_bf16_error": measured,
             "pass": passed}
@@ -293,7 +296,7 @@ def qlora(s: Settings, workdir: str) -> dict[str, Any]:
         torch.manual_seed(0)
         LlamaForCausalLM(config).save_pretrained(path)
     dist.barrier()
-    cfg = TrainConfig.from_flags(use_peft=True, quantization="4bit", dtype="bfloat16", cp=world, cp_strategy="ring",
+    cfg = TrainConfig.from_flags(use_peft=True, quantization="4bit", dtype="bfloat16", cp=world, cp_strategy="ring", report_to=("none",),
                                  context_length=s.exact_len, **QLORA)
     mesh = cfg.parallel.dims(world).build_mesh(s.device_type)
     model = build_model(cfg, mesh, device, path)
@@ -362,7 +365,7 @@ def adamw8bit(s: Settings) -> dict[str, Any]:
 
     rows = [{k: v.to(device) for k, v in random_row(config, s.exact_len, None, seed=step).items()}
             for step in range(OPTIMIZER_STEPS)]
-    cfg = TrainConfig.from_flags(optimizer="adamw8bit", dtype="float32", cp=world, cp_strategy="ring",
+    cfg = TrainConfig.from_flags(optimizer="adamw8bit", dtype="float32", cp=world, cp_strategy="ring", report_to=("none",),
                                  context_length=s.exact_len)
     mesh = cfg.parallel.dims(world).build_mesh(s.device_type)
     model = parallelize_model(seeded(), cfg, mesh)

@@ -1,0 +1,285 @@
+"""The parts of the one-GPU report (``benchmarks/gpu_report.py``), each run in a process of its own
+with a time limit of its own: its rows go to a JSON file as each is measured, so a part stopped
+by its limit or by an error keeps what it measured before.
+
+- ``correctness``: llama-cp bf16 against transformers fp32 with transformers bf16 as the yardstick
+  (Note [The acceptance yardsticks] in benchmarks/gpu/correctness.py) on the GPU's kernels: one
+  document and packed documents (the varlen kernel), the attention in blocks smaller than the row
+  for every strategy (the log-sum-exp merges the ring and all-gather make), a sliding window and
+  soft-capped scores; QLoRA and adamw8bit where bitsandbytes is installed.
+- ``speed``: llama-cp (cp = 1) against transformers + peft (and Liger Kernel) at each speed length,
+  LoRA and full; ``--offload_params`` and ``--offload_checkpoints`` against the plain step.
+- ``memory``: the planner's peak against the measured one, LoRA and full, with the levers.
+- ``profile``: the kernels of one llama-cp LoRA step at the longest speed length, by GPU time.
+- ``shared_gpu``: two ranks on the one GPU (NCCL, then gloo): does a real multi-rank run work there?
+- ``long``: one step at the longest memory length, measured against its plan.
+- ``plan`` (CPU, beside the others): every row's planned peak, the levers ``--memory auto`` picks for
+  the whole 32-layer model on this GPU, and the longest context planned for it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from typing import Any, Callable
+
+import torch
+
+from llama_cp.files import write_text
+
+#: The memory levers of the rows (flags), by name.
+AC = {"activation_checkpointing": True}
+LEVERS = {
+    "none": {},
+    "checkpointing": AC,
+    "checkpointing + offload_checkpoints": {**AC, "offload_checkpoints": True},
+    "checkpointing + blocks + tiles": {**AC, "attention_block_size": 16384, "mlp_tile_size": 8192,
+                                       "norm_tile_size": 8192},
+    "checkpointing + offload_params": {**AC, "offload_params": True},
+}
+MODES = {"lora": {"use_peft": True}, "full": {}}
+
+
+def shapes(dry_run: bool, layers: int) -> dict[str, Any]:
+    """The model and lengths of a run: a Llama-3-8B cut to ``layers`` decoder layers on the GPU, the
+    embedded Llama at a few hundred tokens in ``--dry_run``."""
+    from llama_cp.modules.causal_lm import EMBEDDED_LLAMA
+    from llama_cp.plan.simulate import MODEL_PRESETS
+
+    if dry_run:
+        model = {**EMBEDDED_LLAMA, "num_hidden_layers": 2}
+        speed, mem, long, steps = [128, 256], (128, 256), 512, 2
+        full_model = {**EMBEDDED_LLAMA}
+    else:
+        model = {**MODEL_PRESETS["llama3-8b"], "num_hidden_layers": layers, "max_position_embeddings": 1 << 24}
+        speed, mem, long, steps = [16384, 65536], (32768, 131072), 262144, 3
+        full_model = {**MODEL_PRESETS["llama3-8b"], "max_position_embeddings": 1 << 24}
+    short, longer = mem
+    memory = [("lora", short, "none"), ("lora", short, "checkpointing"), ("lora", longer, "checkpointing"),
+              ("lora", longer, "checkpointing + offload_checkpoints"), ("lora", longer, "checkpointing + blocks + tiles"),
+              ("full", short, "none"), ("full", short, "checkpointing"), ("full", longer, "checkpointing"),
+              ("full", longer // 2, "checkpointing + offload_params")]
+    return {"model": model, "full_model": full_model, "speed_lens": speed, "memory": memory,
+            "long": ("lora", long, "checkpointing + offload_checkpoints"), "steps": steps, "dry_run": dry_run}
+
+
+def flags_of(mode: str, lever: str) -> dict:
+    return {**MODES[mode], **LEVERS[lever]}
+
+
+class Rows:
+    """A part's rows, written whole to ``path`` after each one."""
+
+    def __init__(self, path: str):
+        self.path, self.rows = path, []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        write_text(self.path, json.dumps(self.rows, indent=1))
+
+    def measure(self, name: dict, work: Callable[[], dict]) -> dict:
+        """``name`` (the row's keys) and what ``work()`` measured, or the last line of its error
+        (an out-of-memory error ends the row, not the part)."""
+        print(f"[gpu_report] {name}", flush=True)
+        try:
+            row = {**name, **work()}
+        except Exception as error:  # noqa: BLE001 - recorded, and the part goes on
+            lines = [line for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+            row = {**name, "error": f"{type(error).__name__}: {lines[-1][:300]}"}
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.add(row)
+        print(f"[gpu_report]   -> {json.dumps(row)[:400]}", flush=True)
+        return row
+
+
+def _device() -> torch.device:
+    from llama_cp.parallel.mesh import init_distributed
+
+    device_type = init_distributed(timeout_s=120, cpu_collectives=True)  # a world of one (gloo for host norms)
+    return torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else 0)
+
+
+def _config(shape: dict):
+    from benchmarks.gpu.settings import llama_config
+
+    return llama_config(shape)
+
+
+def correctness(rows: Rows, dry_run: bool) -> None:
+    from benchmarks.gpu.correctness import adamw8bit, exactness, qlora
+    from benchmarks.gpu.settings import Settings
+
+    _device()
+    s = Settings.of(dry_run, 1, 2)
+    references: dict = {}
+    quarter = s.exact_len // 4
+    cases = [("llama", "ring", False, 0), ("llama", "ring", True, 0)]
+    cases += [("llama", strategy, packed, quarter) for strategy in ("ring", "allgather") for packed in (False, True)]
+    cases += [("llama", "ulysses", False, quarter), ("mistral_window", "ring", False, 0),
+              ("gemma2_softcap", "ring", False, 0)]
+    for case, strategy, packed, block in cases:
+        name = {"check": f"exact/{case}/{strategy}/{'packed' if packed else 'one'}" + (f"/blocks {block}" if block else "")}
+        rows.measure(name, lambda: exactness(s, case, strategy, packed, 0, references, block_size=block))
+    references.clear()
+    rows.measure({"check": "qlora"}, lambda: qlora(s, os.path.dirname(rows.path)))
+    rows.measure({"check": "adamw8bit"}, lambda: adamw8bit(s))
+
+
+def speed(rows: Rows, shape: dict) -> None:
+    from benchmarks.gpu.one_gpu import llama_cp_steps, transformers_steps
+
+    device, config, steps = _device(), _config(shape["model"]), shape["steps"]
+    first = shape["speed_lens"][0]
+    for length in shape["speed_lens"]:
+        for mode in MODES:
+            lora = mode == "lora"
+            base = {"context_length": length, "mode": mode}
+            rows.measure({**base, "run": "llama-cp"}, lambda: llama_cp_steps(
+                config, length, flags_of(mode, "checkpointing"), steps=steps, device=device,
+                build_on_cpu=mode == "full" and length == first))  # the offloaded rows' weights
+            rows.measure({**base, "run": "transformers + peft" if lora else "transformers"},
+                         lambda: transformers_steps(config, length, lora=lora, steps=steps, device=device))
+    for lever in ("checkpointing + offload_params", "checkpointing + offload_checkpoints"):
+        rows.measure({"context_length": first, "mode": "full", "run": f"llama-cp, {lever}"}, lambda: llama_cp_steps(
+            config, first, flags_of("full", lever), steps=steps, device=device, build_on_cpu=True))
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return
+    for length in shape["speed_lens"]:  # last: Liger patches transformers' Llama for this whole process
+        for mode in MODES:
+            rows.measure({"context_length": length, "mode": mode,
+                          "run": "transformers + liger" + (" + peft" if mode == "lora" else "")},
+                         lambda: transformers_steps(config, length, lora=mode == "lora", steps=steps, device=device,
+                                                    liger=True))
+
+
+def memory(rows: Rows, shape: dict, which: list) -> None:
+    from benchmarks.gpu.one_gpu import llama_cp_steps
+
+    device, config = _device(), _config(shape["model"])
+    for mode, length, lever in which:
+        # LoRA's optimizer state is a few MB, so its first step's peak is the steady one (the report
+        # shows both where there are two); full fine-tuning's first step has no AdamW state yet
+        steps = 1 if mode == "lora" and length > shape["memory"][0][1] else 2
+        rows.measure({"mode": mode, "context_length": length, "lever": lever}, lambda: llama_cp_steps(
+            config, length, flags_of(mode, lever), steps=steps, device=device))
+
+
+def profile(rows: Rows, shape: dict, out_dir: str) -> None:
+    from torch.profiler import ProfilerActivity
+
+    from benchmarks.gpu.one_gpu import llama_cp_steps
+
+    device, config = _device(), _config(shape["model"])
+    length = shape["speed_lens"][-1]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = torch.profiler.profile(activities=activities)
+
+    def work() -> dict:
+        result = llama_cp_steps(config, length, flags_of("lora", "checkpointing"), steps=2, device=device, profile=prof)
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+        total = sum(getattr(e, key) for e in events)
+        top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:40]
+        table = [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, key) / 1e3,
+                  "share": getattr(e, key) / total} for e in top]
+        write_text(os.path.join(out_dir, "profile.json"), json.dumps(table, indent=1))
+        return {**result, "profiled_ms": total / 1e3, "top": table[:15]}
+
+    rows.measure({"context_length": length, "mode": "lora", "run": "llama-cp, profiled"}, work)
+
+
+def _shared_worker(rank: int, port: int, backend: str, path: str, dry_run: bool) -> None:
+    import torch.distributed as dist
+
+    from benchmarks.gpu.correctness import STRATEGIES, exactness
+    from benchmarks.gpu.settings import Settings
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if not dry_run:
+        torch.cuda.set_device(0)  # both ranks on the one GPU
+    from datetime import timedelta
+
+    dist.init_process_group(backend, timeout=timedelta(seconds=30))
+    s = Settings.of(dry_run, 2, 2)
+    rows, references = Rows(path) if rank == 0 else None, {}
+    for strategy in STRATEGIES:
+        name = {"backend": backend, "check": f"exact/llama/{strategy}/one", "cp": 2}
+        try:
+            result = exactness(s, "llama", strategy, False, 1 if strategy == "hybrid" else 0, references)
+        except Exception as error:  # noqa: BLE001
+            result = {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300] if str(error).strip() else ''}"}
+        if rows is not None:
+            rows.add({**name, **result})
+        if "error" in result:
+            break  # a failed collective leaves the group unusable
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def shared_gpu(rows: Rows, dry_run: bool) -> None:
+    """Two ranks on the one GPU, each backend in a group of its own (NCCL refuses two ranks on one
+    device in the versions we know; gloo moves CUDA tensors for some collectives only)."""
+    import torch.multiprocessing as mp
+
+    from llama_cp.parallel.mesh import free_port
+
+    for backend in ("gloo",) if dry_run else ("nccl", "gloo"):
+        path = f"{rows.path}.{backend}"
+        group = mp.start_processes(_shared_worker, args=(free_port(), backend, path, dry_run), nprocs=2, join=False,
+                                   start_method="spawn")
+        error = None
+        try:
+            while not group.join(timeout=60):
+                pass
+        except Exception as exc:  # noqa: BLE001 - a rank died: what it wrote stays
+            error = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+        if error:  # the driver reads the rows from ``path``
+            rows.add({"backend": backend, "error": f"group ended: {error}"})
+
+
+def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:
+    """Every measured row's planned peak, then for the whole model (all its layers) on this GPU:
+    the levers ``--memory auto`` picks at each speed and memory length, and the longest context
+    planned with all of them (LoRA, and full fine-tuning with parameter offload)."""
+    from benchmarks.gpu.settings import set_flags
+    from llama_cp.config import TrainConfig
+    from llama_cp.plan.auto import NothingFits, choose_levers, describe_levers
+    from llama_cp.plan.fit import find_max_context, usable_bytes
+    from llama_cp.plan.simulate import plan_step_memory
+
+    def cfg_of(length: int, flags: dict) -> TrainConfig:
+        cfg = TrainConfig()
+        cfg.data.context_length, cfg.data.document_mask = length, True
+        set_flags(cfg, flags)
+        return cfg
+
+    config = _config(shape["model"])
+    for mode, length, lever in [*shape["memory"], tuple(shape["long"])]:
+        rows.measure({"mode": mode, "context_length": length, "lever": lever}, lambda: {
+            "planned_bytes": plan_step_memory(cfg_of(length, flags_of(mode, lever)), 1, model_config=config).total})
+    budget = usable_bytes(gpu_memory_gb, 0.1)
+    whole = _config(shape["full_model"])
+    for mode in MODES:
+        for length in sorted({*shape["speed_lens"], *(m[1] for m in shape["memory"])}):
+            def choose() -> dict:
+                try:
+                    choice = choose_levers(cfg_of(length, MODES[mode]), 1, budget, model_config=whole,
+                                           cache_dir=os.path.dirname(rows.path))
+                except NothingFits as refusal:
+                    return {"auto": f"nothing fits: {refusal}"}
+                return {"auto": describe_levers(choice.levers), "planned_bytes": choice.plan.total}
+            rows.measure({"model": "llama3-8b", "mode": mode, "context_length": length, "budget_bytes": budget}, choose)
+    for mode, lever in (("lora", "checkpointing + offload_checkpoints"), ("full", "checkpointing + offload_params")):
+        flags = flags_of(mode, lever)
+        if mode == "full":
+            flags["offload_checkpoints"] = True
+        def longest() -> dict:
+            length, plan_ = find_max_context(cfg_of(2, flags), 1, budget, model_config=whole, granularity=8192)
+            return {"planned_max_context": length, "planned_bytes": plan_.total if plan_ else None}
+        rows.measure({"model": "llama3-8b", "mode": mode, "lever": lever + (" + offload_checkpoints" if mode == "full"
+                                                                             else ""), "budget_bytes": budget}, longest)

@@ -1,0 +1,112 @@
+"""The one-GPU report (``benchmarks/gpu_report.py``) as markdown: what ran, then one table a part."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GiB = 1 << 30
+
+
+def _gib(value) -> str:
+    return "-" if value is None else f"{value / GiB:.2f}"
+
+
+def _num(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [f"# llama-cp on one GPU: {env.get('device', '?')}", "",
+             ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("device", "gpu_memory_bytes")) + ".",
+             f"Model: Llama-3-8B shapes cut to {report['layers']} decoder layers, random weights"
+             + (" (--dry_run: the embedded Llama; figures mean nothing)" if report["dry_run"] else "") + ".",
+             "", "Parts: " + "; ".join(f"{k} {v}" for k, v in report["parts"].items()) + "."]
+    lines += _correctness(report["correctness"] + report["shared_gpu"])
+    lines += _speed(report["speed"] + report["profile"])
+    lines += _memory(report["memory"] + report["long"], report["plan"])
+    lines += _plan(report["plan"])
+    lines += _profile(report["profile"])
+    return "\n".join(lines) + "\n"
+
+
+def _correctness(rows: list[dict]) -> list[str]:
+    lines = ["", "## Exactness on the GPU's kernels (relative error vs transformers fp32; yardstick: transformers bf16)",
+             "", "| check | ranks | backend | loss | logits | gradients | bf16 loss | bf16 logits | bf16 gradients "
+             "| pass |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        ranks = f"2 on one GPU ({r['backend']})" if "backend" in r else "1"
+        if "error" in r:
+            lines.append(f"| {r.get('check', '-')} | {ranks} | error: {r['error']} |||||||")
+            continue
+        if "llama_cp_bf16_error" not in r:  # QLoRA, adamw8bit
+            detail = {k: v for k, v in r.items() if k not in ("check", "pass")}
+            lines.append(f"| {r['check']} | 1 | {str(detail)[:200]} ||||||| {r.get('pass')} |")
+            continue
+        ours, ref = r["llama_cp_bf16_error"], r["transformers_bf16_error"]
+        keys = ("loss", "logits", "gradients")
+        lines.append(f"| {r['check']} | {ranks} | {r['attention_backend']} | "
+                     + " | ".join(f"{d[k]:.2e}" for d in (ours, ref) for k in keys) + f" | {r['pass']} |")
+    return lines
+
+
+def _speed(rows: list[dict]) -> list[str]:
+    lines = ["", "## Speed (one GPU, activation checkpointing on every row)", "",
+             "| context | mode | run | s/step | tokens/s | model TFLOP/s | MFU | vs llama-cp | peak GiB | losses |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    ours = {(r["context_length"], r["mode"]): r for r in rows if r.get("run") == "llama-cp" and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['context_length']} | {r['mode']} | {r['run']} | error: {r['error']} |||||||")
+            continue
+        base = ours.get((r["context_length"], r["mode"]))
+        ratio = r["tokens_per_sec_per_gpu"] / base["tokens_per_sec_per_gpu"] if base else None
+        losses = ", ".join(f"{x:.4f}" for x in r["losses"])
+        lines.append(f"| {r['context_length']} | {r['mode']} | {r['run']} | {r['seconds_per_step']:.3f} | "
+                     f"{r['tokens_per_sec_per_gpu']:.0f} | {r['model_tflops_per_gpu']:.1f} | {_num(r.get('mfu'), '.1%')} "
+                     f"| {_num(ratio, '.2f')} | {_gib(r['measured_peak_bytes'])} | {losses} |")
+    return lines
+
+
+def _memory(rows: list[dict], plans: list[dict]) -> list[str]:
+    planned = {(p["mode"], p["context_length"], p["lever"]): p.get("planned_bytes") for p in plans
+               if "lever" in p and "context_length" in p}
+    lines = ["", "## Peak memory per step: planned vs measured (GiB; torch.cuda.max_memory_allocated)", "",
+             "| mode | context | levers | planned | measured | planned / measured | first step |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        plan = planned.get((r["mode"], r["context_length"], r["lever"]))
+        if "error" in r:
+            lines.append(f"| {r['mode']} | {r['context_length']} | {r['lever']} | {_gib(plan)} | error: {r['error']} |||")
+            continue
+        got = r["measured_peak_bytes"]
+        lines.append(f"| {r['mode']} | {r['context_length']} | {r['lever']} | {_gib(plan)} | {_gib(got)} | "
+                     f"{_num(plan / got if plan and got else None, '.3f')} | {_gib(r['first_step_peak_bytes'])} |")
+    return lines
+
+
+def _plan(rows: list[dict]) -> list[str]:
+    lines = ["", "## The whole Llama-3-8B on this GPU, planned (--memory auto's choice; the longest context)", "",
+             "| mode | context | levers | planned GiB | budget GiB |", "|---|---:|---|---:|---:|"]
+    for r in rows:
+        if r.get("model") != "llama3-8b":
+            continue
+        if "planned_max_context" in r or "lever" in r:
+            got = r.get("planned_max_context", r.get("error"))
+            lines.append(f"| {r['mode']} | longest: {got} | {r['lever']} | {_gib(r.get('planned_bytes'))} | "
+                         f"{_gib(r['budget_bytes'])} |")
+        else:
+            lines.append(f"| {r['mode']} | {r['context_length']} | {r.get('auto', r.get('error'))} | "
+                         f"{_gib(r.get('planned_bytes'))} | {_gib(r['budget_bytes'])} |")
+    return lines
+
+
+def _profile(rows: list[dict]) -> list[str]:
+    lines = []
+    for r in rows:
+        if "top" not in r:
+            continue
+        lines += ["", f"## Where one LoRA step's time goes ({r['context_length']} tokens; {r['profiled_ms']:.0f} ms "
+                  "of kernels, top 15)", "", "| kernel | calls | ms | share |", "|---|---:|---:|---:|"]
+        lines += [f"| {t['name'][:90]} | {t['calls']} | {t['ms']:.1f} | {t['share']:.1%} |" for t in r["top"]]
+    return lines

@@ -1,0 +1,191 @@
+"""The figures people compare, from one lent GPU in about 8 minutes: exactness on the GPU's kernels,
+planned against measured peak memory, tokens/s and MFU against plain transformers + peft, and
+the levers and longest context planned for the whole model on this GPU.
+
+    python benchmarks/gpu_report.py --output_dir $OUT          # one CUDA GPU, <= --budget_s seconds
+    python benchmarks/gpu_report.py --dry_run --output_dir d/  # CPU, tiny shapes (the suite runs it)
+
+It writes ``gpu_report.json`` and ``gpu_report.md`` after every part, so a command stopped at its
+limit still leaves what it measured, plus ``profile.json`` (the kernels of one step by GPU time)
+and ``gpu_report.log`` (each part's output). Each part (``benchmarks/gpu/one_gpu_parts.py``) runs in
+a process of its own with a time limit of its own, in this order: correctness, speed, memory,
+profile, shared_gpu, long; the planner (``plan``) runs on the CPU beside them from the start. A
+part whose time is not left is recorded as skipped. The model is Llama-3-8B cut to ``--layers``
+decoder layers with random weights; every figure names its length, mode and levers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
+
+from benchmarks.gpu.report_one import markdown  # noqa: E402
+from llama_cp.files import write_text  # noqa: E402
+
+#: The parts in the order they run, each with its own time limit in seconds (GPU; --dry_run: 240); the
+#: planner ("plan") runs on the CPU beside them.
+PARTS = {"correctness": 75, "speed": 170, "memory": 150, "profile": 45, "shared_gpu": 60, "long": 90}
+DEFAULT_PARTS = "plan,correctness,speed,memory,profile"
+
+
+def _versions() -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    def installed(*names: str) -> str:
+        for name in names:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                pass
+        return "not installed"
+
+    cuda = torch.cuda.is_available()
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu (--dry_run)",
+            "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if cuda else None,
+            **{name: installed(name) for name in ("transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel")},
+            "flash_attn": installed("flash-attn", "flash_attn"), "python": sys.version.split()[0]}
+
+
+def run_part(args) -> None:
+    """One part, in this process (the driver starts it as ``--part NAME``)."""
+    from benchmarks.gpu import one_gpu_parts as parts
+
+    shape = parts.shapes(args.dry_run, args.layers)
+    rows = parts.Rows(os.path.join(args.work_dir, f"{args.part}.json"))
+    if args.part == "versions":
+        rows.add(_versions())
+    elif args.part == "correctness":
+        parts.correctness(rows, args.dry_run)
+    elif args.part == "speed":
+        parts.speed(rows, shape)
+    elif args.part == "memory":
+        parts.memory(rows, shape, shape["memory"])
+    elif args.part == "long":
+        parts.memory(rows, shape, [tuple(shape["long"])])
+    elif args.part == "profile":
+        parts.profile(rows, shape, args.output_dir)
+    elif args.part == "shared_gpu":
+        parts.shared_gpu(rows, args.dry_run)
+    elif args.part == "plan":
+        parts.plan(rows, shape, args.gpu_memory_gb)
+    else:
+        raise SystemExit(f"error: unknown --part {args.part!r}; one of versions, plan, {', '.join(PARTS)}")
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown of the process group (Note [Leaving a gloo job])
+
+
+def _command(args, part: str) -> list[str]:
+    command = [sys.executable, os.path.abspath(__file__), "--part", part, "--work_dir", args.work_dir,
+               "--output_dir", args.output_dir, "--layers", str(args.layers), "--gpu_memory_gb", str(args.gpu_memory_gb)]
+    return command + (["--dry_run"] if args.dry_run else [])
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """End a part and every process it started (its own session)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _read(path: str) -> list:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return []
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output_dir", default="gpu_report")
+    parser.add_argument("--dry_run", action="store_true", help="the CPU, tiny shapes: the pipeline, no figures")
+    parser.add_argument("--budget_s", type=float, default=470, help="seconds for every part together")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the Llama-3-8B-shaped model")
+    parser.add_argument("--parts", default=DEFAULT_PARTS,
+                        help=f"which parts, comma-separated (they run in the order {', '.join(PARTS)}; plan beside them)")
+    parser.add_argument("--gpu_memory_gb", type=float, default=0.0,
+                        help="the GPU's memory the plans assume (0: this GPU's; --dry_run: 0.25)")
+    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--work_dir", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    unknown = set(args.parts.split(",")) - {*PARTS, "plan"}
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
+    os.makedirs(args.output_dir, exist_ok=True)
+    if args.part:
+        return run_part(args)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as work:
+        args.work_dir = work
+        log_path = os.path.join(args.output_dir, "gpu_report.log")
+        log = open(log_path, "w")
+        versions = subprocess.run(_command(args, "versions"), stdout=log, stderr=subprocess.STDOUT, timeout=120)
+        report: dict[str, Any] = {"environment": (_read(os.path.join(work, "versions.json")) or [{}])[0],
+                                  "dry_run": args.dry_run, "layers": args.layers, "parts": {}}
+        if not args.gpu_memory_gb:
+            total = report["environment"].get("gpu_memory_bytes")
+            args.gpu_memory_gb = 0.25 if args.dry_run or not total else total / (1 << 30)
+        del versions
+        planner = None
+        if "plan" in args.parts.split(","):  # on the CPU: no CUDA context, no GPU memory
+            planner = subprocess.Popen(_command(args, "plan"), stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+        def write(status: dict) -> None:
+            report["parts"] = status
+            for part in (*PARTS, "plan"):
+                report[part] = _read(os.path.join(work, f"{part}.json"))
+                for extra in ("gloo", "nccl"):
+                    report[part] += _read(os.path.join(work, f"{part}.json.{extra}")) if part == "shared_gpu" else []
+            write_text(os.path.join(args.output_dir, "gpu_report.json"), json.dumps(report, indent=1))
+            write_text(os.path.join(args.output_dir, "gpu_report.md"), markdown(report))
+
+        status: dict[str, str] = {}
+        for part, limit in PARTS.items():
+            left = args.budget_s - (time.monotonic() - start)
+            if part not in args.parts.split(","):
+                continue
+            if left < 15:
+                status[part] = f"skipped: {left:.0f} s of the budget left"
+                continue
+            limit = min(240 if args.dry_run else limit, left)
+            began = time.monotonic()
+            print(f"[gpu_report] {part}: up to {limit:.0f} s", file=log, flush=True)
+            process = subprocess.Popen(_command(args, part), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                code = process.wait(timeout=limit)
+                status[part] = f"done in {time.monotonic() - began:.0f} s" + (f" (exit {code})" if code else "")
+            except subprocess.TimeoutExpired:
+                _stop(process)
+                status[part] = f"stopped at its limit of {limit:.0f} s"
+            write(status)
+        left = max(args.budget_s + 30 - (time.monotonic() - start), 1)
+        try:
+            code = planner.wait(timeout=left) if planner else None
+            status["plan"] = "not asked for" if planner is None else f"done (exit {code})" if code else "done"
+        except subprocess.TimeoutExpired:
+            _stop(planner)
+            status["plan"] = "stopped at the budget"
+        status["total"] = f"{time.monotonic() - start:.0f} s"
+        write(status)
+        log.close()
+    print(open(os.path.join(args.output_dir, "gpu_report.md")).read())
+
+
+if __name__ == "__main__":
+    main()
