@@ -296,8 +296,8 @@ def qlora(s: Settings, workdir: str) -> dict[str, Any]:
         torch.manual_seed(0)
         LlamaForCausalLM(config).save_pretrained(path)
     dist.barrier()
-    cfg = TrainConfig.from_flags(use_peft=True, quantization="4bit", dtype="bfloat16", cp=world, cp_strategy="ring", report_to=("none",),
-                                 context_length=s.exact_len, **QLORA)
+    cfg = TrainConfig.from_flags(use_peft=True, quantization="4bit", dtype="bfloat16", cp=world, cp_strategy="ring",
+                                 report_to=("none",), context_length=s.exact_len, **QLORA)
     mesh = cfg.parallel.dims(world).build_mesh(s.device_type)
     model = build_model(cfg, mesh, device, path)
     values = _lora_values({n: p.shape for n, p in model.named_parameters() if p.requires_grad})
@@ -365,8 +365,8 @@ def adamw8bit(s: Settings) -> dict[str, Any]:
 
     rows = [{k: v.to(device) for k, v in random_row(config, s.exact_len, None, seed=step).items()}
             for step in range(OPTIMIZER_STEPS)]
-    cfg = TrainConfig.from_flags(optimizer="adamw8bit", dtype="float32", cp=world, cp_strategy="ring", report_to=("none",),
-                                 context_length=s.exact_len)
+    cfg = TrainConfig.from_flags(optimizer="adamw8bit", dtype="float32", cp=world, cp_strategy="ring",
+                                 report_to=("none",), context_length=s.exact_len)
     mesh = cfg.parallel.dims(world).build_mesh(s.device_type)
     model = parallelize_model(seeded(), cfg, mesh)
     optimizer = build_optimizer("adamw8bit", model.parameters(), **ADAMW)

@@ -194,8 +194,50 @@ def measure_step_memory(
     gc.collect()
     with tracker:
         apply_gradients(model, optimizer, max_grad_norm=max_grad_norm)
-    phases["optimizer"] = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak").get(device, {}))
+    tracked = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak").get(device, {}))
+    counted = adamw_step_bytes(optimizer)
+    if counted is not None:  # Note [Counting the AdamW step]
+        tracked = dataclasses.replace(tracked, optimizer=counted, total=tracked.total - tracked.optimizer + counted,
+                                      tracked={**tracked.tracked, "OptState": counted,
+                                               "Total": tracked.total - tracked.optimizer + counted})
+    phases["optimizer"] = tracked
     return phases
+
+
+# Note [Counting the AdamW step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What torch's AdamW holds at its step's peak is known exactly, and the planner counts it
+# instead of reading it off FSDPMemTracker: its state (exp_avg, exp_avg_sq and a step counter per
+# trainable parameter, each of its parameter's local shard), and with foreach (the trainer's
+# implementation on the GPU: Note [AdamW's implementation, pinned] in llama_cp/optim/optimizers.py)
+# the new fp32 list _foreach_sqrt(exp_avg_sq) of one parameter group at a time (torch/optim/adamw.py,
+# _multi_tensor_adam; the other foreach ops of the step work in place), so the largest group's
+# exp_avg_sq bytes; fused: nothing more. Why count: on torch 2.10 and 2.11 the tracker, run on a
+# sharded model's fake step, holds three more copies of that sqrt list (the 2-layer embedded
+# Llama: 41.6 MB of "OptState" for 15.3 MB of state and 6.6 MB of sqrt; torch 2.13: 21.9 MB), and
+# the fused step counts temporaries of its own. Those are the tracker's: on an H200 with torch
+# 2.11 a full fine-tune of a 4-layer Llama-3-8B at 32K tokens peaked at 36.65 GiB
+# (torch.cuda.max_memory_allocated), the forward/backward's 36.59 GiB planned, while the tracked
+# optimizer phase said 49.48 GiB (docs/gpu_report/h200_2026-11-27.md). On torch 2.13 the tracker
+# agrees with this count to the byte (tests/plan/test_plan_cli.py).
+
+
+def adamw_step_bytes(optimizer: torch.optim.Optimizer) -> int | None:
+    """Bytes torch's AdamW holds on this rank at the peak of its step (Note [Counting the AdamW
+    step]); None for another optimizer (bitsandbytes' is not planned)."""
+    if type(optimizer) is not torch.optim.AdamW:
+        return None
+
+    def nbytes(t: torch.Tensor) -> int:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.numel() * local.element_size()
+
+    state = sum(nbytes(t) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    if any(group.get("fused") for group in optimizer.param_groups):
+        return state
+    sqrt = max((sum(nbytes(optimizer.state[p]["exp_avg_sq"]) for p in group["params"] if p in optimizer.state)
+                for group in optimizer.param_groups), default=0)
+    return state + sqrt
 
 
 def step_peak(phases: dict[str, MemoryBreakdown]) -> MemoryBreakdown:

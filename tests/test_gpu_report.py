@@ -1,0 +1,71 @@
+"""benchmarks/gpu_report.py --dry_run: the one-GPU report end to end on the CPU (every part in its own
+process, the planner beside them, tiny shapes), so the command a lent GPU runs cannot rot."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from benchmarks.gpu.report_one import markdown
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALL_PARTS = "plan,correctness,speed,memory,profile,shared_gpu,long"
+
+
+@pytest.mark.slow  # seven processes of tiny steps and plans: about a minute
+def test_dry_run_writes_every_part(tmp_path):
+    out = tmp_path / "report"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_report.py"), "--dry_run", "--parts",
+                    ALL_PARTS, "--output_dir", str(out)], check=True, cwd=tmp_path, capture_output=True, timeout=600)
+    report = json.loads((out / "gpu_report.json").read_text())
+    env = report["environment"]
+    assert (env["torch"], env["transformers"], env["device"]) == (torch.__version__, transformers.__version__,
+                                                                 "cpu (--dry_run)"), env
+    assert all(report["parts"][part].startswith("done") for part in ALL_PARTS.split(",")), report["parts"]
+    # exactness: every check ran and passes on the CPU's kernels, the blocks' merges among them (QLoRA's and
+    # adamw8bit's are gpu_acceptance's functions, rehearsed by tests/test_gpu_acceptance.py)
+    checks = {row["check"]: row for row in report["correctness"]}
+    assert {"exact/llama/ring/packed", "exact/llama/ring/packed/blocks 16", "exact/llama/allgather/packed/blocks 16",
+            "exact/mistral_window/ring/one"} == checks.keys(), list(checks)
+    assert all(row.get("pass") is True for row in checks.values()), checks
+    assert {row["check"] for row in report["shared_gpu"]} == {f"exact/llama/{s}/one" for s in
+                                                              ("ring", "ulysses", "allgather", "hybrid")}
+    # speed: llama-cp and transformers side by side at each length, the same first loss
+    runs = {(r["context_length"], r["mode"], r["run"]): r for r in report["speed"]}
+    for length in (128, 256):
+        ours, theirs = runs[length, "full", "llama-cp"], runs[length, "full", "transformers"]
+        assert ours["tokens_per_sec_per_gpu"] > 0 and theirs["tokens_per_sec_per_gpu"] > 0
+        assert abs(ours["losses"][0] - theirs["losses"][0]) < 0.05, (ours["losses"], theirs["losses"])
+    offloaded = runs[128, "full", "llama-cp, checkpointing + offload_params"]
+    assert offloaded["losses"] == pytest.approx(runs[128, "full", "llama-cp"]["losses"], rel=1e-6)
+    # memory: every measured row has its plan; the whole model's levers and longest context
+    planned = {(p["mode"], p["context_length"], p["lever"]) for p in report["plan"] if "planned_bytes" in p
+               and "lever" in p and "context_length" in p}
+    assert all((m["mode"], m["context_length"], m["lever"]) in planned and m["measured_peak_bytes"] > 0
+               for m in report["memory"] + report["long"]), report["memory"]
+    assert {p["mode"] for p in report["plan"] if p.get("planned_max_context", 0) > 0} == {"lora", "full"}
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile and abs(sum(row["share"] for row in profile) - 1) < 0.5
+    text = (out / "gpu_report.md").read_text()
+    for section in ("## Exactness", "## Speed", "## Peak memory", "## The whole Llama-3-8B", "## Where one LoRA"):
+        assert section in text, section
+
+
+def test_an_unknown_part_is_refused_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_report.py"), "--parts", "speed,fast",
+                           "--output_dir", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2 and "--parts: unknown fast" in done.stderr, done.stderr
+
+
+def test_rows_that_failed_are_shown_with_their_error():
+    report = {"environment": {"device": "GPU"}, "dry_run": False, "layers": 4, "parts": {"speed": "done in 1 s"},
+              "correctness": [{"check": "qlora", "error": "ValueError: refused"}], "shared_gpu": [],
+              "speed": [{"context_length": 16, "mode": "lora", "run": "transformers + peft",
+                         "error": "OutOfMemoryError: out"}], "profile": [], "memory": [], "long": [], "plan": []}
+    text = markdown(report)
+    assert "| qlora | 1 | error: ValueError: refused |" in text
+    assert "| 16 | lora | transformers + peft | error: OutOfMemoryError: out |" in text
