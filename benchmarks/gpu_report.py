@@ -33,7 +33,7 @@ from llama_cp.files import write_text  # noqa: E402
 
 #: The parts in the order they run, each with its own time limit in seconds (GPU; --dry_run: 240); the
 #: planner ("plan") runs on the CPU beside them.
-PARTS = {"correctness": 75, "speed": 170, "memory": 150, "profile": 45, "shared_gpu": 60, "long": 90}
+PARTS = {"correctness": 80, "speed": 190, "memory": 130, "profile": 40, "shared_gpu": 60, "long": 90}
 DEFAULT_PARTS = "plan,correctness,speed,memory,profile"
 
 

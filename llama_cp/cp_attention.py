@@ -423,7 +423,7 @@ def apply_context_parallel(
         raise ValueError(f"attention block_size must be >= 0 (0 = untiled), got {block_size}")
     check_supported(model)
     windows = sliding_windows(model)
-    if backend in ("sdpa_flash", "sdpa_efficient") and windows and max_seq_len and min(windows) < max_seq_len:
+    if backend in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient") and windows and max_seq_len and min(windows) < max_seq_len:
         raise ValueError(
             f"--attention_backend {backend}: this model's sliding window of {min(windows)} tokens is shorter than "
             f"the sequence ({max_seq_len} tokens), and llama-cp passes windows to flash_attn only: use "

@@ -163,12 +163,13 @@ def feature_refusal(case: str, device: torch.device, head_dim: int) -> str | Non
 
 
 def exactness(s: Settings, case: str, strategy: str, packed: bool, ulysses_degree: int,
-              references: dict, block_size: int = 0) -> dict[str, Any]:
+              references: dict, block_size: int = 0, backend: str | None = None) -> dict[str, Any]:
     """Relative errors of transformers bf16 and of llama-cp's cp = N bf16 against transformers
     fp32 (Note [The acceptance yardsticks]), on rank 0 (the others: {}). ``references``: the
     weights and rank 0's single-process runs of the last (case, packed), kept for the next
     strategy. ``block_size``: llama-cp's ``--attention_block_size`` (0: whole shards), whose
-    kernel calls on parts of a shard are merged by their log-sum-exp, as the ring's are."""
+    kernel calls on parts of a shard are merged by their log-sum-exp, as the ring's are.
+    ``backend``: llama-cp's ``--attention_backend`` (None: what it selects here)."""
     from llama_cp import apply_context_parallel, shard_batch
     from llama_cp.attention.kernels import select_backend
     from llama_cp.parallel.sharding import SEQ_INDEX, unshard
@@ -225,14 +226,14 @@ def exactness(s: Settings, case: str, strategy: str, packed: bool, ulysses_degre
     cp_model = _causal_lm(case_config(s, case)).to(device, torch.bfloat16)
     cp_model.load_state_dict(state)
     apply_context_parallel(cp_model, group, strategy=strategy, max_seq_len=length, ulysses_degree=ulysses_degree,
-                           block_size=block_size)
+                           block_size=block_size, backend=backend)
     local = shard_batch(batch, group, layout="documents" if strategy == "allgather" else "zigzag")
     with AttentionKernels() as kernels:
         ours = run(cp_model, local, cp=True)
     if runs is None:
         return {}
     reference, plain, effect = runs
-    selected = select_backend(torch.empty(1, 1, 1, config.head_dim, dtype=torch.bfloat16, device=device))
+    selected = backend or select_backend(torch.empty(1, 1, 1, config.head_dim, dtype=torch.bfloat16, device=device))
 
     def errors(got):
         loss, logits, grads = got

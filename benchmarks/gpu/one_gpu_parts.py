@@ -56,12 +56,13 @@ def shapes(dry_run: bool, layers: int) -> dict[str, Any]:
         speed, mem, long, steps = [16384, 65536], (32768, 131072), 262144, 3
         full_model = {**MODEL_PRESETS["llama3-8b"], "max_position_embeddings": 1 << 24}
     short, longer = mem
-    memory = [("lora", short, "none"), ("lora", short, "checkpointing"), ("lora", longer, "checkpointing"),
-              ("lora", longer, "checkpointing + offload_checkpoints"), ("lora", longer, "checkpointing + blocks + tiles"),
-              ("full", short, "none"), ("full", short, "checkpointing"), ("full", longer, "checkpointing"),
-              ("full", longer // 2, "checkpointing + offload_params")]
+    # the rows that tell most first (a part stopped at its limit keeps what it measured)
+    memory = [("full", short, "checkpointing"), ("full", longer, "checkpointing"), ("lora", longer, "checkpointing"),
+              ("lora", longer, "checkpointing + blocks + tiles"), ("lora", short, "checkpointing"),
+              ("full", short, "none"), ("lora", longer, "checkpointing + offload_checkpoints"),
+              ("lora", short, "none"), ("full", longer // 2, "checkpointing + offload_params")]
     if dry_run:  # the pipeline, not the figures: one row of each kind
-        memory = [memory[1], memory[3], memory[-1]]
+        memory = [memory[4], memory[6], memory[-1]]
     return {"model": model, "full_model": full_model, "speed_lens": speed, "memory": memory,
             "long": ("lora", long, "checkpointing + offload_checkpoints"), "steps": steps, "dry_run": dry_run}
 
@@ -124,9 +125,14 @@ def correctness(rows: Rows, dry_run: bool) -> None:
               ("gemma2_softcap", "ring", False, 0)]
     if dry_run:  # the pipeline, not the figures: one case of each kind
         cases = [cases[1], cases[3], cases[5], cases[-2]]
-    for case, strategy, packed, block in cases:
-        name = {"check": f"exact/{case}/{strategy}/{'packed' if packed else 'one'}" + (f"/blocks {block}" if block else "")}
-        rows.measure(name, lambda: exactness(s, case, strategy, packed, 0, references, block_size=block))
+    # torch's cuDNN attention (--attention_backend sdpa_cudnn): auto picks it once these pass on a GPU
+    cudnn = [("llama", "ring", False, 0), ("llama", "ring", True, 0), ("llama", "ring", False, quarter),
+             ("llama", "allgather", True, quarter)]
+    backends = [None] * len(cases) + ["sdpa_cudnn"] * (0 if dry_run else len(cudnn))
+    for (case, strategy, packed, block), backend in zip(cases + cudnn, backends):
+        name = {"check": f"exact/{case}/{strategy}/{'packed' if packed else 'one'}" + (f"/blocks {block}" if block else "")
+                + (f"/{backend}" if backend else "")}
+        rows.measure(name, lambda: exactness(s, case, strategy, packed, 0, references, block_size=block, backend=backend))
     references.clear()
     if dry_run:  # their CPU rehearsal is gpu_acceptance's (tests/test_gpu_acceptance.py)
         return
@@ -146,6 +152,10 @@ def speed(rows: Rows, shape: dict) -> None:
             rows.measure({**base, "run": "llama-cp"}, lambda: llama_cp_steps(
                 config, length, flags_of(mode, "checkpointing"), steps=steps, device=device,
                 build_on_cpu=mode == "full" and length == first))  # the offloaded rows' weights
+            if device.type == "cuda":  # torch's cuDNN attention, what transformers' SDPA runs on Hopper
+                rows.measure({**base, "run": "llama-cp, sdpa_cudnn"}, lambda: llama_cp_steps(
+                    config, length, {**flags_of(mode, "checkpointing"), "attention_backend": "sdpa_cudnn"},
+                    steps=steps, device=device))
             rows.measure({**base, "run": "transformers + peft" if lora else "transformers"},
                          lambda: transformers_steps(config, length, lora=lora, steps=steps, device=device))
     for lever in ("checkpointing + offload_params", "checkpointing + offload_checkpoints"):

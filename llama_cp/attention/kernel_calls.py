@@ -109,6 +109,38 @@ def sdpa_cuda_backward(dout, q, k, v, out, lse, causal, scale, *, flash: bool, o
     return dq, reduce_kv_grad(dk, n_rep), reduce_kv_grad(dv, n_rep)
 
 
+# Note [cuDNN attention blocks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# sdpa_cudnn calls torch's cuDNN attention ops (aten::_scaled_dot_product_cudnn_attention and its
+# backward; their schemas and meta kernels read on torch 2.11 and 2.13): the log-sum-exp comes
+# back float32 as (B, H, Sq, 1), which we squeeze to (B, H, Sq) and unsqueeze for the backward;
+# the backward takes the (out, lse) it is given, so a block's gradient from the merged (out, lse)
+# is the block's share, as with the flash kernels (torch's own ring attention,
+# torch/distributed/tensor/experimental/_context_parallel/_attention.py in 2.13, merges cuDNN
+# blocks' lse with the flash blocks' and calls this backward with the merged pair). KV heads are
+# expanded as for sdpa_flash. On an H200 (torch 2.11, cuDNN 9.19) its 64K causal forward and
+# backward ran at 590 TFLOP/s against the flash op's 327 (docs/benchmarks.md, One GPU,
+# measured); its exactness inside llama-cp is checked by benchmarks/gpu_report.py on a GPU, so
+# "auto" does not pick it until a GPU run has passed those checks.
+def sdpa_cudnn_forward(q, k, v, causal, scale, *, ops=_aten):
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = expand_kv(k, n_rep), expand_kv(v, n_rep)
+    out, lse, *_ = ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return out, lse.reshape(q.shape[:3]).float()
+
+
+def sdpa_cudnn_backward(dout, q, k, v, out, lse, causal, scale, *, ops=_aten):
+    n_rep = q.shape[1] // k.shape[1]
+    ke, ve = expand_kv(k, n_rep), expand_kv(v, n_rep)
+    dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()  # the same strides, as cuDNN wants
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed/offset: unread without dropout
+    dq, dk, dv = ops._scaled_dot_product_cudnn_attention_backward(
+        dout, q, ke, ve, out, lse.float().unsqueeze(-1).contiguous(), zero, zero, None, None, None,
+        q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+    )
+    return dq, reduce_kv_grad(dk, n_rep), reduce_kv_grad(dv, n_rep)
+
+
 # ---------------------------------------------------------------- flash-attn
 # flash-attn works in (B, S, H, D) and supports GQA natively. Its private
 # forward/backward changed their argument lists across 2.x releases, so they

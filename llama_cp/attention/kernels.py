@@ -18,6 +18,8 @@ and bottom-right alignments of the mask agree.
 Backends, chosen per call by :func:`select_backend`:
 
 - ``flash_attn``: the flash-attn package (CUDA, fp16/bf16), imported lazily.
+- ``sdpa_cudnn``: torch's cuDNN attention (fp16/bf16, sm80+, head sizes up to 128), through
+  its aten op; only when asked for by name (Note [cuDNN attention blocks] in kernel_calls.py).
 - ``sdpa_flash``: torch's CUDA flash kernel (fp16/bf16, sm80+), through the aten
   op that returns the log-sum-exp.
 - ``sdpa_efficient``: torch's CUDA memory-efficient kernel (fp16/fp32, and bf16
@@ -79,12 +81,17 @@ from llama_cp.attention.kernel_calls import (
     math_forward,
     sdpa_cuda_backward,
     sdpa_cuda_forward,
+    sdpa_cudnn_backward,
+    sdpa_cudnn_forward,
 )
 from llama_cp.attention.workspace import FLASH_ATTN, SDPA_OPS, ModelledBackend
 
-Backend = Literal["flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"]
-#: Every backend, fastest first: :func:`select_backend` takes the first that can run.
-BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math")
+Backend = Literal["flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"]
+#: Every backend, fastest first: :func:`select_backend` takes the first that can run and is not
+#: ``CHOSEN_ONLY``.
+BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math")
+#: Backends that run only when asked for by name (Note [cuDNN attention blocks] in kernel_calls.py).
+CHOSEN_ONLY: tuple[str, ...] = ("sdpa_cudnn",)
 #: The backends with a varlen kernel: many segments of queries x keys in one call.
 VARLEN: tuple[str, ...] = ("flash_attn", "sdpa_flash")
 
@@ -128,6 +135,11 @@ def backend_problem(
         return f"{backend} takes float16/bfloat16 only, not {dtype}"
     if not sm80:
         return f"{backend} needs an sm80+ (Ampere or newer) GPU"
+    if backend == "sdpa_cudnn":
+        if head_dim > 128:
+            return f"sdpa_cudnn takes head sizes up to 128, not {head_dim}"
+        version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        return None if version and version >= 90000 else f"sdpa_cudnn needs cuDNN 9 (found {version})"
     if flash_attn_installed is None:
         flash_attn_installed = _flash_attn_interface() is not None
     if backend == "flash_attn" and not flash_attn_installed:
@@ -152,7 +164,7 @@ def check_backend(
 def select_backend(q: torch.Tensor) -> Backend:
     """The fastest backend that supports ``q``'s device, dtype and head size."""
     for backend in BACKENDS:
-        if backend_problem(backend, q.device.type, q.dtype, q.shape[-1]) is None:
+        if backend not in CHOSEN_ONLY and backend_problem(backend, q.device.type, q.dtype, q.shape[-1]) is None:
             return backend
     raise AssertionError("math runs everywhere")
 
@@ -201,6 +213,8 @@ def _forward(q, k, v, causal, scale, backend, softcap, lag):
         return out, lse.to(accumulation_dtype(q))
     if backend in ("sdpa_flash", "sdpa_efficient"):
         return sdpa_cuda_forward(q, k, v, causal, scale, flash=backend == "sdpa_flash", ops=_sdpa_ops(backend))
+    if backend == "sdpa_cudnn":
+        return sdpa_cudnn_forward(q, k, v, causal, scale, ops=_sdpa_ops(backend))
     if backend == "flash_attn":
         return flash_attn_forward(q, k, v, causal, scale, fa=_flash_attn_module(backend))
     return math_forward(q, k, v, causal, scale)
@@ -264,6 +278,8 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, softcap, lag):
         return sdpa_cuda_backward(
             dout, q, k, v, out, lse, causal, scale, flash=backend == "sdpa_flash", ops=_sdpa_ops(backend)
         )
+    if backend == "sdpa_cudnn":
+        return sdpa_cudnn_backward(dout, q, k, v, out, lse, causal, scale, ops=_sdpa_ops(backend))
     if backend == "flash_attn":
         return flash_attn_backward(dout, q, k, v, out, lse, causal, scale, fa=_flash_attn_module(backend))
     return math_backward(dout, q, k, v, out, lse, causal, scale)

@@ -344,6 +344,11 @@ def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
     dtype = compute_dtype(cfg.model.dtype, "cuda") or torch.float32
     head_dim = attention_head_dim(model_config)  # DeepSeek's MLA: the query/key heads', not config.head_dim
     choice = cfg.model.attention_backend
+    if choice == "sdpa_cudnn":
+        raise ValueError(
+            "--attention_backend sdpa_cudnn: the planner does not model cuDNN's attention workspace (not measured yet); "
+            "plan with --attention_backend sdpa_flash (the same tensors around the kernel), and train with --memory manual"
+        )
     if choice == "auto":
         choice = next(b for b in BACKENDS if b in MODELLED + ("math",) and
                       backend_problem(b, "cuda", dtype, head_dim, **_PLANNED_GPU) is None)
