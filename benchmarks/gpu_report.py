@@ -38,17 +38,9 @@ DEFAULT_PARTS = "plan,correctness,speed,memory,profile"
 
 
 def _versions() -> dict[str, Any]:
-    from importlib.metadata import PackageNotFoundError, version
-
     import torch
 
-    def installed(*names: str) -> str:
-        for name in names:
-            try:
-                return version(name)
-            except PackageNotFoundError:
-                pass
-        return "not installed"
+    from benchmarks.gpu.report import installed_version as installed
 
     cuda = torch.cuda.is_available()
     return {"device": torch.cuda.get_device_name() if cuda else "cpu (--dry_run)",

@@ -14,7 +14,8 @@ from benchmarks.gpu.settings import Settings
 GiB = 1 << 30
 
 
-def _version(*names: str) -> str:
+def installed_version(*names: str) -> str:
+    """The installed version of the first of ``names`` that is installed, or "not installed"."""
     for name in names:
         try:
             return version(name)
@@ -30,8 +31,8 @@ def environment(s: Settings, exact: list[dict]) -> dict[str, Any]:
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu (--dry_run)",
         "gpus": s.nproc, "visible_gpus": torch.cuda.device_count() if cuda else 0, "cuda": torch.version.cuda,
-        "torch": torch.__version__, "transformers": _version("transformers"), "bitsandbytes": _version("bitsandbytes"),
-        "flash_attn": _version("flash-attn", "flash_attn"),
+        "torch": torch.__version__, "transformers": installed_version("transformers"), "bitsandbytes": installed_version("bitsandbytes"),
+        "flash_attn": installed_version("flash-attn", "flash_attn"),
         "attention_backends": sorted({b for e in exact if "attention_backend" in e
                                       for b in e["attention_backend"].split("+")}),
     }
