@@ -49,7 +49,9 @@ def _time(work, device: torch.device, reps: int = 3) -> float:
 
 
 def kernels(length: int, device: torch.device) -> list[dict]:
-    """Forward + backward of one causal attention of ``length`` tokens (32 heads, 8 KV heads, 128)."""
+    """Forward + backward of one causal attention of ``length`` tokens (32 heads, 8 KV heads, 128): the
+    time, and on a GPU the bytes a call allocates at its peak beyond its inputs (its output, lse,
+    gradients, the expanded KV heads and the kernel's own workspace)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -72,8 +74,15 @@ def kernels(length: int, device: torch.device) -> list[dict]:
                         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
                 out.sum().backward()
             try:
+                work()  # warm: the peak below is the steady call's
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
                 seconds = _time(work, device)
-                rows.append({"kernel": f"sdpa {name}, GQA {gqa}", "ms": seconds * 1e3, "tflops": flops / seconds / 1e12})
+                extra = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else None
+                rows.append({"kernel": f"sdpa {name}, GQA {gqa}", "ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
+                             "peak_extra_bytes": extra})
             except Exception as error:  # noqa: BLE001
                 rows.append({"kernel": f"sdpa {name}, GQA {gqa}", "error": str(error).strip().splitlines()[0][:200]})
     return rows

@@ -9,7 +9,7 @@ It writes ``gpu_report.json`` and ``gpu_report.md`` after every part, so a comma
 limit still leaves what it measured, plus ``profile.json`` (the kernels of one step by GPU time)
 and ``gpu_report.log`` (each part's output). Each part (``benchmarks/gpu/one_gpu_parts.py``) runs in
 a process of its own with a time limit of its own, in this order: correctness, speed, memory,
-profile, shared_gpu, long; the planner (``plan``) runs on the CPU beside them from the start. A
+kernels, profile (these by default), long; the planner (``plan``) runs on the CPU beside them from the start. A
 part whose time is not left is recorded as skipped. The model is Llama-3-8B cut to ``--layers``
 decoder layers with random weights; every figure names its length, mode and levers.
 """
@@ -33,8 +33,8 @@ from llama_cp.files import write_text  # noqa: E402
 
 #: The parts in the order they run, each with its own time limit in seconds (GPU; --dry_run: 240); the
 #: planner ("plan") runs on the CPU beside them.
-PARTS = {"correctness": 80, "speed": 190, "memory": 130, "profile": 40, "shared_gpu": 60, "long": 90}
-DEFAULT_PARTS = "plan,correctness,speed,memory,profile"
+PARTS = {"correctness": 80, "speed": 190, "memory": 130, "kernels": 25, "profile": 40, "long": 90}
+DEFAULT_PARTS = "plan,correctness,speed,memory,kernels,profile"
 
 
 def _versions() -> dict[str, Any]:
@@ -67,10 +67,10 @@ def run_part(args) -> None:
         parts.memory(rows, shape, shape["memory"])
     elif args.part == "long":
         parts.memory(rows, shape, [tuple(shape["long"])])
+    elif args.part == "kernels":
+        parts.kernels(rows, shape)
     elif args.part == "profile":
         parts.profile(rows, shape, args.output_dir)
-    elif args.part == "shared_gpu":
-        parts.shared_gpu(rows, args.dry_run)
     elif args.part == "plan":
         parts.plan(rows, shape, args.gpu_memory_gb)
     else:
@@ -142,8 +142,6 @@ def main(argv: list[str] | None = None) -> None:
             report["parts"] = status
             for part in (*PARTS, "plan"):
                 report[part] = _read(os.path.join(work, f"{part}.json"))
-                for extra in ("gloo", "nccl"):
-                    report[part] += _read(os.path.join(work, f"{part}.json.{extra}")) if part == "shared_gpu" else []
             write_text(os.path.join(args.output_dir, "gpu_report.json"), json.dumps(report, indent=1))
             write_text(os.path.join(args.output_dir, "gpu_report.md"), markdown(report))
 

@@ -13,10 +13,10 @@ import transformers
 from benchmarks.gpu.report_one import markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL_PARTS = "plan,correctness,speed,memory,profile,shared_gpu,long"
+ALL_PARTS = "plan,correctness,speed,memory,kernels,profile"  # long: a memory row of its own
 
 
-@pytest.mark.slow  # seven processes of tiny steps and plans: about a minute
+@pytest.mark.slow  # eight processes of tiny steps and plans: about a minute
 def test_dry_run_writes_every_part(tmp_path):
     out = tmp_path / "report"
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_report.py"), "--dry_run", "--parts",
@@ -32,12 +32,11 @@ def test_dry_run_writes_every_part(tmp_path):
     assert {"exact/llama/ring/packed", "exact/llama/ring/packed/blocks 16", "exact/llama/allgather/packed/blocks 16",
             "exact/mistral_window/ring/one"} == checks.keys(), list(checks)
     assert all(row.get("pass") is True for row in checks.values()), checks
-    assert {row["check"] for row in report["shared_gpu"]} == {f"exact/llama/{s}/one" for s in
-                                                              ("ring", "ulysses", "allgather", "hybrid")}
     # speed: llama-cp and transformers side by side at each length, the same first loss
     runs = {(r["context_length"], r["mode"], r["run"]): r for r in report["speed"]}
-    for length in (128, 256):
-        ours, theirs = runs[length, "full", "llama-cp"], runs[length, "full", "transformers"]
+    for mode in ("lora", "full"):
+        ours, theirs = runs[128, mode, "llama-cp"], runs[128, mode, "transformers + peft" if mode == "lora" else
+                                                          "transformers"]
         assert ours["tokens_per_sec_per_gpu"] > 0 and theirs["tokens_per_sec_per_gpu"] > 0
         assert abs(ours["losses"][0] - theirs["losses"][0]) < 0.05, (ours["losses"], theirs["losses"])
     offloaded = runs[128, "full", "llama-cp, checkpointing + offload_params"]
@@ -46,12 +45,14 @@ def test_dry_run_writes_every_part(tmp_path):
     planned = {(p["mode"], p["context_length"], p["lever"]) for p in report["plan"] if "planned_bytes" in p
                and "lever" in p and "context_length" in p}
     assert all((m["mode"], m["context_length"], m["lever"]) in planned and m["measured_peak_bytes"] > 0
-               for m in report["memory"] + report["long"]), report["memory"]
+               for m in report["memory"]), report["memory"]
     assert {p["mode"] for p in report["plan"] if p.get("planned_max_context", 0) > 0} == {"lora", "full"}
     profile = json.loads((out / "profile.json").read_text())
     assert profile and abs(sum(row["share"] for row in profile) - 1) < 0.5
     text = (out / "gpu_report.md").read_text()
-    for section in ("## Exactness", "## Speed", "## Peak memory", "## The whole Llama-3-8B", "## Where one LoRA"):
+    assert [row["kernel"] for row in report["kernels"]] == ["sdpa math, GQA expanded", "sdpa math, GQA enable_gqa"]
+    for section in ("## Exactness", "## Speed", "## Peak memory", "## The whole Llama-3-8B", "## torch's attention",
+                    "## Where one LoRA"):
         assert section in text, section
 
 
@@ -65,7 +66,7 @@ def test_rows_that_failed_are_shown_with_their_error():
     report = {"environment": {"device": "GPU"}, "dry_run": False, "layers": 4, "parts": {"speed": "done in 1 s"},
               "correctness": [{"check": "qlora", "error": "ValueError: refused"}], "shared_gpu": [],
               "speed": [{"context_length": 16, "mode": "lora", "run": "transformers + peft",
-                         "error": "OutOfMemoryError: out"}], "profile": [], "memory": [], "long": [], "plan": []}
+                         "error": "OutOfMemoryError: out"}], "kernels": [], "profile": [], "memory": [], "long": [], "plan": []}
     text = markdown(report)
     assert "| qlora | 1 | error: ValueError: refused |" in text
     assert "| 16 | lora | transformers + peft | error: OutOfMemoryError: out |" in text

@@ -11,7 +11,7 @@ by its limit or by an error keeps what it measured before.
   LoRA and full; ``--offload_params`` and ``--offload_checkpoints`` against the plain step.
 - ``memory``: the planner's peak against the measured one, LoRA and full, with the levers.
 - ``profile``: the kernels of one llama-cp LoRA step at the longest speed length, by GPU time.
-- ``shared_gpu``: two ranks on the one GPU (NCCL, then gloo): does a real multi-rank run work there?
+- ``kernels``: torch's attention kernels alone at the longest speed length: speed and bytes per call.
 - ``long``: one step at the longest memory length, measured against its plan.
 - ``plan`` (CPU, beside the others): every row's planned peak, the levers ``--memory auto`` picks for
   the whole 32-layer model on this GPU, and the longest context planned for it.
@@ -27,17 +27,19 @@ from typing import Any, Callable
 import torch
 
 from llama_cp.files import write_text
+from llama_cp.plan.auto import NO_LEVERS
 
-#: The memory levers of the rows (flags), by name.
+#: The memory levers of the rows (flags), by name: each as ``--memory auto`` sets it (every other lever
+#: off, ``--attention_block_size 0`` included; llama_cp.plan.auto.candidates).
 AC = {"activation_checkpointing": True}
-LEVERS = {
+LEVERS = {name: {**NO_LEVERS, **flags} for name, flags in {
     "none": {},
     "checkpointing": AC,
     "checkpointing + offload_checkpoints": {**AC, "offload_checkpoints": True},
     "checkpointing + blocks + tiles": {**AC, "attention_block_size": 16384, "mlp_tile_size": 8192,
                                        "norm_tile_size": 8192},
     "checkpointing + offload_params": {**AC, "offload_params": True},
-}
+}.items()}
 MODES = {"lora": {"use_peft": True}, "full": {}}
 
 
@@ -49,7 +51,7 @@ def shapes(dry_run: bool, layers: int) -> dict[str, Any]:
 
     if dry_run:
         model = {**EMBEDDED_LLAMA, "num_hidden_layers": 2}
-        speed, mem, long, steps = [128, 256], (128, 256), 512, 2
+        speed, mem, long, steps = [128], (128, 256), 512, 2
         full_model = {**EMBEDDED_LLAMA}
     else:
         model = {**MODEL_PRESETS["llama3-8b"], "num_hidden_layers": layers, "max_position_embeddings": 1 << 24}
@@ -185,6 +187,17 @@ def memory(rows: Rows, shape: dict, which: list) -> None:
             config, length, flags_of(mode, lever), steps=steps, device=device))
 
 
+def kernels(rows: Rows, shape: dict) -> None:
+    """torch's attention kernels alone at the longest speed length (benchmarks/attention_gpu_probe.py):
+    their speed and what a call allocates, the figures a planner model of sdpa_cudnn needs."""
+    from benchmarks.attention_gpu_probe import kernels as probe
+
+    device = _device()
+    length = shape["speed_lens"][-1]
+    for row in probe(length, device):
+        rows.add({"context_length": length, **row})
+
+
 def profile(rows: Rows, shape: dict, out_dir: str) -> None:
     from torch.profiler import ProfilerActivity
 
@@ -212,56 +225,6 @@ def profile(rows: Rows, shape: dict, out_dir: str) -> None:
         return {**result, "profiled_ms": total / 1e3, "top": table[:15]}
 
     rows.measure({"context_length": length, "mode": "lora", "run": "llama-cp, profiled"}, work)
-
-
-def _shared_worker(rank: int, port: int, backend: str, path: str, dry_run: bool) -> None:
-    import torch.distributed as dist
-
-    from benchmarks.gpu.correctness import STRATEGIES, exactness
-    from benchmarks.gpu.settings import Settings
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if not dry_run:
-        torch.cuda.set_device(0)  # both ranks on the one GPU
-    from datetime import timedelta
-
-    dist.init_process_group(backend, timeout=timedelta(seconds=30))
-    s = Settings.of(dry_run, 2, 2)
-    rows, references = Rows(path) if rank == 0 else None, {}
-    for strategy in STRATEGIES:
-        name = {"backend": backend, "check": f"exact/llama/{strategy}/one", "cp": 2}
-        try:
-            result = exactness(s, "llama", strategy, False, 1 if strategy == "hybrid" else 0, references)
-        except Exception as error:  # noqa: BLE001
-            lines = str(error).strip().splitlines() or [""]
-            result = {"error": f"{type(error).__name__}: {lines[-1][:300]}"}
-        if rows is not None:
-            rows.add({**name, **result})
-        if "error" in result:
-            break  # a failed collective leaves the group unusable
-    dist.destroy_process_group()
-    os._exit(0)
-
-
-def shared_gpu(rows: Rows, dry_run: bool) -> None:
-    """Two ranks on the one GPU, each backend in a group of its own (NCCL refuses two ranks on one
-    device in the versions we know; gloo moves CUDA tensors for some collectives only)."""
-    import torch.multiprocessing as mp
-
-    from llama_cp.parallel.mesh import free_port
-
-    for backend in ("gloo",) if dry_run else ("nccl", "gloo"):
-        path = f"{rows.path}.{backend}"
-        group = mp.start_processes(_shared_worker, args=(free_port(), backend, path, dry_run), nprocs=2, join=False,
-                                   start_method="spawn")
-        error = None
-        try:
-            while not group.join(timeout=60):
-                pass
-        except Exception as exc:  # noqa: BLE001 - a rank died: what it wrote stays
-            error = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
-        if error:  # the driver reads the rows from ``path``
-            rows.add({"backend": backend, "error": f"group ended: {error}"})
 
 
 def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:

@@ -22,10 +22,11 @@ def markdown(report: dict[str, Any]) -> str:
              f"Model: Llama-3-8B shapes cut to {report['layers']} decoder layers, random weights"
              + (" (--dry_run: the embedded Llama; figures mean nothing)" if report["dry_run"] else "") + ".",
              "", "Parts: " + "; ".join(f"{k} {v}" for k, v in report["parts"].items()) + "."]
-    lines += _correctness(report["correctness"] + report["shared_gpu"])
+    lines += _correctness(report["correctness"] + report.get("shared_gpu", []))  # two ranks on one GPU: the first run's
     lines += _speed(report["speed"] + report["profile"])
     lines += _memory(report["memory"] + report["long"], report["plan"])
     lines += _plan(report["plan"])
+    lines += _kernels(report.get("kernels", []))
     lines += _profile(report["profile"])
     return "\n".join(lines) + "\n"
 
@@ -110,4 +111,17 @@ def _profile(rows: list[dict]) -> list[str]:
         lines += ["", f"## Where one LoRA step's time goes ({r['context_length']} tokens; {r['profiled_ms']:.0f} ms "
                   "of kernels, top 15)", "", "| kernel | calls | ms | share |", "|---|---:|---:|---:|"]
         lines += [f"| {t['name'][:90]} | {t['calls']} | {t['ms']:.1f} | {t['share']:.1%} |" for t in r["top"]]
+    return lines
+
+
+def _kernels(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", f"## torch's attention kernels alone ({rows[0]['context_length']} tokens, 32 heads, 8 KV heads, 128; "
+             "forward + backward)", "", "| kernel | ms | TFLOP/s | bytes beyond the inputs (GiB) |", "|---|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | error: {r['error']} |||")
+        else:
+            lines.append(f"| {r['kernel']} | {r['ms']:.0f} | {r['tflops']:.0f} | {_gib(r.get('peak_extra_bytes'))} |")
     return lines
