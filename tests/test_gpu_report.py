@@ -70,3 +70,14 @@ def test_rows_that_failed_are_shown_with_their_error():
     text = markdown(report)
     assert "| qlora | 1 | error: ValueError: refused |" in text
     assert "| 16 | lora | transformers + peft | error: OutOfMemoryError: out |" in text
+
+
+def test_the_attention_backend_that_ran_is_read_off_its_op():
+    """The exactness rows name the kernel that ran, not the one asked for: the cuDNN op reads as
+    sdpa_cudnn (the real op, on meta tensors)."""
+    from benchmarks.gpu.correctness import AttentionKernels
+
+    q = torch.empty(1, 2, 8, 16, device="meta", dtype=torch.bfloat16)
+    with AttentionKernels() as kernels:
+        torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.0, True, False)
+    assert kernels.backends("sdpa_flash") == "sdpa_cudnn"

@@ -118,6 +118,7 @@ _ATTENTION_OPS = {
     "aten::_scaled_dot_product_flash_attention": "sdpa_flash",
     "aten::_flash_attention_forward": "sdpa_flash",  # the varlen calls of packed documents
     "aten::_scaled_dot_product_efficient_attention": "sdpa_efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "sdpa_cudnn",
 }
 
 
