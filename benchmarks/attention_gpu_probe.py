@@ -10,6 +10,7 @@ step with and without ``--attention_block_size``, side by side on the same GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -113,6 +114,7 @@ def main() -> None:
         transformers_steps(config, length, lora=True, steps=1, device=device)
     report["transformers_attention_ops"] = names.names
     save()
+    gc.collect()  # peft's wrappers hold the model in reference cycles: gone before the next peak
     torch.cuda.empty_cache() if device.type == "cuda" else None
     for block in (16384, 0):
         flags = {**flags_of("lora", "checkpointing"), "attention_block_size": block}
@@ -123,6 +125,7 @@ def main() -> None:
         report[f"llama_cp_block_{block}"] = {"ops": names.names, **{k: row[k] for k in (
             "seconds_per_step", "step_seconds", "measured_peak_bytes", "model_tflops_per_gpu", "losses")}}
         save()
+        gc.collect()
     print(json.dumps(report, indent=1))
     sys.stdout.flush()
     os._exit(0)

@@ -113,8 +113,8 @@ the FLOPs are the same (causal kernels skip the tiles above the diagonal too), a
 a 16384 x 16384 call is far larger than the kernels' own 128-row tiles, so only the
 merges and the fp32 accumulators are extra. Measured on an H200 (torch 2.11,
 sdpa_flash; a 4-layer Llama-3-8B, LoRA, checkpointing, 65536 tokens at cp 1; docs/benchmarks.md, One GPU,
-measured): 3.30 s a step tiled against 3.14 s untiled, and 27.3 GB of peak against
-23.4 GB: at that length the tiles cost more memory than they save (not yet broken down by tensor).
+measured): 3.30 s a step tiled against 3.14 s untiled (10 kernel calls a layer and pass
+against 1), at the same peak (23.44 GB; planned 23.38 for both).
 ``--memory auto`` (the default on CUDA) turns the tiles off unless a run needs them.
 """
 
