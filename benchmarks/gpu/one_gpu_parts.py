@@ -250,7 +250,8 @@ def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:
     budget = usable_bytes(gpu_memory_gb, 0.1)
     whole = _config(shape["full_model"])
     for mode in MODES:
-        for length in sorted({*shape["speed_lens"], *(m[1] for m in shape["memory"])}):
+        lengths = sorted({*shape["speed_lens"], *(m[1] for m in shape["memory"])})
+        for length in lengths[:1] if shape["dry_run"] else lengths:
             def choose() -> dict:
                 try:
                     choice = choose_levers(cfg_of(length, MODES[mode]), 1, budget, model_config=whole,
@@ -264,7 +265,10 @@ def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:
         if mode == "full":
             flags["offload_checkpoints"] = True
         def longest() -> dict:
-            length, plan_ = find_max_context(cfg_of(2, flags), 1, budget, model_config=whole, granularity=8192)
+            # --dry_run: a search of a few plans (the pipeline), capped at 1024 tokens
+            length, plan_ = find_max_context(cfg_of(2, flags), 1, budget, model_config=whole,
+                                             **(dict(granularity=128, limit=1024) if shape["dry_run"] else
+                                                dict(granularity=8192)))
             return {"planned_max_context": length, "planned_bytes": plan_.total if plan_ else None}
         rows.measure({"model": "llama3-8b", "mode": mode, "lever": lever + (" + offload_checkpoints" if mode == "full"
                                                                              else ""), "budget_bytes": budget}, longest)
