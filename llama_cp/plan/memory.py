@@ -95,6 +95,9 @@ class MemoryBreakdown:
     host: int = 0
     tracked: dict[str, int] = dataclasses.field(default_factory=dict, compare=False)
     """FSDPMemTracker's own categories ("Sharded Param", "Unsharded Param", ...) at the peak."""
+    sqrt_groups: tuple[int, ...] = dataclasses.field(default=(), compare=False)
+    """The optimizer phase's foreach AdamW sqrt(exp_avg_sq) bytes of each param group, of which
+    ``optimizer`` holds the largest (Note [Counting the AdamW step]); () where not counted."""
 
     @classmethod
     def from_snapshot(cls, snapshot: dict, host: int = 0) -> "MemoryBreakdown":
@@ -113,11 +116,21 @@ class MemoryBreakdown:
         values = {name: line(getattr(self, name), getattr(other, name)) for name in self.to_dict()}
         keys = self.tracked.keys() | other.tracked.keys()
         tracked = {k: line(self.tracked.get(k, 0), other.tracked.get(k, 0)) for k in keys}
-        return MemoryBreakdown(**values, host=line(self.host, other.host), tracked=tracked)
+        groups = ()
+        if self.sqrt_groups and len(self.sqrt_groups) == len(other.sqrt_groups):
+            # each group's sqrt list grows with the layers, their maximum need not: the group that
+            # is the larger at 3 and 4 layers (a tied embedding) may not be in the whole model
+            groups = tuple(line(a, b) for a, b in zip(self.sqrt_groups, other.sqrt_groups))
+            change = max(groups) - line(max(self.sqrt_groups), max(other.sqrt_groups))
+            values["optimizer"] += change
+            values["total"] += change
+            tracked.update({k: tracked[k] + change for k in ("OptState", "Total") if k in tracked})
+        return MemoryBreakdown(**values, host=line(self.host, other.host), tracked=tracked, sqrt_groups=groups)
 
     def to_dict(self) -> dict[str, int]:
-        """The device categories and the total (``host`` and ``tracked`` left out)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("host", "tracked")}
+        """The device categories and the total (``host``, ``tracked`` and ``sqrt_groups`` left out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("host", "tracked", "sqrt_groups")}
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -197,9 +210,12 @@ def measure_step_memory(
     tracked = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak").get(device, {}))
     counted = adamw_step_bytes(optimizer)
     if counted is not None:  # Note [Counting the AdamW step]
+        state, groups = counted
+        counted = state + max(groups, default=0)
         tracked = dataclasses.replace(tracked, optimizer=counted, total=tracked.total - tracked.optimizer + counted,
                                       tracked={**tracked.tracked, "OptState": counted,
-                                               "Total": tracked.total - tracked.optimizer + counted})
+                                               "Total": tracked.total - tracked.optimizer + counted},
+                                      sqrt_groups=tuple(groups))
     phases["optimizer"] = tracked
     return phases
 
@@ -208,7 +224,8 @@ def measure_step_memory(
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # What torch's AdamW holds at its step's peak is known exactly, and the planner counts it
 # instead of reading it off FSDPMemTracker: its state (exp_avg, exp_avg_sq and a step counter per
-# trainable parameter, each of its parameter's local shard), and with foreach (the trainer's
+# trainable parameter, each of its parameter's local shard; with foreach on a GPU the counters are
+# host tensors, 4 bytes each, counted all the same), and with foreach (the trainer's
 # implementation on the GPU: Note [AdamW's implementation, pinned] in llama_cp/optim/optimizers.py)
 # the new fp32 list _foreach_sqrt(exp_avg_sq) of one parameter group at a time (torch/optim/adamw.py,
 # _multi_tensor_adam; the other foreach ops of the step work in place), so the largest group's
@@ -219,12 +236,18 @@ def measure_step_memory(
 # 2.11 a full fine-tune of a 4-layer Llama-3-8B at 32K tokens peaked at 36.65 GiB
 # (torch.cuda.max_memory_allocated), the forward/backward's 36.59 GiB planned, while the tracked
 # optimizer phase said 49.48 GiB (docs/gpu_report/h200_2026-11-27.md). On torch 2.13 the tracker
-# agrees with this count to the byte (tests/plan/test_plan_cli.py).
+# agrees with this count to the byte (tests/plan/test_plan_cli.py). Each group's sqrt bytes are kept
+# (``MemoryBreakdown.sqrt_groups``) so that the plan from 3 and 4 layers extrapolates each group and
+# takes the largest of the whole model's: with tied embeddings the group that does not decay can be
+# the larger at 4 layers and the smaller at 16 (Llama-3.2-1B's optimizer phase, full fine-tuning,
+# was planned 2.64 GiB low from the larger group at 3 and 4 layers).
 
 
-def adamw_step_bytes(optimizer: torch.optim.Optimizer) -> int | None:
-    """Bytes torch's AdamW holds on this rank at the peak of its step (Note [Counting the AdamW
-    step]); None for another optimizer (bitsandbytes' is not planned)."""
+def adamw_step_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, list[int]] | None:
+    """What torch's AdamW holds on this rank at the peak of its step (Note [Counting the AdamW
+    step]): the bytes of its state, and of each param group's foreach sqrt(exp_avg_sq) list (none
+    when fused), of which the step holds the largest; None for another optimizer (bitsandbytes' is
+    not planned)."""
     if type(optimizer) is not torch.optim.AdamW:
         return None
 
@@ -234,10 +257,9 @@ def adamw_step_bytes(optimizer: torch.optim.Optimizer) -> int | None:
 
     state = sum(nbytes(t) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
     if any(group.get("fused") for group in optimizer.param_groups):
-        return state
-    sqrt = max((sum(nbytes(optimizer.state[p]["exp_avg_sq"]) for p in group["params"] if p in optimizer.state)
-                for group in optimizer.param_groups), default=0)
-    return state + sqrt
+        return state, []
+    return state, [sum(nbytes(optimizer.state[p]["exp_avg_sq"]) for p in group["params"] if p in optimizer.state)
+                   for group in optimizer.param_groups]
 
 
 def step_peak(phases: dict[str, MemoryBreakdown]) -> MemoryBreakdown:

@@ -4,6 +4,7 @@ Llama-3-8B shape, the max-context search, and its errors."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import glob
 import io
 import json
@@ -248,6 +249,26 @@ def test_the_adamw_step_is_its_state_and_one_sqrt_list():
     assert plan.optimizer == state + 4 * matrices, (plan.optimizer, state, 4 * matrices)
     assert plan.total == plan.parameters + plan.gradients + plan.optimizer + plan.activations + plan.temporary
     assert plan.gradients == 4 * sum(p.numel() for p in params) == plan.tracked["Sharded Param"]
+
+
+@pytest.mark.slow  # plans under fake tensors: seconds each
+def test_the_adamw_step_extrapolates_each_group():
+    """Note [Counting the AdamW step]: with tied embeddings the group that does not decay (the
+    embedding) is the larger at 3 and 4 layers and the smaller at 16, so the plan from 3 and 4
+    layers takes the largest of the extrapolated groups, not the extrapolated largest: it equals
+    the 16-layer simulation, whose peak is the optimizer phase."""
+    from llama_cp.plan.simulate import plan_step_memory, simulate_step_phases, simulate_step_memory
+
+    config = embedded_llama_config(num_hidden_layers=16, vocab_size=8192, hidden_size=128, intermediate_size=344,
+                                   num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
+    cfg = TrainConfig.from_flags(context_length=64, activation_checkpointing=True, dtype="bfloat16")
+    whole = simulate_step_phases(cfg, 1, model_config=copy.deepcopy(config))
+    assert max(whole.values(), key=lambda b: b.total) is whole["optimizer"]
+    embedding = 4 * config.vocab_size * config.hidden_size  # fp32 bytes; tied, so no lm_head among the matrices
+    layers, rest = whole["optimizer"].sqrt_groups  # the matrices that decay; the embedding and the norms
+    assert layers > rest > embedding and layers // 4 < embedding  # at 4 layers the embedding's group is the larger
+    assert plan_step_memory(cfg, 1, model_config=copy.deepcopy(config)) == simulate_step_memory(
+        cfg, 1, model_config=copy.deepcopy(config))
 
 
 @pytest.mark.slow  # plans under fake tensors: seconds each
