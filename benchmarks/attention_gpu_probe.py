@@ -14,12 +14,10 @@ import gc
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
@@ -37,69 +35,18 @@ class OpNames(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _time(work, device: torch.device, reps: int = 3) -> float:
-    work()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        work()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps
-
-
-def kernels(length: int, device: torch.device) -> list[dict]:
-    """Forward + backward of one causal attention of ``length`` tokens (32 heads, 8 KV heads, 128): the
-    time, and on a GPU the bytes a call allocates at its peak beyond its inputs (its output, lse,
-    gradients, the expanded KV heads and the kernel's own workspace)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    g = torch.Generator(device=device).manual_seed(0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    q = torch.randn(1, 32, length, 128, device=device, dtype=dtype, generator=g, requires_grad=True)
-    k = torch.randn(1, 8, length, 128, device=device, dtype=dtype, generator=g, requires_grad=True)
-    v = torch.randn(1, 8, length, 128, device=device, dtype=dtype, generator=g, requires_grad=True)
-    flops = 3.5 * 4 * length * length / 2 * 128 * 32  # forward (2 products) + backward (5), causal half
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION} if device.type == "cuda" else {"math": SDPBackend.MATH}
-    rows = []
-    for name, backend in backends.items():
-        for gqa in ("expanded", "enable_gqa"):
-            def work():
-                with sdpa_kernel([backend]):
-                    if gqa == "expanded":
-                        out = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
-                                                             is_causal=True)
-                    else:
-                        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-                out.sum().backward()
-            try:
-                work()  # warm: the peak below is the steady call's
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-                seconds = _time(work, device)
-                extra = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else None
-                rows.append({"kernel": f"sdpa {name}, GQA {gqa}", "ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
-                             "peak_extra_bytes": extra})
-            except Exception as error:  # noqa: BLE001
-                rows.append({"kernel": f"sdpa {name}, GQA {gqa}", "error": str(error).strip().splitlines()[0][:200]})
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output", default="probe.json")
     parser.add_argument("--dry_run", action="store_true")
     args = parser.parse_args()
-    from benchmarks.gpu.one_gpu import llama_cp_steps, transformers_steps
-    from benchmarks.gpu.one_gpu_parts import _config, _device, flags_of, shapes
+    from benchmarks.gpu.one_gpu import attention_kernels, llama_cp_steps, transformers_steps
+    from benchmarks.gpu.one_gpu_parts import _device, flags_of, shapes
+    from benchmarks.gpu.settings import llama_config
 
     device = _device()
     shape = shapes(args.dry_run, 4)
-    config, length = _config(shape["model"]), shape["speed_lens"][-1]
+    config, length = llama_config(shape["model"]), shape["speed_lens"][-1]
     report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
                     "length": length}
 
@@ -107,7 +54,7 @@ def main() -> None:
         with open(args.output, "w") as f:
             json.dump(report, f, indent=1)
 
-    report["kernels"] = kernels(length, device)
+    report["kernels"] = attention_kernels(length, device)
     save()
     names = OpNames()
     with names:

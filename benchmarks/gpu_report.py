@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--work_dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    unknown = set(args.parts.split(",")) - {*PARTS, "plan"}
+    wanted = set(args.parts.split(","))
+    unknown = wanted - {*PARTS, "plan"}
     if unknown:
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
     os.makedirs(args.output_dir, exist_ok=True)
@@ -127,15 +128,14 @@ def main(argv: list[str] | None = None) -> None:
         args.work_dir = work
         log_path = os.path.join(args.output_dir, "gpu_report.log")
         log = open(log_path, "w")
-        versions = subprocess.run(_command(args, "versions"), stdout=log, stderr=subprocess.STDOUT, timeout=120)
+        subprocess.run(_command(args, "versions"), stdout=log, stderr=subprocess.STDOUT, timeout=120)
         report: dict[str, Any] = {"environment": (_read(os.path.join(work, "versions.json")) or [{}])[0],
                                   "dry_run": args.dry_run, "layers": args.layers, "parts": {}}
         if not args.gpu_memory_gb:
             total = report["environment"].get("gpu_memory_bytes")
             args.gpu_memory_gb = 0.25 if args.dry_run or not total else total / (1 << 30)
-        del versions
         planner = None
-        if "plan" in args.parts.split(","):  # on the CPU: no CUDA context, no GPU memory
+        if "plan" in wanted:  # on the CPU: no CUDA context, no GPU memory
             planner = subprocess.Popen(_command(args, "plan"), stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
 
@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> None:
 
         status: dict[str, str] = {}
         for part, limit in PARTS.items():
-            left = args.budget_s - (time.monotonic() - start)
-            if part not in args.parts.split(","):
+            if part not in wanted:
                 continue
+            left = args.budget_s - (time.monotonic() - start)
             if left < 15:
                 status[part] = f"skipped: {left:.0f} s of the budget left"
                 continue

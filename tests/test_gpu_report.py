@@ -64,7 +64,7 @@ def test_an_unknown_part_is_refused_in_one_line(tmp_path):
 
 def test_rows_that_failed_are_shown_with_their_error():
     report = {"environment": {"device": "GPU"}, "dry_run": False, "layers": 4, "parts": {"speed": "done in 1 s"},
-              "correctness": [{"check": "qlora", "error": "ValueError: refused"}], "shared_gpu": [],
+              "correctness": [{"check": "qlora", "error": "ValueError: refused"}],
               "speed": [{"context_length": 16, "mode": "lora", "run": "transformers + peft",
                          "error": "OutOfMemoryError: out"}], "kernels": [], "profile": [], "memory": [], "long": [], "plan": []}
     text = markdown(report)

@@ -4,59 +4,23 @@ users run today, plain transformers + peft with gradient checkpointing and SDPA 
 Kernel's patched Llama where it is installed), timed the same way and counted by one FLOP
 formula (Note [Model FLOPs] in llama_cp/model/flops.py).
 
-Every function returns a row (a dict): the losses of the steps, the steady step time (the median
+The step functions return a row (a dict): the losses of the steps, the steady step time (the median
 of the steps after the first), the peak of the first step and of the later ones
 (``torch.cuda.max_memory_allocated``, reset before each step), tokens/s, model TFLOP/s and MFU.
+:func:`attention_kernels` times torch's attention kernels alone.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from benchmarks.gpu.settings import random_row, set_flags
+from benchmarks.gpu.step import LORA, _sync, speed_figures, timed_steps
 from llama_cp.config import TrainConfig
-from llama_cp.model.flops import attention_pairs, model_flops, peak_flops, throughput
-
-#: The adapters of every LoRA row, llama-cp's defaults (``--lora_r``, ``--lora_alpha``, targets).
-LORA = TrainConfig().peft
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed_steps(step: Callable[[], float], steps: int, device: torch.device) -> dict[str, Any]:
-    """Run ``step`` (one optimizer step, returning its loss) ``steps`` times: the losses, the
-    steady time per step and the peaks of the first step and of the later ones."""
-    from llama_cp.train.reporting import PeakMemory
-
-    peak = PeakMemory(device.type)
-    losses, times, peaks = [], [], []
-    for _ in range(steps):
-        _sync(device)
-        peak.reset()
-        start = time.perf_counter()
-        losses.append(step())
-        _sync(device)
-        times.append(time.perf_counter() - start)
-        peaks.append(peak.read())
-    later = times[1:] or times
-    return {"losses": losses, "seconds_per_step": sorted(later)[len(later) // 2], "step_seconds": times,
-            "first_step_peak_bytes": peaks[0], "measured_peak_bytes": max(peaks[1:] or peaks)}
-
-
-def speed_figures(config, context_length: int, row: dict, *, lora: bool, seconds: float,
-                  device: torch.device) -> dict[str, float]:
-    """tokens/s, model TFLOP/s and MFU of one step of ``row`` (one FLOP formula for every row)."""
-    flops = model_flops(config, lora_r=LORA.lora_r if lora else 0, lora_targets=LORA.lora_target_modules)
-    step_flops = flops.step(context_length, attention_pairs(row["position_ids"]))
-    name = torch.cuda.get_device_name() if device.type == "cuda" else None
-    return throughput(tokens=context_length, flops=step_flops, seconds=seconds, world_size=1, peak=peak_flops(name))
 
 
 def llama_cp_steps(config, context_length: int, flags: dict, *, steps: int, device: torch.device,
@@ -90,16 +54,16 @@ def llama_cp_steps(config, context_length: int, flags: dict, *, steps: int, devi
     num_tokens = count_valid_tokens([local["labels"]])
     done = [0]
 
-    def step() -> float:
+    def step() -> torch.Tensor:
         done[0] += 1
         last = profile is not None and done[0] == steps
         with profile if last else contextlib.nullcontext():
             loss, _ = optimizer_step(model, optimizer, [local], num_tokens, max_grad_norm=1.0,
                                      offload=cfg.model.activation_offload)
-        return float(loss)
+        return loss
 
     result = timed_steps(step, steps, device)
-    return {**result, **speed_figures(config, context_length, row, lora=cfg.peft.use_peft,
+    return {**result, **speed_figures(config, context_length, row["position_ids"], lora=cfg.peft.use_peft,
                                       seconds=result["seconds_per_step"], device=device)}
 
 
@@ -134,15 +98,61 @@ def transformers_steps(config, context_length: int, *, lora: bool, steps: int, d
     row = random_row(config, context_length, None)
     ids = row["input_ids"].to(device)
 
-    def step() -> float:
+    def step() -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # transformers shifts the labels
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return loss
 
     result = timed_steps(step, steps, device)
-    return {**result, **speed_figures(config, context_length, row, lora=lora, seconds=result["seconds_per_step"],
-                                      device=device)}
+    return {**result, **speed_figures(config, context_length, row["position_ids"], lora=lora,
+                                      seconds=result["seconds_per_step"], device=device)}
+
+
+def attention_kernels(length: int, device: torch.device, reps: int = 3) -> list[dict]:
+    """Forward + backward of one causal attention of ``length`` tokens (32 heads, 8 KV heads, 128) by
+    each of torch's SDPA backends here (CPU: math), KV heads expanded and with ``enable_gqa``: the
+    time of a steady call and, on a GPU, the bytes it allocates at its peak beyond its inputs (its
+    output, lse, gradients, the expanded KV heads and the kernel's own workspace)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(1, 32, length, 128, device=device, dtype=dtype, generator=g, requires_grad=True)
+    k = torch.randn(1, 8, length, 128, device=device, dtype=dtype, generator=g, requires_grad=True)
+    v = torch.randn(1, 8, length, 128, device=device, dtype=dtype, generator=g, requires_grad=True)
+    flops = 3.5 * 4 * length * length / 2 * 128 * 32  # forward (2 products) + backward (5), causal half
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION} if device.type == "cuda" else {"math": SDPBackend.MATH}
+    rows = []
+    for name, backend in backends.items():
+        for gqa in ("expanded", "enable_gqa"):
+            def work():
+                with sdpa_kernel([backend]):
+                    if gqa == "expanded":
+                        out = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                                                             is_causal=True)
+                    else:
+                        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                out.sum().backward()
+            try:
+                work()  # warm: the time and the peak below are the steady calls'
+                _sync(device)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+                start = time.perf_counter()
+                for _ in range(reps):
+                    work()
+                _sync(device)
+                seconds = (time.perf_counter() - start) / reps
+                extra = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else None
+                rows.append({"kernel": f"sdpa {name}, GQA {gqa}", "ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
+                             "peak_extra_bytes": extra})
+            except Exception as error:  # noqa: BLE001
+                rows.append({"kernel": f"sdpa {name}, GQA {gqa}", "error": str(error).strip().splitlines()[0][:200]})
+    return rows

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.gpu.settings import llama_config
 from llama_cp.files import write_text
 from llama_cp.plan.auto import NO_LEVERS
 
@@ -107,12 +108,6 @@ def _device() -> torch.device:
     return torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else 0)
 
 
-def _config(shape: dict):
-    from benchmarks.gpu.settings import llama_config
-
-    return llama_config(shape)
-
-
 def correctness(rows: Rows, dry_run: bool) -> None:
     from benchmarks.gpu.correctness import adamw8bit, exactness, qlora
     from benchmarks.gpu.settings import Settings
@@ -145,7 +140,7 @@ def correctness(rows: Rows, dry_run: bool) -> None:
 def speed(rows: Rows, shape: dict) -> None:
     from benchmarks.gpu.one_gpu import llama_cp_steps, transformers_steps
 
-    device, config, steps = _device(), _config(shape["model"]), shape["steps"]
+    device, config, steps = _device(), llama_config(shape["model"]), shape["steps"]
     first = shape["speed_lens"][0]
     for length in shape["speed_lens"]:
         for mode in MODES:
@@ -178,7 +173,7 @@ def speed(rows: Rows, shape: dict) -> None:
 def memory(rows: Rows, shape: dict, which: list) -> None:
     from benchmarks.gpu.one_gpu import llama_cp_steps
 
-    device, config = _device(), _config(shape["model"])
+    device, config = _device(), llama_config(shape["model"])
     for mode, length, lever in which:
         # LoRA's optimizer state is a few MB, so its first step's peak is the steady one (the report
         # shows both where there are two); full fine-tuning's first step has no AdamW state yet
@@ -188,13 +183,13 @@ def memory(rows: Rows, shape: dict, which: list) -> None:
 
 
 def kernels(rows: Rows, shape: dict) -> None:
-    """torch's attention kernels alone at the longest speed length (benchmarks/attention_gpu_probe.py):
-    their speed and what a call allocates, the figures a planner model of sdpa_cudnn needs."""
-    from benchmarks.attention_gpu_probe import kernels as probe
+    """torch's attention kernels alone at the longest speed length: their speed and what a call
+    allocates, the figures a planner model of sdpa_cudnn needs."""
+    from benchmarks.gpu.one_gpu import attention_kernels
 
     device = _device()
     length = shape["speed_lens"][-1]
-    for row in probe(length, device):
+    for row in attention_kernels(length, device):
         rows.add({"context_length": length, **row})
 
 
@@ -203,7 +198,7 @@ def profile(rows: Rows, shape: dict, out_dir: str) -> None:
 
     from benchmarks.gpu.one_gpu import llama_cp_steps
 
-    device, config = _device(), _config(shape["model"])
+    device, config = _device(), llama_config(shape["model"])
     length = shape["speed_lens"][-1]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     prof = torch.profiler.profile(activities=activities)
@@ -243,12 +238,12 @@ def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:
         set_flags(cfg, flags)
         return cfg
 
-    config = _config(shape["model"])
+    config = llama_config(shape["model"])
     for mode, length, lever in [*shape["memory"], tuple(shape["long"])]:
         rows.measure({"mode": mode, "context_length": length, "lever": lever}, lambda: {
             "planned_bytes": plan_step_memory(cfg_of(length, flags_of(mode, lever)), 1, model_config=config).total})
     budget = usable_bytes(gpu_memory_gb, 0.1)
-    whole = _config(shape["full_model"])
+    whole = llama_config(shape["full_model"])
     for mode in MODES:
         lengths = sorted({*shape["speed_lens"], *(m[1] for m in shape["memory"])})
         for length in lengths[:1] if shape["dry_run"] else lengths:

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-GiB = 1 << 30
-
-
-def _gib(value) -> str:
-    return "-" if value is None else f"{value / GiB:.2f}"
-
-
-def _num(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+from benchmarks.gpu.report import _gib, _num
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -22,7 +14,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"Model: Llama-3-8B shapes cut to {report['layers']} decoder layers, random weights"
              + (" (--dry_run: the embedded Llama; figures mean nothing)" if report["dry_run"] else "") + ".",
              "", "Parts: " + "; ".join(f"{k} {v}" for k, v in report["parts"].items()) + "."]
-    lines += _correctness(report["correctness"] + report.get("shared_gpu", []))  # two ranks on one GPU: the first run's
+    lines += _correctness(report["correctness"])
     lines += _speed(report["speed"] + report["profile"])
     lines += _memory(report["memory"] + report["long"], report["plan"])
     lines += _plan(report["plan"])
@@ -36,17 +28,16 @@ def _correctness(rows: list[dict]) -> list[str]:
              "", "| check | ranks | backend | loss | logits | gradients | bf16 loss | bf16 logits | bf16 gradients "
              "| pass |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        ranks = f"2 on one GPU ({r['backend']})" if "backend" in r else "1"
         if "error" in r:
-            lines.append(f"| {r.get('check', '-')} | {ranks} | error: {r['error']} |||||||")
+            lines.append(f"| {r.get('check', '-')} | 1 | error: {r['error']} |||||||")
             continue
-        if "llama_cp_bf16_error" not in r:  # QLoRA, adamw8bit
+        if "llama_cp_bf16_error" not in r:  # adamw8bit
             detail = {k: v for k, v in r.items() if k not in ("check", "pass")}
             lines.append(f"| {r['check']} | 1 | {str(detail)[:200]} ||||||| {r.get('pass')} |")
             continue
         ours, ref = r["llama_cp_bf16_error"], r["transformers_bf16_error"]
         keys = ("loss", "logits", "gradients")  # QLoRA's: the loss and the LoRA gradients
-        lines.append(f"| {r['check']} | {ranks} | {r.get('attention_backend', '-')} | "
+        lines.append(f"| {r['check']} | 1 | {r.get('attention_backend', '-')} | "
                      + " | ".join(_num(d.get(k, d.get(f"lora_{k}")), ".2e") for d in (ours, ref) for k in keys)
                      + f" | {r['pass']} |")
     return lines

@@ -1,10 +1,11 @@
 """One measured training run on the ranks of a group, what parts 2 to 4 of the GPU acceptance run
-are made of: the step time, the per-step peak memory and the throughput figures."""
+are made of: the step time, the per-step peak memory and the throughput figures; the timed loop
+(:func:`timed_steps`) and the figures (:func:`speed_figures`) the one-GPU report's runs share."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -14,9 +15,46 @@ from llama_cp.config import TrainConfig
 from llama_cp.model.flops import attention_pairs, model_flops, peak_flops, throughput
 
 
-def _sync(device_type: str) -> None:
-    if device_type == "cuda":
+#: The adapters of every LoRA run, llama-cp's defaults (``--lora_r``, ``--lora_alpha``, targets).
+LORA = TrainConfig().peft
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def timed_steps(step: Callable[[], object], steps: int, device: torch.device) -> dict[str, Any]:
+    """Run ``step`` (one optimizer step, returning its loss) ``steps`` times: the losses, the
+    steady time per step (the median of the steps after the first) and the peaks
+    (``PeakMemory``, reset before each step) of the first step and of the later ones."""
+    from llama_cp.train.reporting import PeakMemory
+
+    peak = PeakMemory(device.type)
+    losses, times, peaks = [], [], []
+    for _ in range(steps):
+        _sync(device)
+        peak.reset()
+        start = time.perf_counter()
+        losses.append(float(step()))
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        peaks.append(peak.read())
+    later = times[1:] or times
+    return {"losses": losses, "seconds_per_step": sorted(later)[len(later) // 2], "step_seconds": times,
+            "first_step_peak_bytes": peaks[0], "measured_peak_bytes": max(peaks[1:] or peaks)}
+
+
+def speed_figures(config, context_length: int, position_ids: torch.Tensor, *, lora: bool, seconds: float,
+                  device: torch.device, replicas: int = 1, world: int = 1) -> dict[str, float]:
+    """tokens/s/GPU, model TFLOP/s/GPU and MFU of a step of ``replicas`` rows of ``context_length``
+    tokens (``position_ids`` one row's) on ``world`` GPUs in ``seconds``: one FLOP formula for every
+    run (Note [Model FLOPs] in llama_cp/model/flops.py), LoRA with llama-cp's default adapters."""
+    flops = model_flops(config, lora_r=LORA.lora_r if lora else 0, lora_targets=LORA.lora_target_modules)
+    step_flops = flops.step(context_length, attention_pairs(position_ids)) * replicas
+    name = torch.cuda.get_device_name() if device.type == "cuda" else None
+    return throughput(tokens=context_length * replicas, flops=step_flops, seconds=seconds, world_size=world,
+                      peak=peak_flops(name))
 
 
 def training_step(s: Settings, *, context_length: int, cp: int, strategy: str = "ring", packed: bool = False,
@@ -26,7 +64,6 @@ def training_step(s: Settings, *, context_length: int, cp: int, strategy: str = 
     first), the per-step peak memory, and the throughput figures."""
     from llama_cp import build_causal_lm, count_valid_tokens, optimizer_step, parallelize_model, shard_batch
     from llama_cp.optim.optimizers import build_optimizer
-    from llama_cp.train.reporting import PeakMemory
 
     world = dist.get_world_size()
     cfg = TrainConfig()
@@ -43,24 +80,12 @@ def training_step(s: Settings, *, context_length: int, cp: int, strategy: str = 
     row = random_row(config, context_length, s.doc_len if packed else None, seed=dp_rank)
     local = {k: v.to(device) for k, v in shard_batch(row, mesh["cp"]).items()}
     num_tokens = count_valid_tokens([local["labels"]])
-    peak = PeakMemory(s.device_type)
-    times, peaks = [], []
-    for _ in range(s.steps):
-        _sync(s.device_type)
-        peak.reset()
-        start = time.perf_counter()
-        optimizer_step(model, optimizer, [local], num_tokens, max_grad_norm=1.0)
-        _sync(s.device_type)
-        times.append(time.perf_counter() - start)
-        peaks.append(peak.read())
-    seconds = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-    p = cfg.peft
-    flops = model_flops(config, lora_r=p.lora_r if p.use_peft else 0, lora_targets=p.lora_target_modules)
-    step_flops = flops.step(context_length, attention_pairs(row["position_ids"])) * (world // cp)
-    name = torch.cuda.get_device_name() if s.device_type == "cuda" else None
-    figures = throughput(tokens=context_length * (world // cp), flops=step_flops, seconds=seconds,
-                         world_size=world, peak=peak_flops(name))
-    worst = torch.tensor([max(peaks[1:] or peaks)], dtype=torch.float64, device=device)
+    timed = timed_steps(lambda: optimizer_step(model, optimizer, [local], num_tokens, max_grad_norm=1.0)[0],
+                        s.steps, device)
+    seconds = timed["seconds_per_step"]
+    figures = speed_figures(config, context_length, row["position_ids"], lora=cfg.peft.use_peft, seconds=seconds,
+                            device=device, replicas=world // cp, world=world)
+    worst = torch.tensor([timed["measured_peak_bytes"]], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return {"seconds_per_step": seconds, "measured_peak_bytes": int(worst.item()), **figures}
 

@@ -211,11 +211,10 @@ def measure_step_memory(
     counted = adamw_step_bytes(optimizer)
     if counted is not None:  # Note [Counting the AdamW step]
         state, groups = counted
-        counted = state + max(groups, default=0)
-        tracked = dataclasses.replace(tracked, optimizer=counted, total=tracked.total - tracked.optimizer + counted,
-                                      tracked={**tracked.tracked, "OptState": counted,
-                                               "Total": tracked.total - tracked.optimizer + counted},
-                                      sqrt_groups=tuple(groups))
+        optimizer_bytes = state + max(groups, default=0)
+        total = tracked.total - tracked.optimizer + optimizer_bytes
+        tracked = dataclasses.replace(tracked, optimizer=optimizer_bytes, total=total, sqrt_groups=tuple(groups),
+                                      tracked={**tracked.tracked, "OptState": optimizer_bytes, "Total": total})
     phases["optimizer"] = tracked
     return phases
 
