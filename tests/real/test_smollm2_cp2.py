@@ -9,22 +9,22 @@ import torch
 
 from dist_harness import Checks
 from document_checks import mesh_for
-from smollm2 import check_real_model, why_missing
+from smollm2 import SHALLOW, check_real_model, why_missing
 
 WORLD_SIZE = 2
 MISSING = why_missing()
 checks = Checks()
 
 
-CASES = [  # (strategy, sharded, LoRA, dtype), grouped by reference (each is built once)
-    ("ring", False, False, torch.float32),
-    ("allgather", False, False, torch.float32),
-    ("ring", True, False, torch.float32),
-    ("allgather", True, True, torch.float32),
-    ("ring", False, True, torch.float64),
+CASES = [  # (strategy, sharded, LoRA, dtype, decoder layers), grouped by reference (each is built once)
+    ("ring", False, False, torch.float32, None),  # all 30
+    ("allgather", False, False, torch.float32, SHALLOW),
+    ("ring", True, False, torch.float32, SHALLOW),
+    ("allgather", True, True, torch.float32, SHALLOW),
+    ("ring", False, True, torch.float64, SHALLOW),
 ]
-for _strategy, _sharded, _lora, _dtype in CASES:
-    checks.add(functools.partial(check_real_model, _strategy, 2, _sharded, _lora, _dtype),
+for _strategy, _sharded, _lora, _dtype, _layers in CASES:
+    checks.add(functools.partial(check_real_model, _strategy, 2, _sharded, _lora, _dtype, _layers),
                name=f"{_strategy}_cp2_{'fsdp' if _sharded else 'plain'}{'_lora' if _lora else ''}_{str(_dtype)[6:]}",
                skip=MISSING)
 

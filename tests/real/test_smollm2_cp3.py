@@ -9,21 +9,21 @@ import pytest
 import torch
 
 from dist_harness import Checks
-from smollm2 import check_real_model, why_missing
+from smollm2 import SHALLOW, check_real_model, why_missing
 
 WORLD_SIZE = 3
 MISSING = why_missing()
 checks = Checks()
 
 
-CASES = [  # (strategy, sharded, LoRA), grouped by reference (each is built once)
-    ("allgather", False, False),
-    ("ring", True, False),
-    ("ring", False, True),
-    ("allgather", True, True),
+CASES = [  # (strategy, sharded, LoRA, decoder layers), grouped by reference (each is built once)
+    ("allgather", False, False, None),  # all 30
+    ("ring", True, False, SHALLOW),
+    ("ring", False, True, SHALLOW),
+    ("allgather", True, True, SHALLOW),
 ]
-for _strategy, _sharded, _lora in CASES:
-    checks.add(functools.partial(check_real_model, _strategy, 3, _sharded, _lora, torch.float32),
+for _strategy, _sharded, _lora, _layers in CASES:
+    checks.add(functools.partial(check_real_model, _strategy, 3, _sharded, _lora, torch.float32, _layers),
                name=f"{_strategy}_cp3_{'fsdp' if _sharded else 'plain'}{'_lora' if _lora else ''}_float32",
                skip=MISSING)
 
