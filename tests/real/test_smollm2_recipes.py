@@ -33,11 +33,72 @@ ASKED = {"What is the capital of France?": "Paris", "What is the capital of Germ
          "How many days are in a week?": "7"}
 
 
-def run(module: str, *flags: str) -> None:
-    """``python -m module flags``: one process, on every core (torch's default threads)."""
-    result = subprocess.run([sys.executable, "-m", module, *flags], capture_output=True, text=True, cwd=ROOT,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+def run(module: str, *flags: str, log=None) -> None:
+    """``python -m module flags``, waited for."""
+    finish(start(module, *flags, log=log))
+
+
+def start(module: str, *flags: str, log, threads: int | None = None) -> subprocess.Popen:
+    """Start ``python -m module flags``, its output to the file ``log`` (a pipe nobody reads
+    until the run ends could fill and stop it)."""
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", module, *flags], stdout=output, stderr=subprocess.STDOUT,
+                                   text=True, cwd=ROOT,
+                                   env={**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})})
+    process.log = log
+    return process
+
+
+def finish(process: subprocess.Popen) -> None:
+    try:
+        process.wait(timeout=900)
+    finally:
+        process.kill()  # a no-op on one that exited
+    with open(process.log) as f:
+        assert process.returncode == 0, f.read()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's three training runs, started together, one thread each (one run alone, on torch's
+    default two threads, kept 1.2 of the 2 cores busy): {name: (output_dir, process)}; each test waits
+    for its own. The module: 117 -> 81 s on the idle 2-core machine."""
+    root = tmp_path_factory.mktemp("runs")
+    chats, pairs, long_text = root / "chats.jsonl", root / "pairs.jsonl", root / "long_text"
+    with open(chats, "w") as f:
+        for _ in range(4):
+            for question, answer in TRAIN:
+                f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                                 {"role": "assistant", "content": answer}]}) + "\n")
+    with open(pairs, "w") as f:
+        for _ in range(4):
+            for question, answer in TRAIN:
+                f.write(json.dumps({"prompt": [{"role": "user", "content": question}],
+                                    "chosen": [{"role": "assistant", "content": answer}],
+                                    "rejected": [{"role": "assistant", "content": "I don't know."}]}) + "\n")
+    run("recipes.long_text", "--output_dir", str(long_text), "--min_chars", "20000", "--max_documents", "3",
+        "--passkeys", "4", log=root / "long_text.log")
+    started = {
+        "sft": (root / "sft", start(
+            "recipes.finetune_longctx", "--model_name", NAME, "--dataset", str(chats), "--use_peft", "--merge_lora",
+            "--export_gguf", "q8_0", "--context_length", "256", "--max_steps", "4", "--log_every", "1",
+            "--report_to", "none", "--output_dir", str(root / "sft"), log=root / "sft.log", threads=1)),
+        "dpo": (root / "dpo", start(
+            "recipes.finetune_longctx", "--model_name", NAME, "--dataset", str(pairs), "--objective", "dpo",
+            "--use_peft", "--context_length", "256", "--max_steps", "1", "--report_to", "none",
+            "--output_dir", str(root / "dpo"), log=root / "dpo.log", threads=1)),
+        # configs/smollm2_extend_32k.yaml as shipped, at CPU lengths (see the test)
+        "extend": (root / "extend", start(
+            "recipes.finetune_longctx", "--config", "configs/smollm2_extend_32k.yaml", "--model_name", NAME,
+            "--context_length", "128", "--max_steps", "2", "--eval_every", "0", "--num_eval_samples", "1",
+            "--report_to", "none", "--dataset", f"{long_text}/train.jsonl:0.9,{long_text}/passkeys.jsonl:0.1",
+            "--eval_dataset", f"{long_text}/eval.jsonl", "--eval_perplexity", "--output_dir", str(root / "extend"), log=root / "extend.log", threads=1)),
+    }
+    try:
+        yield started
+    finally:
+        for _, process in started.values():
+            process.kill()
 
 
 def answers(model, tokenizer) -> dict[str, str]:
@@ -56,19 +117,11 @@ def assert_still_answers(replies: dict[str, str]) -> None:
         assert word in replies[question], replies
 
 
-def test_lora_sft_then_merged_model_and_its_gguf_still_answer(tmp_path):
+def test_lora_sft_then_merged_model_and_its_gguf_still_answer(runs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    data = tmp_path / "chats.jsonl"
-    with open(data, "w") as f:
-        for _ in range(4):
-            for question, answer in TRAIN:
-                f.write(json.dumps({"messages": [{"role": "user", "content": question},
-                                                 {"role": "assistant", "content": answer}]}) + "\n")
-    out = tmp_path / "run"
-    run("recipes.finetune_longctx", "--model_name", NAME, "--dataset", str(data), "--use_peft", "--merge_lora",
-        "--export_gguf", "q8_0", "--context_length", "256", "--max_steps", "4", "--log_every", "1",
-        "--report_to", "none", "--output_dir", str(out))
+    out, process = runs["sft"]
+    finish(process)
     with open(out / "metrics.jsonl") as f:
         losses = [row["loss"] for row in map(json.loads, f) if "loss" in row]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses), losses
@@ -89,19 +142,11 @@ def test_lora_sft_then_merged_model_and_its_gguf_still_answer(tmp_path):
     assert_still_answers(answers(model, tokenizer))
 
 
-def test_dpo_starts_at_log_2_with_zero_rewards(tmp_path):
+def test_dpo_starts_at_log_2_with_zero_rewards(runs):
     """LoRA starts as the base (B = 0), so at step 1 the policy is its reference: every pair's
     loss is -log sigmoid(0) = log 2 and TRL's reward metrics are 0."""
-    data = tmp_path / "pairs.jsonl"
-    with open(data, "w") as f:
-        for _ in range(4):
-            for question, answer in TRAIN:
-                f.write(json.dumps({"prompt": [{"role": "user", "content": question}],
-                                    "chosen": [{"role": "assistant", "content": answer}],
-                                    "rejected": [{"role": "assistant", "content": "I don't know."}]}) + "\n")
-    out = tmp_path / "dpo"
-    run("recipes.finetune_longctx", "--model_name", NAME, "--dataset", str(data), "--objective", "dpo",
-        "--use_peft", "--context_length", "256", "--max_steps", "1", "--report_to", "none", "--output_dir", str(out))
+    out, process = runs["dpo"]
+    finish(process)
     with open(out / "metrics.jsonl") as f:
         first = next(row for row in map(json.loads, f) if "loss" in row)
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6), first
@@ -109,21 +154,13 @@ def test_dpo_starts_at_log_2_with_zero_rewards(tmp_path):
         assert first[name] == pytest.approx(0.0, abs=1e-6), first
 
 
-def test_the_context_extension_recipe_runs_end_to_end_at_cpu_lengths(tmp_path):
+def test_the_context_extension_recipe_runs_end_to_end_at_cpu_lengths(runs):
     """configs/smollm2_extend_32k.yaml as shipped, at 128 tokens and 2 steps (its GPU run is 32768 tokens and
     100 steps): the long-text corpus, the mixture with passkey rows, YaRN, LoRA merged, both evals (the
     passkey grid at 128 tokens only: 32 and 64 cannot hold the task; at 256 tokens the grid took 27 of the
     test's 63 s)."""
-    data = tmp_path / "long_text"
-    run("recipes.long_text", "--output_dir", str(data), "--min_chars", "20000", "--max_documents", "3",
-        "--passkeys", "4")
-    out = tmp_path / "extend"
-    run("recipes.finetune_longctx", "--config", "configs/smollm2_extend_32k.yaml", "--model_name", NAME,
-        "--context_length", "128",
-        "--max_steps", "2", "--eval_every", "0", "--num_eval_samples", "1", "--report_to", "none",
-        "--dataset", f"{data}/train.jsonl:0.9,{data}/passkeys.jsonl:0.1", "--eval_dataset", f"{data}/eval.jsonl",
-        "--eval_perplexity",
-        "--output_dir", str(out))
+    out, process = runs["extend"]
+    finish(process)
     with open(out / "final_merged" / "config.json") as f:
         rope = json.load(f)["rope_parameters"]
     assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 8192), rope
