@@ -33,7 +33,7 @@ from llama_cp.files import write_text  # noqa: E402
 
 #: The parts in the order they run, each with its own time limit in seconds (GPU; --dry_run: 240); the
 #: planner ("plan") runs on the CPU beside them.
-PARTS = {"correctness": 75, "speed": 175, "memory": 125, "kernels": 25, "profile": 40, "long": 90}
+PARTS = {"correctness": 80, "speed": 220, "memory": 75, "kernels": 25, "profile": 40, "long": 90}
 DEFAULT_PARTS = "plan,correctness,speed,memory,kernels,profile"
 
 

@@ -62,6 +62,19 @@ def test_an_unknown_part_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2 and "--parts: unknown fast" in done.stderr, done.stderr
 
 
+def test_the_cudnn_checks_run_right_after_the_references_they_reuse():
+    """A GPU run's correctness part may be stopped at its limit (the first took 71 of its 75 s): the
+    cuDNN checks, never run on a GPU yet, come third to sixth, after the two cases that compute the
+    references they reuse; every check runs once."""
+    from benchmarks.gpu.one_gpu_parts import exactness_runs
+
+    runs = exactness_runs(8192, dry_run=False)
+    assert [backend for _, backend in runs] == [None, None] + ["sdpa_cudnn"] * 4 + [None] * 7
+    assert {(case[0], case[2]) for case, _ in runs[2:6]} == {(case[0], case[2]) for case, _ in runs[:2]}
+    assert len(set(runs)) == len(runs) == 13
+    assert {case for case, _ in exactness_runs(8192, dry_run=True)} <= {case for case, _ in runs}
+
+
 def test_rows_that_failed_are_shown_with_their_error():
     report = {"environment": {"device": "GPU"}, "dry_run": False, "layers": 4, "parts": {"speed": "done in 1 s"},
               "correctness": [{"check": "qlora", "error": "ValueError: refused"}],
