@@ -17,7 +17,6 @@ A ``multirank`` module's ranks run only the checks whose tests are selected (nod
 import atexit
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -103,30 +102,3 @@ def frozen_heap():
         yield
     finally:
         gc.unfreeze()
-
-
-#: The test that reads the one-GPU report's dry run (:func:`gpu_report_dry_run`), and the parts it runs
-#: (every part of the default command; "long" is a memory row of its own).
-GPU_REPORT_DRY_RUN_TEST = "test_dry_run_writes_every_part"
-GPU_REPORT_PARTS = "plan,correctness,speed,memory,kernels,profile"
-
-
-@pytest.fixture(scope="session")
-def gpu_report_dry_run(tmp_path_factory):
-    """``benchmarks/gpu_report.py --dry_run`` with GPU_REPORT_PARTS, started when first asked for: (its
-    --output_dir, the process, its log file). tests/test_gpu_acceptance.py's dry run asks for it first
-    when tests/test_gpu_report.py's test is selected too, so the two pipelines run side by side (each
-    alone keeps about 1.2 of 2 cores busy: parts one after another, ranks waiting on each other)."""
-    root = tmp_path_factory.mktemp("gpu_report")
-    log = root / "log.txt"
-    with open(log, "w") as output:
-        process = subprocess.Popen(
-            [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                                          "gpu_report.py"), "--dry_run", "--parts",
-             GPU_REPORT_PARTS, "--output_dir", str(root / "report")],
-            stdout=output, stderr=subprocess.STDOUT, cwd=root)
-    try:
-        yield root / "report", process, log
-    finally:
-        process.kill()  # a no-op on one that exited
-        process.wait()

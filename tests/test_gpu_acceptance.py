@@ -34,11 +34,7 @@ def _installed(name: str) -> str:
         return "not installed"
 
 
-def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, frozen_heap, request):
-    from conftest import GPU_REPORT_DRY_RUN_TEST
-
-    if any(item.name == GPU_REPORT_DRY_RUN_TEST for item in request.session.items):
-        request.getfixturevalue("gpu_report_dry_run")  # the one-GPU report's dry run, started beside this one
+def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, frozen_heap):
     # `python benchmarks/gpu_acceptance.py --dry_run` run as that script, in this process (runpy
     # makes it __main__, so its spawned ranks start from the script as they do from the command):
     # this process has torch and transformers imported already. Its planning, here while the
