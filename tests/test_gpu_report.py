@@ -39,6 +39,8 @@ def test_dry_run_writes_every_part(tmp_path):
                                                           "transformers"]
         assert ours["tokens_per_sec_per_gpu"] > 0 and theirs["tokens_per_sec_per_gpu"] > 0
         assert abs(ours["losses"][0] - theirs["losses"][0]) < 0.05, (ours["losses"], theirs["losses"])
+    # each row's whole time, build and clean-up included, beside its timed steps
+    assert all(r["row_seconds"] >= sum(r["step_seconds"]) > 0 for r in runs.values()), runs
     offloaded = runs[128, "full", "llama-cp, checkpointing + offload_params"]
     assert offloaded["losses"] == pytest.approx(runs[128, "full", "llama-cp"]["losses"], rel=1e-6)
     # memory: every measured row has its plan; the whole model's levers and longest context

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -86,8 +87,11 @@ class Rows:
 
     def measure(self, name: dict, work: Callable[[], dict]) -> dict:
         """``name`` (the row's keys) and what ``work()`` measured, or the last line of its error
-        (an out-of-memory error ends the row, not the part)."""
+        (an out-of-memory error ends the row, not the part); ``row_seconds``: the whole row's wall
+        time, its build and clean-up included (the first H200 run spent about 12 s a speed row
+        outside the timed steps, unexplained)."""
         print(f"[gpu_report] {name}", flush=True)
+        start = time.perf_counter()
         try:
             row = {**name, **work()}
         except Exception as error:  # noqa: BLE001 - recorded, and the part goes on
@@ -96,6 +100,7 @@ class Rows:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        row["row_seconds"] = round(time.perf_counter() - start, 2)
         self.add(row)
         print(f"[gpu_report]   -> {json.dumps(row)[:400]}", flush=True)
         return row
