@@ -154,14 +154,14 @@ def speed(rows: Rows, shape: dict) -> None:
     from benchmarks.gpu.one_gpu import llama_cp_steps, transformers_steps
 
     device, config, steps = _device(), llama_config(shape["model"]), shape["steps"]
-    first = shape["speed_lens"][0]
+    shortest = min(shape["speed_lens"])  # the offloaded rows' length
     for length in sorted(shape["speed_lens"], reverse=True):  # the longest first: a part at its limit cuts the rest
         for mode in MODES:
             lora = mode == "lora"
             base = {"context_length": length, "mode": mode}
             rows.measure({**base, "run": "llama-cp"}, lambda: llama_cp_steps(
                 config, length, flags_of(mode, "checkpointing"), steps=steps, device=device,
-                build_on_cpu=mode == "full" and length == first))  # the offloaded rows' weights
+                build_on_cpu=mode == "full" and length == shortest))  # the offloaded rows' weights
             if device.type == "cuda":  # torch's cuDNN attention, what transformers' SDPA runs on Hopper
                 rows.measure({**base, "run": "llama-cp, sdpa_cudnn"}, lambda: llama_cp_steps(
                     config, length, {**flags_of(mode, "checkpointing"), "attention_backend": "sdpa_cudnn"},
@@ -169,8 +169,8 @@ def speed(rows: Rows, shape: dict) -> None:
             rows.measure({**base, "run": "transformers + peft" if lora else "transformers"},
                          lambda: transformers_steps(config, length, lora=lora, steps=steps, device=device))
     for lever in ("checkpointing + offload_params", "checkpointing + offload_checkpoints"):
-        rows.measure({"context_length": first, "mode": "full", "run": f"llama-cp, {lever}"}, lambda: llama_cp_steps(
-            config, first, flags_of("full", lever), steps=steps, device=device, build_on_cpu=True))
+        rows.measure({"context_length": shortest, "mode": "full", "run": f"llama-cp, {lever}"}, lambda: llama_cp_steps(
+            config, shortest, flags_of("full", lever), steps=steps, device=device, build_on_cpu=True))
     try:
         import liger_kernel  # noqa: F401
     except ImportError:

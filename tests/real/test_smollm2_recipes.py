@@ -33,18 +33,17 @@ ASKED = {"What is the capital of France?": "Paris", "What is the capital of Germ
          "How many days are in a week?": "7"}
 
 
-def run(module: str, *flags: str, log=None) -> None:
+def run(module: str, *flags: str, log) -> None:
     """``python -m module flags``, waited for."""
     finish(start(module, *flags, log=log))
 
 
-def start(module: str, *flags: str, log, threads: int | None = None) -> subprocess.Popen:
-    """Start ``python -m module flags``, its output to the file ``log`` (a pipe nobody reads
-    until the run ends could fill and stop it)."""
+def start(module: str, *flags: str, log) -> subprocess.Popen:
+    """Start ``python -m module flags`` on one thread, its output to the file ``log`` (a pipe nobody
+    reads until the run ends could fill and stop it)."""
     with open(log, "w") as output:
         process = subprocess.Popen([sys.executable, "-m", module, *flags], stdout=output, stderr=subprocess.STDOUT,
-                                   text=True, cwd=ROOT,
-                                   env={**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})})
+                                   text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     process.log = log
     return process
 
@@ -82,17 +81,18 @@ def runs(tmp_path_factory):
         "sft": (root / "sft", start(
             "recipes.finetune_longctx", "--model_name", NAME, "--dataset", str(chats), "--use_peft", "--merge_lora",
             "--export_gguf", "q8_0", "--context_length", "256", "--max_steps", "4", "--log_every", "1",
-            "--report_to", "none", "--output_dir", str(root / "sft"), log=root / "sft.log", threads=1)),
+            "--report_to", "none", "--output_dir", str(root / "sft"), log=root / "sft.log")),
         "dpo": (root / "dpo", start(
             "recipes.finetune_longctx", "--model_name", NAME, "--dataset", str(pairs), "--objective", "dpo",
             "--use_peft", "--context_length", "256", "--max_steps", "1", "--report_to", "none",
-            "--output_dir", str(root / "dpo"), log=root / "dpo.log", threads=1)),
+            "--output_dir", str(root / "dpo"), log=root / "dpo.log")),
         # configs/smollm2_extend_32k.yaml as shipped, at CPU lengths (see the test)
         "extend": (root / "extend", start(
             "recipes.finetune_longctx", "--config", "configs/smollm2_extend_32k.yaml", "--model_name", NAME,
             "--context_length", "128", "--max_steps", "2", "--eval_every", "0", "--num_eval_samples", "1",
             "--report_to", "none", "--dataset", f"{long_text}/train.jsonl:0.9,{long_text}/passkeys.jsonl:0.1",
-            "--eval_dataset", f"{long_text}/eval.jsonl", "--eval_perplexity", "--output_dir", str(root / "extend"), log=root / "extend.log", threads=1)),
+            "--eval_dataset", f"{long_text}/eval.jsonl", "--eval_perplexity", "--output_dir", str(root / "extend"),
+            log=root / "extend.log")),
     }
     try:
         yield started
