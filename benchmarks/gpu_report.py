@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"which parts, comma-separated (they run in the order {', '.join(PARTS)}; plan beside them)")
     parser.add_argument("--gpu_memory_gb", type=float, default=0.0,
                         help="the GPU's memory the plans assume (0: this GPU's; --dry_run: 0.25)")
+    parser.add_argument("--limit", action="append", default=[], metavar="PART=SECONDS",
+                        help="a part's own time limit instead of its default (repeatable), e.g. memory=110")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--work_dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -120,6 +122,12 @@ def main(argv: list[str] | None = None) -> None:
     unknown = wanted - {*PARTS, "plan"}
     if unknown:
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
+    limits = dict(PARTS)
+    for item in args.limit:
+        part, _, seconds = item.partition("=")
+        if part not in PARTS or not seconds.replace(".", "", 1).isdigit():
+            parser.error(f"--limit {item!r}: give PART=SECONDS with PART one of {', '.join(PARTS)}, e.g. memory=110")
+        limits[part] = float(seconds)
     os.makedirs(args.output_dir, exist_ok=True)
     if args.part:
         return run_part(args)
@@ -147,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             write_text(os.path.join(args.output_dir, "gpu_report.md"), markdown(report))
 
         status: dict[str, str] = {}
-        for part, limit in PARTS.items():
+        for part, limit in limits.items():
             if part not in wanted:
                 continue
             left = args.budget_s - (time.monotonic() - start)

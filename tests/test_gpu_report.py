@@ -49,8 +49,10 @@ def test_dry_run_writes_every_part(tmp_path):
     assert all((m["mode"], m["context_length"], m["lever"]) in planned and m["measured_peak_bytes"] > 0
                for m in report["memory"]), report["memory"]
     assert {p["mode"] for p in report["plan"] if p.get("planned_max_context", 0) > 0} == {"lora", "full"}
-    profile = json.loads((out / "profile.json").read_text())
-    assert profile and abs(sum(row["share"] for row in profile) - 1) < 0.5
+    for file in ("profile.json", "profile_transformers.json"):  # llama-cp's step's, then transformers + peft's
+        profile = json.loads((out / file).read_text())
+        assert profile and abs(sum(row["share"] for row in profile) - 1) < 0.5
+    assert [r["run"] for r in report["profile"]] == ["llama-cp, profiled", "transformers + peft, profiled"]
     text = (out / "gpu_report.md").read_text()
     assert [row["kernel"] for row in report["kernels"]] == ["sdpa math, GQA expanded", "sdpa math, GQA enable_gqa"]
     for section in ("## Exactness", "## Speed", "## Peak memory", "## The whole Llama-3-8B", "## torch's attention",
@@ -64,17 +66,22 @@ def test_an_unknown_part_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2 and "--parts: unknown fast" in done.stderr, done.stderr
 
 
-def test_the_cudnn_checks_run_right_after_the_references_they_reuse():
+def test_the_named_kernel_checks_run_right_after_the_references_they_reuse():
     """A GPU run's correctness part may be stopped at its limit (the first took 71 of its 75 s): the
-    cuDNN checks, never run on a GPU yet, come third to sixth, after the two cases that compute the
-    references they reuse; every check runs once."""
+    checks of the kernel auto does not take for a case (sdpa_flash for one document a row, sdpa_cudnn
+    for packed documents, on an H100 without flash-attn) come third to sixth, after the two cases that
+    compute the references they reuse; every check runs once. Also: a part's limit can be set."""
     from benchmarks.gpu.one_gpu_parts import exactness_runs
 
     runs = exactness_runs(8192, dry_run=False)
-    assert [backend for _, backend in runs] == [None, None] + ["sdpa_cudnn"] * 4 + [None] * 7
+    assert [backend for _, backend in runs] == [None, None] + ["sdpa_flash", "sdpa_cudnn"] * 2 + [None] * 7
     assert {(case[0], case[2]) for case, _ in runs[2:6]} == {(case[0], case[2]) for case, _ in runs[:2]}
+    assert all(backend == ("sdpa_cudnn" if packed else "sdpa_flash") for (_, _, packed, _), backend in runs[2:6])
     assert len(set(runs)) == len(runs) == 13
     assert {case for case, _ in exactness_runs(8192, dry_run=True)} <= {case for case, _ in runs}
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_report.py"), "--limit", "memory=x",
+                           "--output_dir", "unused"], capture_output=True, text=True)
+    assert done.returncode == 2 and "--limit 'memory=x': give PART=SECONDS" in done.stderr, done.stderr
 
 
 def test_rows_that_failed_are_shown_with_their_error():

@@ -68,12 +68,15 @@ def llama_cp_steps(config, context_length: int, flags: dict, *, steps: int, devi
 
 
 def transformers_steps(config, context_length: int, *, lora: bool, steps: int, device: torch.device,
-                       liger: bool = False) -> dict[str, Any]:
+                       liger: bool = False, profile=None) -> dict[str, Any]:
     """``steps`` optimizer steps of what a one-GPU user runs today: transformers' own Llama with SDPA
     attention and non-reentrant gradient checkpointing, bf16 autocast, torch's fused AdamW and
     clipping at 1.0; LoRA through peft (llama-cp's default adapters) on bf16 weights, full
     fine-tuning on fp32 weights (Trainer's ``bf16=True``). ``liger``: Liger Kernel's patched
-    Llama (its RMSNorm, RoPE, SwiGLU and fused linear cross-entropy) first."""
+    Llama (its RMSNorm, RoPE, SwiGLU and fused linear cross-entropy) first. ``profile``: as
+    :func:`llama_cp_steps`'."""
+    import contextlib
+
     from transformers import AutoModelForCausalLM
 
     if liger:
@@ -97,14 +100,17 @@ def transformers_steps(config, context_length: int, *, lora: bool, steps: int, d
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, **({"fused": True} if device.type == "cuda" else {}))
     row = random_row(config, context_length, None)
     ids = row["input_ids"].to(device)
+    done = [0]
 
     def step() -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # transformers shifts the labels
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        done[0] += 1
+        with profile if profile is not None and done[0] == steps else contextlib.nullcontext():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # transformers shifts the labels
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return loss
 
     result = timed_steps(step, steps, device)

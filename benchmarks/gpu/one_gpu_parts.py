@@ -123,13 +123,13 @@ def exactness_runs(exact_len: int, dry_run: bool) -> list[tuple[tuple[str, str, 
               ("gemma2_softcap", "ring", False, 0)]
     if dry_run:  # the pipeline, not the figures: one case of each kind
         return [(case, None) for case in (cases[1], cases[3], cases[5], cases[-2])]
-    # torch's cuDNN attention (--attention_backend sdpa_cudnn): auto picks it once these pass on a GPU. They
-    # run right after the two cases whose references they reuse: they have never run on a GPU, so they
-    # are not among the checks a part stopped at its limit loses (the first run's part took 71 of 75 s)
-    cudnn = [("llama", "ring", False, 0), ("llama", "ring", True, 0), ("llama", "ring", False, quarter),
-             ("llama", "allgather", True, quarter)]
-    return [(case, None) for case in cases[:2]] + [(case, "sdpa_cudnn") for case in cudnn] + \
-        [(case, None) for case in cases[2:]]
+    # The kernel auto does not take for a case, named, right after the two cases whose references they
+    # reuse: on an H100 without flash-attn auto runs one document a row on sdpa_cudnn and packed
+    # documents on sdpa_flash's varlen kernel (kernels.AUTO_GPUS, pieces._resolve), so
+    # sdpa_flash is checked on the one-document cases and sdpa_cudnn (one call per piece) on the packed
+    named = [(("llama", "ring", False, 0), "sdpa_flash"), (("llama", "ring", True, 0), "sdpa_cudnn"),
+             (("llama", "ring", False, quarter), "sdpa_flash"), (("llama", "allgather", True, quarter), "sdpa_cudnn")]
+    return [(case, None) for case in cases[:2]] + named + [(case, None) for case in cases[2:]]
 
 
 def correctness(rows: Rows, dry_run: bool) -> None:
@@ -155,6 +155,12 @@ def speed(rows: Rows, shape: dict) -> None:
 
     device, config, steps = _device(), llama_config(shape["model"]), shape["steps"]
     shortest = min(shape["speed_lens"])  # the offloaded rows' length
+    other = None
+    if device.type == "cuda":
+        from llama_cp.attention.kernels import select_backend
+
+        auto = select_backend(torch.empty(1, 1, 1, config.head_dim, device=device, dtype=torch.bfloat16))
+        other = {"sdpa_cudnn": "sdpa_flash", "sdpa_flash": "sdpa_cudnn"}.get(auto)
     for length in sorted(shape["speed_lens"], reverse=True):  # the longest first: a part at its limit cuts the rest
         for mode in MODES:
             lora = mode == "lora"
@@ -162,9 +168,9 @@ def speed(rows: Rows, shape: dict) -> None:
             rows.measure({**base, "run": "llama-cp"}, lambda: llama_cp_steps(
                 config, length, flags_of(mode, "checkpointing"), steps=steps, device=device,
                 build_on_cpu=mode == "full" and length == shortest))  # the offloaded rows' weights
-            if device.type == "cuda":  # torch's cuDNN attention, what transformers' SDPA runs on Hopper
-                rows.measure({**base, "run": "llama-cp, sdpa_cudnn"}, lambda: llama_cp_steps(
-                    config, length, {**flags_of(mode, "checkpointing"), "attention_backend": "sdpa_cudnn"},
+            if other:  # the kernel auto did not take: sdpa_cudnn against sdpa_flash, side by side
+                rows.measure({**base, "run": f"llama-cp, {other}"}, lambda: llama_cp_steps(
+                    config, length, {**flags_of(mode, "checkpointing"), "attention_backend": other},
                     steps=steps, device=device))
             rows.measure({**base, "run": "transformers + peft" if lora else "transformers"},
                          lambda: transformers_steps(config, length, lora=lora, steps=steps, device=device))
@@ -207,32 +213,39 @@ def kernels(rows: Rows, shape: dict) -> None:
 
 
 def profile(rows: Rows, shape: dict, out_dir: str) -> None:
+    """The kernels of one LoRA step at the longest speed length by GPU time, llama-cp's (its default
+    attention backend) and then transformers + peft's, each in its own file: where the time goes, and
+    what one does that the other does not."""
     from torch.profiler import ProfilerActivity
 
-    from benchmarks.gpu.one_gpu import llama_cp_steps
+    from benchmarks.gpu.one_gpu import llama_cp_steps, transformers_steps
 
     device, config = _device(), llama_config(shape["model"])
     length = shape["speed_lens"][-1]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    prof = torch.profiler.profile(activities=activities)
+    runs = {"llama-cp": ("profile.json", lambda prof: llama_cp_steps(
+                config, length, flags_of("lora", "checkpointing"), steps=2, device=device, profile=prof)),
+            "transformers + peft": ("profile_transformers.json", lambda prof: transformers_steps(
+                config, length, lora=True, steps=2, device=device, profile=prof))}
+    for run, (file, steps) in runs.items():
+        def work() -> dict:
+            prof = torch.profiler.profile(activities=activities)
+            result = steps(prof)
+            # on the GPU the kernels alone (an op's self device time is its kernels' again: counted once);
+            # on the CPU each op's own time
+            from torch.autograd import DeviceType
 
-    def work() -> dict:
-        result = llama_cp_steps(config, length, flags_of("lora", "checkpointing"), steps=2, device=device, profile=prof)
-        # on the GPU the kernels alone (an op's self device time is its kernels' again: counted once);
-        # on the CPU each op's own time
-        from torch.autograd import DeviceType
+            kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
+            key = "device_time_total" if kernels else "self_cpu_time_total"
+            events = [e for e in kernels or prof.key_averages() if getattr(e, key, 0) > 0]
+            total = sum(getattr(e, key) for e in events)
+            top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:40]
+            table = [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, key) / 1e3,
+                      "share": getattr(e, key) / total} for e in top]
+            write_text(os.path.join(out_dir, file), json.dumps(table, indent=1))
+            return {**result, "profiled_ms": total / 1e3, "top": table[:15]}
 
-        kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
-        key = "device_time_total" if kernels else "self_cpu_time_total"
-        events = [e for e in kernels or prof.key_averages() if getattr(e, key, 0) > 0]
-        total = sum(getattr(e, key) for e in events)
-        top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:40]
-        table = [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, key) / 1e3,
-                  "share": getattr(e, key) / total} for e in top]
-        write_text(os.path.join(out_dir, "profile.json"), json.dumps(table, indent=1))
-        return {**result, "profiled_ms": total / 1e3, "top": table[:15]}
-
-    rows.measure({"context_length": length, "mode": "lora", "run": "llama-cp, profiled"}, work)
+        rows.measure({"context_length": length, "mode": "lora", "run": f"{run}, profiled"}, work)
 
 
 def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:

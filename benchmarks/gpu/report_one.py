@@ -99,7 +99,8 @@ def _profile(rows: list[dict]) -> list[str]:
     for r in rows:
         if "top" not in r:
             continue
-        lines += ["", f"## Where one LoRA step's time goes ({r['context_length']} tokens; {r['profiled_ms']:.0f} ms "
+        lines += ["", f"## Where one LoRA step's time goes: {r['run'].removesuffix(', profiled')} ({r['context_length']} "
+                  f"tokens; {r['profiled_ms']:.0f} ms "
                   "of kernels, top 15)", "", "| kernel | calls | ms | share |", "|---|---:|---:|---:|"]
         lines += [f"| {t['name'][:90]} | {t['calls']} | {t['ms']:.1f} | {t['share']:.1%} |" for t in r["top"]]
     return lines

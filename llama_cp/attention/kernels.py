@@ -19,7 +19,9 @@ Backends, chosen per call by :func:`select_backend`:
 
 - ``flash_attn``: the flash-attn package (CUDA, fp16/bf16), imported lazily.
 - ``sdpa_cudnn``: torch's cuDNN attention (fp16/bf16, sm80+, head sizes up to 128), through
-  its aten op; only when asked for by name (Note [cuDNN attention blocks] in kernel_calls.py).
+  its aten op; "auto" takes it on sm90 GPUs (Hopper), elsewhere it runs when named (``AUTO_GPUS``,
+  Note [cuDNN attention blocks] in kernel_calls.py). It has no varlen kernel: under "auto",
+  blocks of packed documents that a varlen kernel computes in fewer calls take sdpa_flash.
 - ``sdpa_flash``: torch's CUDA flash kernel (fp16/bf16, sm80+), through the aten
   op that returns the log-sum-exp.
 - ``sdpa_efficient``: torch's CUDA memory-efficient kernel (fp16/fp32, and bf16
@@ -87,11 +89,13 @@ from llama_cp.attention.kernel_calls import (
 from llama_cp.attention.workspace import FLASH_ATTN, SDPA_OPS, ModelledBackend
 
 Backend = Literal["flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"]
-#: Every backend, fastest first: :func:`select_backend` takes the first that can run and is not
-#: ``CHOSEN_ONLY``.
+#: Every backend, fastest first: :func:`select_backend` takes the first that can run, and a backend
+#: of ``AUTO_GPUS`` only on those GPUs.
 BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math")
-#: Backends that run only when asked for by name (Note [cuDNN attention blocks] in kernel_calls.py).
-CHOSEN_ONLY: tuple[str, ...] = ("sdpa_cudnn",)
+#: Backends "auto" takes only on GPUs of these compute capabilities: those where a GPU run checked
+#: them exact inside llama-cp and faster than the next (Note [cuDNN attention blocks] in
+#: kernel_calls.py: sm90, an H200); elsewhere they run when named.
+AUTO_GPUS: dict[str, tuple[tuple[int, int], ...]] = {"sdpa_cudnn": ((9, 0),)}
 #: The backends with a varlen kernel: many segments of queries x keys in one call.
 VARLEN: tuple[str, ...] = ("flash_attn", "sdpa_flash")
 
@@ -161,11 +165,21 @@ def check_backend(
         )
 
 
-def select_backend(q: torch.Tensor) -> Backend:
-    """The fastest backend that supports ``q``'s device, dtype and head size."""
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+
+
+def select_backend(q: torch.Tensor, *, varlen: bool = False) -> Backend | None:
+    """The fastest backend that supports ``q``'s device, dtype and head size ("auto"); with
+    ``varlen``, the fastest of those with a varlen kernel, or None where none runs."""
+    capability = _capability(q.device)
     for backend in BACKENDS:
-        if backend not in CHOSEN_ONLY and backend_problem(backend, q.device.type, q.dtype, q.shape[-1]) is None:
+        if backend in AUTO_GPUS and capability not in AUTO_GPUS[backend] or varlen and backend not in VARLEN:
+            continue
+        if backend_problem(backend, q.device.type, q.dtype, q.shape[-1]) is None:
             return backend
+    if varlen:
+        return None
     raise AssertionError("math runs everywhere")
 
 

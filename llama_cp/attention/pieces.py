@@ -103,7 +103,7 @@ def pieces_forward(
     its pieces (consecutive in ``block``) and then written (Note [Tiled attention]); rows
     that see nothing get out = 0, lse = -inf.
     """
-    backend = kernels.resolve_backend(backend, q)  # auto (None) named here: the varlen calls need the name
+    backend = _resolve(backend, block, q)  # auto (None) named here: the varlen calls need the name
     plan = _varlen_plan(block, q, backend)
     if plan is not None:
         return _varlen_forward(q, k, v, plan, scale, backend, out, lse, softcap)
@@ -128,6 +128,15 @@ def pieces_forward(
     return out, lse
 
 
+def _resolve(backend: Backend | None, block: list[Piece], q: torch.Tensor) -> Backend:
+    """``backend``, or for "auto" (None) the fastest backend, unless the block's documents take
+    fewer calls through a varlen kernel: then the fastest varlen backend (on an H100, sdpa_cudnn is
+    the fastest and has none; hundreds of per-document launches would cost more than it saves)."""
+    if backend is None and varlen_windows(block) is not None:
+        backend = kernels.select_backend(q, varlen=True)
+    return kernels.resolve_backend(backend, q)
+
+
 def _piece_forward(q, k, v, piece: Piece, scale, backend, softcap=0.0):
     r = piece.rows
     return kernels.attention_forward(
@@ -149,7 +158,7 @@ def pieces_backward(
     """Add the gradients of the pieces of one block to the accumulators dk, dv (and dq when
     given, the ring) in place, given the final (out, lse) of every query row. Without ``dq``,
     returns dq in q's dtype, accumulated in float32 per query slice (Note [Tiled attention])."""
-    backend = kernels.resolve_backend(backend, q)
+    backend = _resolve(backend, block, q)
     plan = _varlen_plan(block, q, backend)
     if plan is not None:
         return _varlen_backward(dout, q, k, v, out, lse, plan, scale, backend, dq, dk, dv, softcap)

@@ -336,24 +336,39 @@ def offloaded(phase: str, breakdown: MemoryBreakdown, transient: int) -> MemoryB
 _PLANNED_GPU = dict(capability=(8, 0), flash_attn_installed=True)
 
 
+# Note [Planning cuDNN attention]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# sdpa_cudnn (named, or what "auto" runs on an H100 without flash-attn) is planned with sdpa_flash's
+# stand-in. Around the kernel both run the same code (KV heads expanded, lse in float32, dK/dV summed
+# back: kernel_calls.py), and cuDNN's own allocations are not in its meta kernels (the workspace is
+# sized by the cuDNN graph at run time), so they were measured instead (docs/benchmarks.md, "One GPU,
+# measured", the H200's second run, torch 2.11, cuDNN 9.19): one 64K causal forward and backward (32
+# heads, 8 KV heads expanded, 128) allocated 4.52 GiB beyond its inputs under cuDNN against 5.02 under
+# sdpa_flash, and the eight speed rows (LoRA and full, 16K and 64K, Llama-3-8B shapes, 4 layers) peaked
+# at the same bytes under both (e.g. 21.83 and 45.25 GiB at 64K). The plan is therefore sdpa_flash's,
+# an upper bound by at most that 0.5 GiB difference per call where an attention backward is the peak.
+# Packed documents run the per-piece path under a named sdpa_cudnn (no varlen kernel) and sdpa_flash's
+# varlen calls under "auto" (Note [Varlen document calls]); the plan keeps sdpa_flash's varlen calls,
+# whose workspace is bounded per block as the per-piece calls' is.
 def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
     """The attention backend the plan models: ``--attention_backend``, where "auto" is what
-    the trainer picks on an sm80+ GPU with flash-attn installed (flash_attn for bf16/fp16).
+    the trainer picks on an sm80+ GPU with flash-attn installed (flash_attn for bf16/fp16), and
+    sdpa_cudnn is planned as sdpa_flash (Note [Planning cuDNN attention]).
     A CUDA backend that could not run there, or that the planner cannot model, is refused in
     one line; sdpa_cpu and math are planned as they run on CPU (the planner's own checks)."""
     dtype = compute_dtype(cfg.model.dtype, "cuda") or torch.float32
     head_dim = attention_head_dim(model_config)  # DeepSeek's MLA: the query/key heads', not config.head_dim
     choice = cfg.model.attention_backend
-    if choice == "sdpa_cudnn":
-        raise ValueError(
-            "--attention_backend sdpa_cudnn: the planner does not model cuDNN's attention workspace (not measured yet); "
-            "plan with --attention_backend sdpa_flash (the same tensors around the kernel), and train with --memory manual"
-        )
+    if choice == "sdpa_cudnn":  # Note [Planning cuDNN attention]
+        if head_dim > 128:
+            check_backend(choice, "cuda", dtype, head_dim, name=f"--attention_backend {choice}", **_PLANNED_GPU)
+        choice = "sdpa_flash"
     if choice == "auto":
         choice = next(b for b in BACKENDS if b in MODELLED + ("math",) and
                       backend_problem(b, "cuda", dtype, head_dim, **_PLANNED_GPU) is None)
     if choice in MODELLED:
-        check_backend(choice, "cuda", dtype, head_dim, name=f"--attention_backend {choice}", **_PLANNED_GPU)
+        check_backend(choice, "cuda", dtype, head_dim, name=f"--attention_backend {cfg.model.attention_backend}",
+                      **_PLANNED_GPU)
         if choice == "sdpa_efficient" and (dtype not in (torch.float16, torch.bfloat16) or head_dim > 128):
             raise ValueError(
                 f"--attention_backend sdpa_efficient: the planner models its workspace for float16/bfloat16 and head "

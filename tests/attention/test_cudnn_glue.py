@@ -1,8 +1,8 @@
 """sdpa_cudnn's glue without a GPU (Note [cuDNN attention blocks] in llama_cp/attention/kernel_calls.py):
 the real ops' meta kernels take our calls, an exact CPU stand-in with the ops' signatures gives
 the math reference's results through our forward and backward (GQA, blocks merged by their
-log-sum-exp, the backward from the merged statistics), "auto" never picks it, and the planner
-refuses it in one line."""
+log-sum-exp, the backward from the merged statistics), "auto" picks it on sm90 GPUs only and
+leaves packed documents to the varlen kernel, and the planner plans it as sdpa_flash."""
 
 import types
 
@@ -95,9 +95,58 @@ def test_blocks_merge_and_take_the_merged_statistics(monkeypatch):
     assert {kind for kind, _ in seen} == {"forward", "backward"}
 
 
-def test_auto_never_picks_it(monkeypatch):
+def _gpu_without_flash_attn(monkeypatch, capability):
+    """select_backend as on a GPU of ``capability`` without flash-attn, on CPU tensors."""
+    monkeypatch.setattr(kernels, "_capability", lambda device: capability)
     monkeypatch.setattr(kernels, "backend_problem", lambda b, *args, **kwargs: "no" if b == "flash_attn" else None)
-    assert kernels.select_backend(torch.zeros(1, 1, 2, 16)) == "sdpa_flash"
+
+
+@pytest.mark.parametrize("capability, picked", [((9, 0), "sdpa_cudnn"), ((8, 0), "sdpa_flash"), ((10, 0), "sdpa_flash")])
+def test_auto_picks_it_on_sm90_only(monkeypatch, capability, picked):
+    """Checked exact and 1.3x faster at 64K on an H200 (sm90): auto takes it there; on other GPUs
+    it has not run, so auto keeps sdpa_flash. The varlen choice (packed documents) stays sdpa_flash."""
+    _gpu_without_flash_attn(monkeypatch, capability)
+    q = torch.zeros(1, 1, 2, 16)
+    assert kernels.select_backend(q) == picked
+    assert kernels.select_backend(q, varlen=True) == "sdpa_flash"
+
+
+def test_auto_on_sm90_sends_packed_documents_to_the_varlen_kernel(monkeypatch):
+    """Under auto on an H100 without flash-attn, a row of one document runs cuDNN, and a block that
+    the varlen kernel takes in fewer calls (packed documents; rows batched) takes the varlen kernel,
+    as before cuDNN was picked (not one cuDNN call per document); both equal the per-piece CPU
+    kernel (sdpa_cpu), forward and backward."""
+    from document_checks import SEQ_LEN, packed_batch
+    from llama_cp.attention.documents import DocumentLayout, tiles
+    from llama_cp.attention.pieces import pieces_attention
+    from llama_cp.attention.workspace import SDPA_OPS
+    from llama_cp.parallel.sharding import document_starts
+
+    _gpu_without_flash_attn(monkeypatch, (9, 0))
+    seen = []
+    ops = types.SimpleNamespace(**vars(SDPA_OPS), **vars(_stand_in(seen)))
+    varlen_calls = []
+    ops._flash_attention_forward = lambda *a, _f=SDPA_OPS._flash_attention_forward, **kw: (
+        varlen_calls.append(1), _f(*a, **kw))[1]
+    monkeypatch.setattr(kernels, "_sdpa_ops", lambda backend: ops)
+    starts = document_starts(packed_batch()[0]["position_ids"])
+    packed = tiles(DocumentLayout(starts, 0, 1).full_row_pieces(), 0)
+    one_document = tiles(DocumentLayout(torch.zeros_like(starts[:1]), 0, 1).full_row_pieces(), 0)
+    g = torch.Generator().manual_seed(3)
+    for block, rows, cudnn, varlen in ((one_document, 1, True, False), (packed, starts.shape[0], False, True)):
+        q = torch.randn(rows, 4, SEQ_LEN, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(rows, 2, SEQ_LEN, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        dout = torch.randn(q.shape, generator=g, dtype=torch.float64)
+        seen.clear(), varlen_calls.clear()
+        results = []
+        for backend in (None, "sdpa_cpu"):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = pieces_attention(*inputs, block, scale=8**-0.5, backend=backend)
+            out.backward(dout)
+            results.append((out, *(t.grad for t in inputs)))
+        assert bool(seen) == cudnn and bool(varlen_calls) == varlen, (seen[:2], len(varlen_calls))
+        for got, want in zip(*results, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # cuDNN's lse is float32
 
 
 def test_its_requirements_are_named():
@@ -107,11 +156,17 @@ def test_its_requirements_are_named():
                                                               capability=(9, 0))
 
 
-def test_the_planner_refuses_it_in_one_line():
+def test_the_planner_plans_it_as_sdpa_flash():
+    """Note [Planning cuDNN attention] in llama_cp/plan/simulate.py: the same tensors around the
+    kernel, and a kernel that allocated less than sdpa_flash's on the H200; head sizes over 128 are
+    refused in one line, as the trainer would."""
     from llama_cp.modules.causal_lm import embedded_llama_config
     from llama_cp.plan.simulate import planned_attention_backend
 
-    cfg = TrainConfig.from_flags(attention_backend="sdpa_cudnn")
-    with pytest.raises(ValueError, match=r"^--attention_backend sdpa_cudnn: the planner does not model") as refused:
-        planned_attention_backend(cfg, embedded_llama_config())
-    assert "\n" not in str(refused.value) and "--memory manual" in str(refused.value)
+    config = embedded_llama_config()
+    assert planned_attention_backend(TrainConfig.from_flags(attention_backend="sdpa_cudnn"), config) == "sdpa_flash"
+    config.head_dim = 256
+    with pytest.raises(ValueError, match=r"^--attention_backend sdpa_cudnn cannot run here: sdpa_cudnn takes head sizes "
+                                         r"up to 128, not 256") as refused:
+        planned_attention_backend(TrainConfig.from_flags(attention_backend="sdpa_cudnn"), config)
+    assert "\n" not in str(refused.value)

@@ -104,7 +104,7 @@ def test_the_auto_backend_takes_the_varlen_calls_it_picks(backend, monkeypatch):
     flash-attn): the packed documents' calls go to it by name. The kernels were handed None and
     refused it ("attention backend None has no varlen kernel"): every packed run on a GPU stopped
     at its first step (seen on an H200, torch 2.11, issue 35)."""
-    monkeypatch.setattr(kernels, "select_backend", lambda q: backend)  # what auto picks on CUDA
+    monkeypatch.setattr(kernels, "select_backend", lambda q, varlen=False: backend)  # what auto picks on CUDA
     block = tiles(_layout().full_row_pieces(), 0)
     q, k, v = _qkv(SEQ_LEN, F64)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
