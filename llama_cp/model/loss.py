@@ -56,8 +56,14 @@ from llama_cp.parallel.sharding import SEQ_INDEX
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTransform, acc: torch.dtype):
     """(logits, tanh) of one chunk in ``acc``: the family's logits of ``hidden @ weight.T``
-    (:class:`LogitTransform`), and the tanh term for the backward (None without a softcap)."""
-    logits = (hidden @ weight.t()).to(acc)
+    (:class:`LogitTransform`), and the tanh term for the backward (None without a softcap). On
+    CUDA a half-precision GEMM writes them in float32 itself (Note [The lm_head gradient's GEMM]):
+    no half-precision logits and no copy (on an H200 the copies were 74 ms of a 2.3 s LoRA step at
+    64K, docs/benchmarks.md), and the logits are not rounded to bf16 first."""
+    if acc == torch.float32 and mm_to_accumulation_dtype(weight):
+        logits = mm_out_dtype(hidden, weight.t(), acc)
+    else:
+        logits = (hidden @ weight.t()).to(acc)
     if transform.scale != 1.0:
         logits *= transform.scale
     if transform.softcap is None:
@@ -134,20 +140,49 @@ def mm_out_dtype(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
 # Without return_token_losses the (empty) token losses stay non-differentiable, as before.
 
 
+# Note [The hidden states' gradient in the forward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# When only the hidden states need a gradient (LoRA and QLoRA: the head is frozen) and only the
+# sum is differentiated (SFT), the gradient of the sum with respect to row t of the hidden states
+# is g * r_t @ W, with r_t = scale * (softmax(logits_t) - onehot(label_t)) on valid rows and g
+# the sum's upstream gradient, a scalar the forward does not know yet. So the forward computes
+# r @ W chunk by chunk while the chunk's logits are still there, keeps it (N x d in the hidden
+# states' dtype, the size of the hidden states the backward would otherwise keep) and the
+# backward multiplies it by g. The backward recomputed every chunk's logits (a third GEMM of N x d
+# x V, which at 64K tokens of Llama 3 is 69 TFLOP) and their softmax: on one H200 the loss's
+# lm_head GEMMs took 299 ms of a 2.3 s LoRA step (docs/benchmarks.md, "Where the rest of the LoRA
+# step goes"). The same products and roundings as the backward's, except that g is applied to
+# the (N, d) result instead of the (chunk, V) logit gradient. A trainable head (full fine-tuning,
+# modules_to_save) or differentiable token losses (preference objectives, whose per-token upstream
+# gradients scale the weight gradient inside its GEMM) keep the backward's recomputation.
+def _logit_grad_(logits, tanh, lse, labels, row_scale, transform) -> torch.Tensor:
+    """d(lse - logit[label]) / d logits = softmax - onehot(label), through the soft-cap's 1 - tanh^2,
+    times ``row_scale`` (chunk,): computed in place in ``logits`` (chunk, V), which it returns."""
+    logits.sub_(lse[:, None]).exp_()
+    logits.scatter_add_(1, labels.clamp(min=0)[:, None], -torch.ones_like(lse[:, None]))
+    if tanh is not None:  # d softcap * tanh(x / softcap) / dx = 1 - tanh^2
+        logits *= tanh.square_().neg_().add_(1)
+    logits *= row_scale[:, None]
+    return logits
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, transform, return_correct, return_losses=False):
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, transform, return_correct, return_losses=False,
+                eager=False):
         # hidden: (N, d), weight: (V, d), labels: (N,) -> summed loss, float32 scalar;
         # correct: (N,) bool, argmax == label or ignored (empty unless return_correct);
-        # losses: (N,) each token's loss, 0 where ignored (empty unless return_losses)
+        # losses: (N,) each token's loss, 0 where ignored (empty unless return_losses);
+        # eager: the hidden states' gradient now (Note [The hidden states' gradient in the forward])
         acc = accumulation_dtype(hidden)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         correct = torch.ones(hidden.shape[0] if return_correct else 0, dtype=torch.bool, device=hidden.device)
         losses = torch.zeros(hidden.shape[0] if return_losses else 0, dtype=acc, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if eager else None
         for start in tile_starts(hidden.shape[0], chunk_size, hidden):  # Note [Planning tiles]
             rows = slice(start, start + chunk_size)
-            logits, _ = _chunk_logits(hidden[rows], weight, transform, acc)  # (chunk, V)
+            logits, tanh = _chunk_logits(hidden[rows], weight, transform, acc)  # (chunk, V)
             lse[rows] = torch.logsumexp(logits, dim=-1)
             valid = labels[rows] != ignore_index
             target = logits.gather(1, labels[rows].clamp(min=0)[:, None]).squeeze(1)
@@ -157,7 +192,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 correct[rows] = (logits.argmax(-1) == labels[rows]) | ~valid
             if return_losses:
                 losses[rows] = chunk_losses
-        ctx.save_for_backward(hidden, weight, labels, lse)
+            if eager:
+                grad_logits = _logit_grad_(logits, tanh, lse[rows], labels[rows], valid * transform.scale, transform)
+                grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+                del grad_logits
+            del logits, tanh  # before the next chunk's logits are made
+        ctx.eager = eager
+        ctx.save_for_backward(*((grad_hidden,) if eager else (hidden, weight, labels, lse)))
         ctx.chunk_size, ctx.ignore_index, ctx.transform = chunk_size, ignore_index, transform
         # unused outputs' gradients come as None, not zeros (Note [Differentiable token losses])
         ctx.set_materialize_grads(False)
@@ -166,9 +207,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total, _grad_correct, grad_losses):
-        hidden, weight, labels, lse = ctx.saved_tensors
+        nothing = (None,) * 9
         if grad_total is None and grad_losses is None:
-            return None, None, None, None, None, None, None, None
+            return nothing
+        if ctx.eager:
+            (grad_hidden,) = ctx.saved_tensors
+            return (grad_hidden * grad_total).to(grad_hidden.dtype), *nothing[1:]
+        hidden, weight, labels, lse = ctx.saved_tensors
         transform = ctx.transform
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         acc = lse.dtype
@@ -179,18 +224,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # d(lse - logit[label]) / d logits = softmax - onehot(label), zero on ignored rows;
             # computed in place in the recomputed logits, so one (chunk, V) buffer at a time
             # (two with a softcap, whose tanh the chain rule needs)
-            grad_logits, tanh = _chunk_logits(hidden[rows], weight, transform, acc)
-            grad_logits.sub_(lse[rows, None]).exp_()
-            grad_logits.scatter_add_(
-                1, labels[rows].clamp(min=0)[:, None], -torch.ones_like(lse[rows, None])
-            )
-            if tanh is not None:  # d softcap * tanh(x / softcap) / dx = 1 - tanh^2
-                grad_logits *= tanh.square_().neg_().add_(1)
             # each token's upstream gradient: the sum's, plus its own loss's (Note [Differentiable token losses])
             upstream = 0.0 if grad_total is None else grad_total
             if grad_losses is not None:
                 upstream = upstream + grad_losses[rows]
-            grad_logits *= (valid * upstream * transform.scale)[:, None]
+            grad_logits, tanh = _chunk_logits(hidden[rows], weight, transform, acc)
+            grad_logits = _logit_grad_(grad_logits, tanh, lse[rows], labels[rows], valid * upstream * transform.scale,
+                                       transform)
             low = grad_logits.to(weight.dtype)  # the GEMMs' operand: grad_logits itself for fp32/fp64
             if grad_hidden is not None:
                 grad_hidden[rows] = (low @ weight).to(hidden.dtype)
@@ -201,7 +241,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 accumulate_weight_grad(grad_weight, grad_logits, hidden[rows])
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, *nothing[2:]
 
 
 def linear_cross_entropy(
@@ -230,9 +270,11 @@ def linear_cross_entropy(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    # Note [The hidden states' gradient in the forward]
+    eager = torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad and not return_token_losses
     total, correct, losses = _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_size, ignore_index, transform,
-        return_correct, return_token_losses,
+        return_correct, return_token_losses, eager,
     )
     extras = ((correct.reshape(labels.shape),) if return_correct else ()) + \
         ((losses.view(labels.shape).clone(),) if return_token_losses else ())  # not a view: FSDP2 hooks outputs

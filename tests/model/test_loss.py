@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 
 from llama_cp.model.loss import linear_cross_entropy
 from llama_cp.modules.families import LogitTransform
@@ -28,6 +29,14 @@ def test_matches_cross_entropy_on_full_logits(chunk_size, dtype):
         torch.testing.assert_close(g_got, g_want, **tol)
 
 
+def _reference(hidden, weight, labels, transform):
+    """The family's full logits and their summed cross-entropy, as transformers computes them."""
+    logits = (hidden @ weight.t()) * transform.scale
+    if transform.softcap is not None:
+        logits = transform.softcap * torch.tanh(logits / transform.softcap)
+    return logits, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
 @pytest.mark.parametrize("transform", [LogitTransform(scale=0.25), LogitTransform(softcap=2.0),
                                        LogitTransform(scale=3.0, softcap=5.0)])
 def test_family_logit_transform_is_applied_in_every_chunk(transform):
@@ -38,10 +47,7 @@ def test_family_logit_transform_is_applied_in_every_chunk(transform):
     weight = torch.randn(40, 8, generator=g, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 40, (2, 13), generator=g)
     labels[1, :4] = -100
-    logits = (hidden @ weight.t()) * transform.scale
-    if transform.softcap is not None:
-        logits = transform.softcap * torch.tanh(logits / transform.softcap)
-    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    logits, want = _reference(hidden, weight, labels, transform)
     want_grads = torch.autograd.grad(want, (hidden, weight))
     got, correct = linear_cross_entropy(hidden, weight, labels, chunk_size=5, transform=transform,
                                         return_correct=True)
@@ -59,6 +65,45 @@ def test_upstream_gradient_scales_the_result():
     (g1,) = torch.autograd.grad(linear_cross_entropy(hidden, weight, labels, chunk_size=3) / 7, hidden)
     (g2,) = torch.autograd.grad(F.cross_entropy(hidden @ weight.t(), labels, reduction="sum") / 7, hidden)
     torch.testing.assert_close(g1, g2)
+
+
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=3.0, softcap=5.0)])
+def test_a_frozen_head_gets_the_hidden_gradient_in_the_forward(transform):
+    """LoRA's head is frozen: the hidden states' gradient is taken while each chunk's logits exist
+    (Note [The hidden states' gradient in the forward]), so the backward runs no GEMM (it
+    recomputed every chunk's logits: three GEMMs of N x d x V instead of two), and the gradient
+    under an upstream scale is the full logits' cross-entropy's, in float64; a trainable head and
+    the token losses of preference objectives keep the backward's GEMMs."""
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 13, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 8, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 40, (2, 13), generator=g)
+    labels[1, :4] = -100
+    _, want = _reference(hidden, weight, labels, transform)
+    (want_grad,) = torch.autograd.grad(want / 7, hidden)
+    got = linear_cross_entropy(hidden, weight, labels, chunk_size=5, transform=transform)
+    with _CountMatmuls() as counted:
+        (got_grad,) = torch.autograd.grad(got / 7, hidden)
+    assert counted.count == 0
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-12, rtol=1e-12)
+    for trainable, token_losses in ((True, False), (False, True)):
+        head = weight.clone().requires_grad_(trainable)
+        out = linear_cross_entropy(hidden, head, labels, chunk_size=5, transform=transform,
+                                   return_token_losses=token_losses)
+        with _CountMatmuls() as counted:
+            torch.autograd.grad(out[0] if token_losses else out, hidden)
+        assert counted.count >= 3, (trainable, token_losses, counted.count)  # 3 chunks' logits again
 
 
 @pytest.mark.slow
@@ -125,16 +170,17 @@ def test_bf16_weight_gradient_in_vocabulary_slices_is_exact(monkeypatch):
 
     hidden, weight, labels = _bf16_head()
     cpu_path = torch.autograd.grad(linear_cross_entropy(hidden, weight, labels, chunk_size=8), weight)[0]
-    slices = []
+    slices, logits = [], []
 
     def stand_in(a, b, dtype):  # bf16 values are exact in fp32; the sum is fp32, as on the tensor cores
-        slices.append(a.shape[0])
+        (slices if b.shape[1] == 64 else logits).append(a.shape[0])  # b: the hidden states, or the head (d, V)
         return a.to(dtype) @ b.to(dtype)
 
     monkeypatch.setattr(loss_module, "mm_to_accumulation_dtype", lambda weight: True)
     monkeypatch.setattr(loss_module, "mm_out_dtype", stand_in)
     gpu_path = torch.autograd.grad(linear_cross_entropy(hidden, weight, labels, chunk_size=8), weight)[0]
     assert len(slices) > 5 and sum(slices) == 5 * 100  # several slices per chunk, every row once
+    assert logits == [8] * 10  # and every chunk's logits written in fp32 by the GEMM, forward and backward
     h, w = hidden.detach().double(), weight.detach().double()
     probs = torch.softmax(h @ w.t(), dim=-1)
     probs[torch.arange(40), labels.clamp(min=0)] -= 1
