@@ -166,7 +166,11 @@ def check_backend(
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
-    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+    """The compute capability of an NVIDIA GPU; None elsewhere, ROCm included (torch reports an
+    MI250 as (9, 0), and its build has no cuDNN attention: ``cudnn.version()`` is MIOpen's there)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 def select_backend(q: torch.Tensor, *, varlen: bool = False) -> Backend | None:

@@ -151,8 +151,10 @@ def mm_out_dtype(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
 # backward multiplies it by g. The backward recomputed every chunk's logits (a third GEMM of N x d
 # x V, which at 64K tokens of Llama 3 is 69 TFLOP) and their softmax: on one H200 the loss's
 # lm_head GEMMs took 299 ms of a 2.3 s LoRA step (docs/benchmarks.md, "Where the rest of the LoRA
-# step goes"). The same products and roundings as the backward's, except that g is applied to
-# the (N, d) result instead of the (chunk, V) logit gradient. A trainable head (full fine-tuning,
+# step goes"). The same products as the backward's, except that g is applied to the (N, d) result
+# instead of the (chunk, V) logit gradient: in bf16 one rounding more (a bf16 step's error against
+# float64 measured 0.00346 against 0.00335). The forward takes it whenever autograd records the
+# call, so a forward whose backward never comes pays the GEMM once. A trainable head (full fine-tuning,
 # modules_to_save) or differentiable token losses (preference objectives, whose per-token upstream
 # gradients scale the weight gradient inside its GEMM) keep the backward's recomputation.
 def _logit_grad_(logits, tanh, lse, labels, row_scale, transform) -> torch.Tensor:
@@ -193,7 +195,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if return_losses:
                 losses[rows] = chunk_losses
             if eager:
-                grad_logits = _logit_grad_(logits, tanh, lse[rows], labels[rows], valid * transform.scale, transform)
+                grad_logits = _logit_grad_(logits, tanh, lse[rows], labels[rows], valid.to(acc) * transform.scale,
+                                           transform)
                 grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
                 del grad_logits
             del logits, tanh  # before the next chunk's logits are made

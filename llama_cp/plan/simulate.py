@@ -338,8 +338,9 @@ _PLANNED_GPU = dict(capability=(8, 0), flash_attn_installed=True)
 
 # Note [Planning cuDNN attention]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# sdpa_cudnn (named, or what "auto" runs on an H100 without flash-attn) is planned with sdpa_flash's
-# stand-in. Around the kernel both run the same code (KV heads expanded, lse in float32, dK/dV summed
+# A named sdpa_cudnn is planned with sdpa_flash's stand-in ("auto" is planned as flash_attn, the GPU
+# the planner assumes having flash-attn; on an H100 without it the trainer runs sdpa_cudnn, and the
+# H200's plans of "auto" were within 3% of those runs' peaks). Around the kernel both run the same code (KV heads expanded, lse in float32, dK/dV summed
 # back: kernel_calls.py), and cuDNN's own allocations are not in its meta kernels (the workspace is
 # sized by the cuDNN graph at run time), so they were measured instead (docs/benchmarks.md, "One GPU,
 # measured", the H200's second run, torch 2.11, cuDNN 9.19): one 64K causal forward and backward (32

@@ -111,6 +111,15 @@ def test_auto_picks_it_on_sm90_only(monkeypatch, capability, picked):
     assert kernels.select_backend(q, varlen=True) == "sdpa_flash"
 
 
+def test_auto_keeps_sdpa_flash_on_rocm(monkeypatch):
+    """torch reports an AMD MI250 as capability (9, 0), and ROCm's build has no cuDNN attention."""
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(kernels, "backend_problem", lambda b, *args, **kwargs: "no" if b == "flash_attn" else None)
+    assert kernels._capability(torch.device("cuda", 0)) is None
+    assert kernels.select_backend(torch.zeros(1, 1, 2, 16)) == "sdpa_flash"
+
+
 def test_auto_on_sm90_sends_packed_documents_to_the_varlen_kernel(monkeypatch):
     """Under auto on an H100 without flash-attn, a row of one document runs cuDNN, and a block that
     the varlen kernel takes in fewer calls (packed documents; rows batched) takes the varlen kernel,
