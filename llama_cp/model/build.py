@@ -181,6 +181,13 @@ def check_lora_targets(model: nn.Module, targets, parameters=()) -> None:
     if missing:
         raise ValueError(f"--lora_target_modules: {', '.join(missing)} not in {type(model).__name__}; its linear "
                          f"layers are {', '.join(linears)}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    heads = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is head and name}
+    adapted = [name for name in targets if name in heads]
+    if adapted:  # peft's lora.Linear would add its update to the loss the chunked head returns
+        raise ValueError(f"--lora_target_modules: {adapted[0]} is the output layer, which computes the chunked loss "
+                         f"without building the logits and takes no LoRA adapter; train it whole with "
+                         f"--lora_modules_to_save {adapted[0]}, or leave it out")
     in_linears = {f"{name}.{p}" for name, module in model.named_modules() if isinstance(module, nn.Linear)
                   for p, _ in module.named_parameters(recurse=False)}
     others = [name for name, _ in model.named_parameters() if name not in in_linears]

@@ -54,6 +54,15 @@ def test_all_linear_stands_alone_in_lora_target_modules():
         TrainConfig.from_flags(use_peft=True, lora_target_modules="all-linear,q_proj")
 
 
+def test_the_output_layer_takes_no_lora_adapter():
+    """peft's LoRA Linear adds its update to what the head returns, which under the chunked loss is
+    the loss, not logits: a (batch, tokens, hidden) tensor came back where a scalar was due."""
+    model = LlamaForCausalLM(embedded_llama_config(num_hidden_layers=1))
+    with pytest.raises(ValueError, match=r"^--lora_target_modules: lm_head is the output layer, which computes the "
+                                         r"chunked loss .* --lora_modules_to_save lm_head, or leave it out$"):
+        check_lora_targets(model, ("q_proj", "lm_head"))
+
+
 def test_modules_to_save_are_names_of_the_model_and_no_tied_embedding():
     untied = LlamaForCausalLM(embedded_llama_config(num_hidden_layers=1))
     check_modules_to_save(untied, ("embed_tokens", "norm", "lm_head"))
