@@ -13,7 +13,7 @@ import transformers
 from benchmarks.gpu.report_one import markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL_PARTS = "plan,correctness,speed,memory,kernels,profile"  # long: a memory row of its own
+ALL_PARTS = "plan,correctness,speed,memory,kernels,profile,long"
 
 
 @pytest.mark.slow  # eight processes of tiny steps and plans: about a minute
@@ -49,6 +49,11 @@ def test_dry_run_writes_every_part(tmp_path):
     assert all((m["mode"], m["context_length"], m["lever"]) in planned and m["measured_peak_bytes"] > 0
                for m in report["memory"]), report["memory"]
     assert {p["mode"] for p in report["plan"] if p.get("planned_max_context", 0) > 0} == {"lora", "full"}
+    # long: one step at the cut model's longest planned context, beside its plan
+    (longest,) = report["long"]
+    cut = next(p for p in report["plan"] if p.get("model") == "llama3-8b cut")
+    assert longest["context_length"] == cut["planned_max_context"] > 0 and longest["measured_peak_bytes"] > 0
+    assert longest["planned_bytes"] == cut["planned_bytes"] <= cut["budget_bytes"], (longest, cut)
     for file in ("profile.json", "profile_transformers.json"):  # llama-cp's step's, then transformers + peft's
         profile = json.loads((out / file).read_text())
         assert profile and abs(sum(row["share"] for row in profile) - 1) < 0.5

@@ -53,11 +53,11 @@ def shapes(dry_run: bool, layers: int) -> dict[str, Any]:
 
     if dry_run:
         model = {**EMBEDDED_LLAMA, "num_hidden_layers": 2}
-        speed, mem, long, steps = [128], (128, 256), 512, 2
+        speed, mem, steps = [128], (128, 256), 2
         full_model = {**EMBEDDED_LLAMA}
     else:
         model = {**MODEL_PRESETS["llama3-8b"], "num_hidden_layers": layers, "max_position_embeddings": 1 << 24}
-        speed, mem, long, steps = [16384, 65536], (32768, 131072), 262144, 3
+        speed, mem, steps = [16384, 65536], (32768, 131072), 3
         full_model = {**MODEL_PRESETS["llama3-8b"], "max_position_embeddings": 1 << 24}
     short, longer = mem
     # the rows that tell most first (a part stopped at its limit keeps what it measured): the H200's
@@ -69,7 +69,7 @@ def shapes(dry_run: bool, layers: int) -> dict[str, Any]:
     if dry_run:  # the pipeline, not the figures: one row of each kind
         memory = [memory[5], memory[7], memory[0]]
     return {"model": model, "full_model": full_model, "speed_lens": speed, "memory": memory,
-            "long": ("lora", long, "checkpointing + offload_checkpoints"), "steps": steps, "dry_run": dry_run}
+            "long": ("lora", "checkpointing + offload_checkpoints"), "steps": steps, "dry_run": dry_run}
 
 
 def flags_of(mode: str, lever: str) -> dict:
@@ -249,27 +249,73 @@ def profile(rows: Rows, shape: dict, out_dir: str) -> None:
         rows.measure({"context_length": length, "mode": "lora", "run": f"{run}, profiled"}, work)
 
 
-def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:
-    """Every measured row's planned peak, then for the whole model (all its layers) on this GPU:
-    the levers ``--memory auto`` picks at each speed and memory length, and the longest context
-    planned with all of them (LoRA, and full fine-tuning with parameter offload)."""
+def _cfg_of(length: int, flags: dict):
     from benchmarks.gpu.settings import set_flags
     from llama_cp.config import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.data.context_length, cfg.data.document_mask = length, True
+    set_flags(cfg, flags)
+    return cfg
+
+
+#: The plan part's row that the long part runs: the cut model's longest planned context.
+CUT_LONGEST = "llama3-8b cut"
+
+
+def longest(rows: Rows, shape: dict, plan_path: str) -> None:
+    """The longest context the planner says fits this GPU for the cut model, with ``shape["long"]``'s
+    mode and levers (LoRA with checkpointing and checkpoint offload, what --memory auto takes last),
+    run for one step: the longest context measured on one GPU, its peak beside the plan. The length
+    is the plan part's (``CUT_LONGEST``, planned on the CPU with CUDA hidden, beside the GPU parts)."""
+    from benchmarks.gpu.one_gpu import llama_cp_steps
+
+    mode, lever = shape["long"]
+    deadline = time.monotonic() + 60  # the plan part runs beside, from the start: its row may still be coming
+    while not (planned := [r for r in _read_rows(plan_path) if r.get("model") == CUT_LONGEST and
+                           r.get("planned_max_context")]) and time.monotonic() < deadline:
+        time.sleep(1)
+    if not planned:
+        rows.add({"mode": mode, "lever": lever, "context_length": None,
+                  "error": "the plan part has not planned the cut model's longest context (run the plan part too)"})
+        return
+    length, planned_bytes = planned[0]["planned_max_context"], planned[0]["planned_bytes"]
+    device, config = _device(), llama_config(shape["model"])
+    rows.measure({"mode": mode, "context_length": length, "lever": lever, "planned_bytes": planned_bytes,
+                  "budget_bytes": planned[0]["budget_bytes"]},
+                 lambda: llama_cp_steps(config, length, flags_of(mode, lever), steps=1, device=device))
+
+
+def _read_rows(path: str) -> list:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return []
+
+
+def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:
+    """Every measured row's planned peak and the cut model's longest context (the long part runs
+    it), then for the whole model (all its layers) on this GPU: the levers ``--memory auto`` picks
+    at each speed and memory length, and the longest context planned with all of them (LoRA, and
+    full fine-tuning with parameter offload)."""
     from llama_cp.plan.auto import NothingFits, choose_levers, describe_levers
     from llama_cp.plan.fit import find_max_context, usable_bytes
     from llama_cp.plan.simulate import plan_step_memory
 
-    def cfg_of(length: int, flags: dict) -> TrainConfig:
-        cfg = TrainConfig()
-        cfg.data.context_length, cfg.data.document_mask = length, True
-        set_flags(cfg, flags)
-        return cfg
-
+    cfg_of = _cfg_of
+    search = dict(granularity=128, limit=1024) if shape["dry_run"] else dict(granularity=8192)  # --dry_run: a few plans
     config = llama_config(shape["model"])
-    for mode, length, lever in [*shape["memory"], tuple(shape["long"])]:
+    for mode, length, lever in shape["memory"]:
         rows.measure({"mode": mode, "context_length": length, "lever": lever}, lambda: {
             "planned_bytes": plan_step_memory(cfg_of(length, flags_of(mode, lever)), 1, model_config=config).total})
     budget = usable_bytes(gpu_memory_gb, 0.1)
+    mode, lever = shape["long"]
+
+    def cut_longest() -> dict:
+        length, plan_ = find_max_context(cfg_of(2, flags_of(mode, lever)), 1, budget, model_config=config, **search)
+        return {"planned_max_context": length, "planned_bytes": plan_.total if plan_ else None}
+    rows.measure({"model": CUT_LONGEST, "mode": mode, "lever": lever, "budget_bytes": budget}, cut_longest)
     whole = llama_config(shape["full_model"])
     for mode in MODES:
         lengths = sorted({*shape["speed_lens"], *(m[1] for m in shape["memory"])})
@@ -287,10 +333,7 @@ def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:
         if mode == "full":
             flags["offload_checkpoints"] = True
         def longest() -> dict:
-            # --dry_run: a search of a few plans (the pipeline), capped at 1024 tokens
-            length, plan_ = find_max_context(cfg_of(2, flags), 1, budget, model_config=whole,
-                                             **(dict(granularity=128, limit=1024) if shape["dry_run"] else
-                                                dict(granularity=8192)))
+            length, plan_ = find_max_context(cfg_of(2, flags), 1, budget, model_config=whole, **search)
             return {"planned_max_context": length, "planned_bytes": plan_.total if plan_ else None}
         rows.measure({"model": "llama3-8b", "mode": mode, "lever": lever + (" + offload_checkpoints" if mode == "full"
                                                                              else ""), "budget_bytes": budget}, longest)

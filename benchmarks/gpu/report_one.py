@@ -68,7 +68,7 @@ def _memory(rows: list[dict], plans: list[dict]) -> list[str]:
              "| mode | context | levers | planned | measured | planned / measured | first step |",
              "|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
-        plan = planned.get((r["mode"], r["context_length"], r["lever"]))
+        plan = r.get("planned_bytes") or planned.get((r["mode"], r["context_length"], r["lever"]))
         if "error" in r:
             lines.append(f"| {r['mode']} | {r['context_length']} | {r['lever']} | {_gib(plan)} | error: {r['error']} |||")
             continue
