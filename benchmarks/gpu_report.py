@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
 
-from benchmarks.gpu.report_one import markdown  # noqa: E402
+from benchmarks.gpu.report_one import markdown, read_rows  # noqa: E402
 from llama_cp.files import write_text  # noqa: E402
 
 #: The parts in the order they run, each with its own time limit in seconds (GPU; --dry_run: 240); the
@@ -99,14 +99,6 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def _read(path: str) -> list:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return []
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output_dir", default="gpu_report")
@@ -142,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         log_path = os.path.join(args.output_dir, "gpu_report.log")
         log = open(log_path, "w")
         subprocess.run(_command(args, "versions"), stdout=log, stderr=subprocess.STDOUT, timeout=120)
-        report: dict[str, Any] = {"environment": (_read(os.path.join(work, "versions.json")) or [{}])[0],
+        report: dict[str, Any] = {"environment": (read_rows(os.path.join(work, "versions.json")) or [{}])[0],
                                   "dry_run": args.dry_run, "layers": args.layers, "parts": {}}
         if not args.gpu_memory_gb:
             total = report["environment"].get("gpu_memory_bytes")
@@ -155,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         def write(status: dict) -> None:
             report["parts"] = status
             for part in (*PARTS, "plan"):
-                report[part] = _read(os.path.join(work, f"{part}.json"))
+                report[part] = read_rows(os.path.join(work, f"{part}.json"))
             write_text(os.path.join(args.output_dir, "gpu_report.json"), json.dumps(report, indent=1))
             write_text(os.path.join(args.output_dir, "gpu_report.md"), markdown(report))
 

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.gpu.report_one import read_rows
 from benchmarks.gpu.settings import llama_config
 from llama_cp.files import write_text
 from llama_cp.plan.auto import NO_LEVERS
@@ -272,7 +273,7 @@ def longest(rows: Rows, shape: dict, plan_path: str) -> None:
 
     mode, lever = shape["long"]
     deadline = time.monotonic() + 60  # the plan part runs beside, from the start: its row may still be coming
-    while not (planned := [r for r in _read_rows(plan_path) if r.get("model") == CUT_LONGEST and
+    while not (planned := [r for r in read_rows(plan_path) if r.get("model") == CUT_LONGEST and
                            r.get("planned_max_context")]) and time.monotonic() < deadline:
         time.sleep(1)
     if not planned:
@@ -284,14 +285,6 @@ def longest(rows: Rows, shape: dict, plan_path: str) -> None:
     rows.measure({"mode": mode, "context_length": length, "lever": lever, "planned_bytes": planned_bytes,
                   "budget_bytes": planned[0]["budget_bytes"]},
                  lambda: llama_cp_steps(config, length, flags_of(mode, lever), steps=1, device=device))
-
-
-def _read_rows(path: str) -> list:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return []
 
 
 def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:

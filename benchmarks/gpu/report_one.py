@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from benchmarks.gpu.report import _gib, _num
+
+
+def read_rows(path: str) -> list:
+    """A part's rows as written so far (``Rows``), or [] before its first."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return []
 
 
 def markdown(report: dict[str, Any]) -> str:
