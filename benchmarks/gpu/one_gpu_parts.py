@@ -296,17 +296,16 @@ def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:
     from llama_cp.plan.fit import find_max_context, usable_bytes
     from llama_cp.plan.simulate import plan_step_memory
 
-    cfg_of = _cfg_of
     search = dict(granularity=128, limit=1024) if shape["dry_run"] else dict(granularity=8192)  # --dry_run: a few plans
     config = llama_config(shape["model"])
     for mode, length, lever in shape["memory"]:
         rows.measure({"mode": mode, "context_length": length, "lever": lever}, lambda: {
-            "planned_bytes": plan_step_memory(cfg_of(length, flags_of(mode, lever)), 1, model_config=config).total})
+            "planned_bytes": plan_step_memory(_cfg_of(length, flags_of(mode, lever)), 1, model_config=config).total})
     budget = usable_bytes(gpu_memory_gb, 0.1)
     mode, lever = shape["long"]
 
     def cut_longest() -> dict:
-        length, plan_ = find_max_context(cfg_of(2, flags_of(mode, lever)), 1, budget, model_config=config, **search)
+        length, plan_ = find_max_context(_cfg_of(2, flags_of(mode, lever)), 1, budget, model_config=config, **search)
         return {"planned_max_context": length, "planned_bytes": plan_.total if plan_ else None}
     rows.measure({"model": CUT_LONGEST, "mode": mode, "lever": lever, "budget_bytes": budget}, cut_longest)
     whole = llama_config(shape["full_model"])
@@ -315,7 +314,7 @@ def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:
         for length in lengths[:1] if shape["dry_run"] else lengths:
             def choose() -> dict:
                 try:
-                    choice = choose_levers(cfg_of(length, MODES[mode]), 1, budget, model_config=whole,
+                    choice = choose_levers(_cfg_of(length, MODES[mode]), 1, budget, model_config=whole,
                                            cache_dir=os.path.dirname(rows.path))
                 except NothingFits as refusal:
                     return {"auto": f"nothing fits: {refusal}"}
@@ -326,7 +325,7 @@ def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:
         if mode == "full":
             flags["offload_checkpoints"] = True
         def longest() -> dict:
-            length, plan_ = find_max_context(cfg_of(2, flags), 1, budget, model_config=whole, **search)
+            length, plan_ = find_max_context(_cfg_of(2, flags), 1, budget, model_config=whole, **search)
             return {"planned_max_context": length, "planned_bytes": plan_.total if plan_ else None}
         rows.measure({"model": "llama3-8b", "mode": mode, "lever": lever + (" + offload_checkpoints" if mode == "full"
                                                                              else ""), "budget_bytes": budget}, longest)

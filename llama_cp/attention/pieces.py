@@ -103,8 +103,7 @@ def pieces_forward(
     its pieces (consecutive in ``block``) and then written (Note [Tiled attention]); rows
     that see nothing get out = 0, lse = -inf.
     """
-    backend = _resolve(backend, block, q)  # auto (None) named here: the varlen calls need the name
-    plan = _varlen_plan(block, q, backend)
+    backend, plan = _resolve(backend, block, q)  # auto (None) named here: the varlen calls need the name
     if plan is not None:
         return _varlen_forward(q, k, v, plan, scale, backend, out, lse, softcap)
     block = planned_tiles(block, q)
@@ -128,13 +127,17 @@ def pieces_forward(
     return out, lse
 
 
-def _resolve(backend: Backend | None, block: list[Piece], q: torch.Tensor) -> Backend:
-    """``backend``, or for "auto" (None) the fastest backend, unless the block's documents take
-    fewer calls through a varlen kernel: then the fastest varlen backend (on an H100, sdpa_cudnn is
-    the fastest and has none; hundreds of per-document launches would cost more than it saves)."""
-    if backend is None and varlen_windows(block) is not None:
-        backend = kernels.select_backend(q, varlen=True)
-    return kernels.resolve_backend(backend, q)
+def _resolve(backend: Backend | None, block: list[Piece], q: torch.Tensor) -> tuple[Backend, list | None]:
+    """(``backend`` resolved, the block's :func:`_varlen_plan` for it), the block's varlen calls worked
+    out once. "auto" (None) is the fastest backend, unless the block's documents take fewer calls
+    through a varlen kernel: then the fastest varlen backend (on an H100, sdpa_cudnn is the fastest
+    and has none; hundreds of per-document launches would cost more than it saves)."""
+    if backend is None:
+        varlen = kernels.select_backend(q, varlen=True)
+        windows = varlen_windows(block) if varlen is not None else None
+        return (varlen, _indexed(windows, q)) if windows is not None else (kernels.select_backend(q), None)
+    backend = kernels.resolve_backend(backend, q)
+    return backend, _varlen_plan(block, q, backend)
 
 
 def _piece_forward(q, k, v, piece: Piece, scale, backend, softcap=0.0):
@@ -158,8 +161,7 @@ def pieces_backward(
     """Add the gradients of the pieces of one block to the accumulators dk, dv (and dq when
     given, the ring) in place, given the final (out, lse) of every query row. Without ``dq``,
     returns dq in q's dtype, accumulated in float32 per query slice (Note [Tiled attention])."""
-    backend = _resolve(backend, block, q)
-    plan = _varlen_plan(block, q, backend)
+    backend, plan = _resolve(backend, block, q)
     if plan is not None:
         return _varlen_backward(dout, q, k, v, out, lse, plan, scale, backend, dq, dk, dv, softcap)
     block = planned_tiles(block, q)
@@ -255,9 +257,11 @@ def _varlen_plan(block: list[Piece], q: torch.Tensor, backend: Backend | None) -
     """The varlen calls of ``block`` as index tensors on q's device, or None where the per-piece
     calls are taken (a backend without varlen kernel, or :func:`varlen_windows` None); ``backend``
     resolved (``kernels.resolve_backend``)."""
-    if not kernels.has_varlen(backend):
-        return None
-    windows = varlen_windows(block)
+    return _indexed(varlen_windows(block) if kernels.has_varlen(backend) else None, q)
+
+
+def _indexed(windows: list[list[list[Piece]]] | None, q: torch.Tensor) -> list[_VarlenWindow] | None:
+    """:func:`varlen_windows`' calls as index tensors on q's device; None for None (per-piece calls)."""
     if windows is None:
         return None
 
