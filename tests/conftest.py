@@ -22,8 +22,11 @@ import tempfile
 
 import pytest
 
-# Spawned ranks import the test modules by name, so tests/ must be importable.
+# Spawned ranks import the test modules by name, so tests/ must be importable, and the repository
+# (the ``tests`` package) from the start: the fork server takes sys.path as it is when it starts.
 sys.path.insert(0, os.path.dirname(__file__))
+if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in map(os.path.abspath, sys.path):
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The prepared-data cache (llama_cp/data/prepared.py, under datasets' cache by default) of the runs the
 # tests start goes to a folder of this session, removed at exit, not to the user's cache.
@@ -56,6 +59,21 @@ def _tier(module) -> str:
     if getattr(module, "checks", None) is not None:  # a dist_harness.Checks module: one process group
         return "multirank"
     return "unit"
+
+
+def pytest_collection(session):
+    """Start the ranks' fork server (Note [Ranks forked from a preloaded server] in tests/dist_harness.py)
+    as collection starts: its imports (~5 s of one core) then run beside the collection's, on the other
+    core, instead of before the first multi-rank module's ranks. A run that selects no multi-rank test
+    leaves it idle; it ends with this process."""
+    if session.config.option.collectonly:
+        return None
+    from multiprocessing import forkserver
+
+    import dist_harness  # noqa: F401  its import sets what the server preloads
+
+    forkserver.ensure_running()
+    return None  # collection goes on as usual
 
 
 def pytest_collection_modifyitems(config, items):

@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -48,6 +49,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import tqdm
 
 from llama_cp.parallel.mesh import end_distributed, free_port
 
@@ -123,6 +125,10 @@ def _worker(rank: int, world_size: int, port: int, module_name: str, out_dir: st
     os.environ.update(environ)
     os.chdir(cwd)
     torch.set_num_threads(1)
+    # tqdm's default lock holds a multiprocessing semaphore, registered with the resource tracker of the
+    # pytest process; a rank leaves by os._exit, without unregistering it, and the tracker then warns of
+    # "leaked semaphore objects" at the session's end (one per rank that showed a bar). A thread lock.
+    tqdm.tqdm.set_lock(threading.RLock())
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=90),

@@ -130,6 +130,7 @@ def test_planner_auto_is_flash_attn_and_refusals():
         planned_attention_backend(fp32, config)
 
 
+@pytest.mark.slow  # plans under fake tensors: seconds each (the floors job runs it: .ci/run)
 def test_planner_includes_flash_attn_workspace():
     """A GQA model whose attention dominates (16 query heads of 128, 2 key/value heads, small
     MLP, tiled MLP/norms, chunked loss), one rank, 4096 tokens: the flash_attn plan exceeds the
@@ -152,6 +153,7 @@ def test_planner_includes_flash_attn_workspace():
     assert peaks["flash_attn"] - peaks["sdpa_cpu"] >= dq_accum
 
 
+@pytest.mark.slow  # plans under fake tensors: seconds each (the floors job runs it: .ci/run)
 def test_plan_memory_says_which_backend_it_models(capsys):
     import json
 

@@ -190,6 +190,7 @@ def test_bf16_weight_gradient_in_vocabulary_slices_is_exact(monkeypatch):
     torch.testing.assert_close(gpu_path, cpu_path, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.slow  # plans under fake tensors: seconds each
 @pytest.mark.skipif(int(__import__("transformers").__version__.split(".")[0]) < 5,
                     reason="transformers 4 routes experts by torch.where on the router's choice, which fake tensors "
                            "cannot simulate")
