@@ -233,7 +233,12 @@ def test_layer_windows_are_those_the_attention_layers_hold(window):
     base = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     experts = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16),
-               "olmoe": dict(num_experts=4)}
+               "olmoe": dict(num_experts=4),  # a few small experts: transformers 4 builds each as Linear layers
+               "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32),
+               "deepseek_v2": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+               "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16),
+               "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=4, n_group=2, topk_group=1,
+                                moe_intermediate_size=16)}
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     for family in SUPPORTED_FAMILIES:
