@@ -65,14 +65,34 @@ def pytest_collection(session):
     """Start the ranks' fork server (Note [Ranks forked from a preloaded server] in tests/dist_harness.py)
     as collection starts: its imports (~5 s of one core) then run beside the collection's, on the other
     core, instead of before the first multi-rank module's ranks. A run that selects no multi-rank test
-    leaves it idle; it ends with this process."""
+    leaves it idle; it ends with this process.
+
+    The server, and every rank forked from it, writes to the standard output and error it is started
+    with. Here, outside any test's capture, that would be the terminal (each rank's warnings in the
+    middle of pytest's dots), so it is started with both on /dev/null: a check's failure reaches pytest
+    as its traceback (dist_harness's results files), not as output. LLAMA_CP_RANKS_OUTPUT=1 keeps the
+    terminal, to see what the ranks print."""
     if session.config.option.collectonly:
         return None
     from multiprocessing import forkserver
 
     import dist_harness  # noqa: F401  its import sets what the server preloads
 
-    forkserver.ensure_running()
+    quiet = os.environ.get("LLAMA_CP_RANKS_OUTPUT") != "1"
+    kept = [os.dup(1), os.dup(2)] if quiet else []
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        if quiet:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        forkserver.ensure_running()
+    finally:
+        for fd, saved in zip((1, 2), kept):
+            os.dup2(saved, fd)
+            os.close(saved)
     return None  # collection goes on as usual
 
 
