@@ -8,7 +8,7 @@
 
 ``multirank`` and ``e2e`` tests, and unit tests marked ``slow`` in their module, are
 also ``slow``, except the few multi-rank checks of ``QUICK_CHECKS``. ``python -m pytest -m
-"not slow"`` is the quick answer (about a minute on 2 cores); ``python -m pytest`` runs
+"not slow"`` is the quick answer (under a minute on 2 cores); ``python -m pytest`` runs
 everything (the README's command, and CI's).
 A ``multirank`` module's ranks run only the checks whose tests are selected (node ids,
 ``-k``: :func:`pytest_collection_finish`), so a few checks cost a few checks' time.
