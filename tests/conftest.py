@@ -25,8 +25,9 @@ import pytest
 # Spawned ranks import the test modules by name, so tests/ must be importable, and the repository
 # (the ``tests`` package) from the start: the fork server takes sys.path as it is when it starts.
 sys.path.insert(0, os.path.dirname(__file__))
-if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in map(os.path.abspath, sys.path):
-    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPOSITORY not in map(os.path.abspath, sys.path):
+    sys.path.insert(1, _REPOSITORY)
 
 # The prepared-data cache (llama_cp/data/prepared.py, under datasets' cache by default) of the runs the
 # tests start goes to a folder of this session, removed at exit, not to the user's cache.

@@ -338,19 +338,19 @@ _PLANNED_GPU = dict(capability=(8, 0), flash_attn_installed=True)
 
 # Note [Planning cuDNN attention]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A named sdpa_cudnn is planned with sdpa_flash's stand-in ("auto" is planned as flash_attn, the GPU
-# the planner assumes having flash-attn; on an H100 without it the trainer runs sdpa_cudnn, and the
-# H200's plans of "auto" were within 3% of those runs' peaks). Around the kernel both run the same
-# code (KV heads expanded, lse in float32, dK/dV summed back: kernel_calls.py), and cuDNN's own
-# allocations are not in its meta kernels (the workspace is sized by the cuDNN graph at run time), so
-# they were measured instead (docs/benchmarks.md, "One GPU, measured", the H200's second run, torch
-# 2.11, cuDNN 9.19): one 64K causal forward and backward (32 heads, 8 KV heads expanded, 128) allocated 4.52 GiB beyond its inputs under cuDNN against 5.02 under
-# sdpa_flash, and the eight speed rows (LoRA and full, 16K and 64K, Llama-3-8B shapes, 4 layers) peaked
-# at the same bytes under both (e.g. 21.83 and 45.25 GiB at 64K). The plan is therefore sdpa_flash's,
-# an upper bound by at most that 0.5 GiB difference per call where an attention backward is the peak.
-# Packed documents run the per-piece path under a named sdpa_cudnn (no varlen kernel) and sdpa_flash's
-# varlen calls under "auto" (Note [Varlen document calls]); the plan keeps sdpa_flash's varlen calls,
-# whose workspace is bounded per block as the per-piece calls' is.
+# A named sdpa_cudnn is planned with sdpa_flash's stand-in ("auto" is planned as flash_attn, the GPU the
+# planner assumes having flash-attn; on an H100 without it the trainer runs sdpa_cudnn, and the H200's
+# plans of "auto" were within 3% of those runs' peaks). Around the kernel both run the same code (KV
+# heads expanded, lse in float32, dK/dV summed back: kernel_calls.py), and cuDNN's own allocations are
+# not in its meta kernels (the workspace is sized by the cuDNN graph at run time), so they were measured
+# instead (docs/benchmarks.md, "One GPU, measured", the H200's second run, torch 2.11, cuDNN 9.19): one
+# 64K causal forward and backward (32 heads, 8 KV heads expanded, 128) allocated 4.52 GiB beyond its
+# inputs under cuDNN against 5.02 under sdpa_flash, and the eight speed rows (LoRA and full, 16K and 64K,
+# Llama-3-8B shapes, 4 layers) peaked at the same bytes under both (e.g. 21.83 and 45.25 GiB at 64K). The
+# plan is therefore sdpa_flash's, an upper bound by at most that 0.5 GiB difference per call where an
+# attention backward is the peak. Packed documents run the per-piece path under a named sdpa_cudnn (no
+# varlen kernel) and sdpa_flash's varlen calls under "auto" (Note [Varlen document calls]); the plan
+# keeps sdpa_flash's varlen calls, whose workspace is bounded per block as the per-piece calls' is.
 def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
     """The attention backend the plan models: ``--attention_backend``, where "auto" is what
     the trainer picks on an sm80+ GPU with flash-attn installed (flash_attn for bf16/fp16), and

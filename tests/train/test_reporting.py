@@ -86,12 +86,11 @@ def test_peak_memory_on_cuda_resets_and_reads_the_allocator_peak(monkeypatch):
     assert peak.read() == 12345 and calls == ["reset", "read"]
 
 
-#: Run in a process of its own: in the test process, memory freed by earlier tests may still be
-#: resident and be handed out again, so a new tensor need not raise the resident set.
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="the peak RSS cannot be reset here")
 def test_peak_memory_on_cpu_is_the_peak_resident_set_since_the_reset():
-    # in this process (a subprocess spent 2 s importing torch): 256 MiB is far above what the rest of the
-    # process allocates meanwhile, and glibc gives a block this large back to the system when it is freed
+    # In this process (a subprocess spent 2 s importing torch). Memory that earlier tests freed and the
+    # process still holds cannot serve the tensor: glibc maps every block over its mmap threshold (32 MiB
+    # at most) fresh, and unmaps it when it is freed, so 256 MiB raises the resident set by its size.
     from llama_cp.train.reporting import PeakMemory
 
     peak, size = PeakMemory("cpu"), 256 * 2**20
