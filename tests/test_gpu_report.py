@@ -54,11 +54,14 @@ def test_dry_run_writes_every_part(tmp_path):
     cut = next(p for p in report["plan"] if p.get("model") == "llama3-8b cut")
     assert longest["context_length"] == cut["planned_max_context"] > 0 and longest["measured_peak_bytes"] > 0
     assert longest["planned_bytes"] == cut["planned_bytes"] <= cut["budget_bytes"], (longest, cut)
-    for file in ("profile.json", "profile_transformers.json"):  # llama-cp's step's, then transformers + peft's
+    for file in ("profile_full.json", "profile_transformers_full.json", "profile.json", "profile_transformers.json"):
         profile = json.loads((out / file).read_text())
         assert profile and abs(sum(row["share"] for row in profile) - 1) < 0.5
-    assert [r["run"] for r in report["profile"]] == ["llama-cp, profiled", "transformers + peft, profiled"]
+    assert [(r["mode"], r["run"]) for r in report["profile"]] == [
+        ("full", "llama-cp, profiled"), ("full", "transformers, profiled"),
+        ("lora", "llama-cp, profiled"), ("lora", "transformers + peft, profiled")]
     text = (out / "gpu_report.md").read_text()
+    assert "## Where one full fine-tuning step's time goes: transformers (" in text
     assert [row["kernel"] for row in report["kernels"]] == ["sdpa math, GQA expanded", "sdpa math, GQA enable_gqa"]
     for section in ("## Exactness", "## Speed", "## Peak memory", "## The whole Llama-3-8B", "## torch's attention",
                     "## Where one LoRA"):

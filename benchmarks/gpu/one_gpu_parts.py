@@ -10,7 +10,8 @@ by its limit or by an error keeps what it measured before.
 - ``speed``: llama-cp (cp = 1) against transformers + peft (and Liger Kernel) at each speed length,
   LoRA and full; ``--offload_params`` and ``--offload_checkpoints`` against the plain step.
 - ``memory``: the planner's peak against the measured one, LoRA and full, with the levers.
-- ``profile``: the kernels of one llama-cp LoRA step at the longest speed length, by GPU time.
+- ``profile``: the kernels of one full fine-tuning step, then one LoRA step, at the longest speed
+  length, by GPU time: llama-cp's and transformers' (+ peft).
 - ``kernels``: torch's attention kernels alone at the longest speed length: speed and bytes per call.
 - ``long``: one step at the longest memory length, measured against its plan.
 - ``plan`` (CPU, beside the others): every row's planned peak, the levers ``--memory auto`` picks for
@@ -215,9 +216,10 @@ def kernels(rows: Rows, shape: dict) -> None:
 
 
 def profile(rows: Rows, shape: dict, out_dir: str) -> None:
-    """The kernels of one LoRA step at the longest speed length by GPU time, llama-cp's (its default
-    attention backend) and then transformers + peft's, each in its own file: where the time goes, and
-    what one does that the other does not."""
+    """The kernels of one step at the longest speed length by GPU time, llama-cp's (its default
+    attention backend) and then transformers' (+ peft for LoRA), each in its own file: where the time
+    goes, and what one does that the other does not. Full fine-tuning first: after the fourth H200
+    run its step is the one still slower than transformers' (0.86x at 64K, LoRA 1.00x)."""
     from torch.profiler import ProfilerActivity
 
     from benchmarks.gpu.one_gpu import llama_cp_steps, transformers_steps
@@ -225,29 +227,35 @@ def profile(rows: Rows, shape: dict, out_dir: str) -> None:
     device, config = _device(), llama_config(shape["model"])
     length = shape["speed_lens"][-1]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    runs = {"llama-cp": ("profile.json", lambda prof: llama_cp_steps(
-                config, length, flags_of("lora", "checkpointing"), steps=2, device=device, profile=prof)),
-            "transformers + peft": ("profile_transformers.json", lambda prof: transformers_steps(
-                config, length, lora=True, steps=2, device=device, profile=prof))}
-    for run, (file, steps) in runs.items():
-        def work() -> dict:
-            prof = torch.profiler.profile(activities=activities)
-            result = steps(prof)
-            # on the GPU the kernels alone (an op's self device time is its kernels' again: counted once);
-            # on the CPU each op's own time
-            from torch.autograd import DeviceType
+    for mode in ("full", "lora"):
+        suffix = "_full" if mode == "full" else ""
+        runs = {"llama-cp": (f"profile{suffix}.json", lambda prof: llama_cp_steps(
+                    config, length, flags_of(mode, "checkpointing"), steps=2, device=device, profile=prof)),
+                "transformers" + (" + peft" if mode == "lora" else ""): (
+                    f"profile_transformers{suffix}.json", lambda prof: transformers_steps(
+                        config, length, lora=mode == "lora", steps=2, device=device, profile=prof))}
+        for run, (file, steps) in runs.items():
+            rows.measure({"context_length": length, "mode": mode, "run": f"{run}, profiled"},
+                         lambda: _profiled(steps, activities, os.path.join(out_dir, file)))
 
-            kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
-            key = "device_time_total" if kernels else "self_cpu_time_total"
-            events = [e for e in kernels or prof.key_averages() if getattr(e, key, 0) > 0]
-            total = sum(getattr(e, key) for e in events)
-            top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:40]
-            table = [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, key) / 1e3,
-                      "share": getattr(e, key) / total} for e in top]
-            write_text(os.path.join(out_dir, file), json.dumps(table, indent=1))
-            return {**result, "profiled_ms": total / 1e3, "top": table[:15]}
 
-        rows.measure({"context_length": length, "mode": "lora", "run": f"{run}, profiled"}, work)
+def _profiled(steps, activities, path: str) -> dict:
+    """``steps(profiler)``'s figures, the 40 busiest kernels of its profiled step written to ``path``
+    (on the GPU the kernels alone: an op's self device time is its kernels' again, counted once; on
+    the CPU each op's own time) and the top 15 of them."""
+    from torch.autograd import DeviceType
+
+    prof = torch.profiler.profile(activities=activities)
+    result = steps(prof)
+    kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
+    key = "device_time_total" if kernels else "self_cpu_time_total"
+    events = [e for e in kernels or prof.key_averages() if getattr(e, key, 0) > 0]
+    total = sum(getattr(e, key) for e in events)
+    top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:40]
+    table = [{"name": e.key[:120], "calls": e.count, "ms": getattr(e, key) / 1e3,
+              "share": getattr(e, key) / total} for e in top]
+    write_text(path, json.dumps(table, indent=1))
+    return {**result, "profiled_ms": total / 1e3, "top": table[:15]}
 
 
 def _cfg_of(length: int, flags: dict):
@@ -298,16 +306,17 @@ def plan(rows: Rows, shape: dict, gpu_memory_gb: float) -> None:
 
     search = dict(granularity=128, limit=1024) if shape["dry_run"] else dict(granularity=8192)  # --dry_run: a few plans
     config = llama_config(shape["model"])
-    for mode, length, lever in shape["memory"]:
-        rows.measure({"mode": mode, "context_length": length, "lever": lever}, lambda: {
-            "planned_bytes": plan_step_memory(_cfg_of(length, flags_of(mode, lever)), 1, model_config=config).total})
     budget = usable_bytes(gpu_memory_gb, 0.1)
     mode, lever = shape["long"]
 
     def cut_longest() -> dict:
         length, plan_ = find_max_context(_cfg_of(2, flags_of(mode, lever)), 1, budget, model_config=config, **search)
         return {"planned_max_context": length, "planned_bytes": plan_.total if plan_ else None}
+    # first: the long part waits for this row (in the fifth H200 run, ~40 s behind the memory rows' plans)
     rows.measure({"model": CUT_LONGEST, "mode": mode, "lever": lever, "budget_bytes": budget}, cut_longest)
+    for mode, length, lever in shape["memory"]:
+        rows.measure({"mode": mode, "context_length": length, "lever": lever}, lambda: {
+            "planned_bytes": plan_step_memory(_cfg_of(length, flags_of(mode, lever)), 1, model_config=config).total})
     whole = llama_config(shape["full_model"])
     for mode in MODES:
         lengths = sorted({*shape["speed_lens"], *(m[1] for m in shape["memory"])})

@@ -109,7 +109,8 @@ def _profile(rows: list[dict]) -> list[str]:
     for r in rows:
         if "top" not in r:
             continue
-        lines += ["", f"## Where one LoRA step's time goes: {r['run'].removesuffix(', profiled')} ({r['context_length']} "
+        lines += ["", f"## Where one {'LoRA' if r['mode'] == 'lora' else 'full fine-tuning'} step's time goes: "
+                  f"{r['run'].removesuffix(', profiled')} ({r['context_length']} "
                   f"tokens; {r['profiled_ms']:.0f} ms "
                   "of kernels, top 15)", "", "| kernel | calls | ms | share |", "|---|---:|---:|---:|"]
         lines += [f"| {t['name'][:90]} | {t['calls']} | {t['ms']:.1f} | {t['share']:.1%} |" for t in r["top"]]

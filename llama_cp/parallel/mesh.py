@@ -139,11 +139,45 @@ def init_distributed(timeout_s: float | None = None, cpu_collectives: bool = Fal
             os.environ.setdefault("MASTER_PORT", str(free_port()))  # several runs may share a machine
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if device_type == "cuda":
+            expandable_segments()
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timeout)
     return device_type
+
+
+#: The environment variables through which a user configures torch's CUDA caching allocator
+#: (PYTORCH_ALLOC_CONF is the newer name, read by torch >= 2.9 too).
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def expandable_segments() -> bool:
+    """Turn on the CUDA caching allocator's expandable segments, unless the user configured the
+    allocator (either of ``ALLOCATOR_VARIABLES`` set, to anything): Note [Expandable segments].
+    Returns whether it did. :func:`init_distributed` calls it on CUDA, before the first allocation."""
+    if any(name in os.environ for name in ALLOCATOR_VARIABLES):
+        return False
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    return True
+
+
+# Note [Expandable segments]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A long-context step allocates a few tensors of many GiB (at 516,096 tokens of Llama 3 8B, one
+# MLP intermediate is 13.8 GiB) between many small ones, and the caching allocator, which keeps
+# the fixed-size segments it got from cudaMalloc, can hold the free bytes in pieces too small for
+# the next big block. On one H200 (docs/benchmarks.md, run 5) the step the planner had sized at
+# 125.4 GiB failed asking for 13.78 GiB with 111.70 GiB allocated, that is at the planned peak,
+# while 17.79 GiB were reserved by torch but unallocated. Expandable segments map physical pages
+# into one growing virtual range per stream, so freed pages are reused whatever the sizes: the
+# same step with them (run 6) ran about 100 s without failing, where run 5 failed 35 s into it,
+# until the part's time limit stopped it before the step ended. So it is our default, as a
+# launcher's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would be, but set in-process (the
+# runtime form torch's own test runner uses, torch._C._accelerator_setAllocatorSettings, present
+# in torch 2.10 to 2.13; it applies to segments made after it), so `python -m ...`, torchrun and a
+# notebook get it alike. A user who sets either variable keeps exactly their setting (also
+# "expandable_segments:False", or cudaMallocAsync, which has no such option).
 
 
 def end_distributed() -> None:
