@@ -2,9 +2,10 @@
 
 The logits of a long sequence do not fit: Llama 3's vocabulary is 128256, so
 131072 tokens of fp32 logits take 64 GiB. :func:`linear_cross_entropy` fuses the
-``lm_head`` matmul with the cross-entropy and walks the tokens in chunks; the
-backward recomputes each chunk's logits instead of keeping them, so peak
-memory is one chunk of logits, not the sequence's.
+``lm_head`` matmul with the cross-entropy and walks the tokens in chunks, taking
+the gradients while each chunk's logits exist (or, for preference objectives,
+recomputing them in the backward), so peak memory is a few chunks of logits, not
+the sequence's.
 
 Normalisation. Every rank returns the *sum* of the cross-entropy of its valid
 local tokens; dividing it by the number of valid tokens of the whole optimizer
@@ -103,15 +104,17 @@ def mm_to_accumulation_dtype(weight: torch.Tensor) -> bool:
     return weight.dtype in (torch.bfloat16, torch.float16) and (weight.device.type == "cuda" or is_fake(weight))
 
 
-def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor,
+                           chunk_size: int) -> None:
     """grad_weight (V, d) += grad_logits.T (V, n) @ hidden (n, d). Operands of grad_weight's dtype:
     one in-place GEMM; half-precision operands: compute-dtype GEMMs written in grad_weight's dtype,
-    one vocabulary slice at a time (Note [The lm_head gradient's GEMM])."""
+    one vocabulary slice at a time, each product at most one ``chunk_size`` chunk of fp32 logits
+    (Note [The lm_head gradient's GEMM]), whatever the n tokens the GEMM sums over."""
     if grad_logits.dtype == grad_weight.dtype:
         grad_weight.addmm_(grad_logits.t(), hidden.to(grad_weight.dtype))
         return
     vocab, dim = grad_weight.shape
-    step = max(1, hidden.shape[0] * vocab // dim)  # slice's (step, d) product <= the chunk's (n, V) logits
+    step = max(1, chunk_size * vocab // dim)  # slice's (step, d) product <= a chunk's (chunk_size, V) logits
     for start in range(0, vocab, step):
         grad_weight[start : start + step] += mm_out_dtype(grad_logits[:, start : start + step].t(), hidden,
                                                           grad_weight.dtype)
@@ -142,21 +145,28 @@ def mm_out_dtype(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
 
 # Note [The hidden states' gradient in the forward]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# When only the hidden states need a gradient (LoRA and QLoRA: the head is frozen) and only the
-# sum is differentiated (SFT), the gradient of the sum with respect to row t of the hidden states
-# is g * r_t @ W, with r_t = scale * (softmax(logits_t) - onehot(label_t)) on valid rows and g
-# the sum's upstream gradient, a scalar the forward does not know yet. So the forward computes
-# r @ W chunk by chunk while the chunk's logits are still there, keeps it (N x d in the hidden
-# states' dtype, the size of the hidden states the backward would otherwise keep) and the
-# backward multiplies it by g. The backward recomputed every chunk's logits (a third GEMM of N x d
-# x V, which at 64K tokens of Llama 3 is 69 TFLOP) and their softmax: on one H200 the loss's
-# lm_head GEMMs took 299 ms of a 2.3 s LoRA step (docs/benchmarks.md, "Where the rest of the LoRA
-# step goes"). The same products as the backward's, except that g is applied to the (N, d) result
-# instead of the (chunk, V) logit gradient: in bf16 one rounding more (a bf16 step's error against
-# float64 measured 0.00346 against 0.00335). The forward takes it whenever autograd records the
-# call, so a forward whose backward never comes pays the GEMM once. A trainable head (full fine-tuning,
-# modules_to_save) or differentiable token losses (preference objectives, whose per-token upstream
-# gradients scale the weight gradient inside its GEMM) keep the backward's recomputation.
+# When only the sum is differentiated (SFT), the gradient of the sum with respect to row t of the
+# hidden states is g * r_t @ W, and with respect to the head's weight g * sum_t r_t^T h_t, with
+# r_t = scale * (softmax(logits_t) - onehot(label_t)) on valid rows and g the sum's upstream
+# gradient, a scalar the forward does not know yet. So the forward computes r @ W, and where the
+# head trains r^T h, chunk by chunk while the chunk's logits are still there; it keeps them (N x d
+# in the hidden states' dtype, the size of the hidden states the backward would otherwise keep; the
+# head's V x d in fp32, the buffer the backward allocated first anyway) and the backward multiplies
+# them by g. The backward recomputed every chunk's logits (a third GEMM of N x d x V, which at 64K
+# tokens of Llama 3 is 69 TFLOP) and their softmax: on one H200 the loss's lm_head GEMMs took 299
+# ms of a 2.3 s LoRA step (docs/benchmarks.md, "Where the rest of the LoRA step goes"); taking the
+# hidden states' gradient in the forward made that step 2.345 -> 2.211 s (run 4). The same products
+# as the backward's, except that g is applied to the results instead of the (chunk, V) logit
+# gradient: in bf16 one rounding more (a bf16 step's error against float64 measured 0.00346
+# against 0.00335), in fp32 one fp32 rounding of the head's gradient. The forward takes them
+# whenever autograd records the call, so a forward whose backward never comes pays the GEMMs once.
+# The head's gradient is kept on ctx, not saved: the backward scales it in place (a second backward
+# is refused) and --activation_offload does not move it. Its GEMMs sum several chunks each
+# (weight_grad_chunks): each writes a V x d fp32 product and adds it into the sum, 8.4 GB of memory
+# traffic for Llama 3, so one a 512-token chunk is 1 TB at 64K tokens (about 0.2 s of an H200's 2.9 s
+# full step, by arithmetic). Four chunks a GEMM cut that to a quarter for three chunks' bf16 logit
+# gradients more; the 8B's planned full fine-tuning peaks (32K-128K) did not move. Differentiable token
+# losses (preference objectives: per-token upstream gradients) keep the backward's recomputation.
 def _logit_grad_(logits, tanh, lse, labels, row_scale, transform) -> torch.Tensor:
     """d(lse - logit[label]) / d logits = softmax - onehot(label), through the soft-cap's 1 - tanh^2,
     times ``row_scale`` (chunk,): computed in place in ``logits`` (chunk, V), which it returns."""
@@ -168,6 +178,18 @@ def _logit_grad_(logits, tanh, lse, labels, row_scale, transform) -> torch.Tenso
     return logits
 
 
+#: When the forward takes the head's weight gradient (Note [The hidden states' gradient in the
+#: forward]), one GEMM sums the logit gradients of as many chunks as fill this many chunks of fp32
+#: logits: 4 chunks in bf16/fp16 (one GEMM of 2048 tokens for Llama 3's 512-token chunks, so the fp32
+#: V x d product is written and added a quarter as often), 2 in fp32, 1 in fp64.
+WEIGHT_GRAD_FP32_CHUNKS = 2
+
+
+def weight_grad_chunks(operand: torch.dtype) -> int:
+    """Chunks a GEMM of the head's weight gradient sums over, its operand in ``operand``."""
+    return max(1, WEIGHT_GRAD_FP32_CHUNKS * 4 // torch.empty((), dtype=operand).element_size())
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, transform, return_correct, return_losses=False,
@@ -175,33 +197,51 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # hidden: (N, d), weight: (V, d), labels: (N,) -> summed loss, float32 scalar;
         # correct: (N,) bool, argmax == label or ignored (empty unless return_correct);
         # losses: (N,) each token's loss, 0 where ignored (empty unless return_losses);
-        # eager: the hidden states' gradient now (Note [The hidden states' gradient in the forward])
+        # eager: the gradients now (Note [The hidden states' gradient in the forward])
         acc = accumulation_dtype(hidden)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         correct = torch.ones(hidden.shape[0] if return_correct else 0, dtype=torch.bool, device=hidden.device)
         losses = torch.zeros(hidden.shape[0] if return_losses else 0, dtype=acc, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if eager else None
-        for start in tile_starts(hidden.shape[0], chunk_size, hidden):  # Note [Planning tiles]
-            rows = slice(start, start + chunk_size)
-            logits, tanh = _chunk_logits(hidden[rows], weight, transform, acc)  # (chunk, V)
-            lse[rows] = torch.logsumexp(logits, dim=-1)
-            valid = labels[rows] != ignore_index
-            target = logits.gather(1, labels[rows].clamp(min=0)[:, None]).squeeze(1)
-            chunk_losses = (lse[rows] - target) * valid  # (chunk,)
-            total += chunk_losses.sum()
-            if return_correct:
-                correct[rows] = (logits.argmax(-1) == labels[rows]) | ~valid
-            if return_losses:
-                losses[rows] = chunk_losses
-            if eager:
-                grad_logits = _logit_grad_(logits, tanh, lse[rows], labels[rows], valid.to(acc) * transform.scale,
-                                           transform)
-                grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-                del grad_logits
-            del logits, tanh  # before the next chunk's logits are made
+        grad_hidden = torch.empty_like(hidden) if eager and hidden.requires_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if eager and weight.requires_grad \
+            else None
+        # the weight gradient's GEMM operand: the compute dtype where it is written in fp32 (Note [The lm_head
+        # gradient's GEMM]), else the fp32 logit gradient; several chunks' rows per GEMM
+        operand = weight.dtype if mm_to_accumulation_dtype(weight) else acc
+        group = chunk_size * (weight_grad_chunks(operand) if grad_weight is not None else 1)
+        for first in tile_starts(hidden.shape[0], group, hidden):  # Note [Planning tiles], for both loops
+            group_rows = slice(first, first + group)
+            size = hidden[group_rows].shape[0]
+            stacked = hidden.new_empty((size, weight.shape[0]), dtype=operand) if grad_weight is not None else None
+            for offset in tile_starts(size, chunk_size, hidden):
+                rows = slice(first + offset, first + offset + chunk_size)
+                logits, tanh = _chunk_logits(hidden[rows], weight, transform, acc)  # (chunk, V)
+                lse[rows] = torch.logsumexp(logits, dim=-1)
+                valid = labels[rows] != ignore_index
+                target = logits.gather(1, labels[rows].clamp(min=0)[:, None]).squeeze(1)
+                chunk_losses = (lse[rows] - target) * valid  # (chunk,)
+                total += chunk_losses.sum()
+                if return_correct:
+                    correct[rows] = (logits.argmax(-1) == labels[rows]) | ~valid
+                if return_losses:
+                    losses[rows] = chunk_losses
+                if eager:
+                    grad_logits = _logit_grad_(logits, tanh, lse[rows], labels[rows], valid.to(acc) * transform.scale,
+                                               transform)
+                    low = grad_logits.to(weight.dtype) if stacked is None else \
+                        stacked[offset : offset + chunk_size].copy_(grad_logits)
+                    if grad_hidden is not None:
+                        grad_hidden[rows] = (low.to(weight.dtype) @ weight).to(hidden.dtype)
+                    del grad_logits, low
+                del logits, tanh  # before the next chunk's logits are made
+            if stacked is not None:
+                accumulate_weight_grad(grad_weight, stacked, hidden[group_rows], chunk_size)
+                del stacked
         ctx.eager = eager
         ctx.save_for_backward(*((grad_hidden,) if eager else (hidden, weight, labels, lse)))
+        ctx.grad_weight = grad_weight  # not a saved tensor: the backward scales it in place, and no hook moves it
+        ctx.weight_dtype = weight.dtype
         ctx.chunk_size, ctx.ignore_index, ctx.transform = chunk_size, ignore_index, transform
         # unused outputs' gradients come as None, not zeros (Note [Differentiable token losses])
         ctx.set_materialize_grads(False)
@@ -215,7 +255,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return nothing
         if ctx.eager:
             (grad_hidden,) = ctx.saved_tensors
-            return (grad_hidden * grad_total).to(grad_hidden.dtype), *nothing[1:]
+            grad_weight, ctx.grad_weight = ctx.grad_weight, None
+            if grad_weight is None and ctx.needs_input_grad[1]:
+                raise RuntimeError("the lm_head's weight gradient was taken in the forward and handed out by the "
+                                   "first backward; a second backward through the same loss has none")
+            if grad_hidden is not None:
+                grad_hidden = (grad_hidden * grad_total).to(grad_hidden.dtype)
+            if grad_weight is not None:
+                grad_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)
+            return grad_hidden, grad_weight, *nothing[2:]
         hidden, weight, labels, lse = ctx.saved_tensors
         transform = ctx.transform
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -239,9 +287,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[rows] = (low @ weight).to(hidden.dtype)
             if grad_weight is not None and mm_to_accumulation_dtype(weight):
                 del grad_logits, tanh  # done with: the slices' fp32 products take its place
-                accumulate_weight_grad(grad_weight, low, hidden[rows])
+                accumulate_weight_grad(grad_weight, low, hidden[rows], ctx.chunk_size)
             elif grad_weight is not None:
-                accumulate_weight_grad(grad_weight, grad_logits, hidden[rows])
+                accumulate_weight_grad(grad_weight, grad_logits, hidden[rows], ctx.chunk_size)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, *nothing[2:]
@@ -274,7 +322,7 @@ def linear_cross_entropy(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     # Note [The hidden states' gradient in the forward]
-    eager = torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad and not return_token_losses
+    eager = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad) and not return_token_losses
     total, correct, losses = _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_size, ignore_index, transform,
         return_correct, return_token_losses, eager,

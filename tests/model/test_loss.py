@@ -77,33 +77,80 @@ class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _CountWeightGemms(torch.utils._python_dispatch.TorchDispatchMode):
+    """The in-place GEMMs that add into the head's weight gradient, by how many tokens each sums over."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func == torch.ops.aten.addmm_.default:
+            self.tokens.append(args[1].shape[1])  # grad_logits.T (V, n): n tokens
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=3.0, softcap=5.0)])
-def test_a_frozen_head_gets_the_hidden_gradient_in_the_forward(transform):
-    """LoRA's head is frozen: the hidden states' gradient is taken while each chunk's logits exist
-    (Note [The hidden states' gradient in the forward]), so the backward runs no GEMM (it
-    recomputed every chunk's logits: three GEMMs of N x d x V instead of two), and the gradient
-    under an upstream scale is the full logits' cross-entropy's, in float64; a trainable head and
-    the token losses of preference objectives keep the backward's GEMMs."""
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen head", "trainable head"])
+def test_the_gradients_are_taken_in_the_forward(transform, trainable):
+    """The gradients are taken while each chunk's logits exist (Note [The hidden states' gradient in
+    the forward]), so the backward runs no GEMM (it recomputed every chunk's logits: three GEMMs of
+    N x d x V instead of two), and under an upstream scale they are the full logits' cross-entropy's,
+    in float64: LoRA's frozen head (the hidden states' gradient) and full fine-tuning's trainable one
+    (also the head's, one GEMM a chunk in float64). The token losses of preference objectives keep the
+    backward's GEMMs."""
     g = torch.Generator().manual_seed(4)
-    hidden = torch.randn(2, 13, 8, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(40, 8, generator=g, dtype=torch.float64)
-    labels = torch.randint(0, 40, (2, 13), generator=g)
+    hidden = torch.randn(2, 23, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 8, generator=g, dtype=torch.float64).requires_grad_(trainable)
+    labels = torch.randint(0, 40, (2, 23), generator=g)
     labels[1, :4] = -100
+    inputs = (hidden, weight) if trainable else (hidden,)
     _, want = _reference(hidden, weight, labels, transform)
-    (want_grad,) = torch.autograd.grad(want / 7, hidden)
-    got = linear_cross_entropy(hidden, weight, labels, chunk_size=5, transform=transform)
+    want_grads = torch.autograd.grad(want / 7, inputs)
+    with _CountWeightGemms() as weight_gemms:
+        got = linear_cross_entropy(hidden, weight, labels, chunk_size=5, transform=transform)
     with _CountMatmuls() as counted:
-        (got_grad,) = torch.autograd.grad(got / 7, hidden)
+        got_grads = torch.autograd.grad(got / 7, inputs)
     assert counted.count == 0
+    assert weight_gemms.tokens == ([5] * 9 + [1] if trainable else [])  # 46 tokens: 10 chunks, the last of 1
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(got_grad, want_grad, atol=1e-12, rtol=1e-12)
-    for trainable, token_losses in ((True, False), (False, True)):
-        head = weight.clone().requires_grad_(trainable)
-        out = linear_cross_entropy(hidden, head, labels, chunk_size=5, transform=transform,
-                                   return_token_losses=token_losses)
-        with _CountMatmuls() as counted:
-            torch.autograd.grad(out[0] if token_losses else out, hidden)
-        assert counted.count >= 3, (trainable, token_losses, counted.count)  # 3 chunks' logits again
+    for g_got, g_want in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g_got, g_want, atol=1e-12, rtol=1e-12)
+    out = linear_cross_entropy(hidden, weight, labels, chunk_size=5, transform=transform, return_token_losses=True)
+    with _CountMatmuls() as counted:
+        torch.autograd.grad(out[0], hidden)
+    assert counted.count >= 10, counted.count  # 10 chunks' logits again
+
+
+def test_one_gemm_of_the_head_gradient_sums_several_chunks():
+    """In fp32 a GEMM of the trainable head's gradient takes two chunks' logit gradients (their
+    fp32 logits' bytes twice: Note [The lm_head gradient's GEMM]); the last group is ragged, and the
+    gradients are the full logits' cross-entropy's."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(46, 8, generator=g, requires_grad=True)
+    weight = torch.randn(40, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 40, (46,), generator=g)
+    labels[:3] = -100
+    want = torch.autograd.grad(F.cross_entropy(hidden @ weight.t(), labels, reduction="sum") / 3, (hidden, weight))
+    with _CountWeightGemms() as weight_gemms:
+        got = linear_cross_entropy(hidden, weight, labels, chunk_size=5)
+    assert weight_gemms.tokens == [10, 10, 10, 10, 6]
+    for g_got, g_want in zip(torch.autograd.grad(got / 3, (hidden, weight)), want, strict=True):
+        torch.testing.assert_close(g_got, g_want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_second_backward_through_a_trainable_head_is_refused():
+    """The head's weight gradient is handed out, scaled in place, by the first backward; a second one
+    through the same graph (retain_graph) would have nothing right to give, so it says so."""
+    hidden = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(10, 4, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 10, (6,))
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_size=2)
+    first = torch.autograd.grad(loss, weight, retain_graph=True)[0]
+    want = torch.autograd.grad(F.cross_entropy(hidden @ weight.t(), labels, reduction="sum"), weight)[0]
+    torch.testing.assert_close(first, want, atol=1e-12, rtol=1e-12)
+    with pytest.raises(RuntimeError, match="second backward through the same loss"):
+        torch.autograd.grad(loss, weight)
 
 
 @pytest.mark.slow
@@ -136,8 +183,8 @@ def _bf16_head(vocab=100, dim=64, tokens=40, seed=4):
 
 def test_bf16_weight_gradient_gemm_takes_bf16_operands():
     """Note [The lm_head gradient's GEMM]: under the planner's fake tensors (the GPU's path) every
-    matmul of the backward takes bf16 operands; the weight gradient's are written in fp32 and
-    cover every vocabulary row."""
+    matmul of the loss takes bf16 operands; the weight gradient's are written in fp32, sum the
+    tokens of 4 chunks and cover every vocabulary row."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -148,18 +195,20 @@ def test_bf16_weight_gradient_gemm_takes_bf16_operands():
             out = func(*args, **(kwargs or {}))
             if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
                 operands = [a for a in args if isinstance(a, torch.Tensor)][-2:]
-                matmuls.append(([t.dtype for t in operands], out.dtype, tuple(out.shape)))
+                matmuls.append(([t.dtype for t in operands], out.dtype, tuple(out.shape), operands[0].shape[1]))
             return out
 
     with FakeTensorMode():
         hidden, weight, labels = _bf16_head()
-        loss = linear_cross_entropy(hidden, weight, labels, chunk_size=8)
         with Matmuls():
+            loss = linear_cross_entropy(hidden, weight, labels, chunk_size=8)
             grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
     assert grad_weight.dtype == torch.bfloat16 and matmuls
-    assert all(dtypes == [torch.bfloat16] * 2 for dtypes, _, _ in matmuls), matmuls
-    weight_rows = sum(shape[0] for _, dtype, shape in matmuls if dtype == torch.float32 and shape[1] == 64)
-    assert weight_rows == 3 * 100, matmuls  # the planner runs 3 of the 5 chunks (Note [Planning tiles]), each all rows
+    assert all(dtypes == [torch.bfloat16] * 2 for dtypes, _, _, _ in matmuls), matmuls
+    weights = [(shape[0], tokens) for _, dtype, shape, tokens in matmuls if dtype == torch.float32 and shape[1] == 64]
+    # 40 tokens: a group of 4 chunks (32 tokens; the planner runs 3 of its chunks, Note [Planning tiles])
+    # and one of 8, each group's GEMMs all 100 rows
+    assert sum(rows for rows, _ in weights) == 2 * 100 and {tokens for _, tokens in weights} == {32, 8}, matmuls
 
 
 def test_bf16_weight_gradient_in_vocabulary_slices_is_exact(monkeypatch):
@@ -179,8 +228,8 @@ def test_bf16_weight_gradient_in_vocabulary_slices_is_exact(monkeypatch):
     monkeypatch.setattr(loss_module, "mm_to_accumulation_dtype", lambda weight: True)
     monkeypatch.setattr(loss_module, "mm_out_dtype", stand_in)
     gpu_path = torch.autograd.grad(linear_cross_entropy(hidden, weight, labels, chunk_size=8), weight)[0]
-    assert len(slices) > 5 and sum(slices) == 5 * 100  # several slices per chunk, every row once
-    assert logits == [8] * 10  # and every chunk's logits written in fp32 by the GEMM, forward and backward
+    assert len(slices) > 5 and sum(slices) == 2 * 100  # two groups of chunks, several slices each, every row once
+    assert logits == [8] * 5  # and every chunk's logits written in fp32 by the GEMM, once (the forward's)
     h, w = hidden.detach().double(), weight.detach().double()
     probs = torch.softmax(h @ w.t(), dim=-1)
     probs[torch.arange(40), labels.clamp(min=0)] -= 1
