@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from llama_cp.data.loader import DistributedRowLoader, build_rows
     from llama_cp.fsdp_wrap import activation_offload, gather_full_state_dict, load_full_weights, shard_model
     from llama_cp.model.build import build_model, parallelize_model
-    from llama_cp.model.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss, linear_cross_entropy
+    from llama_cp.model.cross_entropy import linear_cross_entropy
+    from llama_cp.model.loss import causal_lm_loss_sum, count_valid_tokens, enable_chunked_loss
     from llama_cp.modules.causal_lm import build_causal_lm, embedded_llama_config
     from llama_cp.optim.optimizers import build_optimizer
     from llama_cp.optim.step import forward_backward, optimizer_step
@@ -67,7 +68,7 @@ _MODULES = {
     "gather_full_state_dict": "llama_cp.fsdp_wrap",
     "init_distributed": "llama_cp.parallel.mesh",
     "launch": "llama_cp.train.launcher",
-    "linear_cross_entropy": "llama_cp.model.loss",
+    "linear_cross_entropy": "llama_cp.model.cross_entropy",
     "load_checkpoint": "llama_cp.train.checkpoint",
     "load_full_weights": "llama_cp.fsdp_wrap",
     "optimizer_step": "llama_cp.optim.step",

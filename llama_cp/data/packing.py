@@ -25,7 +25,7 @@ Document = tuple[list[int], list[bool]]
 #: One packed row: ``input_ids``, ``labels``, ``position_ids``, each a (L,) LongTensor.
 Row = dict[str, torch.Tensor]
 #: The label of a position that is not trained (Note [Packed rows]): PyTorch's cross-entropy
-#: default ignore_index, which the loss (llama_cp/model/loss.py) reads from here.
+#: default ignore_index, which the loss (llama_cp/model/loss.py, cross_entropy.py) reads from here.
 IGNORE_INDEX = -100
 
 

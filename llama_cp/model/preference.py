@@ -3,7 +3,7 @@
 A preference row packs pairs as documents: prompt + chosen, prompt + rejected, ... (position_ids
 restart at each document, so they never attend to each other). The chunked loss gives each local
 token's cross-entropy (``model(..., loss_labels=labels, return_token_losses=True)``, Note
-[Differentiable token losses] in ``llama_cp.model.loss``); its negation is the token's
+[Differentiable token losses] in ``llama_cp.model.cross_entropy``); its negation is the token's
 log-probability. :func:`sequence_logps` sums those of each scored sequence (the completion
 tokens) over the cp ranks, and :func:`preference_loss` turns the sums into per-pair losses.
 (The pairs' data, tokenizing and packing, is ``llama_cp.data.preference``.)

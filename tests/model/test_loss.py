@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._python_dispatch
 
-from llama_cp.model.loss import linear_cross_entropy
+from llama_cp.model.cross_entropy import linear_cross_entropy
 from llama_cp.modules.families import LogitTransform
 from llama_cp.plan.memory import track_peak_memory
 
@@ -78,15 +78,18 @@ class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 class _CountWeightGemms(torch.utils._python_dispatch.TorchDispatchMode):
-    """The in-place GEMMs that add into the head's weight gradient, by how many tokens each sums over."""
+    """The in-place GEMMs that add into the head's weight gradient, by how many tokens each sums over;
+    and the exponentials and log-sum-exps taken (Note [One softmax a chunk])."""
 
     def __init__(self):
         super().__init__()
-        self.tokens = []
+        self.tokens, self.exps, self.logsumexps = [], 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func == torch.ops.aten.addmm_.default:
             self.tokens.append(args[1].shape[1])  # grad_logits.T (V, n): n tokens
+        self.exps += func.overloadpacket in (torch.ops.aten.exp, torch.ops.aten.exp_)
+        self.logsumexps += func.overloadpacket == torch.ops.aten.logsumexp
         return func(*args, **(kwargs or {}))
 
 
@@ -113,6 +116,7 @@ def test_the_gradients_are_taken_in_the_forward(transform, trainable):
         got_grads = torch.autograd.grad(got / 7, inputs)
     assert counted.count == 0
     assert weight_gemms.tokens == ([5] * 9 + [1] if trainable else [])  # 46 tokens: 10 chunks, the last of 1
+    assert (weight_gemms.exps, weight_gemms.logsumexps) == (10, 0)  # one softmax a chunk, for loss and gradient
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     for g_got, g_want in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g_got, g_want, atol=1e-12, rtol=1e-12)
@@ -215,7 +219,7 @@ def test_bf16_weight_gradient_in_vocabulary_slices_is_exact(monkeypatch):
     """The sliced compute-dtype path (CUDA's) with an exact CPU stand-in of torch.mm(out_dtype=fp32):
     the weight gradient equals the fp32 GEMM of the bf16-rounded logit gradient, and stays
     within bf16 rounding of the fp32 path CPU runs."""
-    from llama_cp.model import loss as loss_module
+    from llama_cp.model import cross_entropy as loss_module
 
     hidden, weight, labels = _bf16_head()
     cpu_path = torch.autograd.grad(linear_cross_entropy(hidden, weight, labels, chunk_size=8), weight)[0]

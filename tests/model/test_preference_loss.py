@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_checks import tiny_model
-from llama_cp.model.loss import enable_chunked_loss, linear_cross_entropy
+from llama_cp.model.cross_entropy import linear_cross_entropy
+from llama_cp.model.loss import enable_chunked_loss
 from llama_cp.model.preference import preference_loss, sequence_logps
 from llama_cp.modules.families import LogitTransform
 from preference_checks import BETA, TOLERANCE, loss_of, pair_batch, reference_logps, reference_losses
