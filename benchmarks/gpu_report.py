@@ -55,7 +55,17 @@ def _versions() -> dict[str, Any]:
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version() if cuda else None,
             **{name: installed(name) for name in ("transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel")},
-            "flash_attn": installed("flash-attn", "flash_attn"), "python": sys.version.split()[0]}
+            "flash_attn": installed("flash-attn", "flash_attn"), "python": sys.version.split()[0],
+            "cuda_allocator": _allocator()}
+
+
+def _allocator() -> str:
+    """The CUDA caching allocator's configuration the parts run with: the user's, or llama-cp's default
+    (Note [Expandable segments] in llama_cp/parallel/mesh.py)."""
+    from llama_cp.parallel.mesh import ALLOCATOR_VARIABLES
+
+    given = [f"{name}={os.environ[name]}" for name in ALLOCATOR_VARIABLES if name in os.environ]
+    return ", ".join(given) or "expandable_segments:True (llama-cp's default)"
 
 
 def run_part(args) -> None:

@@ -26,6 +26,7 @@ def test_dry_run_writes_every_part(tmp_path):
     assert (env["torch"], env["transformers"], env["device"]) == (torch.__version__, transformers.__version__,
                                                                  "cpu (--dry_run)"), env
     assert all(report["parts"][part].startswith("done") for part in ALL_PARTS.split(",")), report["parts"]
+    assert env["cuda_allocator"].startswith(("expandable_segments:True (llama-cp's default)", "PYTORCH_")), env
     # exactness: every check ran and passes on the CPU's kernels, the blocks' merges among them (QLoRA's and
     # adamw8bit's are gpu_acceptance's functions, rehearsed by tests/test_gpu_acceptance.py)
     checks = {row["check"]: row for row in report["correctness"]}

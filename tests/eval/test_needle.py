@@ -55,6 +55,7 @@ def test_haystack_file_gives_the_filler(tmp_path):
 def test_eval_builds_logits_for_the_labelled_tokens_only(monkeypatch):
     """Without grad, the chunked loss's correct-mask path computes the logits of the labelled
     rows alone, with the same loss and mask as the full path."""
+    import llama_cp.model.cross_entropy as cross_entropy
     import llama_cp.model.loss as loss
     from llama_cp.modules.causal_lm import build_causal_lm, embedded_llama_config
 
@@ -66,8 +67,9 @@ def test_eval_builds_logits_for_the_labelled_tokens_only(monkeypatch):
     full_loss, full_correct = loss.causal_lm_loss_sum(model, {"input_ids": ids, "labels": labels},
                                                       return_correct=True)
     rows = []
-    chunk_logits = loss._chunk_logits
-    monkeypatch.setattr(loss, "_chunk_logits", lambda hidden, *a: rows.append(hidden.shape[0]) or chunk_logits(hidden, *a))
+    chunk_logits = cross_entropy._chunk_logits
+    monkeypatch.setattr(cross_entropy, "_chunk_logits",
+                        lambda hidden, *a: rows.append(hidden.shape[0]) or chunk_logits(hidden, *a))
     with torch.no_grad():
         got_loss, got_correct = loss.causal_lm_loss_sum(model, {"input_ids": ids, "labels": labels},
                                                         return_correct=True)
