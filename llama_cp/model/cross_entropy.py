@@ -179,7 +179,7 @@ WEIGHT_GRAD_FP32_CHUNKS = 2
 
 def weight_grad_chunks(operand: torch.dtype) -> int:
     """Chunks a GEMM of the head's weight gradient sums over, its operand in ``operand``."""
-    return max(1, WEIGHT_GRAD_FP32_CHUNKS * 4 // torch.empty((), dtype=operand).element_size())
+    return max(1, WEIGHT_GRAD_FP32_CHUNKS * 4 // operand.itemsize)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -148,13 +148,13 @@ def init_distributed(timeout_s: float | None = None, cpu_collectives: bool = Fal
 
 
 #: The environment variables through which a user configures torch's CUDA caching allocator
-#: (PYTORCH_ALLOC_CONF is the newer name, read by torch >= 2.9 too).
-ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+#: (PYTORCH_ALLOC_CONF is the newer name, read by torch >= 2.9 too; ROCm builds read the HIP one).
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 
 def expandable_segments() -> bool:
     """Turn on the CUDA caching allocator's expandable segments, unless the user configured the
-    allocator (either of ``ALLOCATOR_VARIABLES`` set, to anything): Note [Expandable segments].
+    allocator (any of ``ALLOCATOR_VARIABLES`` set, to anything): Note [Expandable segments].
     Returns whether it did. :func:`init_distributed` calls it on CUDA, before the first allocation."""
     if any(name in os.environ for name in ALLOCATOR_VARIABLES):
         return False
@@ -176,8 +176,10 @@ def expandable_segments() -> bool:
 # launcher's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would be, but set in-process (the
 # runtime form torch's own test runner uses, torch._C._accelerator_setAllocatorSettings, present
 # in torch 2.10 to 2.13; it applies to segments made after it), so `python -m ...`, torchrun and a
-# notebook get it alike. A user who sets either variable keeps exactly their setting (also
-# "expandable_segments:False", or cudaMallocAsync, which has no such option).
+# notebook get it alike. A user who sets any of the variables keeps exactly their setting (also
+# "expandable_segments:False", or cudaMallocAsync, which has no such option). The call parses a
+# whole configuration (c10/core/AllocatorConfig.cpp), so settings made earlier in the process by
+# the same call, not by a variable (max_split_size_mb and the like), go back to their defaults.
 
 
 def end_distributed() -> None:
