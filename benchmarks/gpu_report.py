@@ -62,9 +62,9 @@ def _versions() -> dict[str, Any]:
 def _allocator() -> str:
     """The CUDA caching allocator's configuration the parts run with: the user's, or llama-cp's default
     (Note [Expandable segments] in llama_cp/parallel/mesh.py)."""
-    from llama_cp.parallel.mesh import ALLOCATOR_VARIABLES
+    from llama_cp.parallel.mesh import user_allocator_settings
 
-    given = [f"{name}={os.environ[name]}" for name in ALLOCATOR_VARIABLES if name in os.environ]
+    given = [f"{name}={value}" for name, value in user_allocator_settings().items()]
     return ", ".join(given) or "expandable_segments:True (llama-cp's default)"
 
 

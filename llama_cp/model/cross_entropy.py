@@ -224,8 +224,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if eager:
                     grad_logits = _grad_from_exps_(exps, sums, tanh, labels[rows], valid.to(acc) * transform.scale)
                     del exps
-                    low = grad_logits.to(weight.dtype) if stacked is None else \
-                        stacked[offset : offset + chunk_size].copy_(grad_logits)
+                    low = grad_logits if stacked is None else stacked[offset : offset + chunk_size].copy_(grad_logits)
                     if grad_hidden is not None:
                         grad_hidden[rows] = (low.to(weight.dtype) @ weight).to(hidden.dtype)
                     del grad_logits, low

@@ -152,11 +152,17 @@ def init_distributed(timeout_s: float | None = None, cpu_collectives: bool = Fal
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 
+def user_allocator_settings() -> dict[str, str]:
+    """The user's configuration of the caching allocator: those of ``ALLOCATOR_VARIABLES`` that are
+    set (to anything, even empty)."""
+    return {name: os.environ[name] for name in ALLOCATOR_VARIABLES if name in os.environ}
+
+
 def expandable_segments() -> bool:
     """Turn on the CUDA caching allocator's expandable segments, unless the user configured the
-    allocator (any of ``ALLOCATOR_VARIABLES`` set, to anything): Note [Expandable segments].
-    Returns whether it did. :func:`init_distributed` calls it on CUDA, before the first allocation."""
-    if any(name in os.environ for name in ALLOCATOR_VARIABLES):
+    allocator (:func:`user_allocator_settings`): Note [Expandable segments]. Returns whether it
+    did. :func:`init_distributed` calls it on CUDA, before the first allocation."""
+    if user_allocator_settings():
         return False
     torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
     return True
