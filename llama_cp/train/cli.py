@@ -12,10 +12,11 @@ complain after). An exception ends the command with exit
 status 1 and one line, ``error: <message>``, instead of a traceback; ``--debug``
 shows the traceback. Mistakes in the input (``ValueError``, ``FileNotFoundError``,
 ``KeyError``) and deliberate stops (``TrainingStopped``) happen on every rank
-alike, so only rank 0 prints them; anything else is printed by each rank it
-happens on, with the rank. A rank that gave up on a stuck collective then ends the
-job's other ranks on its machine and itself at once (Note [Stuck ranks] in
-``llama_cp/train/failures.py``).
+alike, so only rank 0 prints them, and the other ranks wait a few seconds before
+they exit, so that the launcher does not end rank 0 before its line is out (Note [An
+error on every rank]); anything else is printed by each rank it happens on, with
+the rank. A rank that gave up on a stuck collective then ends the job's other ranks
+on its machine and itself at once (Note [Stuck ranks] in ``llama_cp/train/failures.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import difflib
 import inspect
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping
 
 import fire
@@ -32,6 +34,21 @@ from llama_cp.config import TrainConfig
 
 #: Exceptions that come from the command's input and happen on every rank alike.
 INPUT_ERRORS = (ValueError, FileNotFoundError, KeyError, PermissionError)
+#: Seconds a rank other than 0 waits before it exits on an error of every rank (Note [An error on every rank]).
+QUIET_RANK_GRACE_S = 10.0
+
+# Note [An error on every rank]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A mistake in the input (a missing --dataset, a bad flag) fails every rank alike, and
+# only rank 0 says so. But torchrun's agent ends every other worker (SIGTERM) as soon as
+# one worker exits with a failure: when rank 1 raised first and exited at once, the agent
+# killed rank 0 before it printed, and the user saw torchrun's report and no error line
+# (CI, 2026-11-28: rank 0 ended by SIGTERM, no error line printed). So a rank other
+# than 0 that holds such an error waits QUIET_RANK_GRACE_S before it exits: rank 0 prints
+# and exits meanwhile, and the agent then ends the waiting rank. SIGTERM ends the wait
+# (the trainer's stop-signal handler is restored before the error reaches run_cli). Under
+# a launcher that does not end the job on the first failure (srun without
+# --kill-on-bad-exit), the job ends those seconds later; nothing else changes.
 
 
 def run_cli(
@@ -65,6 +82,8 @@ def run_cli(
             prefix = f"error (rank {rank})" if many else "error"
             message = " ".join(str(error).split()) or type(error).__name__
             print(f"{prefix}: {message} (rerun with --debug for the traceback)", file=sys.stderr, flush=True)
+        else:  # rank 0 says it: give it the time to (Note [An error on every rank])
+            time.sleep(QUIET_RANK_GRACE_S)
         if callable(getattr(error, "end_job", None)):  # a stuck rank: end the whole job now (failures.CollectiveFailed)
             error.end_job()
         sys.exit(1)

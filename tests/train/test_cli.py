@@ -257,3 +257,32 @@ def test_an_error_while_a_progress_bar_is_open_is_printed_on_its_own_line(capsys
     err = capsys.readouterr().err
     assert "packing train" in err
     assert any(line.startswith("error: preference pair 0") for line in err.split("\n")), repr(err)
+
+
+def test_a_quiet_rank_waits_for_rank_0_to_say_an_error_of_every_rank(monkeypatch, capsys):
+    """An input error fails every rank; rank 0 prints it, and the others wait before they exit,
+    so that torchrun (which ends every worker as soon as one fails) does not end rank 0 before
+    its line is out (Note [An error on every rank]; CI of 977b2d2 lost the line so). An error
+    of one rank only is printed at once by that rank, with its rank, and nobody waits."""
+    from llama_cp.train import cli
+
+    waits = []
+    monkeypatch.setattr(cli.time, "sleep", waits.append)
+
+    def run(rank, error):
+        def main():
+            raise error
+
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(SystemExit) as stop:
+            run_cli(main, usage="demo", argv=[])
+        assert stop.value.code == 1
+        return capsys.readouterr().err
+
+    assert run(1, FileNotFoundError("--dataset 'x.jsonl': no such file")) == "" and waits == [cli.QUIET_RANK_GRACE_S]
+    assert run(0, FileNotFoundError("--dataset 'x.jsonl': no such file")).startswith("error: --dataset") \
+        and waits == [cli.QUIET_RANK_GRACE_S]
+    assert run(1, RuntimeError("CUDA error")).startswith("error (rank 1): CUDA error") \
+        and waits == [cli.QUIET_RANK_GRACE_S]
+    assert cli.QUIET_RANK_GRACE_S >= 5  # the ranks of one launch reach the same check seconds apart under load
