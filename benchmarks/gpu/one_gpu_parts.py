@@ -7,8 +7,9 @@ by its limit or by an error keeps what it measured before.
   document and packed documents (the varlen kernel), the attention in blocks smaller than the row
   for every strategy (the log-sum-exp merges the ring and all-gather make), a sliding window and
   soft-capped scores; QLoRA and adamw8bit where bitsandbytes is installed.
-- ``speed``: llama-cp (cp = 1) against transformers + peft (and Liger Kernel) at each speed length,
-  LoRA and full; ``--offload_params`` and ``--offload_checkpoints`` against the plain step.
+- ``speed``: llama-cp (cp = 1), and with ``--compile``, against transformers + peft (and Liger Kernel)
+  at each speed length, LoRA and full; ``--offload_params`` and ``--offload_checkpoints`` against the
+  plain step.
 - ``memory``: the planner's peak against the measured one, LoRA and full, with the levers.
 - ``profile``: the kernels of one full fine-tuning step, then one LoRA step, at the longest speed
   length, by GPU time: llama-cp's and transformers' (+ peft).
@@ -158,12 +159,6 @@ def speed(rows: Rows, shape: dict) -> None:
 
     device, config, steps = _device(), llama_config(shape["model"]), shape["steps"]
     shortest = min(shape["speed_lens"])  # the offloaded rows' length
-    other = None
-    if device.type == "cuda":
-        from llama_cp.attention.kernels import select_backend
-
-        auto = select_backend(torch.empty(1, 1, 1, config.head_dim, device=device, dtype=torch.bfloat16))
-        other = {"sdpa_cudnn": "sdpa_flash", "sdpa_flash": "sdpa_cudnn"}.get(auto)
     for length in sorted(shape["speed_lens"], reverse=True):  # the longest first: a part at its limit cuts the rest
         for mode in MODES:
             lora = mode == "lora"
@@ -171,10 +166,11 @@ def speed(rows: Rows, shape: dict) -> None:
             rows.measure({**base, "run": "llama-cp"}, lambda: llama_cp_steps(
                 config, length, flags_of(mode, "checkpointing"), steps=steps, device=device,
                 build_on_cpu=mode == "full" and length == shortest))  # the offloaded rows' weights
-            if other:  # the kernel auto did not take: sdpa_cudnn against sdpa_flash, side by side
-                rows.measure({**base, "run": f"llama-cp, {other}"}, lambda: llama_cp_steps(
-                    config, length, {**flags_of(mode, "checkpointing"), "attention_backend": other},
-                    steps=steps, device=device))
+            if length == max(shape["speed_lens"]):  # the MFU goal's length; compiling costs ~30 s a row
+                # the norms and MLPs compiled (Note [Compiled per-token modules]); its first step compiles and
+                # is not timed. (Runs 2 and 4 compared sdpa_cudnn with sdpa_flash here: docs/benchmarks.md.)
+                rows.measure({**base, "run": "llama-cp, --compile"}, lambda: llama_cp_steps(
+                    config, length, {**flags_of(mode, "checkpointing"), "compile": True}, steps=steps, device=device))
             rows.measure({**base, "run": "transformers + peft" if lora else "transformers"},
                          lambda: transformers_steps(config, length, lora=lora, steps=steps, device=device))
     for lever in ("checkpointing + offload_params", "checkpointing + offload_checkpoints"):
@@ -184,7 +180,9 @@ def speed(rows: Rows, shape: dict) -> None:
         import liger_kernel  # noqa: F401
     except ImportError:
         return
-    for length in shape["speed_lens"]:  # last: Liger patches transformers' Llama for this whole process
+    # last: Liger patches transformers' Llama for this whole process; measured in runs 2 and 4, so these
+    # are the rows the part's limit cuts first
+    for length in shape["speed_lens"]:
         for mode in MODES:
             rows.measure({"context_length": length, "mode": mode,
                           "run": "transformers + liger" + (" + peft" if mode == "lora" else "")},

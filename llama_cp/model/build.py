@@ -33,6 +33,7 @@ from llama_cp.modules.causal_lm import (
     apply_rope_settings, base_causal_lm, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,
 )
 from llama_cp.modules.quantize import quiet_bitsandbytes
+from llama_cp.modules.compiled import compile_per_token_modules, compiled_summary
 from llama_cp.modules.tiling import apply_tiled_mlp, apply_tiled_norms
 
 quiet_bitsandbytes()  # before peft imports bitsandbytes (Note [bitsandbytes' CPU kernel warning])
@@ -61,6 +62,8 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
     else:
         model = build_causal_lm(config, device="meta")
     model = parallelize_model(model, cfg, mesh, device_type=device.type)
+    if cfg.model.compile and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(compiled_summary(model, decoder_layers(model)), flush=True)
     if path is not None:
         load_full_weights(model, path, device=device, params_on_cpu=offload, load_kwargs=load_kwargs)
     elif offload:
@@ -75,7 +78,7 @@ def parallelize_model(
     this order: the base Linear layers in 4-bit NF4 (``--quantization 4bit``) -> LoRA adapters
     (peft, with ``--use_peft``) -> frozen weights in their storage dtype (``--frozen_dtype``)
     -> context-parallel attention over ``mesh["cp"]`` (kernel calls of ``--attention_block_size``
-    tokens) -> the chunked loss path -> tiled MLPs
+    tokens) -> the chunked loss path -> compiled norms and MLPs (``--compile``) -> tiled MLPs
     and norms (``--mlp_tile_size``, ``--norm_tile_size``) -> a gradient for every MoE expert on every
     rank (``llama_cp.modules.experts``) -> FSDP2 over ``dp_shard x cp`` (with
     activation checkpointing, and its inputs offloaded with ``--offload_checkpoints``).
@@ -114,6 +117,8 @@ def parallelize_model(
         block_size=cfg.model.attention_block_size, ulysses_degree=ulysses_degree,
     )
     enable_chunked_loss(model, chunk_size=cfg.model.loss_chunk_size)
+    if cfg.model.compile:  # before tiling: the tiles run the compiled forward
+        compile_per_token_modules(model, decoder_layers(model))
     if cfg.model.mlp_tile_size:
         apply_tiled_mlp(decoder_layers(model), cfg.model.mlp_tile_size)
     if cfg.model.norm_tile_size:

@@ -53,10 +53,11 @@ def base_causal_lm(model: nn.Module) -> nn.Module:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of an HF model (the classes in its ``_no_split_modules``), also under peft."""
+    """The transformer blocks of an HF model (the classes in its ``_no_split_modules``), also under peft
+    and FSDP2 (whose ``fully_shard`` names the class ``FSDP<name>``)."""
     base = base_causal_lm(model)
     names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if type(m).__name__.removeprefix("FSDP") in names]
     if not layers:
         raise ValueError(f"found no decoder layers ({sorted(names)}) in {type(model).__name__}")
     return layers

@@ -50,7 +50,7 @@ RESUME_MAY_CHANGE = {
     "dpo_beta", "simpo_gamma",
     # how the same step is computed
     "dtype", "frozen_dtype", "activation_checkpointing", "activation_offload", "offload_checkpoints", "offload_params",
-    "loss_chunk_size", "mlp_tile_size", "norm_tile_size", "attention_block_size", "dp_replicate", "dp_shard", "cp",
+    "loss_chunk_size", "compile", "mlp_tile_size", "norm_tile_size", "attention_block_size", "dp_replicate", "dp_shard", "cp",
     "cp_strategy",
     # which levers a run takes (--memory auto may choose others on other GPUs): each is exact
     "memory", "gpu_memory_gb", "headroom",

@@ -1,0 +1,87 @@
+"""``--compile``: the decoder's per-token modules (its norms and dense MLPs) run through
+``torch.compile``, so that their elementwise chains become fused kernels.
+
+Note [Compiled per-token modules]
+=================================
+
+A 64K LoRA step of Llama-3-8B's shapes on an H200 spends about 200 ms of its 2.2 s in
+elementwise kernels of the decoder layers (docs/benchmarks.md, runs 4 to 6): an RMSNorm
+is seven passes over its tokens (cast to float32, square, mean, rsqrt, multiply, cast
+back, scale), and SwiGLU three (silu, multiply, and their backward), each pass a kernel
+that reads and writes the whole local sequence; the forward runs twice under activation
+checkpointing. Inductor fuses each chain into one or two kernels.
+
+What is compiled, and what is not:
+
+- The norms that :func:`llama_cp.modules.tiling.norm_modules` finds (each decoder layer's
+  RMSNorm / LayerNorm children and the final norm) and each decoder layer's ``mlp`` whose
+  parameters all belong to ``nn.Linear`` layers (the dense MLPs, peft's LoRA layers
+  included). An MoE's ``mlp`` (a router, experts held as fused parameters or a ModuleList
+  chosen per token) is left eager: its data-dependent dispatch would break the graph.
+- Attention stays eager: the kernel calls of a block depend on where documents start and
+  which rank holds which rows (``llama_cp.attention.documents``), values read on the host.
+  It is one kernel per call already (flash-attn or cuDNN).
+- Each module's own ``forward`` is what is compiled (``torch.compile`` of the bound method,
+  set as the instance's ``forward``): the same code as eager, whatever the family's norm or
+  MLP computes, so the result equals eager up to the order inductor sums in (tests: float32
+  training trajectories to 1e-5). All norms of one class share one graph (dynamo guards on
+  the code, not on the instance: 2 graphs for 12 norms and 12 MLPs, torch 2.13), and a new
+  sequence length compiles once more and then as dynamic.
+- Tiling (``--mlp_tile_size``, ``--norm_tile_size``) wraps the compiled forward: the tiles
+  run it, forward and in backward's recompute.
+- The memory planner runs the modules eager (a fake tensor takes the eager forward): a
+  compiled module saves for its backward at most what eager saves (the partitioner keeps
+  the inputs and recomputes the elementwise chain), so the plan is an upper bound. By how
+  much is a GPU measurement (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from llama_cp.modules.tiling import norm_modules
+
+
+def _dense(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` is a dense MLP, not an MoE: every parameter belongs to an ``nn.Linear`` (peft's
+    LoRA layers hold theirs in Linear layers too; transformers 5's fused experts are parameters of
+    their own module) and no experts are held in a list (transformers 4's, each a Linear MLP)."""
+    modules = list(mlp.modules())
+    return not any(isinstance(m, nn.ModuleList) for m in modules) and all(
+        isinstance(owner, nn.Linear) for owner in modules if list(owner.parameters(recurse=False)))
+
+
+def compile_forward(module: nn.Module) -> None:
+    """Replace ``module.forward`` with ``torch.compile`` of it; a fake tensor (the memory planner's)
+    takes the eager forward (Note [Compiled per-token modules])."""
+    eager = module.forward
+    compiled = torch.compile(eager)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if isinstance(hidden_states, FakeTensor):
+            return eager(hidden_states, *args, **kwargs)
+        return compiled(hidden_states, *args, **kwargs)
+
+    module.forward = types.MethodType(forward, module)
+    module._llama_cp_compiled = True
+
+
+def compile_per_token_modules(model: nn.Module, layers: list[nn.Module]) -> None:
+    """``--compile``: compile the decoder's norms and dense MLPs (Note [Compiled per-token modules])."""
+    mlps = [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), nn.Module) and _dense(layer.mlp)]
+    for module in norm_modules(model, layers) + mlps:
+        compile_forward(module)
+
+
+def compiled_summary(model: nn.Module, layers: list[nn.Module]) -> str:
+    """The line a ``--compile`` run says: what runs compiled and what stays eager."""
+    compiled = {id(m) for m in model.modules() if getattr(m, "_llama_cp_compiled", False)}
+    norms = sum(id(m) in compiled for m in norm_modules(model, layers))
+    mlps = sum(id(getattr(layer, "mlp", None)) in compiled for layer in layers)
+    eager = len(layers) - mlps  # an MoE's mlp (transformers 4's Mixtral: block_sparse_moe)
+    return (f"--compile: {norms} norms and {mlps} MLPs run through torch.compile; attention"
+            + (f" and {eager} MoE MLPs stay" if eager else " stays") + " eager; the first steps compile")

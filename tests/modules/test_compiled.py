@@ -1,0 +1,99 @@
+"""``--compile`` (llama_cp/modules/compiled.py): which modules run through torch.compile, the
+training trajectory it gives against eager's in float32 (one process; inductor's CPU kernels),
+and the planner's plan of it (eager: Note [Compiled per-token modules])."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from llama_cp.config import TrainConfig
+from llama_cp.modules.causal_lm import decoder_layers, embedded_llama_config
+from llama_cp.modules.compiled import compile_per_token_modules, compiled_summary
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8)
+
+
+def _compiled(model) -> list[str]:
+    return [name for name, m in model.named_modules() if getattr(m, "_llama_cp_compiled", False)]
+
+
+def test_the_norms_and_dense_mlps_are_compiled_and_moe_mlps_stay_eager():
+    llama = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **SMALL))
+    compile_per_token_modules(llama, decoder_layers(llama))
+    assert sorted(_compiled(llama)) == [
+        "model.layers.0.input_layernorm", "model.layers.0.mlp", "model.layers.0.post_attention_layernorm",
+        "model.layers.1.input_layernorm", "model.layers.1.mlp", "model.layers.1.post_attention_layernorm", "model.norm"]
+    assert compiled_summary(llama, decoder_layers(llama)) == (
+        "--compile: 5 norms and 2 MLPs run through torch.compile; attention stays eager; the first steps compile")
+    # MoE blocks: Mixtral's (transformers 4: block_sparse_moe, experts a ModuleList of Linear MLPs; 5: mlp,
+    # fused experts) and Qwen2-MoE's (mlp in both; 4: a ModuleList of Linear MLPs, a Linear router)
+    for family in ("mixtral", "qwen2_moe"):
+        moe = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            family, **SMALL, num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16))
+        compile_per_token_modules(moe, decoder_layers(moe))
+        assert sorted(_compiled(moe)) == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
+                                          "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
+                                          "model.norm"], family
+        assert compiled_summary(moe, decoder_layers(moe)) == (
+            "--compile: 5 norms and 0 MLPs run through torch.compile; attention and 2 MoE MLPs stay eager; the "
+            "first steps compile")
+
+
+def test_a_fake_tensor_takes_the_eager_forward():
+    """The planner's fake tensors never reach dynamo: the plan is eager's (Note [Compiled per-token modules])."""
+    llama = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **SMALL))
+    compile_per_token_modules(llama, decoder_layers(llama))
+    captured = counters["stats"]["calls_captured"]
+    with FakeTensorMode(allow_non_fake_inputs=True):  # the module's weights are real
+        x = torch.randn(2, 5, 32, requires_grad=True)
+        out = llama.model.layers[0].mlp(llama.model.layers[0].input_layernorm(x))
+        out.sum().backward()
+    assert out.shape == (2, 5, 32) and counters["stats"]["calls_captured"] == captured
+
+
+@pytest.mark.slow
+def test_the_planner_plans_compile_as_eager():
+    from llama_cp.plan.simulate import plan_step_memory
+
+    config = embedded_llama_config(num_hidden_layers=2)
+    plans = [plan_step_memory(TrainConfig.from_flags(context_length=1024, use_peft=True, activation_checkpointing=True,
+                                                     compile=compile, report_to="none"), 1, model_config=config)
+             for compile in (False, True)]
+    assert plans[0].total > 0 and plans[1] == plans[0]
+
+
+def _trajectory(output_dir, **flags) -> list[tuple[float, float]]:
+    from llama_cp import Trainer
+
+    cfg = TrainConfig.from_flags(context_length=256, num_passkey_samples=16, num_eval_samples=2, max_steps=3,
+                                 log_every=1, warmup_steps=1, lr=3e-3, save_every=0, report_to="none",
+                                 output_dir=str(output_dir), **flags)
+    Trainer(cfg).fit()
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [(row["loss"], row["grad_norm"]) for row in map(json.loads, f) if "loss" in row]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [
+    dict(use_peft=True, activation_checkpointing=True, mlp_tile_size=64, norm_tile_size=64),
+    dict(),  # full fine-tuning, no levers
+], ids=["lora_checkpointing_tiles", "full"])
+def test_a_compiled_run_follows_the_eager_trajectory(tmp_path, flags, capsys):
+    """float32 on CPU: losses and gradient norms of 3 steps equal eager's to 1e-5 (inductor sums in
+    another order), and the compiled graphs really ran (dynamo captured frames)."""
+    eager = _trajectory(tmp_path / "eager", **flags)
+    captured = counters["stats"]["calls_captured"]
+    compiled = _trajectory(tmp_path / "compiled", compile=True, **flags)
+    assert counters["stats"]["calls_captured"] > captured
+    assert "--compile: 9 norms and 4 MLPs run through torch.compile" in capsys.readouterr().out
+    torch.testing.assert_close(torch.tensor(compiled, dtype=torch.float64), torch.tensor(eager, dtype=torch.float64),
+                               rtol=1e-5, atol=0)
