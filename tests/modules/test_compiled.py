@@ -82,18 +82,34 @@ def _trajectory(output_dir, **flags) -> list[tuple[float, float]]:
         return [(row["loss"], row["grad_norm"]) for row in map(json.loads, f) if "loss" in row]
 
 
+def eager_and_compiled(item) -> tuple[list, list, int, str]:
+    """In a process of its own (the trainer leaves a process group behind): the trajectories of
+    ``flags`` eager and with --compile, the frames dynamo captured in the compiled run, and its stdout."""
+    import contextlib
+    import io
+
+    directory, flags = item
+    torch.set_num_threads(1)
+    eager = _trajectory(os.path.join(directory, "eager"), **flags)
+    captured, said = counters["stats"]["calls_captured"], io.StringIO()
+    with contextlib.redirect_stdout(said):
+        compiled = _trajectory(os.path.join(directory, "compiled"), compile=True, **flags)
+    return eager, compiled, counters["stats"]["calls_captured"] - captured, said.getvalue()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [
-    dict(use_peft=True, activation_checkpointing=True, mlp_tile_size=64, norm_tile_size=64),
-    dict(),  # full fine-tuning, no levers
-], ids=["lora_checkpointing_tiles", "full"])
-def test_a_compiled_run_follows_the_eager_trajectory(tmp_path, flags, capsys):
+def test_a_compiled_run_follows_the_eager_trajectory(tmp_path):
     """float32 on CPU: losses and gradient norms of 3 steps equal eager's to 1e-5 (inductor sums in
-    another order), and the compiled graphs really ran (dynamo captured frames)."""
-    eager = _trajectory(tmp_path / "eager", **flags)
-    captured = counters["stats"]["calls_captured"]
-    compiled = _trajectory(tmp_path / "compiled", compile=True, **flags)
-    assert counters["stats"]["calls_captured"] > captured
-    assert "--compile: 9 norms and 4 MLPs run through torch.compile" in capsys.readouterr().out
-    torch.testing.assert_close(torch.tensor(compiled, dtype=torch.float64), torch.tensor(eager, dtype=torch.float64),
-                               rtol=1e-5, atol=0)
+    another order), and the compiled graphs really ran (dynamo captured frames): LoRA with
+    checkpointing and the MLP and norm tiles, and full fine-tuning without levers, side by side."""
+    from dist_harness import map_in_processes
+
+    runs = {"lora_checkpointing_tiles": dict(use_peft=True, activation_checkpointing=True, mlp_tile_size=64,
+                                             norm_tile_size=64),
+            "full": dict()}
+    results = map_in_processes(eager_and_compiled, [(str(tmp_path / name), flags) for name, flags in runs.items()])
+    for name, (eager, compiled, captured, said) in zip(runs, results):
+        assert captured > 0, name
+        assert "--compile: 9 norms and 4 MLPs run through torch.compile" in said, (name, said)
+        torch.testing.assert_close(torch.tensor(compiled, dtype=torch.float64),
+                                   torch.tensor(eager, dtype=torch.float64), rtol=1e-5, atol=0, msg=name)
