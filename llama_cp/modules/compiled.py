@@ -24,9 +24,15 @@ What is compiled, and what is not:
 - Each module's own ``forward`` is what is compiled (``torch.compile`` of the bound method,
   set as the instance's ``forward``): the same code as eager, whatever the family's norm or
   MLP computes, so the result equals eager up to the order inductor sums in (tests: float32
-  training trajectories to 1e-5). All norms of one class share one graph (dynamo guards on
-  the code, not on the instance: 2 graphs for 12 norms and 12 MLPs, torch 2.13), and a new
-  sequence length compiles once more and then as dynamic.
+  training trajectories to 1e-5, LoRA on every Linear layer). One exception: dropout inside a
+  compiled MLP (``--lora_dropout`` on MLP adapters) draws its masks from inductor's random
+  numbers, so other masks than eager's, of the same distribution (activation checkpointing's
+  recompute draws the same masks as its forward, compiled as eager).
+- Modules share graphs: dynamo guards on the code, not the instance (2 graphs for 12 norms and
+  12 MLPs in one pass, torch 2.13). A training run compiles a few variants of each forward
+  (grad mode, whether the input needs a gradient, FSDP2's renamed class of the final norm, a
+  new sequence length, which then turns dynamic); past dynamo's recompile limit (8 a
+  function) a new variant runs eager, which costs time only.
 - Tiling (``--mlp_tile_size``, ``--norm_tile_size``) wraps the compiled forward: the tiles
   run it, forward and in backward's recompute.
 - The memory planner runs the modules eager (a fake tensor takes the eager forward): a
@@ -47,12 +53,13 @@ from llama_cp.modules.tiling import norm_modules
 
 
 def _dense(mlp: nn.Module) -> bool:
-    """Whether ``mlp`` is a dense MLP, not an MoE: every parameter belongs to an ``nn.Linear`` (peft's
-    LoRA layers hold theirs in Linear layers too; transformers 5's fused experts are parameters of
-    their own module) and no experts are held in a list (transformers 4's, each a Linear MLP)."""
+    """Whether ``mlp`` is a dense MLP, not an MoE: every parameter belongs to an ``nn.Linear`` or to
+    peft (its LoRA layers, DoRA's magnitudes; transformers 5's fused experts are parameters of their
+    own module) and no experts are held in a list (transformers 4's, each a Linear MLP)."""
     modules = list(mlp.modules())
     return not any(isinstance(m, nn.ModuleList) for m in modules) and all(
-        isinstance(owner, nn.Linear) for owner in modules if list(owner.parameters(recurse=False)))
+        isinstance(owner, nn.Linear) or type(owner).__module__.startswith("peft.")
+        for owner in modules if list(owner.parameters(recurse=False)))
 
 
 def compile_forward(module: nn.Module) -> None:
@@ -83,5 +90,8 @@ def compiled_summary(model: nn.Module, layers: list[nn.Module]) -> str:
     norms = sum(id(m) in compiled for m in norm_modules(model, layers))
     mlps = sum(id(getattr(layer, "mlp", None)) in compiled for layer in layers)
     eager = len(layers) - mlps  # an MoE's mlp (transformers 4's Mixtral: block_sparse_moe)
+    copied = sum(type(getattr(m, "original_module", None)).__name__.endswith(("RMSNorm", "LayerNorm"))
+                 for m in model.modules())  # --lora_modules_to_save: peft's wrappers of trainable copies
     return (f"--compile: {norms} norms and {mlps} MLPs run through torch.compile; attention"
-            + (f" and {eager} MoE MLPs stay" if eager else " stays") + " eager; the first steps compile")
+            + (f", {eager} MoE MLPs" if eager else "") + (f", {copied} norms of --lora_modules_to_save" if copied else "")
+            + (" stay" if eager or copied else " stays") + " eager; the first steps compile")

@@ -12,9 +12,9 @@ complain after). An exception ends the command with exit
 status 1 and one line, ``error: <message>``, instead of a traceback; ``--debug``
 shows the traceback. Mistakes in the input (``ValueError``, ``FileNotFoundError``,
 ``KeyError``) and deliberate stops (``TrainingStopped``) happen on every rank
-alike, so only rank 0 prints them, and the other ranks wait a few seconds before
-they exit, so that the launcher does not end rank 0 before its line is out (Note [An
-error on every rank]); anything else is printed by each rank it happens on, with
+alike, so only rank 0 prints them, and the other ranks wait until it has (at most
+a few seconds) before they exit, so that the launcher does not end rank 0 before its
+line is out (Note [An error on every rank]); anything else is printed by each rank it happens on, with
 the rank. A rank that gave up on a stuck collective then ends the job's other ranks
 on its machine and itself at once (Note [Stuck ranks] in ``llama_cp/train/failures.py``).
 """
@@ -44,11 +44,61 @@ QUIET_RANK_GRACE_S = 10.0
 # one worker exits with a failure: when rank 1 raised first and exited at once, the agent
 # killed rank 0 before it printed, and the user saw torchrun's report and no error line
 # (CI, 2026-11-28: rank 0 ended by SIGTERM, no error line printed). So a rank other
-# than 0 that holds such an error waits QUIET_RANK_GRACE_S before it exits: rank 0 prints
-# and exits meanwhile, and the agent then ends the waiting rank. SIGTERM ends the wait
-# (the trainer's stop-signal handler is restored before the error reaches run_cli). Under
-# a launcher that does not end the job on the first failure (srun without
-# --kill-on-bad-exit), the job ends those seconds later; nothing else changes.
+# than 0 that holds such an error waits, at most QUIET_RANK_GRACE_S, before it exits:
+#
+# - with the process group up (a stop signal's TrainingStopped, a failed write), until
+#   rank 0 has printed: rank 0 then sets ERROR_SAID_KEY in the group's store (the
+#   TCPStore torchrun's rendezvous made; ``_get_default_store`` in
+#   torch/distributed/distributed_c10d.py, read in torch 2.10 and 2.13) and the others,
+#   waiting on it, exit at once. A stop by SIGTERM to torchrun itself (SLURM, k8s) must
+#   not wait: that agent signals its workers once and then only waits for them, inside
+#   its 30 s shutdown timeout and the scheduler's grace period;
+# - before the group exists (the flags, the files: most input errors), for the whole
+#   QUIET_RANK_GRACE_S: rank 0 prints and exits meanwhile, and the agent ends the
+#   waiting rank (SIGTERM ends the sleep: the trainer's stop-signal handler is restored
+#   before an error reaches run_cli). Under a launcher that does not end the job on the
+#   first failure (srun without --kill-on-bad-exit), the job ends those seconds later.
+#
+# An input error of one rank only (a path that exists on one node) is still said by nobody;
+# rank 0 then fails at its next collective (Note [Stuck ranks] in llama_cp/train/failures.py).
+#: The store key rank 0 sets once it has printed an error of every rank.
+ERROR_SAID_KEY = "llama_cp/error_said"
+
+
+def _group_store():
+    """The default process group's store, or None when there is no group (or no store to reach)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: the quiet rank sleeps instead
+        return None
+
+
+def _wait_for_rank_0() -> None:
+    """A quiet rank's wait before it exits on an error of every rank (Note [An error on every rank])."""
+    from datetime import timedelta
+
+    store = _group_store()
+    if store is None:
+        time.sleep(QUIET_RANK_GRACE_S)
+        return
+    try:
+        store.wait([ERROR_SAID_KEY], timedelta(seconds=QUIET_RANK_GRACE_S))
+    except Exception:  # noqa: BLE001 - rank 0 said nothing in time: exit all the same
+        pass
+
+
+def _say_said() -> None:
+    """Rank 0, after printing an error of every rank: let the waiting ranks go."""
+    store = _group_store()
+    if store is not None:
+        try:
+            store.set(ERROR_SAID_KEY, "1")
+        except Exception:  # noqa: BLE001 - the others then wait out QUIET_RANK_GRACE_S
+            pass
 
 
 def run_cli(
@@ -82,8 +132,10 @@ def run_cli(
             prefix = f"error (rank {rank})" if many else "error"
             message = " ".join(str(error).split()) or type(error).__name__
             print(f"{prefix}: {message} (rerun with --debug for the traceback)", file=sys.stderr, flush=True)
+            if input_error:
+                _say_said()
         else:  # rank 0 says it: give it the time to (Note [An error on every rank])
-            time.sleep(QUIET_RANK_GRACE_S)
+            _wait_for_rank_0()
         if callable(getattr(error, "end_job", None)):  # a stuck rank: end the whole job now (failures.CollectiveFailed)
             error.end_job()
         sys.exit(1)

@@ -44,8 +44,25 @@ def test_the_norms_and_dense_mlps_are_compiled_and_moe_mlps_stay_eager():
                                           "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
                                           "model.norm"], family
         assert compiled_summary(moe, decoder_layers(moe)) == (
-            "--compile: 5 norms and 0 MLPs run through torch.compile; attention and 2 MoE MLPs stay eager; the "
+            "--compile: 5 norms and 0 MLPs run through torch.compile; attention, 2 MoE MLPs stay eager; the "
             "first steps compile")
+
+
+def test_dora_mlps_compile_and_copied_norms_are_said():
+    """DoRA's magnitudes are peft's parameters, not an expert's: the MLP is dense. Norms that
+    --lora_modules_to_save copies are peft's wrappers, left eager, and the line says so."""
+    from peft import LoraConfig, get_peft_model
+
+    for config, compiled, line in (
+        (LoraConfig(target_modules=["gate_proj", "up_proj", "down_proj"], use_dora=True), 7,
+         "--compile: 5 norms and 2 MLPs run through torch.compile; attention stays eager"),
+        (LoraConfig(target_modules=["q_proj"], modules_to_save=["norm"]), 2,  # peft matches every "*norm"
+         "--compile: 0 norms and 2 MLPs run through torch.compile; attention, 5 norms of --lora_modules_to_save "
+         "stay eager"),
+    ):
+        model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **SMALL)), config)
+        compile_per_token_modules(model, decoder_layers(model))
+        assert len(_compiled(model)) == compiled and compiled_summary(model, decoder_layers(model)).startswith(line)
 
 
 def test_a_fake_tensor_takes_the_eager_forward():
@@ -100,12 +117,13 @@ def eager_and_compiled(item) -> tuple[list, list, int, str]:
 @pytest.mark.slow
 def test_a_compiled_run_follows_the_eager_trajectory(tmp_path):
     """float32 on CPU: losses and gradient norms of 3 steps equal eager's to 1e-5 (inductor sums in
-    another order), and the compiled graphs really ran (dynamo captured frames): LoRA with
-    checkpointing and the MLP and norm tiles, and full fine-tuning without levers, side by side."""
+    another order), and the compiled graphs really ran (dynamo captured frames): LoRA on every Linear
+    layer (the MLPs' adapters compiled) with checkpointing and the MLP and norm tiles, and full
+    fine-tuning without levers, side by side."""
     from dist_harness import map_in_processes
 
-    runs = {"lora_checkpointing_tiles": dict(use_peft=True, activation_checkpointing=True, mlp_tile_size=64,
-                                             norm_tile_size=64),
+    runs = {"lora_checkpointing_tiles": dict(use_peft=True, lora_target_modules=("all-linear",),
+                                             activation_checkpointing=True, mlp_tile_size=64, norm_tile_size=64),
             "full": dict()}
     results = map_in_processes(eager_and_compiled, [(str(tmp_path / name), flags) for name, flags in runs.items()])
     for name, (eager, compiled, captured, said) in zip(runs, results):

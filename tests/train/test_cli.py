@@ -262,12 +262,28 @@ def test_an_error_while_a_progress_bar_is_open_is_printed_on_its_own_line(capsys
 def test_a_quiet_rank_waits_for_rank_0_to_say_an_error_of_every_rank(monkeypatch, capsys):
     """An input error fails every rank; rank 0 prints it, and the others wait before they exit,
     so that torchrun (which ends every worker as soon as one fails) does not end rank 0 before
-    its line is out (Note [An error on every rank]; CI of 977b2d2 lost the line so). An error
-    of one rank only is printed at once by that rank, with its rank, and nobody waits."""
+    its line is out (Note [An error on every rank]; CI of 977b2d2 lost the line so): before the
+    process group exists, QUIET_RANK_GRACE_S; with it, until rank 0 has set ERROR_SAID_KEY in the
+    group's store (a stop by SIGTERM to torchrun must not wait out the grace). An error of one rank
+    only is printed at once by that rank, with its rank, and nobody waits."""
+    from datetime import timedelta
+
     from llama_cp.train import cli
 
-    waits = []
+    waits, store = [], None
+
+    class Store:  # the group's TCPStore: what rank 0 sets and what the others wait for
+        def __init__(self):
+            self.calls = []
+
+        def set(self, key, value):
+            self.calls.append(("set", key, value))
+
+        def wait(self, keys, timeout):
+            self.calls.append(("wait", keys, timeout))
+
     monkeypatch.setattr(cli.time, "sleep", waits.append)
+    monkeypatch.setattr(cli, "_group_store", lambda: store)
 
     def run(rank, error):
         def main():
@@ -280,9 +296,15 @@ def test_a_quiet_rank_waits_for_rank_0_to_say_an_error_of_every_rank(monkeypatch
         assert stop.value.code == 1
         return capsys.readouterr().err
 
-    assert run(1, FileNotFoundError("--dataset 'x.jsonl': no such file")) == "" and waits == [cli.QUIET_RANK_GRACE_S]
-    assert run(0, FileNotFoundError("--dataset 'x.jsonl': no such file")).startswith("error: --dataset") \
-        and waits == [cli.QUIET_RANK_GRACE_S]
+    missing = FileNotFoundError("--dataset 'x.jsonl': no such file")
+    assert run(1, missing) == "" and waits == [cli.QUIET_RANK_GRACE_S]  # no group yet: the grace
+    assert run(0, missing).startswith("error: --dataset") and waits == [cli.QUIET_RANK_GRACE_S]
     assert run(1, RuntimeError("CUDA error")).startswith("error (rank 1): CUDA error") \
         and waits == [cli.QUIET_RANK_GRACE_S]
     assert cli.QUIET_RANK_GRACE_S >= 5  # the ranks of one launch reach the same check seconds apart under load
+    store = Store()  # the group is up: rank 1 waits for rank 0's word, rank 0 gives it after its line
+    assert run(1, missing) == "" and waits == [cli.QUIET_RANK_GRACE_S]
+    assert store.calls == [("wait", [cli.ERROR_SAID_KEY], timedelta(seconds=cli.QUIET_RANK_GRACE_S))]
+    assert run(0, missing).startswith("error: --dataset")
+    assert store.calls[1:] == [("set", cli.ERROR_SAID_KEY, "1")]
+    assert run(0, RuntimeError("CUDA error")) and len(store.calls) == 2  # one rank's error: nobody waits on it
