@@ -32,9 +32,9 @@ from llama_cp.modules.gguf import gguf_model_dir, gguf_path
 from llama_cp.modules.causal_lm import (
     apply_rope_settings, base_causal_lm, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,
 )
-from llama_cp.modules.quantize import quiet_bitsandbytes
 from llama_cp.modules.compiled import compile_per_token_modules, compiled_summary
-from llama_cp.modules.tiling import apply_tiled_mlp, apply_tiled_norms
+from llama_cp.modules.quantize import quiet_bitsandbytes
+from llama_cp.modules.tiling import apply_tiled_mlp, apply_tiled_norms, copied_norms
 
 quiet_bitsandbytes()  # before peft imports bitsandbytes (Note [bitsandbytes' CPU kernel warning])
 
@@ -100,12 +100,12 @@ def parallelize_model(
         with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = get_peft_model(model, lora_config(cfg))
-        copied_norms = [type(m.original_module).__name__ for m in model.modules() if hasattr(m, "original_module")
-                        and type(m.original_module).__name__.endswith(("RMSNorm", "LayerNorm"))]
-        if cfg.model.norm_tile_size and copied_norms:  # llama_cp.modules.tiling.norm_modules finds norms by class
+        copied = copied_norms(model)
+        if cfg.model.norm_tile_size and copied:  # llama_cp.modules.tiling.norm_modules finds norms by class
             raise ValueError(f"--norm_tile_size with --lora_modules_to_save {','.join(cfg.peft.lora_modules_to_save)}: "
-                             f"the {copied_norms[0]}s are then peft's wrappers around trainable copies, which the "
-                             "tiling does not reach; drop --norm_tile_size or leave the norms out")
+                             f"the {type(copied[0].original_module).__name__}s are then peft's wrappers around "
+                             "trainable copies, which the tiling does not reach; drop --norm_tile_size or leave the "
+                             "norms out")
     frozen_dtype = resolve_frozen_dtype(cfg, param_dtype)
     if frozen_dtype is not None and cast_frozen_parameters(model, frozen_dtype) and param_dtype is None:
         param_dtype = torch.float32  # compute in the trainable dtype: frozen weights are cast when gathered

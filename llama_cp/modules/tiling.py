@@ -160,18 +160,25 @@ def tile_module(module: nn.Module, tile_size: int, *, flag: str = "tile_size") -
     module.forward = types.MethodType(forward, module)
 
 
+def _is_norm(module: nn.Module | None) -> bool:
+    return type(module).__name__.removeprefix("FSDP").endswith(("RMSNorm", "LayerNorm"))
+
+
+def copied_norms(model: nn.Module) -> list[nn.Module]:
+    """peft's wrappers of the norms ``--lora_modules_to_save`` copies (their ``original_module`` a
+    norm), which :func:`norm_modules` does not find."""
+    return [m for m in model.modules() if _is_norm(getattr(m, "original_module", None))]
+
+
 def norm_modules(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
     """The hidden-size norms of the decoder: every RMSNorm / LayerNorm child of a decoder layer
     (input, post-attention, and the extra ones of Gemma2 / OLMo2) and the final norm. Norms
     inside attention (Qwen3's q/k norms, per head) are left alone."""
-    def is_norm(module: nn.Module) -> bool:
-        return type(module).__name__.removeprefix("FSDP").endswith(("RMSNorm", "LayerNorm"))
-
-    norms = [child for layer in layers for child in layer.children() if is_norm(child)]
+    norms = [child for layer in layers for child in layer.children() if _is_norm(child)]
     from llama_cp.modules.causal_lm import base_causal_lm
 
     final = getattr(base_causal_lm(model).get_decoder(), "norm", None)
-    if final is not None and is_norm(final):
+    if final is not None and _is_norm(final):
         norms.append(final)
     return norms
 

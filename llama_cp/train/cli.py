@@ -14,8 +14,8 @@ shows the traceback. Mistakes in the input (``ValueError``, ``FileNotFoundError`
 ``KeyError``) and deliberate stops (``TrainingStopped``) happen on every rank
 alike, so only rank 0 prints them, and the other ranks wait until it has (at most
 a few seconds) before they exit, so that the launcher does not end rank 0 before its
-line is out (Note [An error on every rank]); anything else is printed by each rank it happens on, with
-the rank. A rank that gave up on a stuck collective then ends the job's other ranks
+line is out (Note [An error on every rank]); anything else is printed by each rank it
+happens on, with the rank. A rank that gave up on a stuck collective then ends the job's other ranks
 on its machine and itself at once (Note [Stuck ranks] in ``llama_cp/train/failures.py``).
 """
 
