@@ -2,6 +2,7 @@
 written on 2 ranks, its loss and gradient norm equal to plain single-process transformers."""
 
 import ast
+import functools
 import os
 import re
 import subprocess
@@ -60,6 +61,12 @@ def package_modules() -> dict[str, str]:
 
 def import_graph() -> dict[str, set[str]]:
     """Which llama_cp modules each llama_cp module imports, at the top or inside a function."""
+    return {module: set(imported) for module, imported in _read_import_graph().items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _read_import_graph() -> dict[str, frozenset[str]]:
+    """import_graph, read once a process (three tests read the same files)."""
     modules = package_modules()
     graph = {}
     for module, path in modules.items():
@@ -75,7 +82,7 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.Import):
                 imported |= {alias.name.partition(".")[2] or FACE for alias in node.names
                              if alias.name.split(".")[0] == "llama_cp"}
-        graph[module] = (imported & {*modules, FACE}) - {module}
+        graph[module] = frozenset((imported & {*modules, FACE}) - {module})
     return graph
 
 

@@ -79,7 +79,7 @@ def test_an_unknown_part_is_refused_in_one_line(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []  # refused before anything was written or started
 
 
-def test_the_named_kernel_checks_run_right_after_the_references_they_reuse():
+def test_the_named_kernel_checks_run_right_after_the_references_they_reuse(tmp_path, capsys):
     """A GPU run's correctness part may be stopped at its limit (the first took 71 of its 75 s): the
     checks of the kernel auto does not take for a case (sdpa_flash for one document a row, sdpa_cudnn
     for packed documents, on an H100 without flash-attn) come third to sixth, after the two cases that
@@ -92,9 +92,13 @@ def test_the_named_kernel_checks_run_right_after_the_references_they_reuse():
     assert all(backend == ("sdpa_cudnn" if packed else "sdpa_flash") for (_, _, packed, _), backend in runs[2:6])
     assert len(set(runs)) == len(runs) == 13
     assert {case for case, _ in exactness_runs(8192, dry_run=True)} <= {case for case, _ in runs}
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_report.py"), "--limit", "memory=x",
-                           "--output_dir", "unused"], capture_output=True, text=True)
-    assert done.returncode == 2 and "--limit 'memory=x': give PART=SECONDS" in done.stderr, done.stderr
+    from benchmarks.gpu_report import main
+
+    with pytest.raises(SystemExit) as refused:  # in this process, as the unknown part's test
+        main(["--limit", "memory=x", "--output_dir", str(tmp_path / "unused")])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "--limit 'memory=x': give PART=SECONDS" in err, err
+    assert not (tmp_path / "unused").exists()  # refused before anything was written
 
 
 def test_rows_that_failed_are_shown_with_their_error():

@@ -16,6 +16,7 @@ strings (Note [Collective names across torch versions]); this test does not see 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import json
@@ -48,6 +49,12 @@ def _is_module(name: str) -> bool:
 
 def used_names() -> dict[str, set[str]]:
     """module -> the names the package's code takes from it, for modules under torch.distributed."""
+    return {module: set(names) for module, names in _read_names().items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _read_names() -> dict[str, frozenset[str]]:
+    """used_names, read once a process: the three tests read the same files (a second each)."""
     used: dict[str, set[str]] = {}
     for path in sorted(p for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
@@ -76,7 +83,7 @@ def used_names() -> dict[str, set[str]]:
                 if module.startswith("torch.distributed"):
                     used.setdefault(module, set()).add(attr)
                 break
-    return used
+    return {module: frozenset(names) for module, names in used.items()}
 
 
 def test_names_exist_in_running_torch():

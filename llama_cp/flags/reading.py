@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import typing
 from typing import Any, Literal
@@ -71,7 +72,14 @@ def from_flags(cls: type, config: str | None = None, **flags: Any):
 
 def field_type(cls: type, name: str):
     """The annotated type of field ``name`` of dataclass ``cls``."""
-    return typing.get_type_hints(cls)[name]
+    return _type_hints(cls)[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, evaluated once a class: it compiles every field's annotation (strings
+    under ``from __future__ import annotations``), and a config reads it once a flag it coerces or checks."""
+    return typing.get_type_hints(cls)
 
 
 def coerce(cls: type, name: str, value: Any) -> Any:
