@@ -87,6 +87,28 @@ def test_bad_flags_are_clear_errors(flags, message):
         TrainConfig.from_flags(**flags)
 
 
+def test_a_config_class_s_type_hints_are_evaluated_once_not_once_a_flag(tmp_path):
+    """Reading flags evaluates a config class's annotations once (typing.get_type_hints compiles every
+    field's annotation string: once a coerced or checked flag, it made from_flags 33 ms instead of 0.2);
+    the types read are the same each time."""
+    import typing
+
+    from llama_cp.flags import reading
+
+    files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for file in files:
+        file.write_text('{"text": "x"}\n')
+    data = ",".join(map(str, files))
+    reading._type_hints.cache_clear()
+    with unittest.mock.patch.object(typing, "get_type_hints", wraps=typing.get_type_hints) as hints:
+        first = TrainConfig.from_flags(context_length=256, use_peft=True, max_steps=3, lr=1e-3, dataset=tuple(map(str, files)))
+        second = TrainConfig.from_flags(context_length=512, use_peft=False, max_steps=4, lr="2e-3")
+    classes = [call.args[0] for call in hints.call_args_list]
+    assert classes and len(classes) == len(set(classes)), classes  # each config class (and section) once
+    assert (first.data.context_length, first.peft.use_peft, first.optim.lr, first.data.dataset) == (256, True, 1e-3, data)
+    assert (second.data.context_length, second.peft.use_peft, second.optim.lr) == (512, False, 2e-3)
+
+
 def test_dpo_learning_rates_resolve_by_mode_and_an_explicit_flag_wins(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
