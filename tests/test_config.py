@@ -101,11 +101,13 @@ def test_a_config_class_s_type_hints_are_evaluated_once_not_once_a_flag(tmp_path
     data = ",".join(map(str, files))
     reading._type_hints.cache_clear()
     with unittest.mock.patch.object(typing, "get_type_hints", wraps=typing.get_type_hints) as hints:
-        first = TrainConfig.from_flags(context_length=256, use_peft=True, max_steps=3, lr=1e-3, dataset=tuple(map(str, files)))
+        first = TrainConfig.from_flags(context_length=256, use_peft=True, max_steps=3, lr=1e-3,
+                                       dataset=tuple(map(str, files)))
         second = TrainConfig.from_flags(context_length=512, use_peft=False, max_steps=4, lr="2e-3")
     classes = [call.args[0] for call in hints.call_args_list]
     assert classes and len(classes) == len(set(classes)), classes  # each config class (and section) once
-    assert (first.data.context_length, first.peft.use_peft, first.optim.lr, first.data.dataset) == (256, True, 1e-3, data)
+    assert (first.data.context_length, first.peft.use_peft, first.optim.lr, first.data.dataset) == (
+        256, True, 1e-3, data)
     assert (second.data.context_length, second.peft.use_peft, second.optim.lr) == (512, False, 2e-3)
 
 

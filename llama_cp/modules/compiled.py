@@ -16,8 +16,9 @@ What is compiled, and what is not:
 - The norms that :func:`llama_cp.modules.tiling.norm_modules` finds (each decoder layer's
   RMSNorm / LayerNorm children and the final norm) and each decoder layer's ``mlp`` whose
   parameters all belong to ``nn.Linear`` layers or to peft (the dense MLPs, with LoRA or
-  DoRA). The norms ``--lora_modules_to_save`` copies are peft's wrappers and stay eager. An MoE's ``mlp`` (a router, experts held as fused parameters or a ModuleList
-  chosen per token) is left eager: its data-dependent dispatch would break the graph.
+  DoRA). The norms ``--lora_modules_to_save`` copies are peft's wrappers and stay eager.
+  An MoE's ``mlp`` (a router, experts held as fused parameters or a ModuleList chosen per
+  token) is left eager: its data-dependent dispatch would break the graph.
 - Attention stays eager: the kernel calls of a block depend on where documents start and
   which rank holds which rows (``llama_cp.attention.documents``), values read on the host.
   It is one kernel per call already (flash-attn or cuDNN).
@@ -92,5 +93,6 @@ def compiled_summary(model: nn.Module, layers: list[nn.Module]) -> str:
     eager = len(layers) - mlps  # an MoE's mlp (transformers 4's Mixtral: block_sparse_moe)
     copied = len(copied_norms(model))  # --lora_modules_to_save's: left eager
     return (f"--compile: {norms} norms and {mlps} MLPs run through torch.compile; attention"
-            + (f", {eager} MoE MLPs" if eager else "") + (f", {copied} norms of --lora_modules_to_save" if copied else "")
+            + (f", {eager} MoE MLPs" if eager else "")
+            + (f", {copied} norms of --lora_modules_to_save" if copied else "")
             + (" stay" if eager or copied else " stays") + " eager; the first steps compile")
