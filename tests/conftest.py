@@ -121,23 +121,3 @@ def pytest_collection_finish(session):
             selected.setdefault(id(checks), (checks, set()))[1].add(params["name"])
     for checks, names in selected.values():
         checks.select(names)
-
-
-@pytest.fixture(scope="module")
-def frozen_heap():
-    """For a module that plans (``llama_cp.plan.simulate``): the objects alive before it are frozen out
-    of the collector's walk until the module ends (``dist_harness.freeze_heap``). Everything a plan
-    makes is collected exactly as before (a plan's figures with and without the freeze are equal,
-    checked on the memory matrix)."""
-    import gc
-
-    import peft  # noqa: F401  imported by the first plan otherwise, and left in the walk
-    from transformers import LlamaForCausalLM  # noqa: F401
-
-    from dist_harness import freeze_heap
-
-    freeze_heap()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

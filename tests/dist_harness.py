@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import importlib
 import json
 import os
@@ -264,17 +263,8 @@ def map_in_processes(fn, items: list, processes: int = 2) -> list:
     """``[fn(item) for item in items]``, computed in ``processes`` processes forked from the server of
     Note [Ranks forked from a preloaded server] (``fn`` importable by name, results pickled back):
     work that runs in one thread (the planner under fake tensors) on every core."""
-    with mp.get_context("forkserver").Pool(processes, initializer=freeze_heap) as pool:
+    with mp.get_context("forkserver").Pool(processes) as pool:
         return pool.map(fn, items, chunksize=1)
-
-
-def freeze_heap() -> None:
-    """Freeze the objects alive now, after a full collection (so none of them is garbage), out of
-    the collector's walk: the planner collects before each tracked phase, and a full collection
-    walks every object of the process (~0.3 s once torch, transformers and peft are imported, a
-    third of a small plan). For a pool process here, for a module in tests/conftest.py's ``frozen_heap``."""
-    gc.collect()
-    gc.freeze()
 
 
 @contextlib.contextmanager

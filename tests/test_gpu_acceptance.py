@@ -34,11 +34,10 @@ def _installed(name: str) -> str:
         return "not installed"
 
 
-def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch, frozen_heap):
+def test_dry_run_writes_the_json_and_the_table(tmp_path, monkeypatch):
     # `python benchmarks/gpu_acceptance.py --dry_run` run as that script, in this process (runpy
     # makes it __main__, so its spawned ranks start from the script as they do from the command):
-    # this process has torch and transformers imported already. Its planning, here while the
-    # ranks run, collects garbage before each tracked phase (``frozen_heap``, tests/conftest.py).
+    # this process has torch and transformers imported already.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the ranks' threads, as the command's subprocess had
     monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repository first
     monkeypatch.chdir(ROOT)

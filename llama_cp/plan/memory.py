@@ -149,6 +149,38 @@ def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *
     apply_gradients(model, optimizer, max_grad_norm=max_grad_norm)
 
 
+# Note [No collection in a tracked phase]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's MemTracker and FSDPMemTracker (torch/distributed/_tools/mem_tracker.py, read at torch
+# 2.13: _update_and_maybe_create_winfos, track_external) count only the storages they register:
+# those allocated under their dispatch mode, and the model's parameters, gradients and optimizer
+# state. Garbage left by earlier work is in no tracked peak, so no collection is needed before a
+# phase. What could move a peak is Python's cyclic collector running inside the phase: the
+# points where it runs depend on how many objects the process allocated before (the same plan in
+# a fresh CLI process and in a long notebook), and a collection there frees cyclic garbage of the
+# step earlier than at the step's end. So the collector is off while a phase is tracked (restored
+# after, also on an error): a plan is the same in any process, and cyclic garbage counts until
+# the phase ends, an upper bound. Until 28 Nov 2026 each phase started with gc.collect() instead,
+# which walks every object of the process (0.22 s once torch, transformers and peft are imported;
+# more in a forked process, whose walk copies the pages it touches), twice a simulation. Measured
+# on the 2-core machine, every category of every phase the same to the byte either way: 12 plans
+# of tests/plan/memory_matrix.py in one process 15.1 -> 11.7 s, its 48 in two forked processes
+# 37.0 -> 23.9 s, `plan_memory --model_name llama3-8b --cp 8 --use_peft --find_max_context` 75 -> 71 s.
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block, back as it was after (Note [No
+    collection in a tracked phase])."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def measure_step_memory(
     model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
     num_tokens: int, *, max_grad_norm: float, preference: dict | None = None,
@@ -177,8 +209,7 @@ def measure_step_memory(
     phases = {}
     tracker = FSDPMemTracker(model, optimizer)
     tracker.track_inputs(tuple(micro_batches))
-    gc.collect()  # no garbage of earlier steps in the tracked peak
-    with tracker:
+    with no_collection(), tracker:  # Note [No collection in a tracked phase]
         # One tracker for every forward: torch's FSDPMemTracker does not restore the hooks of a
         # multi-module FSDP group ([norm, lm_head]) on exit, so a second tracker of forwards on
         # the same model fails. Eval first: the head group, not resharded after a forward, then
@@ -204,8 +235,7 @@ def measure_step_memory(
         tracker.get_tracker_snapshot("peak").get(device, {}), host=host_peak()
     )
     tracker = FSDPMemTracker(model, optimizer)  # picks up the sharded gradients and the state
-    gc.collect()
-    with tracker:
+    with no_collection(), tracker:
         apply_gradients(model, optimizer, max_grad_norm=max_grad_norm)
     tracked = MemoryBreakdown.from_snapshot(tracker.get_tracker_snapshot("peak").get(device, {}))
     counted = adamw_step_bytes(optimizer)

@@ -19,9 +19,6 @@ def _round_up(x, m):
     return -(-x // m) * m
 
 
-pytestmark = pytest.mark.usefixtures("frozen_heap")  # the planner tests below: tests/conftest.py
-
-
 @pytest.mark.parametrize(
     "backend,causal,heads", list(itertools.product(MODELLED, [True, False], [(4, 4), (4, 2), (4, 1)]))
 )
