@@ -6,7 +6,8 @@
 #   python3 benchmarks/gpu_report.py --output_dir $OUT/report      (carry: .whl)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+exclude="$(git rev-parse --git-common-dir)/info/exclude"  # a worktree's .git is a file: the common one's
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl bitsandbytes==0.50.0 liger-kernel==0.8.5
