@@ -226,7 +226,7 @@ class TrainConfig:
     eval_needle: bool = False
     """After training, passkey accuracy over context lengths (--context_length / 4, / 2, / 1) x needle depths (0 to 1) on the trained model: output_dir/needle.json and needle.png (llama_cp/eval/)."""
     eval_perplexity: bool = False
-    """After training, loss and perplexity of the trained model by context length (--context_length / 4, / 2, / 1) and position (4 equal ranges of each) on the run's eval documents, one per row, unpacked (the first --num_eval_samples of at least --context_length + 1 tokens; fewer when fewer hold that many, but at least one): output_dir/perplexity.json and perplexity.png (llama_cp/eval/). Needs natural text: not with --dataset passkey."""
+    """After training, loss and perplexity of the trained model by context length (--context_length / 4, / 2, / 1) and position (4 equal ranges of each) on the run's eval documents, one per row, unpacked (the first --num_eval_samples of at least --context_length + 1 tokens; fewer when fewer hold that many; none refuses the run before its first step): output_dir/perplexity.json and perplexity.png (llama_cp/eval/). Needs natural text: not with --dataset passkey."""
     objective: Literal["sft", "dpo"] = "sft"
     """sft: the next-token loss on the data's completions. dpo: preference fine-tuning on data of (prompt, chosen, rejected) with --dpo_loss, each pair's two sequences packed whole into one row (docs/training.md, Preference fine-tuning); with --dataset passkey, the built-in preference task (the true key chosen, a wrong key rejected)."""
     dpo_loss: Literal["sigmoid", "simpo", "orpo"] = "sigmoid"

@@ -41,29 +41,39 @@ def evaluate_trained(trainer) -> dict:
     return result
 
 
-def evaluate_trained_perplexity(trainer) -> dict:
-    """``--eval_perplexity``: :func:`evaluate_perplexity` of a :class:`~llama_cp.train.trainer.Trainer`'s
-    model after ``fit``, at :func:`training_lengths` in DEFAULT_BUCKETS buckets, on the run's eval
-    documents (--eval_dataset, else each source's validation/test split or its --eval_fraction
-    hold-out: text the run did not train on), one per row: the first --num_eval_samples of at
-    least --context_length + 1 tokens, at least one; written beside the run's metrics."""
+def perplexity_documents(trainer) -> list[tuple[list[int], list[bool]]]:
+    """The documents ``--eval_perplexity`` reads, one per row: of the run's eval documents (--eval_dataset,
+    else each source's validation/test split or its --eval_fraction hold-out: text the run did not
+    train on), the first --num_eval_samples of at least --context_length + 1 tokens, at least one.
+    :meth:`~llama_cp.train.trainer.Trainer.setup` chooses them, so that eval documents too short are
+    refused before the first step, not after the last."""
     from llama_cp.data.mixture import DataSpec
 
     cfg = trainer.cfg
-    lengths = training_lengths(cfg)
     spec = DataSpec.of(cfg.data, cfg.seed)
-    where = f"--eval_dataset {cfg.data.eval_dataset!r}" if cfg.data.eval_dataset else \
-        f"the eval part of --dataset {cfg.data.dataset!r}"
-    documents = long_documents(
-        spec.examples("eval"), trainer.tokenizer, max(lengths) + 1, cfg.data.num_eval_samples, spec=spec,
-        name=f"--eval_perplexity on {where}", minimum=1,
-        fix="give --eval_dataset longer documents or lower --context_length; final/ is written, and python -m "
-            "recipes.eval_longctx --task perplexity evaluates it at the lengths you choose",
+    return long_documents(
+        spec.examples("eval"), trainer.tokenizer, max(training_lengths(cfg)) + 1, cfg.data.num_eval_samples,
+        spec=spec, name=f"--eval_perplexity on {_eval_source(cfg)}", minimum=1,
+        fix="give --eval_dataset longer documents, lower --context_length or drop --eval_perplexity (nothing is "
+            "trained yet); python -m recipes.eval_longctx --task perplexity evaluates a model at the lengths you choose",
     )
+
+
+def _eval_source(cfg) -> str:
+    return f"--eval_dataset {cfg.data.eval_dataset!r}" if cfg.data.eval_dataset else \
+        f"the eval part of --dataset {cfg.data.dataset!r}"
+
+
+def evaluate_trained_perplexity(trainer) -> dict:
+    """``--eval_perplexity``: :func:`evaluate_perplexity` of a :class:`~llama_cp.train.trainer.Trainer`'s
+    model after ``fit``, at :func:`training_lengths` in DEFAULT_BUCKETS buckets, on the
+    :func:`perplexity_documents` its setup chose; written beside the run's metrics."""
+    cfg = trainer.cfg
+    documents = getattr(trainer, "perplexity_documents", None) or perplexity_documents(trainer)
     layout = layout_for(trainer.cp_strategy)
-    result = evaluate_perplexity(trainer.model, trainer.mesh, documents, lengths, DEFAULT_BUCKETS,
+    result = evaluate_perplexity(trainer.model, trainer.mesh, documents, training_lengths(cfg), DEFAULT_BUCKETS,
                                  device=trainer.device, layout=layout)
-    result.update(model=os.path.join(cfg.output_dir, "final"), dataset=where)
+    result.update(model=os.path.join(cfg.output_dir, "final"), dataset=_eval_source(cfg))
     if dist.get_rank() == 0:
         write_results(result, cfg.output_dir, "perplexity", plot=plot_perplexity)
         print(format_perplexity(result), flush=True)

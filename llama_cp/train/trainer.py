@@ -76,6 +76,10 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         self.objective = build_objective(self)  # Note [Objectives as parts] in llama_cp/train/objective.py
         self._build_data()  # the schedule needs total_steps
+        if cfg.eval_perplexity:  # chosen now: documents too short are refused before the first step
+            from llama_cp.eval.trained import perplexity_documents
+
+            self.perplexity_documents = perplexity_documents(self)
         self.objective.start()  # DPO's references: from the initial weights, before any checkpoint is loaded
         self._start_schedule(0)
         os.makedirs(cfg.output_dir, exist_ok=True)
@@ -135,7 +139,8 @@ class Trainer:
         cfg.save_every = cfg.resolved_save_every(self.total_steps)
         if not cfg.is_demo():  # Note [Defaults by run] in llama_cp/flags/defaults.py: what this run resolved to
             length = f"--max_steps {cfg.max_steps}" if cfg.max_steps else f"--num_epochs {cfg.num_epochs}"
-            saves = f"every {cfg.save_every} steps" if cfg.save_every else "at the end"
+            saves = "at the end" if not cfg.save_every else "every step" if cfg.save_every == 1 else \
+                f"every {cfg.save_every} steps"
             self._say(f"{self.total_steps} steps ({length}), --lr {cfg.optim.lr:g}, activation checkpointing "
                       f"{'on' if cfg.model.activation_checkpointing else 'off'}, checkpoints {saves} "
                       "(Note [Defaults by run] in llama_cp/flags/defaults.py)")

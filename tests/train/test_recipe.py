@@ -5,6 +5,8 @@ in a world-1 gloo process group (dist_harness), like a notebook would: two such 
 side, each running half of the checks (Note [Worlds side by side] in tests/dist_harness.py).
 """
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -684,8 +686,9 @@ def a_local_model_with_only_model_name_and_dataset_gets_the_real_model_defaults(
         assert info["model"]["activation_checkpointing"] is True
         assert info["save_every"] == -(-steps // 10)
         assert len(read_metrics(run)) >= 1 and os.path.isdir(os.path.join(run, "final"))
-        assert f"{steps} steps (--num_epochs 1), --lr 2e-05, activation checkpointing on, checkpoints every " \
-               f"{info['save_every']} steps (Note [Defaults by run] in llama_cp/flags/defaults.py)" in said, said
+        saves = "every step" if info["save_every"] == 1 else f"every {info['save_every']} steps"  # a run of <= 10
+        assert f"{steps} steps (--num_epochs 1), --lr 2e-05, activation checkpointing on, checkpoints {saves} " \
+               "(Note [Defaults by run] in llama_cp/flags/defaults.py)" in said, said
 
 
 @checks.add
@@ -875,7 +878,7 @@ def lora_adapter_eval_equals_the_trained_models_eval_perplexity():
     (by length and position); the eval CLI's main on the exported adapter (final/: the embedded base
     rebuilt from llama_cp_export.json's seed, the adapter (DoRA, rsLoRA, trained norm copies) loaded
     into the sharded peft model; it refused adapters, then DoRA) gives the same numbers on the same
-    documents."""
+    documents. Eval documents too short for --context_length are refused before training."""
     from safetensors.torch import load_file
 
     from recipes import eval_longctx, finetune_longctx
@@ -905,6 +908,18 @@ def lora_adapter_eval_equals_the_trained_models_eval_perplexity():
                           output_dir=os.path.join(root, "adapter"))
         with open(os.path.join(root, "adapter", "perplexity.json")) as f:
             reloaded = json.load(f)
+        # eval documents too short for --context_length are refused before the first step, not after the last
+        said = io.StringIO()
+        with pytest.raises(ValueError, match=r"^--eval_perplexity on --eval_dataset .*: none of its 4 documents holds "
+                                             r"at least 257 tokens .* \(nothing is trained yet\)"), \
+                contextlib.redirect_stdout(said):
+            finetune_longctx.main(
+                context_length=256, max_steps=2, use_peft=True, dataset=train, eval_dataset=held, num_eval_samples=2,
+                eval_perplexity=True, output_dir=os.path.join(root, "short"), data_cache_dir=os.path.join(root, "cache"),
+                report_to="none")
+        assert not os.path.exists(os.path.join(root, "short", "metrics.jsonl"))
+        assert "2 steps (--max_steps 2), --lr 0.001, activation checkpointing off, checkpoints every step (" \
+            in said.getvalue(), said.getvalue()
     assert reloaded["model"] == final and reloaded["documents"] == 2
     for got, want in zip(reloaded["per_length"], trained["per_length"], strict=True):
         assert got["tokens"] == want["tokens"] == 2 * got["length"]
