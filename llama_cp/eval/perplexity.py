@@ -45,14 +45,16 @@ def long_documents(
     minimum: int | None = None, fix: str = "lower --lengths or --num_samples, or give longer documents",
 ) -> list[tuple[list[int], list[bool]]]:
     """The first ``count`` documents of ``parts`` ((source, examples) pairs, read in turn) that hold at
-    least ``min_tokens`` tokens, tokenized as training does (``tokenize_row``) and cut to their first
-    ``min_tokens``. ValueError naming ``name``, the longest document and ``fix`` when fewer than
-    ``minimum`` (default ``count``) do. Rows that cannot be rendered are skipped."""
+    least ``min_tokens`` tokens, some of them scored, tokenized as training does (``tokenize_row``) and
+    cut to their first ``min_tokens``. ValueError naming ``name``, the longest document and ``fix`` when
+    fewer than ``minimum`` (default ``count``) do. Rows that cannot be rendered are skipped, and so are
+    those whose first ``min_tokens`` are all unscored (the prompt of an instruction or chat row: its
+    completion comes later), which no length could measure."""
     from llama_cp.data.formats import detect_format
     from llama_cp.data.mixture import tokenize_row
     from llama_cp.data.sources import ROW_NUMBER
 
-    found, seen, longest = [], 0, 0
+    found, seen, longest, unscored = [], 0, 0, 0
     for source, examples in parts:
         if detect_format(examples.column_names) == "passkey":
             raise ValueError(f"{source.flag} {source.name!r}: passkey rows are not natural text; perplexity reads "
@@ -61,13 +63,17 @@ def long_documents(
             where = f"row {example.get(ROW_NUMBER, index + 1)} of {source.flag} {source.name!r}"
             (input_ids, label_mask), _ = tokenize_row(example, tokenizer, where, spec)
             seen, longest = seen + 1, max(longest, len(input_ids))
-            if len(input_ids) >= min_tokens:
+            if len(input_ids) >= min_tokens and not any(label_mask[1:min_tokens]):  # perplexity_row's labels
+                unscored += 1
+            elif len(input_ids) >= min_tokens:
                 found.append((input_ids[:min_tokens], label_mask[:min_tokens]))
                 if len(found) == count:
                     return found
     if len(found) < (count if minimum is None else minimum):
         held = f"only {len(found)} of its {seen} documents hold" if found else f"none of its {seen} documents holds"
-        raise ValueError(f"{name}: {held} at least {min_tokens} tokens (the longest length + 1, the last label), "
+        skipped = f" and some scored ({unscored} hold as many tokens, all prompt: an instruction or chat row scores " \
+                  "only its completion, which comes later)" if unscored else ""
+        raise ValueError(f"{name}: {held} at least {min_tokens} tokens (the longest length + 1, the last label){skipped}, "
                          f"{count} wanted; the longest has {longest} tokens: {fix}")
     return found
 

@@ -55,7 +55,7 @@ def test_token_losses_are_the_terms_of_the_loss_sum():
 def test_perplexity_reads_long_documents_into_rows_labelled_as_training(tmp_path):
     """The first documents of >= max(lengths) + 1 tokens, in order, across sources; too few is one
     line naming the longest; a row holds the document's first L tokens with labels as packing
-    shifts them (a prompt's tokens unscored)."""
+    shifts them (a prompt's tokens unscored); a document whose first tokens are all unscored is skipped."""
     from llama_cp.data.mixture import DataSpec
     from llama_cp.data.packing import pack_documents
     from llama_cp.data.sources import load_source
@@ -84,6 +84,13 @@ def test_perplexity_reads_long_documents_into_rows_labelled_as_training(tmp_path
     assert torch.equal(row["input_ids"], packed["input_ids"][:64]) and torch.equal(row["labels"], packed["labels"][:64])
     assert torch.equal(row["position_ids"], torch.arange(64))
     assert (row["labels"][:30] == -100).all() and (row["labels"][31:] != -100).all()  # the prompt is not scored
+    # a document whose first min_tokens are all prompt has nothing to score at any length: skipped, and said
+    d = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p" * 80, "completion": "g" * 10}])
+    assert [tokenizer.decode(ids[1:3]) for ids, _ in read(f"{d},{c}", 65, 2)] == ["ee", "ff"]
+    assert len(read(d, 90, 1)) == 1  # its completion inside the first 90 tokens: scored, read
+    with pytest.raises(ValueError, match=r"none of its 1 documents holds at least 65 tokens \(the longest length \+ 1, "
+                                         r"the last label\) and some scored \(1 hold as many tokens, all prompt"):
+        read(d, 65, 1)
 
 
 def test_eval_perplexity_needs_natural_text():
