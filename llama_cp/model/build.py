@@ -13,6 +13,7 @@ tiling, FSDP2 with checkpointing) and loads the checkpoint's shards. The planner
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -277,10 +278,12 @@ def check_strategy_heads(cfg: TrainConfig, config) -> None:
     strategy, _ = cp_strategy(cfg, config)
     heads, cp = config.num_attention_heads, cfg.parallel.cp
     if strategy == "ulysses" and heads % cp:
+        common = math.gcd(heads, cp)  # hybrid's largest degree; 1 would be the ring alone
+        hybrid = f", or --cp_strategy hybrid --ulysses_degree {common} (Ulysses over {common} ranks, the ring across " \
+                 "them)" if common > 1 else ""
         raise ValueError(
             f"--cp_strategy ulysses at --cp {cp}: this model has {heads} attention heads, which do not split over "
-            f"{cp} ranks; use --cp_strategy ring or allgather (any head count), or hybrid with a --ulysses_degree "
-            f"that divides both {heads} and {cp}"
+            f"{cp} ranks; use --cp_strategy ring or allgather (any head count){hybrid}"
         )
 
 

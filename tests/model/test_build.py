@@ -129,3 +129,24 @@ def test_the_backend_check_takes_the_head_size_attention_computes_with():
     cfg = TrainConfig.from_flags(attention_backend="sdpa_flash", dtype="bfloat16")
     with pytest.raises(ValueError, match=r"^--attention_backend sdpa_flash .*takes head sizes 8, 16, \.\.\., 256, not 320"):
         check_attention_backend(cfg, config, "cuda")
+
+
+def test_ulysses_refused_where_the_heads_do_not_split_names_only_strategies_that_run():
+    """Ulysses needs --cp to divide the query heads: the refusal offers ring and allgather, and
+    hybrid only with a degree that divides both (none for 9 heads at cp 2)."""
+    from types import SimpleNamespace
+
+    from llama_cp.attention.hybrid import check_ulysses_degree
+    from llama_cp.model.build import check_strategy_heads
+
+    cfg = TrainConfig.from_flags(cp=2, cp_strategy="ulysses")
+    with pytest.raises(ValueError, match=r"^--cp_strategy ulysses at --cp 2: this model has 9 attention heads, which "
+                                         r"do not split over 2 ranks; use --cp_strategy ring or allgather \(any head "
+                                         r"count\)$"):
+        check_strategy_heads(cfg, SimpleNamespace(num_attention_heads=9))
+    cfg = TrainConfig.from_flags(cp=4, cp_strategy="ulysses")
+    with pytest.raises(ValueError, match=r"\(any head count\), or --cp_strategy hybrid --ulysses_degree 2 \(Ulysses "
+                                         r"over 2 ranks, the ring across them\)$"):
+        check_strategy_heads(cfg, SimpleNamespace(num_attention_heads=6))
+    check_ulysses_degree("hybrid", 2, 4, heads=6)  # the degree offered is one hybrid takes
+    check_strategy_heads(cfg, SimpleNamespace(num_attention_heads=8))  # 8 heads split over 4 ranks
