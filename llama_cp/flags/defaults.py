@@ -56,6 +56,19 @@ def resolved_save_every(cfg, total_steps: int) -> int:
     return 0 if is_demo(cfg) else max(1, min(500, -(-total_steps // 10)))
 
 
+def said_defaults(cfg, total_steps: int) -> str:
+    """The start line of a run that is not the demo: what its steps, --lr, checkpointing and
+    checkpoints resolved to (after ``resolved_save_every``), and a warm-up the run never leaves."""
+    length = f"--max_steps {cfg.max_steps}" if cfg.max_steps else f"--num_epochs {cfg.num_epochs}"
+    saves = "at the end" if not cfg.save_every else "every step" if cfg.save_every == 1 else \
+        f"every {cfg.save_every} steps"
+    warm = cfg.optim.warmup_steps
+    unreached = f" (not reached: --warmup_steps {warm} is longer than the run)" if warm >= total_steps else ""
+    return (f"{total_steps} steps ({length}), --lr {cfg.optim.lr:g}{unreached}, activation checkpointing "
+            f"{'on' if cfg.model.activation_checkpointing else 'off'}, checkpoints {saves} "
+            "(Note [Defaults by run] in llama_cp/flags/defaults.py)")
+
+
 def passkey_key_digits(cfg) -> int:
     """--passkey_digits, auto resolved: 1 for the embedded model, else 5 (Note [Passkey length warm-up])."""
     if cfg.data.passkey_digits:

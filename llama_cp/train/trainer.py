@@ -26,6 +26,7 @@ from tqdm import tqdm
 from llama_cp.config import TrainConfig
 from llama_cp.data.tokenizer import build_tokenizer
 from llama_cp.files import write_text
+from llama_cp.flags.defaults import said_defaults
 from llama_cp.model.build import model_path
 from llama_cp.model.flops import model_flops, peak_flops, throughput
 from llama_cp.optim.optimizers import build_optimizer
@@ -138,12 +139,7 @@ class Trainer:
             self.total_steps = cfg.max_steps or steps_per_epoch * cfg.num_epochs
         cfg.save_every = cfg.resolved_save_every(self.total_steps)
         if not cfg.is_demo():  # Note [Defaults by run] in llama_cp/flags/defaults.py: what this run resolved to
-            length = f"--max_steps {cfg.max_steps}" if cfg.max_steps else f"--num_epochs {cfg.num_epochs}"
-            saves = "at the end" if not cfg.save_every else "every step" if cfg.save_every == 1 else \
-                f"every {cfg.save_every} steps"
-            self._say(f"{self.total_steps} steps ({length}), --lr {cfg.optim.lr:g}, activation checkpointing "
-                      f"{'on' if cfg.model.activation_checkpointing else 'off'}, checkpoints {saves} "
-                      "(Note [Defaults by run] in llama_cp/flags/defaults.py)")
+            self._say(said_defaults(cfg, self.total_steps))
 
     def _passkey_warmup_rows(self, stages) -> int:
         """The passkey rows that pack shorter documents (Note [Passkey length warm-up]): a share of the

@@ -86,3 +86,19 @@ def test_the_optimizer_steps_at_each_steps_rate_also_when_restarted(warmup):
     assert rates(0)[0] == pytest.approx(0.02 / (warmup + 1))
     for resumed in (1, warmup, warmup + 2):
         assert rates(resumed) == pytest.approx(want[resumed:], rel=1e-12), resumed
+
+
+@pytest.mark.parametrize("total", [9, 10, 11, 12])
+def test_the_start_line_says_when_the_warm_up_outlasts_the_run(total):
+    """A run whose last step is still warming up never uses --lr: its start line says so, exactly
+    when no step's rate is --lr (warm-up 10: runs of 10 steps or fewer)."""
+    from llama_cp.config import TrainConfig
+    from llama_cp.flags.defaults import said_defaults
+
+    cfg = TrainConfig.from_flags(model_name="org/llama", dataset="org/texts", max_steps=total)
+    cfg.save_every = cfg.resolved_save_every(total)
+    reached = max(lr_factor(step, total, cfg.optim) for step in range(total)) == 1.0
+    line = said_defaults(cfg, total)
+    assert line.startswith(f"{total} steps (--max_steps {total}), --lr 2e-05")
+    assert ("(not reached: --warmup_steps 10 is longer than the run)" in line) == (not reached), line
+    assert reached == (total > 10)
