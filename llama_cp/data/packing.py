@@ -135,6 +135,7 @@ class RowPacker:
         self.size = 0  # tokens waiting in pieces
         self.next_document = 0
         self.documents = self.tokens = self.split_documents = 0
+        self.unscored_rows = 0  # rows without a label (a long prompt's middle): they train nothing
         self.trainable = False  # some token so far has a label
 
     def add(self, document: Document, offset: int = 0) -> list[tuple[Row, tuple[int, int]]]:
@@ -186,5 +187,6 @@ class RowPacker:
             count -= taken
             self.size -= taken
         row = {key: torch.cat([part[k] for part in parts]) for k, key in enumerate(("input_ids", "labels", "position_ids"))}
+        self.unscored_rows += bool((row["labels"] == IGNORE_INDEX).all())
         after = (self.pieces[0][0], self.pieces[0][1]) if self.pieces else (self.next_document, 0)
         return row, after

@@ -193,7 +193,8 @@ def _remove_aside(final: Path, temporary: str) -> None:
 
 def summary_lines(summary: Mapping[str, Any], context_length: int) -> list[str]:
     """What the prepared rows hold, per split: documents and their formats, rows, tokens,
-    padding, documents split or truncated, a mixture's share of each source, skipped rows."""
+    padding, documents split or truncated, rows with no scored token (prepared before they were
+    counted: not said), a mixture's share of each source, skipped rows."""
     lines = []
     for split in SPLITS:
         s = summary[split]
@@ -204,6 +205,8 @@ def summary_lines(summary: Mapping[str, Any], context_length: int) -> list[str]:
             f"{context_length} tokens, {s['tokens']} tokens, padding {100 * s['padding_fraction']:.2f}%, "
             + (f"{s['truncated_documents']} pairs truncated" if pairs else
                f"{s['split_documents']} documents split over rows, {s['truncated_documents']} truncated")
+            + (f", {s['unscored_rows']} rows with no scored token (prompt tokens only: nothing to learn or score; "
+               "a longer --context_length keeps prompts with their completions)" if s.get("unscored_rows") else "")
         )
         sources = s.get("sources", [])
         if len(sources) > 1:

@@ -121,7 +121,8 @@ def prepare_split(
         )
     del documents, tokenized
     return _finish_split(work, split, seen, row_file.rows, context_length, packer.tokens,
-                         split_documents=packer.split_documents, truncated_documents=truncated)
+                         split_documents=packer.split_documents, truncated_documents=truncated,
+                         unscored_rows=packer.unscored_rows)
 
 
 class _RowFile:

@@ -73,8 +73,8 @@ def long_documents(
         held = f"only {len(found)} of its {seen} documents hold" if found else f"none of its {seen} documents holds"
         skipped = f" and some scored ({unscored} hold as many tokens, all prompt: an instruction or chat row scores " \
                   "only its completion, which comes later)" if unscored else ""
-        raise ValueError(f"{name}: {held} at least {min_tokens} tokens (the longest length + 1, the last label){skipped}, "
-                         f"{count} wanted; the longest has {longest} tokens: {fix}")
+        raise ValueError(f"{name}: {held} at least {min_tokens} tokens (the longest length + 1, the last label)"
+                         f"{skipped}, {count} wanted; the longest has {longest} tokens: {fix}")
     return found
 
 

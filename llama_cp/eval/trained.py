@@ -55,7 +55,8 @@ def perplexity_documents(trainer) -> list[tuple[list[int], list[bool]]]:
         spec.examples("eval"), trainer.tokenizer, max(training_lengths(cfg)) + 1, cfg.data.num_eval_samples,
         spec=spec, name=f"--eval_perplexity on {_eval_source(cfg)}", minimum=1,
         fix="give --eval_dataset longer documents, lower --context_length or drop --eval_perplexity (nothing is "
-            "trained yet); python -m recipes.eval_longctx --task perplexity evaluates a model at the lengths you choose",
+            "trained yet); python -m recipes.eval_longctx --task perplexity evaluates a model at the lengths you "
+            "choose",
     )
 
 

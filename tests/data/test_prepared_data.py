@@ -114,6 +114,22 @@ def test_summary_counts_documents_tokens_padding_and_splits(tokenizer, tmp_path)
     assert rows[1]["input_ids"][:13].tolist() == [tokenizer.bos_token_id] + [ord("b")] * 10 + [tokenizer.eos_token_id, 256]
 
 
+def test_rows_with_no_scored_token_are_counted_and_said(tokenizer, tmp_path):
+    """A prompt longer than a row leaves rows that hold only prompt tokens: they train nothing, and the
+    summary counts them (against the prepared rows' own labels) and says so; rows that all train say nothing."""
+    dataset = tmp_path / "long_prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": "q" * 150, "completion": "a" * 5}) + "\n" for _ in range(4)))
+    directory, summary = prepare_dataset(str(dataset), tokenizer, 64, cache_dir=str(tmp_path / "cache"))
+    rows = PreparedRows(directory / "train.arrow")
+    unscored = sum(bool((row["labels"] == -100).all()) for row in rows)
+    assert 0 < unscored < len(rows) and summary["train"]["unscored_rows"] == unscored
+    assert summary_lines(summary, 64)[0].endswith(
+        f", {unscored} rows with no scored token (prompt tokens only: nothing to learn or score; a longer "
+        "--context_length keeps prompts with their completions)")
+    _, summary = prepare_dataset(str(dataset), tokenizer, 256, cache_dir=str(tmp_path / "cache"))
+    assert summary["train"]["unscored_rows"] == 0 and summary_lines(summary, 256)[0].endswith(" 0 truncated")
+
+
 def test_two_tokenizing_processes_give_the_same_rows(tokenizer, tmp_path):
     dataset = write_texts(tmp_path / "texts.jsonl", count=40, seed=1)
     one, _ = prepare_dataset(dataset, tokenizer, 64, cache_dir=str(tmp_path / "one"))

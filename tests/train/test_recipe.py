@@ -915,8 +915,8 @@ def lora_adapter_eval_equals_the_trained_models_eval_perplexity():
                 contextlib.redirect_stdout(said):
             finetune_longctx.main(
                 context_length=256, max_steps=2, use_peft=True, dataset=train, eval_dataset=held, num_eval_samples=2,
-                eval_perplexity=True, output_dir=os.path.join(root, "short"), data_cache_dir=os.path.join(root, "cache"),
-                report_to="none")
+                eval_perplexity=True, output_dir=os.path.join(root, "short"),
+                data_cache_dir=os.path.join(root, "cache"), report_to="none")
         assert not os.path.exists(os.path.join(root, "short", "metrics.jsonl"))
         assert "2 steps (--max_steps 2), --lr 0.001 (not reached: --warmup_steps 10 is longer than the run), " \
                "activation checkpointing off, checkpoints every step (" \
