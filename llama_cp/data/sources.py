@@ -120,8 +120,8 @@ def load_hub_dataset(source: Source | str, streaming: bool = False):
         return datasets.load_dataset(source.path, streaming=streaming, **source.hub_options())
     except Exception as error:
         note = (
-            f"{source.flag} {source.path!r} is not a local path (no such file or directory), "
-            "so it was treated as a HuggingFace hub dataset id"
+            f"{source.flag} {source.path!r} is not a local path (no such file or directory), so it was treated "
+            "as a HuggingFace hub dataset id: give a local file or directory, or a hub id this machine can reach"
         )
         if not hasattr(error, "add_note"):  # Python 3.10
             raise RuntimeError(f"{note}: {error}") from error

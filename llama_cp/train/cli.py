@@ -130,7 +130,8 @@ def run_cli(
         if rank == 0 or not input_error:
             many = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not input_error
             prefix = f"error (rank {rank})" if many else "error"
-            message = " ".join(str(error).split()) or type(error).__name__
+            said = [str(error), *getattr(error, "__notes__", [])]  # notes: what a caller added (add_note)
+            message = " ".join("; ".join(part for part in said if part).split()) or type(error).__name__
             print(f"{prefix}: {message} (rerun with --debug for the traceback)", file=sys.stderr, flush=True)
             if input_error:
                 _say_said()

@@ -259,6 +259,24 @@ def test_an_error_while_a_progress_bar_is_open_is_printed_on_its_own_line(capsys
     assert any(line.startswith("error: preference pair 0") for line in err.split("\n")), repr(err)
 
 
+def test_the_notes_a_caller_added_to_an_error_are_in_its_line(tmp_path, monkeypatch, capsys):
+    """An unknown --dataset is tried as a hub id; offline, datasets' own error names no flag, and the
+    note that says what was tried (``add_note``) is printed in the same line, not dropped."""
+    import datasets
+
+    def offline(name, *args, **kwargs):
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(SystemExit):
+        run_cli(finetune_longctx.main, usage="x", argv=["--dataset", "someone/corpus", "--output_dir", str(tmp_path)])
+    (line,) = capsys.readouterr().err.strip().split("\n")
+    assert line == (
+        "error: Couldn't reach 'someone/corpus' on the Hub (LocalEntryNotFoundError); --dataset 'someone/corpus' is "
+        "not a local path (no such file or directory), so it was treated as a HuggingFace hub dataset id: give a "
+        "local file or directory, or a hub id this machine can reach (rerun with --debug for the traceback)")
+
+
 def test_a_quiet_rank_waits_for_rank_0_to_say_an_error_of_every_rank(monkeypatch, capsys):
     """An input error fails every rank; rank 0 prints it, and the others wait before they exit,
     so that torchrun (which ends every worker as soon as one fails) does not end rank 0 before
