@@ -259,17 +259,20 @@ def test_an_error_while_a_progress_bar_is_open_is_printed_on_its_own_line(capsys
     assert any(line.startswith("error: preference pair 0") for line in err.split("\n")), repr(err)
 
 
-def test_the_notes_a_caller_added_to_an_error_are_in_its_line(tmp_path, monkeypatch, capsys):
+def test_the_notes_a_caller_added_to_an_error_are_in_its_line(monkeypatch, capsys):
     """An unknown --dataset is tried as a hub id; offline, datasets' own error names no flag, and the
-    note that says what was tried (``add_note``) is printed in the same line, not dropped."""
+    note that says what was tried (``add_note``) is printed in the same line, not dropped. (The data
+    loader alone: a Trainer here would start a process group in pytest's own process.)"""
     import datasets
+
+    from llama_cp.data.sources import load_examples
 
     def offline(name, *args, **kwargs):
         raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(SystemExit):
-        run_cli(finetune_longctx.main, usage="x", argv=["--dataset", "someone/corpus", "--output_dir", str(tmp_path)])
+        run_cli(lambda: load_examples("someone/corpus"), usage="x", argv=[])
     (line,) = capsys.readouterr().err.strip().split("\n")
     assert line == (
         "error: Couldn't reach 'someone/corpus' on the Hub (LocalEntryNotFoundError); --dataset 'someone/corpus' is "
