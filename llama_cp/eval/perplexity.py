@@ -63,12 +63,14 @@ def long_documents(
             where = f"row {example.get(ROW_NUMBER, index + 1)} of {source.flag} {source.name!r}"
             (input_ids, label_mask), _ = tokenize_row(example, tokenizer, where, spec)
             seen, longest = seen + 1, max(longest, len(input_ids))
-            if len(input_ids) >= min_tokens and not any(label_mask[1:min_tokens]):  # perplexity_row's labels
+            if len(input_ids) < min_tokens:
+                continue
+            if not any(label_mask[1:min_tokens]):  # perplexity_row's labels: none scored at any length
                 unscored += 1
-            elif len(input_ids) >= min_tokens:
-                found.append((input_ids[:min_tokens], label_mask[:min_tokens]))
-                if len(found) == count:
-                    return found
+                continue
+            found.append((input_ids[:min_tokens], label_mask[:min_tokens]))
+            if len(found) == count:
+                return found
     if len(found) < (count if minimum is None else minimum):
         held = f"only {len(found)} of its {seen} documents hold" if found else f"none of its {seen} documents holds"
         skipped = f" and some scored ({unscored} hold as many tokens, all prompt: an instruction or chat row scores " \
