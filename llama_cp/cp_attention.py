@@ -406,9 +406,8 @@ def apply_context_parallel(
     attention] in ``llama_cp/attention/documents.py``); 0: one call per block of the strategy.
 
     Models llama-cp cannot compute exactly are refused here (``llama_cp.modules.families``);
-    ``max_seq_len``, the longest global sequence to come, lets a sliding window that needs
-    flash-attn on CUDA be refused now rather than at the first forward when ``backend`` names
-    one of torch's CUDA kernels. A padding attention mask is refused when the model is called.
+    ``max_seq_len``, the longest global sequence to come, lets a sliding window be refused now
+    rather than at the first forward when ``backend`` names sdpa_efficient, which takes none. A padding attention mask is refused when the model is called.
 
     ``strategy="hybrid"``: Ulysses inside groups of ``ulysses_degree`` consecutive cp ranks,
     the ring across them (Note [Hybrid attention]); the batch keeps the zigzag layout.
@@ -423,11 +422,11 @@ def apply_context_parallel(
         raise ValueError(f"attention block_size must be >= 0 (0 = untiled), got {block_size}")
     check_supported(model)
     windows = sliding_windows(model)
-    if backend in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient") and windows and max_seq_len and min(windows) < max_seq_len:
+    if backend == "sdpa_efficient" and windows and max_seq_len and min(windows) < max_seq_len:
         raise ValueError(
             f"--attention_backend {backend}: this model's sliding window of {min(windows)} tokens is shorter than "
-            f"the sequence ({max_seq_len} tokens), and llama-cp passes windows to flash_attn only: use "
-            "--attention_backend flash_attn (pip install flash-attn --no-build-isolation)"
+            f"the sequence ({max_seq_len} tokens), and llama-cp passes windows to flash_attn and sdpa_flash only: use "
+            "--attention_backend sdpa_flash (bfloat16 on an sm80+ GPU) or flash_attn"
         )
     group = cp_mesh.get_group() if isinstance(cp_mesh, DeviceMesh) else cp_mesh
     cp = 1 if group is None else dist.get_world_size(group)

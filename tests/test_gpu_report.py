@@ -31,7 +31,7 @@ def test_dry_run_writes_every_part(tmp_path):
     # adamw8bit's are gpu_acceptance's functions, rehearsed by tests/test_gpu_acceptance.py)
     checks = {row["check"]: row for row in report["correctness"]}
     assert {"exact/llama/ring/packed", "exact/llama/ring/packed/blocks 16", "exact/llama/allgather/packed/blocks 16",
-            "exact/mistral_window/ring/one"} == checks.keys(), list(checks)
+            "exact/mistral_window/ring/one/blocks 16"} == checks.keys(), list(checks)
     assert all(row.get("pass") is True for row in checks.values()), checks
     # speed: llama-cp and transformers side by side at each length, the same first loss
     runs = {(r["context_length"], r["mode"], r["run"]): r for r in report["speed"]}
@@ -87,10 +87,10 @@ def test_the_named_kernel_checks_run_right_after_the_references_they_reuse(tmp_p
     from benchmarks.gpu.one_gpu_parts import exactness_runs
 
     runs = exactness_runs(8192, dry_run=False)
-    assert [backend for _, backend in runs] == [None, None] + ["sdpa_flash", "sdpa_cudnn"] * 2 + [None] * 7
+    assert [backend for _, backend in runs] == [None, None] + ["sdpa_flash", "sdpa_cudnn"] * 2 + [None] * 8
     assert {(case[0], case[2]) for case, _ in runs[2:6]} == {(case[0], case[2]) for case, _ in runs[:2]}
     assert all(backend == ("sdpa_cudnn" if packed else "sdpa_flash") for (_, _, packed, _), backend in runs[2:6])
-    assert len(set(runs)) == len(runs) == 13
+    assert len(set(runs)) == len(runs) == 14
     assert {case for case, _ in exactness_runs(8192, dry_run=True)} <= {case for case, _ in runs}
     from benchmarks.gpu_report import main
 

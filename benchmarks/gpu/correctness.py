@@ -116,7 +116,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 _ATTENTION_OPS = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": "sdpa_cpu",
     "aten::_scaled_dot_product_flash_attention": "sdpa_flash",
-    "aten::_flash_attention_forward": "sdpa_flash",  # the varlen calls of packed documents
+    "aten::_flash_attention_forward": "sdpa_flash",  # the varlen calls of packed documents, and windowed calls
     "aten::_scaled_dot_product_efficient_attention": "sdpa_efficient",
     "aten::_scaled_dot_product_cudnn_attention": "sdpa_cudnn",
 }
@@ -148,8 +148,9 @@ class AttentionKernels(TorchDispatchMode):
 
 def feature_refusal(case: str, device: torch.device, head_dim: int) -> str | None:
     """llama-cp's own one-line refusal when the attention backend it selects here cannot compute
-    the case's window or cap (on CUDA they need flash-attn: Note [Soft-capped attention] in
-    llama_cp/attention/kernels.py), from one local kernel call on a probe; None when it can."""
+    the case's window or cap (on CUDA a cap needs flash-attn, Note [Soft-capped attention] in
+    llama_cp/attention/kernels.py; a window flash-attn or torch's flash kernel, Note [Windows on
+    torch's flash kernel] in kernel_calls.py), from one local kernel call on a probe; None when it can."""
     from llama_cp.attention.kernels import attention_forward
 
     if case == "llama":

@@ -189,3 +189,46 @@ def flash_attn_backward(dout, q, k, v, out, lse, causal, scale, *, fa, softcap: 
         softcap=softcap, alibi_slopes=None, deterministic=False, rng_state=None,
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# ---------------------------------------------------------------- torch's flash kernel with a window
+# Note [Windows on torch's flash kernel]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# sdpa_flash takes a window through aten::_flash_attention_forward / _flash_attention_backward
+# called without cum_seq (their dense path), which take window_size_left/right: the schemas of
+# torch 2.10 and 2.13 (read here) and torch 2.13's own windowed attention,
+# torch/nn/attention/varlen.py, which passes its window to the same two ops. On CUDA they call
+# torch's copy of flash-attn 2 (aten/src/ATen/native/transformers/cuda/attention.cu and
+# attention_backward.cu, flash_attn/flash_api.cpp ``mha_fwd`` / ``mha_bwd`` at pytorch main:
+# attention_backward.cu 00afd8f2, flash_api.cpp 03b7c19d), which reads the window as flash-attn
+# does (``flash_window`` above; set_params_fprop: one side -1 and the other not, it becomes
+# seqlen_k; mha_fwd/mha_bwd: a side >= seqlen_k becomes -1, causal sets the right side to 0), and
+# launches the local kernels (flash_fwd_launch_template.h: Is_local when a side is >= 0). The
+# ops take (B, S, H, D) tensors with the last dimension contiguous (the transposed views of ours,
+# as torch's own SDPA wrapper passes them), K/V with their own Hkv heads (GQA inside mha_fwd and
+# mha_bwd: no expanded copies), and return out (B, Sq, H, D), lse (B, H, Sq) float32; the backward
+# makes dout and out contiguous itself, reads the lse as (B, H, Sq) contiguous, and its philox
+# seed and offset only with dropout. They have no soft-cap (flash_api.cpp has one, the ops pass
+# 0): soft-capped scores stay flash-attn's. The planner's stand-in is
+# workspace.flash_attention_forward / _backward, which reads the window as mha_fwd does.
+def sdpa_flash_window_forward(q, k, v, causal, scale, lag, *, ops=_aten):
+    """sdpa_flash with ``lag`` (a sliding window, as in :func:`flash_window`): (out, lse) as the
+    other forwards (Note [Windows on torch's flash kernel])."""
+    num_q, num_k = q.shape[2], k.shape[2]
+    out, lse, *_ = ops._flash_attention_forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, num_q, num_k, 0.0, causal, False,
+        scale=scale, **flash_window(lag, num_q, num_k, causal),
+    )
+    return out.transpose(1, 2), lse.float()
+
+
+def sdpa_flash_window_backward(dout, q, k, v, out, lse, causal, scale, lag, *, ops=_aten):
+    """The gradients of :func:`sdpa_flash_window_forward`'s call, given the final (out, lse)."""
+    num_q, num_k = q.shape[2], k.shape[2]
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed/offset: unread without dropout
+    dq, dk, dv = ops._flash_attention_backward(
+        dout.to(q.dtype).transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        out.to(q.dtype).transpose(1, 2), lse.float().contiguous(), None, None, num_q, num_k, 0.0, causal, zero, zero,
+        scale=scale, **flash_window(lag, num_q, num_k, causal),
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -57,8 +57,10 @@ refused in one line.
 hides key j from query i, in the call's own indices, when i - j > lag. A windowed call
 becomes at most two kernel calls in which every row sees a key (``_window_parts``); rows
 that see nothing get out = 0, lse = -inf and no gradient. flash_attn takes the window as
-``window_size_left`` / ``window_size_right`` (``flash_window``); the CPU backends use the
-exact kernel of ``llama_cp/attention/dense.py``; torch's CUDA kernels are refused in one line.
+``window_size_left`` / ``window_size_right`` (``flash_window``), and so does torch's flash kernel,
+which also takes sdpa_cudnn's windowed calls (Note [Windows on torch's flash kernel] in
+kernel_calls.py); the CPU backends use the exact kernel of ``llama_cp/attention/dense.py``;
+sdpa_efficient is refused in one line.
 
 The backends in ``VARLEN`` also compute many independent attention segments in one call
 (:func:`varlen_forward` / :func:`varlen_backward`, packed layout ``(total, H, D)``): packed
@@ -85,6 +87,8 @@ from llama_cp.attention.kernel_calls import (
     sdpa_cuda_forward,
     sdpa_cudnn_backward,
     sdpa_cudnn_forward,
+    sdpa_flash_window_backward,
+    sdpa_flash_window_forward,
 )
 from llama_cp.attention.workspace import FLASH_ATTN, SDPA_OPS, ModelledBackend
 
@@ -223,6 +227,8 @@ def _forward(q, k, v, causal, scale, backend, softcap, lag):
         if backend == "flash_attn":
             return flash_attn_forward(q, k, v, causal, scale, fa=_flash_attn_module(backend), softcap=softcap,
                                        lag=lag)
+        if backend == "sdpa_flash":
+            return sdpa_flash_window_forward(q, k, v, causal, scale, lag, ops=_sdpa_ops(backend))
         return _dense_forward(q, k, v, causal, scale, softcap, lag)
     if backend == "sdpa_cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
@@ -287,6 +293,8 @@ def _backward(dout, q, k, v, out, lse, causal, scale, backend, softcap, lag):
         if backend == "flash_attn":
             return flash_attn_backward(dout, q, k, v, out, lse, causal, scale, fa=_flash_attn_module(backend),
                                         softcap=softcap, lag=lag)
+        if backend == "sdpa_flash":
+            return sdpa_flash_window_backward(dout, q, k, v, out, lse, causal, scale, lag, ops=_sdpa_ops(backend))
         return _dense_backward(dout, q, k, v, out, lse, causal, scale, softcap, lag)
     if backend == "sdpa_cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -427,8 +435,10 @@ def _window_parts(num_q: int, num_k: int, causal: bool, lag: int | None) -> list
 
 def _dense_backend(backend: Backend, softcap: float) -> Backend:
     """The backend that computes a soft-capped or windowed call in place of ``backend``:
-    flash_attn itself, the exact CPU kernel (``llama_cp/attention/dense.py``) for sdpa_cpu and math;
-    torch's CUDA kernels are refused in one line."""
+    flash_attn itself; for a window without a cap, sdpa_flash (Note [Windows on torch's flash
+    kernel] in kernel_calls.py), in place of sdpa_cudnn too, whose op takes no window (both run
+    float16/bfloat16 on sm80+, sdpa_flash head sizes up to 256 against cuDNN's 128); the exact CPU
+    kernel (``llama_cp/attention/dense.py``) for sdpa_cpu and math; the rest is refused in one line."""
     if backend == "flash_attn":
         return backend
     if backend in ("sdpa_cpu", "math"):
@@ -440,9 +450,14 @@ def _dense_backend(backend: Backend, softcap: float) -> Backend:
             "--no-build-isolation) or set attn_logit_softcapping to null in the model's config.json (a change of the "
             "model)"
         )
+    if backend == "sdpa_flash":
+        return backend  # a ModelledBackend stays one: the planner's stand-in takes the window
+    if backend == "sdpa_cudnn":
+        return "sdpa_flash"
     raise ValueError(
-        f"sliding-window attention needs --attention_backend flash_attn on CUDA, and llama-cp does not pass windows "
-        f"to {backend!r}: install flash-attn (pip install flash-attn --no-build-isolation)"
+        f"sliding-window attention on CUDA runs on flash_attn or sdpa_flash (float16/bfloat16 on sm80+ GPUs), and "
+        f"{backend!r} takes no window: train in bfloat16 (--dtype bfloat16) on an sm80+ GPU, or install flash-attn "
+        "(pip install flash-attn --no-build-isolation)"
     )
 
 

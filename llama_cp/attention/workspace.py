@@ -47,6 +47,9 @@ pytorch main: attention_backward.cu 00afd8f2, flash_api.cpp 03b7c19d)
             copy unless they are laid out so); mha_bwd: dq, dk, dv like q and the expanded
             k, v, softmax_d and dq_accum as flash_attn's (no dk_expanded: K/V arrive with
             H heads).
+  windowed  ``_flash_attention_forward`` / ``_backward`` without cum_seq (Note [Windows on
+            torch's flash kernel] in kernel_calls.py): the same, but K/V keep their Hkv heads
+            (no expanded copies; with GQA, mha_bwd's dk_expanded and dv_expanded as flash_attn's).
 
 sdpa_efficient (torch's CUDA memory-efficient kernel: attention.cu
 _efficient_attention_forward, attention_backward.cu _efficient_attention_backward,
@@ -430,23 +433,35 @@ def _check_efficient(head_dim, attn_bias, dropout_p) -> None:
         raise ValueError("the sdpa_efficient stand-in models plain attention: no bias or dropout")
 
 
+def _sides(left: int | None, right: int | None) -> tuple[int, int]:
+    """The window sides of torch's flash ops as their CUDA code reads them: None is -1 (no bound)."""
+    return -1 if left is None else left, -1 if right is None else right
+
+
 def flash_attention_forward(
     query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
     window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
     num_splits=None,
 ):
-    """``aten._flash_attention_forward`` on CUDA with ``cum_seq_q``/``cum_seq_k`` (torch's
-    ``mha_varlen_fwd``): ``(output, logsumexp (H, Tq), rng_state, unused, debug_attn_mask)``, the
-    shapes and dtypes of the op's meta registration (torch/_meta_registrations.py)."""
-    if cum_seq_q is None or cum_seq_k is None:
-        raise ValueError("the _flash_attention_forward stand-in models the varlen call (cum_seq_q/cum_seq_k given)")
-    if dropout_p or return_debug_mask or (window_size_left, window_size_right) not in ((None, None), (-1, -1)) \
-            or seqused_k is not None or alibi_slopes is not None or block_table is not None:
-        raise ValueError("the _flash_attention_forward stand-in models plain attention: no dropout, window, ALiBi, "
-                         "paged KV or debug mask")
+    """``aten._flash_attention_forward`` on CUDA: with ``cum_seq_q``/``cum_seq_k``, torch's
+    ``mha_varlen_fwd`` (packed (T, H, D) rows; lse (H, Tq)), without them its ``mha_fwd`` on (B, S, H,
+    D) tensors (lse (B, H, Sq)), a window read as mha_fwd reads it (:func:`_flash_bounds`; Note
+    [Windows on torch's flash kernel] in kernel_calls.py): ``(output, logsumexp, rng_state, unused,
+    debug_attn_mask)``, the shapes and dtypes of the op's meta registration (torch/_meta_registrations.py)."""
+    window = _sides(window_size_left, window_size_right)
+    if dropout_p or return_debug_mask or seqused_k is not None or alibi_slopes is not None or block_table is not None \
+            or (cum_seq_q is not None and window != (-1, -1)) or (cum_seq_q is None) != (cum_seq_k is None):
+        raise ValueError("the _flash_attention_forward stand-in models plain attention, windowed only without "
+                         "cum_seq: no dropout, ALiBi, paged KV, debug mask or varlen window")
     output = torch.empty_like(query)
-    logsumexp = torch.empty((query.shape[1], query.shape[0]), dtype=_lse_dtype(query), device=query.device)
-    _varlen_fill_forward(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale, output, logsumexp)
+    if cum_seq_q is None:
+        batch, seqlen_q, heads, _ = query.shape
+        logsumexp = torch.empty((batch, heads, seqlen_q), dtype=_lse_dtype(query), device=query.device)
+        _fill_forward(_t(query), _t(key), _t(value), is_causal, scale, _t(output), logsumexp,
+                      window=_flash_bounds(is_causal, *window, seqlen_q, key.shape[1]))
+    else:
+        logsumexp = torch.empty((query.shape[1], query.shape[0]), dtype=_lse_dtype(query), device=query.device)
+        _varlen_fill_forward(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale, output, logsumexp)
     rng_state = torch.empty(2, dtype=torch.uint64, device=query.device)
     unused = torch.empty((), dtype=torch.uint64, device=query.device)
     debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
@@ -457,14 +472,21 @@ def flash_attention_backward(
     grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
     rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None,
 ):
-    """``aten._flash_attention_backward`` on CUDA with ``cum_seq_q``/``cum_seq_k``: torch's
-    ``mha_varlen_bwd`` allocates dq, dk, dv like query, key, value, and flash-attn's varlen workspace."""
-    if dropout_p or (window_size_left, window_size_right) not in ((None, None), (-1, -1)):
-        raise ValueError("the _flash_attention_backward stand-in models plain attention: no dropout or window")
+    """``aten._flash_attention_backward`` on CUDA: torch's ``mha_varlen_bwd`` with
+    ``cum_seq_q``/``cum_seq_k``, its ``mha_bwd`` (a window as mha_bwd reads it) without; dout and out
+    made contiguous first, dq, dk, dv allocated like query, key, value, and flash-attn's workspace."""
+    window = _sides(window_size_left, window_size_right)
+    if dropout_p or (cum_seq_q is not None and window != (-1, -1)):
+        raise ValueError("the _flash_attention_backward stand-in models plain attention, windowed only without "
+                         "cum_seq: no dropout or varlen window")
     grad_out, out = grad_out.contiguous(), out.contiguous()
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-    softmax_d = _mha_varlen_bwd(grad_out, query, key, value, out, logsumexp, dq, dk, dv, cum_seq_q, cum_seq_k,
-                                is_causal, scale)
+    if cum_seq_q is None:
+        softmax_d = _mha_bwd(grad_out, query, key, value, out, logsumexp, dq, dk, dv, is_causal, scale,
+                             window=_flash_bounds(is_causal, *window, query.shape[1], key.shape[1]))
+    else:
+        softmax_d = _mha_varlen_bwd(grad_out, query, key, value, out, logsumexp, dq, dk, dv, cum_seq_q, cum_seq_k,
+                                    is_causal, scale)
     del softmax_d
     return dq, dk, dv
 

@@ -436,22 +436,25 @@ WINDOW_CALLS = [(12, 12, True, 3), (12, 12, True, 0), (9, 12, False, 4), (12, 5,
                 (7, 9, False, -3), (6, 6, False, 20)]
 
 
-@pytest.mark.parametrize("backend", ["sdpa_cpu", "math", "flash_attn"])
+@pytest.mark.parametrize("backend", ["sdpa_cpu", "math", "flash_attn", "sdpa_flash"])
 @pytest.mark.parametrize("num_q, num_k, causal, lag", WINDOW_CALLS)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
 def test_windowed_attention_is_exact(backend, num_q, num_k, causal, lag, heads, monkeypatch):
-    """fp64 to 1e-10 on the CPU backends (the dense kernel in several row steps); flash_attn through
-    its stand-in, which reads window_size as flash-attn 2.8.3 does (workspace._flash_bounds),
-    so the glue's translation of the lag to flash-attn's bottom-right windows is checked too."""
+    """fp64 to 1e-10 on the CPU backends (the dense kernel in several row steps); flash_attn and
+    sdpa_flash through their stand-ins, which read the window as flash-attn 2.8.3's and torch's
+    mha_fwd / mha_bwd do (workspace._flash_bounds), so the glue's translation of the lag to their
+    bottom-right windows is checked too (sdpa_flash: K/V with their own heads, the (B, S, H, D)
+    views, Note [Windows on torch's flash kernel])."""
     from llama_cp.attention.workspace import ModelledBackend
 
     monkeypatch.setattr(dense, "DENSE_ROWS", 5)
-    dtype, tol = (torch.float32, dict(atol=1e-5, rtol=1e-5)) if backend == "flash_attn" else (
+    modelled = backend in ("flash_attn", "sdpa_flash")
+    dtype, tol = (torch.float32, dict(atol=1e-5, rtol=1e-5)) if modelled else (
         torch.float64, dict(atol=1e-10, rtol=1e-10))
     q, k, v = (t.to(dtype) for t in _inputs(*heads, num_q, num_k, torch.float64))
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
     ref_out, ref_lse, *ref_grads = _window_reference(q, k, v, causal, lag, dout)
-    chosen = ModelledBackend(backend) if backend == "flash_attn" else backend
+    chosen = ModelledBackend(backend) if modelled else backend
     out, lse = kernels.attention_forward(q, k, v, causal=causal, backend=chosen, lag=lag)
     grads = kernels.attention_backward(dout, q, k, v, out, lse, causal=causal, backend=chosen, lag=lag)
     torch.testing.assert_close(out.double(), ref_out, **tol)
@@ -487,11 +490,71 @@ def test_window_parts_give_flash_attn_calls_it_computes_exactly():
                     assert torch.equal(covered, visible.long()), (num_q, num_k, causal, lag, parts)
 
 
-def test_windowed_calls_on_torchs_cuda_kernels_are_refused():
-    for name in ("sdpa_flash", "sdpa_efficient"):
-        with pytest.raises(ValueError, match=rf"sliding-window attention needs --attention_backend flash_attn on "
-                                             rf"CUDA, and llama-cp does not pass windows to {name!r}"):
-            kernels._dense_backend(name, softcap=0.0)
+def test_windowed_calls_on_torchs_cuda_kernels_take_sdpa_flash_or_are_refused():
+    """A window without a cap runs on torch's flash kernel (Note [Windows on torch's flash kernel]):
+    sdpa_flash's own calls (a modelled sdpa_flash stays modelled: the planner's stand-in) and
+    sdpa_cudnn's, whose op takes no window; sdpa_efficient takes none and is refused in one line."""
+    from llama_cp.attention.workspace import ModelledBackend
+
+    modelled = ModelledBackend("sdpa_flash")
+    assert kernels._dense_backend(modelled, softcap=0.0) is modelled
+    for backend in ("sdpa_flash", "sdpa_cudnn"):
+        assert kernels._dense_backend(backend, softcap=0.0) == "sdpa_flash"
+    with pytest.raises(ValueError, match=r"sliding-window attention on CUDA runs on flash_attn or sdpa_flash \(float16"
+                                         r"/bfloat16 on sm80\+ GPUs\), and 'sdpa_efficient' takes no window: train in "
+                                         r"bfloat16 \(--dtype bfloat16\)"):
+        kernels._dense_backend("sdpa_efficient", softcap=0.0)
+
+
+class _Recorded(TorchDispatchMode):
+    """The arguments of every aten op call, by the names of the op's schema."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        names = [a.name for a in func._schema.arguments]
+        self.calls.append((func.overloadpacket.__name__, {**dict(zip(names, args)), **(kwargs or {})}))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_cudnn"])
+@pytest.mark.parametrize("num_q, num_k, causal, lag", [(12, 12, True, 3), (9, 12, False, 4)])
+def test_windowed_sdpa_calls_against_the_real_schema(backend, num_q, num_k, causal, lag):
+    """A windowed call of sdpa_flash or sdpa_cudnn runs torch's own _flash_attention_forward /
+    _backward, which on meta tensors run their meta kernels (torch 2.13 here, 2.10 on the floors): the
+    arguments bind to the installed schema; the window reaches the op as flash-attn's sides
+    (kernel_calls.flash_window: left lag + Sk - Sq, right 0 causal or -1), without cum_seq (the dense
+    path), K/V with their own heads in (B, S, H, D) views with the last dimension contiguous, the lse
+    contiguous float32; out, lse and the gradients come back in the layouts of kernels."""
+    q = torch.empty(2, 4, num_q, 16, dtype=torch.bfloat16, device="meta")
+    k, v = (torch.empty(2, 2, num_k, 16, dtype=torch.bfloat16, device="meta") for _ in range(2))
+    sides = (lag + num_k - num_q, 0 if causal else -1)
+
+    def call(recorded, name):
+        (args,) = [args for op, args in recorded.calls if op == name]
+        assert args["cum_seq_q"] is None and args["cum_seq_k"] is None and args["is_causal"] == causal
+        assert (args["window_size_left"], args["window_size_right"], args["scale"]) == (*sides, 0.25)
+        assert (args["max_q"], args["max_k"], args["dropout_p"]) == (num_q, num_k, 0.0)
+        assert args["query"].shape == (2, num_q, 4, 16) and args["key"].shape == args["value"].shape == (
+            2, num_k, 2, 16)
+        assert all(args[name].stride(-1) == 1 for name in ("query", "key", "value"))
+        return args
+
+    with _Recorded() as recorded:
+        out, lse = kernels._forward(q, k, v, causal, 0.25, backend, 0.0, lag)
+    call(recorded, "_flash_attention_forward")
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert lse.shape == (2, 4, num_q) and lse.dtype == torch.float32
+    with _Recorded() as recorded:
+        wider = torch.empty(2, 4, num_q + 3, device="meta")  # a row slice of the merged lse, as the windowed parts pass
+        dq, dk, dv = kernels._backward(torch.empty_like(q), q, k, v, out, wider[..., 1:num_q + 1], causal, 0.25,
+                                       backend, 0.0, lag)
+    args = call(recorded, "_flash_attention_backward")
+    assert args["logsumexp"].shape == (2, 4, num_q) and args["logsumexp"].is_contiguous()
+    assert args["grad_out"].shape == args["out"].shape == (2, num_q, 4, 16)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
 @pytest.mark.parametrize("block_size", [0, 4, 7])

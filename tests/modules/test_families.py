@@ -290,11 +290,15 @@ def unsupported_models_are_refused_at_apply_time():
         apply_context_parallel(family_model("llama", attention_dropout=0.1), cp)
     with pytest.raises(ValueError, match="gemma3_text: config.use_bidirectional_attention=True .*set it to false"):
         apply_context_parallel(family_model("gemma3_text", use_bidirectional_attention=True), cp)
-    # windows reach CUDA through flash-attn only: torch's CUDA kernels are refused up front
-    with pytest.raises(ValueError, match=rf"--attention_backend sdpa_flash: this model's sliding window of {WINDOW} "
-                                         rf"tokens is shorter than the sequence \({SEQ_LEN} tokens\).*flash_attn"):
-        apply_context_parallel(family_model("mistral_window"), cp, backend="sdpa_flash", max_seq_len=SEQ_LEN)
-    apply_context_parallel(family_model("mistral_window_eq_seq"), cp, backend="sdpa_flash", max_seq_len=SEQ_LEN)
+    # windows reach CUDA through flash-attn and torch's flash kernel (sdpa_cudnn's windowed calls too):
+    # sdpa_efficient takes none and is refused up front
+    with pytest.raises(ValueError, match=rf"--attention_backend sdpa_efficient: this model's sliding window of "
+                                         rf"{WINDOW} tokens is shorter than the sequence \({SEQ_LEN} tokens\).*use "
+                                         r"--attention_backend sdpa_flash \(bfloat16 on an sm80\+ GPU\) or flash_attn"):
+        apply_context_parallel(family_model("mistral_window"), cp, backend="sdpa_efficient", max_seq_len=SEQ_LEN)
+    for backend in ("sdpa_flash", "sdpa_cudnn"):
+        apply_context_parallel(family_model("mistral_window"), cp, backend=backend, max_seq_len=SEQ_LEN)
+    apply_context_parallel(family_model("mistral_window_eq_seq"), cp, backend="sdpa_efficient", max_seq_len=SEQ_LEN)
 
 
 @checks.add
