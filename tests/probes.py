@@ -24,6 +24,20 @@ class LargestTensor(TorchDispatchMode):
         return result
 
 
+class RecordedOps(TorchDispatchMode):
+    """The arguments of every aten op call, by the names of the op's schema: ``calls`` holds
+    (op name, {argument: value}) in call order."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        names = [a.name for a in func._schema.arguments]
+        self.calls.append((func.overloadpacket.__name__, {**dict(zip(names, args)), **(kwargs or {})}))
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def tmpfs(path, options: str):
     """Mount a tmpfs with ``options`` (e.g. "size=60m", "ro,size=1m") on the existing directory

@@ -231,14 +231,16 @@ def _check_plain(dropout_p, softcap, alibi_slopes, window_size_left=-1, window_s
                          "no dropout, varlen window or ALiBi")
 
 
-def _flash_bounds(causal: bool, left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int] | None:
+def _flash_bounds(causal: bool, left: int | None, right: int | None, seqlen_q: int, seqlen_k: int
+                  ) -> tuple[int, int] | None:
     """flash-attn's window of a plain call as (lag, lead) of ``llama_cp/attention/dense.py`` (key j hidden
     from query i when i - j > lag or j - i > lead), or None for no window, as flash-attn 2.8.3
     reads its arguments: mha_fwd / mha_bwd in csrc/flash_attn/flash_api.cpp (a side >= seqlen_k
     becomes -1; causal sets right to 0), set_params_fprop (one side -1 and the other not: it
     becomes seqlen_k) and the mask of csrc/flash_attn/src/mask.h (bottom-right aligned: seen iff
-    i + Sk - Sq - left <= j <= i + Sk - Sq + right). The same in 2.6.3 and 2.7.4."""
-    left, right = (-1 if left >= seqlen_k else left), (-1 if right >= seqlen_k else right)
+    i + Sk - Sq - left <= j <= i + Sk - Sq + right). The same in 2.6.3 and 2.7.4, and in torch's copy,
+    whose ops take None for -1."""
+    left, right = (-1 if side is None or side >= seqlen_k else side for side in (left, right))
     if causal:
         right = 0
     if left < 0 and right < 0:
@@ -433,24 +435,18 @@ def _check_efficient(head_dim, attn_bias, dropout_p) -> None:
         raise ValueError("the sdpa_efficient stand-in models plain attention: no bias or dropout")
 
 
-def _sides(left: int | None, right: int | None) -> tuple[int, int]:
-    """The window sides of torch's flash ops as their CUDA code reads them: None is -1 (no bound)."""
-    return -1 if left is None else left, -1 if right is None else right
-
-
 def flash_attention_forward(
     query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
     window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
     num_splits=None,
 ):
-    """``aten._flash_attention_forward`` on CUDA: with ``cum_seq_q``/``cum_seq_k``, torch's
-    ``mha_varlen_fwd`` (packed (T, H, D) rows; lse (H, Tq)), without them its ``mha_fwd`` on (B, S, H,
-    D) tensors (lse (B, H, Sq)), a window read as mha_fwd reads it (:func:`_flash_bounds`; Note
-    [Windows on torch's flash kernel] in kernel_calls.py): ``(output, logsumexp, rng_state, unused,
-    debug_attn_mask)``, the shapes and dtypes of the op's meta registration (torch/_meta_registrations.py)."""
-    window = _sides(window_size_left, window_size_right)
+    """``aten._flash_attention_forward`` on CUDA: torch's ``mha_varlen_fwd`` with ``cum_seq_q``/``cum_seq_k``
+    (lse (H, Tq)), its ``mha_fwd`` on (B, S, H, D) tensors without (lse (B, H, Sq); a window read as mha_fwd
+    does, :func:`_flash_bounds`): ``(output, logsumexp, rng_state, unused, debug_attn_mask)``, the shapes
+    and dtypes of the op's meta registration (torch/_meta_registrations.py)."""
+    windowed = {window_size_left, window_size_right} - {None, -1}
     if dropout_p or return_debug_mask or seqused_k is not None or alibi_slopes is not None or block_table is not None \
-            or (cum_seq_q is not None and window != (-1, -1)) or (cum_seq_q is None) != (cum_seq_k is None):
+            or (cum_seq_q is not None and windowed) or (cum_seq_q is None) != (cum_seq_k is None):
         raise ValueError("the _flash_attention_forward stand-in models plain attention, windowed only without "
                          "cum_seq: no dropout, ALiBi, paged KV, debug mask or varlen window")
     output = torch.empty_like(query)
@@ -458,7 +454,7 @@ def flash_attention_forward(
         batch, seqlen_q, heads, _ = query.shape
         logsumexp = torch.empty((batch, heads, seqlen_q), dtype=_lse_dtype(query), device=query.device)
         _fill_forward(_t(query), _t(key), _t(value), is_causal, scale, _t(output), logsumexp,
-                      window=_flash_bounds(is_causal, *window, seqlen_q, key.shape[1]))
+                      window=_flash_bounds(is_causal, window_size_left, window_size_right, seqlen_q, key.shape[1]))
     else:
         logsumexp = torch.empty((query.shape[1], query.shape[0]), dtype=_lse_dtype(query), device=query.device)
         _varlen_fill_forward(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale, output, logsumexp)
@@ -475,15 +471,15 @@ def flash_attention_backward(
     """``aten._flash_attention_backward`` on CUDA: torch's ``mha_varlen_bwd`` with
     ``cum_seq_q``/``cum_seq_k``, its ``mha_bwd`` (a window as mha_bwd reads it) without; dout and out
     made contiguous first, dq, dk, dv allocated like query, key, value, and flash-attn's workspace."""
-    window = _sides(window_size_left, window_size_right)
-    if dropout_p or (cum_seq_q is not None and window != (-1, -1)):
+    if dropout_p or (cum_seq_q is not None and {window_size_left, window_size_right} - {None, -1}):
         raise ValueError("the _flash_attention_backward stand-in models plain attention, windowed only without "
                          "cum_seq: no dropout or varlen window")
     grad_out, out = grad_out.contiguous(), out.contiguous()
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     if cum_seq_q is None:
         softmax_d = _mha_bwd(grad_out, query, key, value, out, logsumexp, dq, dk, dv, is_causal, scale,
-                             window=_flash_bounds(is_causal, *window, query.shape[1], key.shape[1]))
+                             window=_flash_bounds(is_causal, window_size_left, window_size_right, query.shape[1],
+                                                  key.shape[1]))
     else:
         softmax_d = _mha_varlen_bwd(grad_out, query, key, value, out, logsumexp, dq, dk, dv, cum_seq_q, cum_seq_k,
                                     is_causal, scale)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llama_cp.attention import dense, kernels
+from probes import RecordedOps
 
 
 def _inputs(heads, kv_heads, sq, sk, dtype, seed=0):
@@ -506,19 +507,6 @@ def test_windowed_calls_on_torchs_cuda_kernels_take_sdpa_flash_or_are_refused():
         kernels._dense_backend("sdpa_efficient", softcap=0.0)
 
 
-class _Recorded(TorchDispatchMode):
-    """The arguments of every aten op call, by the names of the op's schema."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        names = [a.name for a in func._schema.arguments]
-        self.calls.append((func.overloadpacket.__name__, {**dict(zip(names, args)), **(kwargs or {})}))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_cudnn"])
 @pytest.mark.parametrize("num_q, num_k, causal, lag", [(12, 12, True, 3), (9, 12, False, 4)])
 def test_windowed_sdpa_calls_against_the_real_schema(backend, num_q, num_k, causal, lag):
@@ -542,12 +530,12 @@ def test_windowed_sdpa_calls_against_the_real_schema(backend, num_q, num_k, caus
         assert all(args[name].stride(-1) == 1 for name in ("query", "key", "value"))
         return args
 
-    with _Recorded() as recorded:
+    with RecordedOps() as recorded:
         out, lse = kernels._forward(q, k, v, causal, 0.25, backend, 0.0, lag)
     call(recorded, "_flash_attention_forward")
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     assert lse.shape == (2, 4, num_q) and lse.dtype == torch.float32
-    with _Recorded() as recorded:
+    with RecordedOps() as recorded:
         wider = torch.empty(2, 4, num_q + 3, device="meta")  # a row slice of the merged lse, as the windowed parts pass
         dq, dk, dv = kernels._backward(torch.empty_like(q), q, k, v, out, wider[..., 1:num_q + 1], causal, 0.25,
                                        backend, 0.0, lag)

@@ -17,7 +17,6 @@ import itertools
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from document_checks import SEQ_LEN, TOLERANCE, packed_batch
 from llama_cp.attention import kernels
@@ -27,6 +26,7 @@ from llama_cp.attention.pieces import (
 )
 from llama_cp.attention.workspace import FLASH_ATTN, ModelledBackend, flash_attention_forward
 from llama_cp.parallel.sharding import document_starts
+from probes import RecordedOps
 
 VARLEN = [ModelledBackend(b) for b in kernels.VARLEN]
 H, HKV, D = 4, 2, 8  # GQA
@@ -175,19 +175,6 @@ def test_varlen_calls_are_bounded_and_cover_the_block():
 
 
 # ---------------------------------------------------------------- torch's ops: the real schema (meta kernels)
-class _Recorded(TorchDispatchMode):
-    """The arguments of every aten op call, by the names of the op's schema."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        names = [a.name for a in func._schema.arguments]
-        self.calls.append((func.overloadpacket.__name__, {**dict(zip(names, args)), **(kwargs or {})}))
-        return func(*args, **(kwargs or {}))
-
-
 def _packed_calls(dtype=torch.bfloat16):
     """The varlen calls our packing code makes for the cp 1 rows of 16-token blocks: ((q, k, v)
     gathered on CPU, the call's index tensors, its pieces)."""
@@ -220,7 +207,7 @@ def test_sdpa_flash_varlen_glue_against_the_real_schema():
         assert torch.equal(q, want_q)
         meta = [t.to("meta") for t in (q, k, v, call.cu_seqlens_q, call.cu_seqlens_k)]
         assert all(t.is_contiguous() for t in meta[:3])
-        with _Recorded() as recorded:
+        with RecordedOps() as recorded:
             out, lse = kernels.varlen_forward(*meta, call.max_seqlen_q, call.max_seqlen_k, causal=call.causal,
                                               scale=0.125, backend="sdpa_flash")
         name, args = next(c for c in recorded.calls if c[0] == "_flash_attention_forward")
@@ -234,7 +221,7 @@ def test_sdpa_flash_varlen_glue_against_the_real_schema():
         assert lse.shape == (H, q.shape[0]) and lse.dtype == torch.float32
 
         dout = torch.empty_like(meta[0])
-        with _Recorded() as recorded:
+        with RecordedOps() as recorded:
             dq, dk, dv = kernels.varlen_backward(dout, *meta[:3], out, lse, *meta[3:], call.max_seqlen_q,
                                                  call.max_seqlen_k, causal=call.causal, scale=0.125,
                                                  backend="sdpa_flash")
