@@ -407,7 +407,8 @@ def apply_context_parallel(
 
     Models llama-cp cannot compute exactly are refused here (``llama_cp.modules.families``);
     ``max_seq_len``, the longest global sequence to come, lets a sliding window be refused now
-    rather than at the first forward when ``backend`` names sdpa_efficient, which takes none. A padding attention mask is refused when the model is called.
+    rather than at the first forward when ``backend`` names sdpa_efficient, which takes none. A
+    padding attention mask is refused when the model is called.
 
     ``strategy="hybrid"``: Ulysses inside groups of ``ulysses_degree`` consecutive cp ranks,
     the ring across them (Note [Hybrid attention]); the batch keeps the zigzag layout.

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def test_dry_run_writes_every_part(tmp_path):
     # adamw8bit's are gpu_acceptance's functions, rehearsed by tests/test_gpu_acceptance.py)
     checks = {row["check"]: row for row in report["correctness"]}
     assert {"exact/llama/ring/packed", "exact/llama/ring/packed/blocks 16", "exact/llama/allgather/packed/blocks 16",
-            "exact/mistral_window/ring/one/blocks 16"} == checks.keys(), list(checks)
+            "exact/mistral_window/ring/one/blocks 4"} == checks.keys(), list(checks)
     assert all(row.get("pass") is True for row in checks.values()), checks
     # speed: llama-cp and transformers side by side at each length, the same first loss
     runs = {(r["context_length"], r["mode"], r["run"]): r for r in report["speed"]}
@@ -77,6 +78,30 @@ def test_an_unknown_part_is_refused_in_one_line(tmp_path, capsys):
         main(["--parts", "speed,fast", "--output_dir", str(tmp_path)])
     assert refused.value.code == 2 and "--parts: unknown fast" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # refused before anything was written or started
+
+
+def test_the_window_row_in_blocks_makes_calls_with_fewer_queries_than_keys():
+    """The correctness part's windowed row in blocks, at the GPU run's sizes, sends the kernel what a
+    window in one causal square does not: full calls the window cuts (kernels._window_parts), among
+    them windowed ones with fewer queries than keys, whose flash window is aligned bottom-right."""
+    from benchmarks.gpu.one_gpu_parts import exactness_runs
+    from benchmarks.gpu.settings import Settings
+    from llama_cp.attention import kernels
+    from llama_cp.attention.documents import DocumentLayout, tiles
+    from llama_cp.attention.pieces import _call_lag
+    from llama_cp.parallel.sharding import document_starts
+
+    length = 2048  # Settings.of(False, 1, 2).feature_len, without a GPU to build it
+    window = Settings.window.fget(types.SimpleNamespace(feature_len=length))
+    ((_, _, _, block),) = [case for case, _ in exactness_runs(8192, dry_run=False)
+                           if case[0] == "mistral_window" and case[3]]
+    assert 0 < block < window
+    pieces = tiles(DocumentLayout(document_starts(torch.arange(length)[None])).ring_pieces(0, window), block)
+    calls = [(rows.stop - rows.start, keys.stop - keys.start, part_lag)
+             for p in pieces if not p.causal and p.lag is not None
+             for rows, keys, part_lag in kernels._window_parts(p.q.stop - p.q.start, p.k.stop - p.k.start, False,
+                                                              _call_lag(p))]
+    assert any(part_lag == 0 and num_q < num_k for num_q, num_k, part_lag in calls), calls
 
 
 def test_the_named_kernel_checks_run_right_after_the_references_they_reuse(tmp_path, capsys):

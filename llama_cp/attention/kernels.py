@@ -435,10 +435,11 @@ def _window_parts(num_q: int, num_k: int, causal: bool, lag: int | None) -> list
 
 def _dense_backend(backend: Backend, softcap: float) -> Backend:
     """The backend that computes a soft-capped or windowed call in place of ``backend``:
-    flash_attn itself; for a window without a cap, sdpa_flash (Note [Windows on torch's flash
-    kernel] in kernel_calls.py), in place of sdpa_cudnn too, whose op takes no window (both run
-    float16/bfloat16 on sm80+, sdpa_flash head sizes up to 256 against cuDNN's 128); the exact CPU
-    kernel (``llama_cp/attention/dense.py``) for sdpa_cpu and math; the rest is refused in one line."""
+    flash_attn itself; for a window without a cap, sdpa_flash on CUDA (Note [Windows on torch's
+    flash kernel] in kernel_calls.py), in place of sdpa_cudnn too, whose op takes no window (both
+    run float16/bfloat16 on sm80+, sdpa_flash head sizes up to 256 against cuDNN's 128); the exact
+    CPU kernel (``llama_cp/attention/dense.py``) for sdpa_cpu and math; the rest (sdpa_efficient,
+    torch's flash kernel on ROCm, whose window rules are unchecked) is refused in one line."""
     if backend == "flash_attn":
         return backend
     if backend in ("sdpa_cpu", "math"):
@@ -450,14 +451,19 @@ def _dense_backend(backend: Backend, softcap: float) -> Backend:
             "--no-build-isolation) or set attn_logit_softcapping to null in the model's config.json (a change of the "
             "model)"
         )
-    if backend == "sdpa_flash":
-        return backend  # a ModelledBackend stays one: the planner's stand-in takes the window
-    if backend == "sdpa_cudnn":
+    if isinstance(backend, ModelledBackend) and backend == "sdpa_flash":
+        return backend  # the planner's stand-in takes the window
+    if backend in ("sdpa_flash", "sdpa_cudnn") and torch.version.hip is not None:
+        raise ValueError(
+            f"sliding-window attention on ROCm needs --attention_backend flash_attn: torch's ROCm flash kernel reads "
+            f"a window by rules of its own, which llama-cp has not checked, so {backend!r} is not given one"
+        )
+    if backend in ("sdpa_flash", "sdpa_cudnn"):
         return "sdpa_flash"
     raise ValueError(
-        f"sliding-window attention on CUDA runs on flash_attn or sdpa_flash (float16/bfloat16 on sm80+ GPUs), and "
-        f"{backend!r} takes no window: train in bfloat16 (--dtype bfloat16) on an sm80+ GPU, or install flash-attn "
-        "(pip install flash-attn --no-build-isolation)"
+        f"sliding-window attention on CUDA needs float16/bfloat16 (--dtype bfloat16) on an sm80+ GPU, where "
+        f"sdpa_flash or flash_attn takes it; {str(backend)!r} (chosen for float32, or for a GPU older than sm80) takes "
+        "none"
     )
 
 

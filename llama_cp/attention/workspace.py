@@ -5,8 +5,8 @@ run. A :class:`ModelledBackend` passed as ``backend`` to :mod:`llama_cp.attentio
 attention call of a model run the stand-in of that CUDA backend instead: a function with the
 signature of the library call ``kernel_calls`` makes (flash-attn's ``_flash_attn_forward`` /
 ``_flash_attn_backward`` and their varlen forms, torch's
-``_scaled_dot_product_{flash,efficient}_attention``, ``_flash_attention_forward`` (varlen)
-and their backward ops) that allocates the tensors the CUDA code allocates, with their shapes,
+``_scaled_dot_product_{flash,efficient}_attention``, ``_flash_attention_forward`` (varlen, and
+windowed without cum_seq) and their backward ops) that allocates the tensors the CUDA code allocates, with their shapes,
 dtypes and layouts, and computes the values with torch's CPU attention kernel, so it is exact
 on real CPU tensors as well (tests compare it with the math backend).
 

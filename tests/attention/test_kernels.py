@@ -491,20 +491,29 @@ def test_window_parts_give_flash_attn_calls_it_computes_exactly():
                     assert torch.equal(covered, visible.long()), (num_q, num_k, causal, lag, parts)
 
 
-def test_windowed_calls_on_torchs_cuda_kernels_take_sdpa_flash_or_are_refused():
+def test_windowed_calls_on_torchs_cuda_kernels_take_sdpa_flash_or_are_refused(monkeypatch):
     """A window without a cap runs on torch's flash kernel (Note [Windows on torch's flash kernel]):
     sdpa_flash's own calls (a modelled sdpa_flash stays modelled: the planner's stand-in) and
-    sdpa_cudnn's, whose op takes no window; sdpa_efficient takes none and is refused in one line."""
+    sdpa_cudnn's, whose op takes no window; sdpa_efficient (float32, or a GPU before sm80) takes none,
+    and torch's ROCm kernel reads windows by rules not checked here: refused in one line each."""
     from llama_cp.attention.workspace import ModelledBackend
 
     modelled = ModelledBackend("sdpa_flash")
     assert kernels._dense_backend(modelled, softcap=0.0) is modelled
     for backend in ("sdpa_flash", "sdpa_cudnn"):
         assert kernels._dense_backend(backend, softcap=0.0) == "sdpa_flash"
-    with pytest.raises(ValueError, match=r"sliding-window attention on CUDA runs on flash_attn or sdpa_flash \(float16"
-                                         r"/bfloat16 on sm80\+ GPUs\), and 'sdpa_efficient' takes no window: train in "
-                                         r"bfloat16 \(--dtype bfloat16\)"):
-        kernels._dense_backend("sdpa_efficient", softcap=0.0)
+    for backend in ("sdpa_efficient", ModelledBackend("sdpa_efficient")):
+        with pytest.raises(ValueError, match=r"^sliding-window attention on CUDA needs float16/bfloat16 \(--dtype "
+                                             r"bfloat16\) on an sm80\+ GPU, where sdpa_flash or flash_attn takes it; "
+                                             r"'sdpa_efficient' \(chosen for float32, or for a GPU older than sm80\) "
+                                             r"takes none$"):
+            kernels._dense_backend(backend, softcap=0.0)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert kernels._dense_backend(modelled, softcap=0.0) is modelled  # the planner plans, whatever runs the run
+    for backend in ("sdpa_flash", "sdpa_cudnn"):
+        with pytest.raises(ValueError, match=rf"^sliding-window attention on ROCm needs --attention_backend flash_attn"
+                                             rf": .* so {backend!r} is not given one$"):
+            kernels._dense_backend(backend, softcap=0.0)
 
 
 @pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_cudnn"])
