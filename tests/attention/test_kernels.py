@@ -554,14 +554,17 @@ def test_windowed_sdpa_calls_against_the_real_schema(backend, num_q, num_k, caus
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
+@pytest.mark.parametrize("backend", [None, "sdpa_flash"])
 @pytest.mark.parametrize("block_size", [0, 4, 7])
 @pytest.mark.parametrize("window", [1, 3, 10, 40])
-def test_windowed_document_pieces_are_exact_and_skip_what_the_band_misses(block_size, window):
+def test_windowed_document_pieces_are_exact_and_skip_what_the_band_misses(block_size, window, backend):
     """Pieces of packed rows with a window, tiled or not, give the dense masked attention in fp64
     (logits and every gradient); no tile lies wholly outside the band, and tiles compute fewer
-    pairs than without the window."""
+    pairs than without the window. sdpa_flash: the same pieces through the stand-in of torch's
+    windowed flash op (Note [Windows on torch's flash kernel]), in fp32, the lse's dtype there."""
     from llama_cp.attention.documents import Chunk, pieces, spans, tiles
     from llama_cp.attention.pieces import pieces_attention
+    from llama_cp.attention.workspace import ModelledBackend
     from llama_cp.parallel.sharding import document_starts
 
     seq = 32
@@ -572,9 +575,10 @@ def test_windowed_document_pieces_are_exact_and_skip_what_the_band_misses(block_
         if piece.lag is not None:
             assert piece.q.start - (piece.k.stop - 1) <= piece.lag  # some query of the tile sees a key
     q, k, v = (t.requires_grad_() for t in _inputs(4, 2, seq, seq, torch.float64))
-    q, k, v = (t.detach().expand(2, -1, -1, -1).clone().requires_grad_() for t in (q, k, v))
-    out = pieces_attention(q, k, v, block, scale=0.25)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    dtype = torch.float64 if backend is None else torch.float32
+    q, k, v = (t.detach().expand(2, -1, -1, -1).to(dtype).requires_grad_() for t in (q, k, v))
+    out = pieces_attention(q, k, v, block, scale=0.25, backend=backend and ModelledBackend(backend))
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
     out.backward(dout)
     i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
     visible = (j <= i) & (i - j < window) & (j >= starts[:, :, None])  # (B, L, L)
@@ -582,7 +586,7 @@ def test_windowed_document_pieces_are_exact_and_skip_what_the_band_misses(block_
     scores = (qr @ kr.repeat_interleave(2, 1).transpose(-1, -2) * 0.25).masked_fill(~visible[:, None], float("-inf"))
     ref = torch.softmax(scores, -1) @ vr.repeat_interleave(2, 1)
     ref.backward(dout)
-    tol = dict(atol=1e-10, rtol=1e-10)
+    tol = TILE_TOL[dtype]
     torch.testing.assert_close(out, ref, **tol)
     for got, want in ((q.grad, qr.grad), (k.grad, kr.grad), (v.grad, vr.grad)):
         torch.testing.assert_close(got, want, **tol)
