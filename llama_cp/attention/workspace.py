@@ -69,12 +69,12 @@ and the gradQ tile shape (block_i x block_j) are read from those files, not meas
             those head sizes; their dK/dV stay in registers, kOutputInRF, so no dK/dV
             workspace). Half precision only: the planner refuses float32 for it.
 
-On real CPU tensors the stand-ins compute the values one query head (forward) or one
-key/value head group (backward) at a time, into the kernel's own tensors, so they hold at
-most that slice on top of the kernel's allocations. Under fake tensors (the planner) there
-are no values and nothing is computed: the tracked peak is the kernel's exactly (and the
-planner's many tile calls cost no per-head loop). tests/attention/test_workspace.py
-checks each formula against the tracked peak.
+On real CPU tensors the stand-ins compute the values (``llama_cp/attention/stand_in_values.py``)
+one query head (forward) or one key/value head group (backward) at a time, into the kernel's
+own tensors, so they hold at most that slice on top of the kernel's allocations. Under fake
+tensors (the planner) there are no values and nothing is computed: the tracked peak is the
+kernel's exactly (and the planner's many tile calls cost no per-head loop).
+tests/attention/test_workspace.py checks each formula against the tracked peak.
 """
 
 from __future__ import annotations
@@ -84,9 +84,10 @@ import types
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from llama_cp.attention.dense import dense_backward, dense_forward
+from llama_cp.attention.stand_in_values import (
+    as_batch, fill_backward, fill_forward, segments, varlen_fill_forward,
+)
 
-_aten = torch.ops.aten
 
 #: The CUDA backends the planner can model.
 MODELLED: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_efficient")
@@ -111,61 +112,6 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-# ---------------------------------------------------------------- values
-# Torch's CPU flash kernel computes the values; under fake tensors it allocates only its
-# outputs, on real tensors its internal buffers are not tensors the tracker sees. Its outputs
-# are one query head (forward) or one key/value head group (backward) at a time, copied into
-# the CUDA kernel's own tensors: the stand-in then holds at most that slice on top of what the
-# CUDA kernel holds; under fake tensors nothing is computed (Note [GPU attention kernels' workspace]).
-def _fill_forward(q, k, v, causal, scale, out, lse, softcap=0.0, window=None) -> None:
-    """out (B, H, Sq, D) and lse (B, H, Sq) of q (B, H, Sq, D), k/v (B, Hkv, Sk, D), any strides.
-    Fake tensors (the planner) have no values to compute: nothing is done, nothing allocated.
-    ``softcap``, ``window`` ((lag, lead) of :func:`_flash_bounds`): the values of flash-attn's
-    soft-capped or windowed scores, from the exact CPU kernel; a row that sees no key gets
-    lse = +inf, as flash-attn writes it (csrc/flash_attn/src/softmax.h, ``normalize_softmax_lse``)."""
-    if is_fake(q):
-        return
-    if softcap or window is not None:
-        lag, lead = (None, None) if window is None else window
-        o, l = dense_forward(q, k, v, causal and window is None, scale, softcap, lag, lead)
-        out.copy_(o)
-        lse.copy_(l.masked_fill(l == float("-inf"), float("inf")))
-        return
-    n_rep = q.shape[1] // k.shape[1]
-    for h in range(q.shape[1]):
-        g = h // n_rep
-        o, l = _aten._scaled_dot_product_flash_attention_for_cpu(
-            q[:, h : h + 1], k[:, g : g + 1], v[:, g : g + 1], 0.0, causal, scale=scale
-        )
-        out[:, h : h + 1].copy_(o)
-        lse[:, h : h + 1].copy_(l)
-        del o, l
-
-
-def _fill_backward(dout, q, k, v, out, lse, causal, scale, dq, dk, dv, softcap=0.0, window=None) -> None:
-    """dq, dk, dv in the (B, H, S, D) views given, one key/value head group at a time (nothing
-    for fake tensors, as in :func:`_fill_forward`)."""
-    if is_fake(q):
-        return
-    if softcap or window is not None:
-        lag, lead = (None, None) if window is None else window
-        grads = dense_backward(dout, q, k, v, out, lse, causal and window is None, scale, softcap, lag, lead)
-        for grad, value in zip((dq, dk, dv), grads):
-            grad.copy_(value)
-        return
-    n_rep = q.shape[1] // k.shape[1]
-    for g in range(k.shape[1]):
-        heads = slice(g * n_rep, (g + 1) * n_rep)
-        gq, gk, gv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout[:, heads], q[:, heads], k[:, g : g + 1], v[:, g : g + 1], out[:, heads],
-            lse[:, heads], 0.0, causal, scale=scale,
-        )
-        dq[:, heads].copy_(gq)
-        dk[:, g : g + 1].copy_(gk)
-        dv[:, g : g + 1].copy_(gv)
-        del gq, gk, gv
-
-
 def _t(x: torch.Tensor) -> torch.Tensor:
     """(B, S, H, D) <-> (B, H, S, D), a view."""
     return x.transpose(1, 2)
@@ -177,8 +123,8 @@ def _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, scale, softcap
     dimension contiguous, writing dq, dk, dv; returns ``softmax_d``."""
     batch, seqlen_q, heads, head_size = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
-    _fill_backward(_t(dout), _t(q), _t(k), _t(v), _t(out), softmax_lse, causal, scale, _t(dq), _t(dk), _t(dv),
-                   softcap, window)
+    fill_backward(_t(dout), _t(q), _t(k), _t(v), _t(out), softmax_lse, causal, scale, _t(dq), _t(dk), _t(dv),
+                  softcap, window)
     seqlen_q_rounded = _round_up(seqlen_q, 128)
     head_size_rounded = _round_up(head_size, 32 if head_size <= 128 else 64)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -204,7 +150,7 @@ def flash_attn_forward(
     out = torch.empty_like(q)
     softmax_lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     p = torch.empty(0, dtype=q.dtype, device=q.device)
-    _fill_forward(_t(q), _t(k), _t(v), causal, softmax_scale, _t(out), softmax_lse, softcap, window)
+    fill_forward(_t(q), _t(k), _t(v), causal, softmax_scale, _t(out), softmax_lse, softcap, window)
     rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
     return out, softmax_lse, p, rng_state
 
@@ -252,31 +198,6 @@ def _flash_bounds(causal: bool, left: int | None, right: int | None, seqlen_q: i
 # ---------------------------------------------------------------- varlen (flash-attn 2.x and torch's copy)
 # Packed layout: q (Tq, H, D), k/v (Tk, Hkv, D); segment i is rows cu_seqlens_q[i] : cu_seqlens_q[i + 1]
 # of q against rows cu_seqlens_k[i] : cu_seqlens_k[i + 1] of k/v; lse (H, Tq). Note [Varlen document calls].
-def _segments(cu_seqlens_q, cu_seqlens_k, causal):
-    """(query rows, key rows) slices of every segment; causal segments must be square (flash-attn
-    aligns a causal mask bottom-right, which the stand-in does not model)."""
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    result = []
-    for q0, q1, k0, k1 in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
-        if causal and q1 - q0 != k1 - k0:
-            raise ValueError(f"the varlen stand-in models square causal segments, not {q1 - q0} x {k1 - k0}")
-        result.append((slice(q0, q1), slice(k0, k1)))
-    return result
-
-
-def _as_batch(x: torch.Tensor) -> torch.Tensor:
-    """(S, H, D) rows of one segment -> a (1, H, S, D) view, the layout of ``_fill_*``."""
-    return x.unsqueeze(0).transpose(1, 2)
-
-
-def _varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out, lse, softcap=0.0) -> None:
-    if is_fake(q):
-        return
-    for qs, ks in _segments(cu_seqlens_q, cu_seqlens_k, causal):
-        _fill_forward(_as_batch(q[qs]), _as_batch(k[ks]), _as_batch(v[ks]), causal, scale, _as_batch(out[qs]),
-                      lse[:, qs].unsqueeze(0), softcap)
-
-
 def _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, causal, scale,
                     softcap=0.0):
     """``mha_varlen_bwd`` of flash-attn 2.x (and torch's copy) on packed contiguous tensors,
@@ -284,16 +205,16 @@ def _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, c
     float32 with 128 spare rows after it, so that a segment's last 128-row tile may spill."""
     total_q, heads, head_size = q.shape
     total_k, heads_k = k.shape[:2]
-    segments = cu_seqlens_q.shape[0] - 1
+    count = cu_seqlens_q.shape[0] - 1
     if not is_fake(q):
-        for qs, ks in _segments(cu_seqlens_q, cu_seqlens_k, causal):
-            _fill_backward(_as_batch(dout[qs]), _as_batch(q[qs]), _as_batch(k[ks]), _as_batch(v[ks]),
-                           _as_batch(out[qs]), softmax_lse[:, qs].unsqueeze(0), causal, scale, _as_batch(dq[qs]),
-                           _as_batch(dk[ks]), _as_batch(dv[ks]), softcap)
+        for qs, ks in segments(cu_seqlens_q, cu_seqlens_k, causal):
+            fill_backward(as_batch(dout[qs]), as_batch(q[qs]), as_batch(k[ks]), as_batch(v[ks]),
+                          as_batch(out[qs]), softmax_lse[:, qs].unsqueeze(0), causal, scale, as_batch(dq[qs]),
+                          as_batch(dk[ks]), as_batch(dv[ks]), softcap)
     head_size_rounded = _round_up(head_size, 32 if head_size <= 128 else 64)
     f32 = dict(dtype=torch.float32, device=q.device)
-    softmax_d = torch.empty((heads, total_q + 128 * segments), **f32)
-    dq_accum = torch.empty((total_q + 128 * segments, heads, head_size_rounded), **f32)
+    softmax_d = torch.empty((heads, total_q + 128 * count), **f32)
+    dq_accum = torch.empty((total_q + 128 * count, heads, head_size_rounded), **f32)
     if heads_k != heads:  # GQA: dK/dV of every query head, summed over each group into dk/dv
         dk_expanded = torch.empty((total_k, heads, head_size), dtype=q.dtype, device=q.device)
         dv_expanded = torch.empty((total_k, heads, head_size), dtype=q.dtype, device=q.device)
@@ -321,7 +242,7 @@ def flash_attn_varlen_forward(
     out = torch.empty_like(q)
     softmax_lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q), device=q.device)
     p = torch.empty(0, dtype=q.dtype, device=q.device)
-    _varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, out, softmax_lse, softcap)
+    varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, out, softmax_lse, softcap)
     rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
     return out, softmax_lse, p, rng_state
 
@@ -355,7 +276,7 @@ def sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False, return
     batch, heads, seqlen_q, _ = query.shape
     attention = _t(torch.empty_like(_t(query)))  # mha_fwd: out = empty_like(q), q the transposed view
     logsumexp = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=query.device)
-    _fill_forward(query, key, value, is_causal, scale, attention, logsumexp)
+    fill_forward(query, key, value, is_causal, scale, attention, logsumexp)
     seed = torch.empty(2, dtype=torch.int64, device=query.device)  # rng_state: 2 x uint64
     offset = torch.empty((), dtype=torch.int64, device=query.device)
     debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
@@ -386,7 +307,7 @@ def sdpa_efficient_forward(query, key, value, attn_bias, compute_log_sumexp, dro
     res = torch.empty((batch, seqlen_q, heads, value.shape[-1]), dtype=query.dtype, device=query.device)
     lse_rows = _round_up(seqlen_q, 32) if compute_log_sumexp else 0
     logsumexp = torch.empty((batch, heads, lse_rows), dtype=torch.float32, device=query.device)
-    _fill_forward(query, key, value, is_causal, scale, _t(res), logsumexp[..., :seqlen_q])
+    fill_forward(query, key, value, is_causal, scale, _t(res), logsumexp[..., :seqlen_q])
     logsumexp[..., seqlen_q:].fill_(float("inf"))
     seed = torch.empty((), dtype=torch.int64, device=query.device)
     offset = torch.empty((), dtype=torch.int64, device=query.device)
@@ -407,8 +328,8 @@ def sdpa_efficient_backward(
     grad_q = torch.empty(_t(query).shape, dtype=query.dtype, device=query.device)
     grad_k = torch.empty(_t(key).shape, dtype=key.dtype, device=key.device)
     grad_v = torch.empty(_t(value).shape, dtype=value.dtype, device=value.device)
-    _fill_backward(grad_out, query, key, value, out, logsumexp[..., :seqlen_q], is_causal, scale,
-                   _t(grad_q), _t(grad_k), _t(grad_v))
+    fill_backward(grad_out, query, key, value, out, logsumexp[..., :seqlen_q], is_causal, scale,
+                  _t(grad_q), _t(grad_k), _t(grad_v))
     delta = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=query.device)
     workspace = torch.empty(efficient_backward_workspace_bytes(batch, heads, seqlen_q, head_dim),
                             dtype=torch.uint8, device=query.device)
@@ -453,11 +374,11 @@ def flash_attention_forward(
     if cum_seq_q is None:
         batch, seqlen_q, heads, _ = query.shape
         logsumexp = torch.empty((batch, heads, seqlen_q), dtype=_lse_dtype(query), device=query.device)
-        _fill_forward(_t(query), _t(key), _t(value), is_causal, scale, _t(output), logsumexp,
-                      window=_flash_bounds(is_causal, window_size_left, window_size_right, seqlen_q, key.shape[1]))
+        fill_forward(_t(query), _t(key), _t(value), is_causal, scale, _t(output), logsumexp,
+                     window=_flash_bounds(is_causal, window_size_left, window_size_right, seqlen_q, key.shape[1]))
     else:
         logsumexp = torch.empty((query.shape[1], query.shape[0]), dtype=_lse_dtype(query), device=query.device)
-        _varlen_fill_forward(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale, output, logsumexp)
+        varlen_fill_forward(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale, output, logsumexp)
     rng_state = torch.empty(2, dtype=torch.uint64, device=query.device)
     unused = torch.empty((), dtype=torch.uint64, device=query.device)
     debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
