@@ -72,7 +72,7 @@ class ModelConfig:
     router_aux_loss_coef: float = -1.0
     """MoE models (Mixtral, Qwen3-MoE, OLMoE): coefficient of the router's load-balancing loss, reduced over every rank as one process computes it; -1 = the model config's (added only if its output_router_logits is true, as in transformers); 0 = off."""
     attention_backend: Literal["auto", "flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"] = "auto"
-    """Local attention kernel; auto = the fastest that runs (flash_attn > sdpa_cudnn on sm90 GPUs such as the H100 > sdpa_flash > sdpa_efficient on CUDA, sdpa_cpu on CPU; packed documents take a varlen kernel, flash_attn or sdpa_flash). sdpa_cudnn is torch's cuDNN attention: 1.3x sdpa_flash's step speed at 64K on an H200, checked exact there (Note [cuDNN attention blocks]). A choice that cannot run (device, dtype, head size, flash-attn missing) is refused at start."""
+    """Local attention kernel; auto = the fastest that runs (flash_attn > sdpa_cudnn on sm90 GPUs such as the H100 > sdpa_flash > sdpa_efficient on CUDA, sdpa_cpu on CPU; packed documents take a varlen kernel, flash_attn or sdpa_flash; a sliding window flash_attn or sdpa_flash, which also takes sdpa_cudnn's windowed calls). sdpa_cudnn is torch's cuDNN attention: 1.3x sdpa_flash's step speed at 64K on an H200, checked exact there (Note [cuDNN attention blocks]). A choice that cannot run (device, dtype, head size, flash-attn missing) is refused at start."""
 
 
 @dataclass
