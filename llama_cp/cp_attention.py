@@ -407,8 +407,8 @@ def apply_context_parallel(
 
     Models llama-cp cannot compute exactly are refused here (``llama_cp.modules.families``);
     ``max_seq_len``, the longest global sequence to come, lets a sliding window be refused now
-    rather than at the first forward when ``backend`` names sdpa_efficient, which takes none. A
-    padding attention mask is refused when the model is called.
+    rather than at the first forward when ``backend`` names one of torch's kernels that takes none
+    (``kernels.window_or_cap_backend``). A padding attention mask is refused when the model is called.
 
     ``strategy="hybrid"``: Ulysses inside groups of ``ulysses_degree`` consecutive cp ranks,
     the ring across them (Note [Hybrid attention]); the batch keeps the zigzag layout.
@@ -423,12 +423,13 @@ def apply_context_parallel(
         raise ValueError(f"attention block_size must be >= 0 (0 = untiled), got {block_size}")
     check_supported(model)
     windows = sliding_windows(model)
-    if backend == "sdpa_efficient" and windows and max_seq_len and min(windows) < max_seq_len:
-        raise ValueError(
-            f"--attention_backend {backend}: this model's sliding window of {min(windows)} tokens is shorter than "
-            f"the sequence ({max_seq_len} tokens), and llama-cp passes windows to flash_attn and sdpa_flash only: use "
-            "--attention_backend sdpa_flash (bfloat16 on an sm80+ GPU) or flash_attn"
-        )
+    cut = windows and max_seq_len and min(windows) < max_seq_len
+    if cut and backend in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient"):
+        try:  # the kernels' own rule for which of torch's kernels take a window
+            kernels.window_or_cap_backend(backend, softcap=0.0)
+        except ValueError as error:
+            raise ValueError(f"--attention_backend {backend}: this model's sliding window of {min(windows)} tokens is "
+                             f"shorter than the sequence ({max_seq_len} tokens): {error}") from None
     group = cp_mesh.get_group() if isinstance(cp_mesh, DeviceMesh) else cp_mesh
     cp = 1 if group is None else dist.get_world_size(group)
 

@@ -223,7 +223,7 @@ def attention_forward(
 
 def _forward(q, k, v, causal, scale, backend, softcap, lag):
     if softcap or lag is not None:
-        backend = _dense_backend(backend, softcap)
+        backend = window_or_cap_backend(backend, softcap)
         if backend == "flash_attn":
             return flash_attn_forward(q, k, v, causal, scale, fa=_flash_attn_module(backend), softcap=softcap,
                                        lag=lag)
@@ -289,7 +289,7 @@ def attention_backward(
 
 def _backward(dout, q, k, v, out, lse, causal, scale, backend, softcap, lag):
     if softcap or lag is not None:
-        backend = _dense_backend(backend, softcap)
+        backend = window_or_cap_backend(backend, softcap)
         if backend == "flash_attn":
             return flash_attn_backward(dout, q, k, v, out, lse, causal, scale, fa=_flash_attn_module(backend),
                                         softcap=softcap, lag=lag)
@@ -433,7 +433,7 @@ def _window_parts(num_q: int, num_k: int, causal: bool, lag: int | None) -> list
     return parts
 
 
-def _dense_backend(backend: Backend, softcap: float) -> Backend:
+def window_or_cap_backend(backend: Backend, softcap: float) -> Backend:
     """The backend that computes a soft-capped or windowed call in place of ``backend``:
     flash_attn itself; for a window without a cap, sdpa_flash on CUDA (Note [Windows on torch's
     flash kernel] in kernel_calls.py), in place of sdpa_cudnn too, whose op takes no window (both

@@ -380,7 +380,7 @@ def test_softcap_through_flash_attn_glue_and_its_refusals():
     for name in ("sdpa_flash", "sdpa_efficient"):
         with pytest.raises(ValueError, match=rf"soft-capping .* needs --attention_backend flash_attn .* {name!r} "
                                              r"has none: install flash-attn"):
-            kernels._dense_backend(name, softcap=2.0)
+            kernels.window_or_cap_backend(name, softcap=2.0)
 
 
 def test_softcapped_document_pieces_in_tiles_are_exact():
@@ -499,21 +499,21 @@ def test_windowed_calls_on_torchs_cuda_kernels_take_sdpa_flash_or_are_refused(mo
     from llama_cp.attention.workspace import ModelledBackend
 
     modelled = ModelledBackend("sdpa_flash")
-    assert kernels._dense_backend(modelled, softcap=0.0) is modelled
+    assert kernels.window_or_cap_backend(modelled, softcap=0.0) is modelled
     for backend in ("sdpa_flash", "sdpa_cudnn"):
-        assert kernels._dense_backend(backend, softcap=0.0) == "sdpa_flash"
+        assert kernels.window_or_cap_backend(backend, softcap=0.0) == "sdpa_flash"
     for backend in ("sdpa_efficient", ModelledBackend("sdpa_efficient")):
         with pytest.raises(ValueError, match=r"^sliding-window attention on CUDA needs float16/bfloat16 \(--dtype "
                                              r"bfloat16\) on an sm80\+ GPU, where sdpa_flash or flash_attn takes it; "
                                              r"'sdpa_efficient' \(chosen for float32, or for a GPU older than sm80\) "
                                              r"takes none$"):
-            kernels._dense_backend(backend, softcap=0.0)
+            kernels.window_or_cap_backend(backend, softcap=0.0)
     monkeypatch.setattr(torch.version, "hip", "6.4")
-    assert kernels._dense_backend(modelled, softcap=0.0) is modelled  # the planner plans, whatever runs the run
+    assert kernels.window_or_cap_backend(modelled, softcap=0.0) is modelled  # the planner plans, whatever runs the run
     for backend in ("sdpa_flash", "sdpa_cudnn"):
         with pytest.raises(ValueError, match=rf"^sliding-window attention on ROCm needs --attention_backend flash_attn"
                                              rf": .* so {backend!r} is not given one$"):
-            kernels._dense_backend(backend, softcap=0.0)
+            kernels.window_or_cap_backend(backend, softcap=0.0)
 
 
 @pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_cudnn"])

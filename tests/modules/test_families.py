@@ -292,9 +292,10 @@ def unsupported_models_are_refused_at_apply_time():
         apply_context_parallel(family_model("gemma3_text", use_bidirectional_attention=True), cp)
     # windows reach CUDA through flash-attn and torch's flash kernel (sdpa_cudnn's windowed calls too):
     # sdpa_efficient takes none and is refused up front
-    with pytest.raises(ValueError, match=rf"--attention_backend sdpa_efficient: this model's sliding window of "
-                                         rf"{WINDOW} tokens is shorter than the sequence \({SEQ_LEN} tokens\).*use "
-                                         r"--attention_backend sdpa_flash \(bfloat16 on an sm80\+ GPU\) or flash_attn"):
+    with pytest.raises(ValueError, match=rf"^--attention_backend sdpa_efficient: this model's sliding window of "
+                                         rf"{WINDOW} tokens is shorter than the sequence \({SEQ_LEN} tokens\): "
+                                         r"sliding-window attention on CUDA needs float16/bfloat16 \(--dtype "
+                                         r"bfloat16\) on an sm80\+ GPU, where sdpa_flash or flash_attn takes it"):
         apply_context_parallel(family_model("mistral_window"), cp, backend="sdpa_efficient", max_seq_len=SEQ_LEN)
     for backend in ("sdpa_flash", "sdpa_cudnn"):
         apply_context_parallel(family_model("mistral_window"), cp, backend=backend, max_seq_len=SEQ_LEN)
