@@ -242,11 +242,12 @@ def plot_losses(metrics_path: str, png_path: str) -> dict[str, list]:
 
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f]
-    finite = lambda r: not r.get("skipped") and math.isfinite(r["loss"])  # noqa: E731
+    # a row's loss is null where none of its steps had a scored token: not drawn, not a skipped step
+    finite = lambda r: not r.get("skipped") and r["loss"] is not None and math.isfinite(r["loss"])  # noqa: E731
     drawn = {
         "train": [(r["step"], r["loss"]) for r in rows if finite(r)],
         "eval": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r],
-        "skipped": [r["step"] for r in rows if not finite(r)],
+        "skipped": [r["step"] for r in rows if r.get("skipped")],
     }
     fig, ax = plt.subplots(figsize=(6, 4))
     # NaN where a step was skipped: the line breaks there instead of bridging the gap

@@ -74,7 +74,7 @@ class NextToken:
         num_tokens = count_valid_tokens(m["labels"] for m in micro)
         total = forward_backward(t.model, micro, num_tokens, offload=t.cfg.model.activation_offload)
         dist.all_reduce(total)
-        return total, {}
+        return total, {} if num_tokens else {"no_scored_tokens": True}  # every label of the step -100: no update
 
     def evaluate(self) -> dict[str, float]:
         """Held-out loss, and for the passkey task the exact-match accuracy of the answer (from the

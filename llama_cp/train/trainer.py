@@ -209,7 +209,8 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step. A step whose loss or gradient norm is not finite changes no weight
-        (its row says ``"skipped": true``); the data and the schedule move on."""
+        (its row says ``"skipped": true``), nor does one with no scored token on any rank (``"no_scored_tokens":
+        true``: zero gradients, whose AdamW step would still move the weights); the data and the schedule move on."""
         cfg = self.cfg
         start = time.perf_counter()
         micro = self._next_micro_batches()
@@ -217,7 +218,7 @@ class Trainer:
         total, extra = self.objective.forward_backward(micro)
         grad_norm = clip_gradients(self.model, max_grad_norm=cfg.optim.max_grad_norm)
         finite = bool(torch.isfinite(total)) and bool(torch.isfinite(grad_norm))  # the same on every rank
-        if finite:
+        if finite and not extra.get("no_scored_tokens"):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -324,13 +325,15 @@ class Trainer:
                         stop_nonfinite(nonfinite, cfg, self.rank)
                     continue
                 last = step == self.total_steps
-                for name in ("loss", *self.objective.metric_names):
-                    window.setdefault(name, []).append(row[name])
+                if not row.get("no_scored_tokens"):  # a step with nothing scored has no loss to average
+                    for name in ("loss", *self.objective.metric_names):
+                        window.setdefault(name, []).append(row[name])
                 if (cfg.eval_every and step % cfg.eval_every == 0) or last:
                     row.update(self.evaluate())
                 if step % cfg.log_every == 0 or last or "eval_loss" in row:
                     row["peak_memory_bytes"] = self._max_over_ranks(steps_peak)  # a collective: only for written rows
-                    row.update({name: sum(values) / len(values) for name, values in window.items()},
+                    row.update({name: None for name in ("loss", *self.objective.metric_names)},  # none scored
+                               **{name: sum(values) / len(values) for name, values in window.items()},
                                **self._data_position(step))
                     steps_peak, window = 0, {}
                     self._log(metrics_path, row)

@@ -928,6 +928,45 @@ def lora_adapter_eval_equals_the_trained_models_eval_perplexity():
         assert [b["loss"] for b in got["buckets"]] == pytest.approx([b["loss"] for b in want["buckets"]], rel=1e-5)
 
 
+@checks.add
+def a_step_with_no_scored_token_changes_no_weight_and_no_logged_loss():
+    """A step whose rows hold no scored token (every label -100, as a long prompt's middle row) has
+    zero gradients and no loss: it changes no weight (AdamW's step would still move them by its
+    momentum), its row says "no_scored_tokens": true, a logged mean leaves it out (its 0 used to pull
+    the mean down), and a logged row of such steps only has a null loss, drawn nowhere in loss.png."""
+    from llama_cp import Trainer
+    from llama_cp.train.run_dir import plot_losses
+
+    class EveryOtherStepUnscored(Trainer):
+        def _next_micro_batches(self):
+            micro = super()._next_micro_batches()
+            if len(getattr(self, "seen", [])) % 2:  # steps 2 and 4
+                micro = [{**batch, "labels": torch.full_like(batch["labels"], -100)} for batch in micro]
+            return micro
+
+        def train_step(self):
+            row = super().train_step()
+            weights = {name: p.full_tensor().clone() for name, p in self.model.named_parameters() if p.requires_grad}
+            self.seen = [*getattr(self, "seen", []), (row, weights)]
+            return row
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = EveryOtherStepUnscored(_config(out, max_steps=4, log_every=2))
+        trainer.fit()
+        rows, weights = zip(*trainer.seen)
+        assert [row.get("no_scored_tokens", False) for row in rows] == [False, True, False, True], rows
+        for before, after in ((0, 1), (2, 3)):
+            assert all(torch.equal(weights[after][name], weights[before][name]) for name in weights[0])
+        assert any(not torch.equal(weights[2][name], weights[1][name]) for name in weights[0])  # step 3 trained
+        logged = read_metrics(out)
+        assert [row["step"] for row in logged] == [2, 4]
+        assert [row["loss"] for row in logged] == pytest.approx([rows[0]["loss"], rows[2]["loss"]], rel=1e-6)
+        with open(os.path.join(out, "metrics.jsonl"), "a") as f:  # a logged row whose steps scored nothing
+            f.write(json.dumps({**logged[-1], "step": 5, "loss": None}) + "\n")
+        drawn = plot_losses(os.path.join(out, "metrics.jsonl"), os.path.join(out, "again.png"))
+        assert [step for step, _ in drawn["train"]] == [2, 4] and drawn["skipped"] == [], drawn
+
+
 results = checks.module_fixture(__name__, 1)
 
 
