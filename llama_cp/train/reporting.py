@@ -1,5 +1,5 @@
-"""Where a run's metrics go besides ``metrics.jsonl`` (TensorBoard and Weights & Biases), and the
-peak memory a metrics row carries (:class:`PeakMemory`).
+"""Where a run's metrics go besides ``metrics.jsonl`` (TensorBoard and Weights & Biases), the
+peak memory a metrics row carries (:class:`PeakMemory`), and the run's throughput line.
 
     reporter = Reporter(output_dir, ("tensorboard",), run_info=run_info(cfg), start_step=0)
     reporter.log({"loss": 2.3, "lr": 1e-4}, step=1)
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from llama_cp.config import REPORTERS
+from llama_cp.model.flops import throughput
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
@@ -156,3 +157,18 @@ class PeakMemory:
         except OSError:
             pass
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def throughput_line(run_totals: list[tuple[float, int, float]], world_size: int, peak: float | None) -> str | None:
+    """The run's summary line: tokens/s/GPU, model TFLOP/s/GPU and MFU (with a ``peak``) over the
+    steps' (seconds, tokens, model FLOPs) in ``run_totals``, the first left out when there are more
+    (it warms up kernels and the allocator); None for a run of no step."""
+    steps = run_totals[1:] or run_totals
+    if not steps:
+        return None
+    seconds, tokens, flops = (sum(column) for column in zip(*steps))
+    summary = throughput(tokens=tokens, flops=flops, seconds=seconds, world_size=world_size, peak=peak)
+    mfu = f", MFU {summary['mfu']:.1%} of {peak / 1e12:g} TFLOP/s" if "mfu" in summary else ""
+    plural = "s" if len(steps) != 1 else ""
+    return (f"throughput over {len(steps)} step{plural}: {summary['tokens_per_sec_per_gpu']:.1f} tokens/s/GPU, "
+            f"{summary['model_tflops_per_gpu']:.4g} model TFLOP/s/GPU{mfu}")

@@ -36,7 +36,7 @@ from llama_cp.parallel.mesh import init_distributed, local_peers, machine_device
 from llama_cp.parallel.sharding import layout_for, shard_batch
 from llama_cp.train.failures import StopSignals, collective_failure, stop_nonfinite
 from llama_cp.train.objective import build_objective
-from llama_cp.train.reporting import PeakMemory
+from llama_cp.train.reporting import PeakMemory, throughput_line
 from llama_cp.train.resume import load_resumed_state, resume_checkpoint
 from llama_cp.train.run_dir import OutputDirClaim, plot_losses, truncate_metrics
 
@@ -344,7 +344,9 @@ class Trainer:
             progress.close()  # also on an error, so the bar does not garble its message
             self.reporter.close()
             signals.restore()
-        self._say_throughput()
+        line = throughput_line(self._run_totals, dist.get_world_size(), self.peak_flops)
+        if line:
+            self._say(line)
         self._where = "while exporting final/"
         self.export(os.path.join(cfg.output_dir, "final"))
         if self.rank == 0:
@@ -353,20 +355,6 @@ class Trainer:
         if summary:
             self._say(summary)
         return row
-
-    def _say_throughput(self) -> None:
-        """The run's summary line: tokens/s/GPU, model TFLOP/s/GPU and MFU over this run's steps,
-        the first left out when there are more (it warms up kernels and the allocator)."""
-        steps = self._run_totals[1:] or self._run_totals
-        if not steps:
-            return
-        seconds, tokens, flops = (sum(column) for column in zip(*steps))
-        summary = throughput(tokens=tokens, flops=flops, seconds=seconds, world_size=dist.get_world_size(),
-                             peak=self.peak_flops)
-        mfu = f", MFU {summary['mfu']:.1%} of {self.peak_flops / 1e12:g} TFLOP/s" if "mfu" in summary else ""
-        plural = "s" if len(steps) != 1 else ""
-        self._say(f"throughput over {len(steps)} step{plural}: {summary['tokens_per_sec_per_gpu']:.1f} tokens/s/GPU, "
-                  f"{summary['model_tflops_per_gpu']:.4g} model TFLOP/s/GPU{mfu}")
 
     def _check_before_start(self) -> None:
         """What can be checked before any process group or model exists: a local model
