@@ -423,9 +423,8 @@ def apply_context_parallel(
         raise ValueError(f"attention block_size must be >= 0 (0 = untiled), got {block_size}")
     check_supported(model)
     windows = sliding_windows(model)
-    cut = windows and max_seq_len and min(windows) < max_seq_len
-    if cut and backend in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient"):
-        try:  # the kernels' own rule for which of torch's kernels take a window
+    if backend is not None and windows and max_seq_len and min(windows) < max_seq_len:
+        try:  # the kernels' own rule for which kernels take a window
             kernels.window_or_cap_backend(backend, softcap=0.0)
         except ValueError as error:
             raise ValueError(f"--attention_backend {backend}: this model's sliding window of {min(windows)} tokens is "

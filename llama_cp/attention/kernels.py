@@ -453,12 +453,12 @@ def window_or_cap_backend(backend: Backend, softcap: float) -> Backend:
         )
     if isinstance(backend, ModelledBackend) and backend == "sdpa_flash":
         return backend  # the planner's stand-in takes the window
-    if backend in ("sdpa_flash", "sdpa_cudnn") and torch.version.hip is not None:
-        raise ValueError(
-            f"sliding-window attention on ROCm needs --attention_backend flash_attn: torch's ROCm flash kernel reads "
-            f"a window by rules of its own, which llama-cp has not checked, so {backend!r} is not given one"
-        )
     if backend in ("sdpa_flash", "sdpa_cudnn"):
+        if torch.version.hip is not None:
+            raise ValueError(
+                f"sliding-window attention on ROCm needs --attention_backend flash_attn: torch's ROCm flash kernel "
+                f"reads a window by rules of its own, which llama-cp has not checked, so {backend!r} is not given one"
+            )
         return "sdpa_flash"
     raise ValueError(
         f"sliding-window attention on CUDA needs float16/bfloat16 (--dtype bfloat16) on an sm80+ GPU, where "

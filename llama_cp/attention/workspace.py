@@ -6,9 +6,10 @@ attention call of a model run the stand-in of that CUDA backend instead: a funct
 signature of the library call ``kernel_calls`` makes (flash-attn's ``_flash_attn_forward`` /
 ``_flash_attn_backward`` and their varlen forms, torch's
 ``_scaled_dot_product_{flash,efficient}_attention``, ``_flash_attention_forward`` (varlen, and
-windowed without cum_seq) and their backward ops) that allocates the tensors the CUDA code allocates, with their shapes,
-dtypes and layouts, and computes the values with torch's CPU attention kernel, so it is exact
-on real CPU tensors as well (tests compare it with the math backend).
+windowed without cum_seq) and their backward ops) that allocates the tensors the CUDA code
+allocates, with their shapes, dtypes and layouts, and computes the values with torch's CPU
+attention kernel, so it is exact on real CPU tensors as well (tests compare it with the math
+backend).
 
 Note [GPU attention kernels' workspace]
 =======================================
@@ -118,6 +119,16 @@ def _t(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- flash-attn 2.x
+def _mha_fwd(q, k, v, causal, scale, softcap=0.0, window=None, lse_dtype=torch.float32):
+    """flash-attn's ``mha_fwd`` (and torch's copy of it) on (B, S, H, D) tensors with the last
+    dimension contiguous: ``(out, softmax_lse)``, out like q (``empty_like``), lse (B, H, Sq)."""
+    batch, seqlen_q, heads, _ = q.shape
+    out = torch.empty_like(q)
+    softmax_lse = torch.empty((batch, heads, seqlen_q), dtype=lse_dtype, device=q.device)
+    fill_forward(_t(q), _t(k), _t(v), causal, scale, _t(out), softmax_lse, softcap, window)
+    return out, softmax_lse
+
+
 def _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, scale, softcap=0.0, window=None) -> torch.Tensor:
     """flash-attn's ``mha_bwd`` (and torch's copy of it) on (B, S, H, D) tensors with the last
     dimension contiguous, writing dq, dk, dv; returns ``softmax_d``."""
@@ -145,12 +156,9 @@ def flash_attn_forward(
     """flash-attn 2.8's ``_flash_attn_forward`` on (B, S, H, D) tensors: ``(out, softmax_lse,
     S_dmask, rng_state)``."""
     _check_plain(dropout_p, softcap, alibi_slopes)
-    batch, seqlen_q, heads, _ = q.shape
-    window = _flash_bounds(causal, window_size_left, window_size_right, seqlen_q, k.shape[1])
-    out = torch.empty_like(q)
-    softmax_lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    window = _flash_bounds(causal, window_size_left, window_size_right, q.shape[1], k.shape[1])
+    out, softmax_lse = _mha_fwd(q, k, v, causal, softmax_scale, softcap, window)
     p = torch.empty(0, dtype=q.dtype, device=q.device)
-    fill_forward(_t(q), _t(k), _t(v), causal, softmax_scale, _t(out), softmax_lse, softcap, window)
     rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
     return out, softmax_lse, p, rng_state
 
@@ -273,14 +281,11 @@ FLASH_ATTN = types.SimpleNamespace(
 def sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     """``aten._scaled_dot_product_flash_attention`` on CUDA (attention.cu: the (B, S, H, D)
     views of (B, H, S, D) inputs into torch's ``mha_fwd``)."""
-    batch, heads, seqlen_q, _ = query.shape
-    attention = _t(torch.empty_like(_t(query)))  # mha_fwd: out = empty_like(q), q the transposed view
-    logsumexp = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=query.device)
-    fill_forward(query, key, value, is_causal, scale, attention, logsumexp)
+    out, logsumexp = _mha_fwd(_t(query), _t(key), _t(value), is_causal, scale)
     seed = torch.empty(2, dtype=torch.int64, device=query.device)  # rng_state: 2 x uint64
     offset = torch.empty((), dtype=torch.int64, device=query.device)
     debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
-    return attention, logsumexp, None, None, seqlen_q, key.shape[2], seed, offset, debug_mask
+    return _t(out), logsumexp, None, None, query.shape[2], key.shape[2], seed, offset, debug_mask
 
 
 def sdpa_flash_backward(
@@ -370,13 +375,11 @@ def flash_attention_forward(
             or (cum_seq_q is not None and windowed) or (cum_seq_q is None) != (cum_seq_k is None):
         raise ValueError("the _flash_attention_forward stand-in models plain attention, windowed only without "
                          "cum_seq: no dropout, ALiBi, paged KV, debug mask or varlen window")
-    output = torch.empty_like(query)
     if cum_seq_q is None:
-        batch, seqlen_q, heads, _ = query.shape
-        logsumexp = torch.empty((batch, heads, seqlen_q), dtype=_lse_dtype(query), device=query.device)
-        fill_forward(_t(query), _t(key), _t(value), is_causal, scale, _t(output), logsumexp,
-                     window=_flash_bounds(is_causal, window_size_left, window_size_right, seqlen_q, key.shape[1]))
+        window = _flash_bounds(is_causal, window_size_left, window_size_right, query.shape[1], key.shape[1])
+        output, logsumexp = _mha_fwd(query, key, value, is_causal, scale, window=window, lse_dtype=_lse_dtype(query))
     else:
+        output = torch.empty_like(query)
         logsumexp = torch.empty((query.shape[1], query.shape[0]), dtype=_lse_dtype(query), device=query.device)
         varlen_fill_forward(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale, output, logsumexp)
     rng_state = torch.empty(2, dtype=torch.uint64, device=query.device)
