@@ -951,7 +951,8 @@ def a_step_with_no_scored_token_changes_no_weight_and_no_logged_loss():
             return row
 
     with tempfile.TemporaryDirectory() as out:
-        trainer = EveryOtherStepUnscored(_config(out, max_steps=4, log_every=2))
+        # rows logged at step 3 (steps 1-3: two scored) and at the last step, 4 (nothing scored)
+        trainer = EveryOtherStepUnscored(_config(out, max_steps=4, log_every=3))
         trainer.fit()
         rows, weights = zip(*trainer.seen)
         assert [row.get("no_scored_tokens", False) for row in rows] == [False, True, False, True], rows
@@ -959,12 +960,11 @@ def a_step_with_no_scored_token_changes_no_weight_and_no_logged_loss():
             assert all(torch.equal(weights[after][name], weights[before][name]) for name in weights[0])
         assert any(not torch.equal(weights[2][name], weights[1][name]) for name in weights[0])  # step 3 trained
         logged = read_metrics(out)
-        assert [row["step"] for row in logged] == [2, 4]
-        assert [row["loss"] for row in logged] == pytest.approx([rows[0]["loss"], rows[2]["loss"]], rel=1e-6)
-        with open(os.path.join(out, "metrics.jsonl"), "a") as f:  # a logged row whose steps scored nothing
-            f.write(json.dumps({**logged[-1], "step": 5, "loss": None}) + "\n")
+        assert [row["step"] for row in logged] == [3, 4]
+        assert logged[0]["loss"] == pytest.approx((rows[0]["loss"] + rows[2]["loss"]) / 2, rel=1e-6)
+        assert logged[1]["loss"] is None and logged[1]["no_scored_tokens"] is True
         drawn = plot_losses(os.path.join(out, "metrics.jsonl"), os.path.join(out, "again.png"))
-        assert [step for step, _ in drawn["train"]] == [2, 4] and drawn["skipped"] == [], drawn
+        assert [step for step, _ in drawn["train"]] == [3] and drawn["skipped"] == [], drawn
 
 
 results = checks.module_fixture(__name__, 1)
