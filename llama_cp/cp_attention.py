@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from llama_cp.attention import kernels
+from llama_cp.attention import kernels, windows
 from llama_cp.attention.allgather import _AllGatherAttention
 from llama_cp.attention.chunks import chunked_layout, scale_queries, take_query_temperature
 from llama_cp.attention.choose import STRATEGIES, Strategy
@@ -133,7 +133,7 @@ class ContextParallelAttention:
     ) -> torch.Tensor:
         """q: (B, H, S/cp, D), k/v: (B, Hkv, S/cp, D) -> (B, H, S/cp, D). ``documents``: attend
         only within each packed document (Note [Document masks under CP]); ``softcap``: Note
-        [Soft-capped attention] in ``llama_cp/attention/kernels.py``; ``window``: a sliding window of that
+        [Soft-capped attention] in ``llama_cp/attention/windows.py``; ``window``: a sliding window of that
         many tokens (Note [Sliding windows under CP] in ``llama_cp/attention/documents.py``); ``sinks``
         (H,): a learned sink logit per head (Note [Attention sinks under CP] in
         ``llama_cp/attention/sinks.py``); ``chunk``: Llama 4's attention chunk of that many tokens
@@ -408,7 +408,7 @@ def apply_context_parallel(
     Models llama-cp cannot compute exactly are refused here (``llama_cp.modules.families``);
     ``max_seq_len``, the longest global sequence to come, lets a sliding window be refused now
     rather than at the first forward when ``backend`` names one of torch's kernels that takes none
-    (``kernels.window_or_cap_backend``). A padding attention mask is refused when the model is called.
+    (``windows.window_or_cap_backend``). A padding attention mask is refused when the model is called.
 
     ``strategy="hybrid"``: Ulysses inside groups of ``ulysses_degree`` consecutive cp ranks,
     the ring across them (Note [Hybrid attention]); the batch keeps the zigzag layout.
@@ -425,7 +425,7 @@ def apply_context_parallel(
     windows = sliding_windows(model)
     if backend is not None and windows and max_seq_len and min(windows) < max_seq_len:
         try:  # the kernels' own rule for which kernels take a window
-            kernels.window_or_cap_backend(backend, softcap=0.0)
+            windows.window_or_cap_backend(backend, softcap=0.0)
         except ValueError as error:
             raise ValueError(f"--attention_backend {backend}: this model's sliding window of {min(windows)} tokens is "
                              f"shorter than the sequence ({max_seq_len} tokens): {error}") from None

@@ -82,11 +82,11 @@ def test_an_unknown_part_is_refused_in_one_line(tmp_path, capsys):
 
 def test_the_window_row_in_blocks_makes_calls_with_fewer_queries_than_keys():
     """The correctness part's windowed row in blocks, at the GPU run's sizes, sends the kernel what a
-    window in one causal square does not: full calls the window cuts (kernels._window_parts), among
+    window in one causal square does not: full calls the window cuts (windows.window_parts), among
     them windowed ones with fewer queries than keys, whose flash window is aligned bottom-right."""
     from benchmarks.gpu.one_gpu_parts import exactness_runs
     from benchmarks.gpu.settings import Settings
-    from llama_cp.attention import kernels
+    from llama_cp.attention import windows
     from llama_cp.attention.documents import DocumentLayout, tiles
     from llama_cp.attention.pieces import _call_lag
     from llama_cp.parallel.sharding import document_starts
@@ -99,7 +99,7 @@ def test_the_window_row_in_blocks_makes_calls_with_fewer_queries_than_keys():
     pieces = tiles(DocumentLayout(document_starts(torch.arange(length)[None])).ring_pieces(0, window), block)
     calls = [(rows.stop - rows.start, keys.stop - keys.start, part_lag)
              for p in pieces if not p.causal and p.lag is not None
-             for rows, keys, part_lag in kernels._window_parts(p.q.stop - p.q.start, p.k.stop - p.k.start, False,
+             for rows, keys, part_lag in windows.window_parts(p.q.stop - p.q.start, p.k.stop - p.k.start, False,
                                                               _call_lag(p))]
     assert any(part_lag == 0 and num_q < num_k for num_q, num_k, part_lag in calls), calls
 

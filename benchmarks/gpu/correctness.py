@@ -149,7 +149,7 @@ class AttentionKernels(TorchDispatchMode):
 def feature_refusal(case: str, device: torch.device, head_dim: int) -> str | None:
     """llama-cp's own one-line refusal when the attention backend it selects here cannot compute
     the case's window or cap (on CUDA a cap needs flash-attn, Note [Soft-capped attention] in
-    llama_cp/attention/kernels.py; a window flash-attn or torch's flash kernel, Note [Windows on
+    llama_cp/attention/windows.py; a window flash-attn or torch's flash kernel, Note [Windows on
     torch's flash kernel] in kernel_calls.py), from one local kernel call on a probe; None when it can."""
     from llama_cp.attention.kernels import attention_forward
 

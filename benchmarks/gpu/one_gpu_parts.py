@@ -124,7 +124,7 @@ def exactness_runs(exact_len: int, dry_run: bool) -> list[tuple[tuple[str, str, 
     cases = [("llama", "ring", False, 0), ("llama", "ring", True, 0)]
     cases += [("llama", strategy, packed, quarter) for strategy in ("ring", "allgather") for packed in (False, True)]
     # the window in one call a row (a causal square), then in blocks shorter than the window (640 tokens of
-    # a 2048-token row on the GPU): full blocks the window cuts, two calls each (kernels._window_parts), some
+    # a 2048-token row on the GPU): full blocks the window cuts, two calls each (windows.window_parts), some
     # with fewer queries than keys, where flash's window is aligned bottom-right
     cases += [("llama", "ulysses", False, quarter), ("mistral_window", "ring", False, 0),
               ("mistral_window", "ring", False, exact_len // 16), ("gemma2_softcap", "ring", False, 0)]

@@ -1,5 +1,5 @@
 """The exact CPU attention kernel for what torch's CPU kernels do not compute: soft-capped
-scores (Note [Soft-capped attention] in ``llama_cp/attention/kernels.py``) and sliding windows (Note
+scores (Note [Soft-capped attention] in ``llama_cp/attention/windows.py``) and sliding windows (Note
 [Sliding windows under CP] in ``llama_cp/attention/documents.py``). It returns out and the lse of a
 block, and takes the final (out, lse) in its backward, as every kernel of ``kernels`` does.
 Layout as in ``kernels``: q (B, H, Sq, D), k/v (B, Hkv, Sk, D). Its own module so that

@@ -161,7 +161,7 @@ def flash_window(lag: int | None, num_q: int, num_k: int, causal: bool) -> dict[
     """flash-attn's window arguments for ``lag`` (Note [Sliding windows under CP]): its windows
     are aligned bottom-right, key j seen by query i iff i + Sk - Sq - left <= j <= i + Sk - Sq
     + right (csrc/flash_attn/src/mask.h), and a right of -1 becomes Sk (flash_api.cpp), which
-    hides no key only when Sq <= Sk + 1: ``_window_parts`` makes such calls; causal ones are square."""
+    hides no key only when Sq <= Sk + 1: ``windows.window_parts`` makes such calls; causal ones are square."""
     if lag is None:
         return dict(window_size_left=-1, window_size_right=-1)
     return dict(window_size_left=lag + num_k - num_q, window_size_right=0 if causal else -1)

@@ -34,33 +34,8 @@ Backends, chosen per call by :func:`select_backend`:
 A :class:`llama_cp.attention.workspace.ModelledBackend` (what the memory planner passes) runs a
 CUDA backend's CPU stand-in in place of the library call, through the same code around it.
 
-Note [Soft-capped attention]
-----------------------------
-
-Gemma 2 caps every score s = scale q.k at softcap * tanh(s / softcap) before
-the softmax (``attn_logit_softcapping``, 50). ``softcap`` > 0 in these functions
-computes exactly that, and returns the lse of the capped scores, so blocks merge
-and the backward takes the merged (out, lse) as without a cap; the backward
-multiplies P (dP - delta) by the cap's derivative 1 - tanh^2(s / softcap).
-flash_attn takes it as its ``softcap`` argument, forward and backward, plain and
-varlen: in csrc/flash_attn/flash_api.cpp (``set_params_fprop``, which the
-backward's ``set_params_dgrad`` calls too) a positive softcap only turns the
-scales into softmax_scale / softcap (inside the tanh) and softcap (outside), so
-the kernels allocate what they allocate without it, and the planner's stand-ins
-(``workspace.py``) compute the values with the CPU kernel below. On CPU,
-sdpa_cpu and math have no cap: the exact kernel of ``llama_cp/attention/dense.py``
-materialises the float32 scores of DENSE_ROWS queries at
-a time. torch's CUDA kernels (sdpa_flash, sdpa_efficient) have no cap and are
-refused in one line.
-
-``lag`` (a sliding window, Note [Sliding windows under CP] in ``llama_cp/attention/documents.py``)
-hides key j from query i, in the call's own indices, when i - j > lag. A windowed call
-becomes at most two kernel calls in which every row sees a key (``_window_parts``); rows
-that see nothing get out = 0, lse = -inf and no gradient. flash_attn takes the window as
-``window_size_left`` / ``window_size_right`` (``flash_window``), and so does torch's flash kernel,
-which also takes sdpa_cudnn's windowed calls (Note [Windows on torch's flash kernel] in
-kernel_calls.py); the CPU backends use the exact kernel of ``llama_cp/attention/dense.py``;
-sdpa_efficient is refused in one line.
+Soft-capped and windowed calls (``softcap`` > 0, ``lag``) are routed and cut into kernel calls by
+``llama_cp/attention/windows.py`` (Note [Soft-capped attention] there).
 
 The backends in ``VARLEN`` also compute many independent attention segments in one call
 (:func:`varlen_forward` / :func:`varlen_backward`, packed layout ``(total, H, D)``): packed
@@ -90,6 +65,7 @@ from llama_cp.attention.kernel_calls import (
     sdpa_flash_window_backward,
     sdpa_flash_window_forward,
 )
+from llama_cp.attention.windows import window_or_cap_backend, window_parts
 from llama_cp.attention.workspace import FLASH_ATTN, SDPA_OPS, ModelledBackend
 
 Backend = Literal["flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"]
@@ -209,7 +185,7 @@ def attention_forward(
     _check_shapes(q, k, v, causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     backend = resolve_backend(backend, q)
-    parts = _window_parts(q.shape[2], k.shape[2], causal, lag)
+    parts = window_parts(q.shape[2], k.shape[2], causal, lag)
     if parts is None:
         return _forward(q, k, v, causal, scale, backend, softcap, None)
     out = torch.zeros_like(q)
@@ -271,7 +247,7 @@ def attention_backward(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     backend = resolve_backend(backend, q)
     out = out.to(q.dtype)
-    parts = _window_parts(q.shape[2], k.shape[2], causal, lag)
+    parts = window_parts(q.shape[2], k.shape[2], causal, lag)
     if parts is None:
         return _backward(dout, q, k, v, out, lse, causal, scale, backend, softcap, None)
     acc = accumulation_dtype(q)
@@ -407,64 +383,6 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal blocks must be square; got Sq={q.shape[2]}, Sk={k.shape[2]}")
-
-
-# ---------------------------------------------------------------- soft caps and windows
-def _window_parts(num_q: int, num_k: int, causal: bool, lag: int | None) -> list[tuple[slice, slice, int | None]] | None:
-    """A call of ``num_q`` queries x ``num_k`` keys with window ``lag`` as kernel calls on
-    (query rows, keys, lag) in which every row sees a key; None when the window hides nothing.
-
-    A causal call is square: every row sees its own key, one call. A full call (keys before
-    the queries) is at most two: the rows that see every key (i <= lag), without a window;
-    the rows that see a suffix of the keys (i - lag < num_k), against the keys the first of
-    them sees, with lag 0 there (row i' sees keys j' >= i'), so no call has more queries than
-    keys, as flash-attn's windows need (Note [Sliding windows under CP]). The rows after see
-    nothing (out 0, lse -inf).
-    """
-    if lag is None or lag >= num_q - 1:  # query num_q - 1 sees key 0: nothing hidden
-        return None
-    if causal:
-        return [(slice(0, num_q), slice(0, num_k), lag)]
-    whole = min(num_q, max(0, lag + 1))  # rows 0 .. whole - 1 see every key
-    seeing = min(num_q, max(0, lag + num_k))  # rows whole .. seeing - 1 see keys j >= i - lag
-    parts = [(slice(0, whole), slice(0, num_k), None)] if whole else []
-    if seeing > whole:
-        parts.append((slice(whole, seeing), slice(whole - lag, num_k), 0))
-    return parts
-
-
-def window_or_cap_backend(backend: Backend, softcap: float) -> Backend:
-    """The backend that computes a soft-capped or windowed call in place of ``backend``:
-    flash_attn itself; for a window without a cap, sdpa_flash on CUDA (Note [Windows on torch's
-    flash kernel] in kernel_calls.py), in place of sdpa_cudnn too, whose op takes no window (both
-    run float16/bfloat16 on sm80+, sdpa_flash head sizes up to 256 against cuDNN's 128); the exact
-    CPU kernel (``llama_cp/attention/dense.py``) for sdpa_cpu and math; the rest (sdpa_efficient,
-    torch's flash kernel on ROCm, whose window rules are unchecked) is refused in one line."""
-    if backend == "flash_attn":
-        return backend
-    if backend in ("sdpa_cpu", "math"):
-        return "math"
-    if softcap:
-        raise ValueError(
-            f"attention soft-capping (Gemma 2's attn_logit_softcapping) needs --attention_backend flash_attn on CUDA "
-            f"(flash-attn >= 2.6), and {backend!r} has none: install flash-attn (pip install flash-attn "
-            "--no-build-isolation) or set attn_logit_softcapping to null in the model's config.json (a change of the "
-            "model)"
-        )
-    if isinstance(backend, ModelledBackend) and backend == "sdpa_flash":
-        return backend  # the planner's stand-in takes the window
-    if backend in ("sdpa_flash", "sdpa_cudnn"):
-        if torch.version.hip is not None:
-            raise ValueError(
-                f"sliding-window attention on ROCm needs --attention_backend flash_attn: torch's ROCm flash kernel "
-                f"reads a window by rules of its own, which llama-cp has not checked, so {backend!r} is not given one"
-            )
-        return "sdpa_flash"
-    raise ValueError(
-        f"sliding-window attention on CUDA needs float16/bfloat16 (--dtype bfloat16) on an sm80+ GPU, where "
-        f"sdpa_flash or flash_attn takes it; {str(backend)!r} (chosen for float32, or for a GPU older than sm80) takes "
-        "none"
-    )
 
 
 def merge_block(

@@ -178,7 +178,7 @@ def flash_attn_backward(
 
 def _check_plain(dropout_p, softcap, alibi_slopes, window_size_left=-1, window_size_right=-1) -> None:
     """Soft-capping changes only the kernels' scale parameters, not what they allocate (Note
-    [Soft-capped attention] in ``llama_cp/attention/kernels.py``): the stand-ins compute it. Windows of the
+    [Soft-capped attention] in ``llama_cp/attention/windows.py``): the stand-ins compute it. Windows of the
     plain kernels are modelled (:func:`_flash_bounds`), not those of the varlen ones."""
     if dropout_p or alibi_slopes is not None or (window_size_left, window_size_right) != (-1, -1):
         raise ValueError("the flash-attn stand-in models plain, soft-capped or (not varlen) windowed attention: "

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llama_cp.attention import dense, kernels
+from llama_cp.attention import dense, kernels, windows
 from probes import RecordedOps
 
 
@@ -380,7 +380,7 @@ def test_softcap_through_flash_attn_glue_and_its_refusals():
     for name in ("sdpa_flash", "sdpa_efficient"):
         with pytest.raises(ValueError, match=rf"soft-capping .* needs --attention_backend flash_attn .* {name!r} "
                                              r"has none: install flash-attn"):
-            kernels.window_or_cap_backend(name, softcap=2.0)
+            windows.window_or_cap_backend(name, softcap=2.0)
 
 
 def test_softcapped_document_pieces_in_tiles_are_exact():
@@ -475,7 +475,7 @@ def test_window_parts_give_flash_attn_calls_it_computes_exactly():
                         continue  # a causal call sees its diagonal: lag >= 0
                     i, j = torch.arange(num_q)[:, None], torch.arange(num_k)[None, :]
                     visible = (i - j <= lag) & ((j <= i) if causal else True)
-                    parts = kernels._window_parts(num_q, num_k, causal, lag)
+                    parts = windows.window_parts(num_q, num_k, causal, lag)
                     if parts is None:
                         assert bool(visible.eq((j <= i) if causal else True).all())
                         continue
@@ -499,21 +499,21 @@ def test_windowed_calls_on_torchs_cuda_kernels_take_sdpa_flash_or_are_refused(mo
     from llama_cp.attention.workspace import ModelledBackend
 
     modelled = ModelledBackend("sdpa_flash")
-    assert kernels.window_or_cap_backend(modelled, softcap=0.0) is modelled
+    assert windows.window_or_cap_backend(modelled, softcap=0.0) is modelled
     for backend in ("sdpa_flash", "sdpa_cudnn"):
-        assert kernels.window_or_cap_backend(backend, softcap=0.0) == "sdpa_flash"
+        assert windows.window_or_cap_backend(backend, softcap=0.0) == "sdpa_flash"
     for backend in ("sdpa_efficient", ModelledBackend("sdpa_efficient")):
         with pytest.raises(ValueError, match=r"^sliding-window attention on CUDA needs float16/bfloat16 \(--dtype "
                                              r"bfloat16\) on an sm80\+ GPU, where sdpa_flash or flash_attn takes it; "
                                              r"'sdpa_efficient' \(chosen for float32, or for a GPU older than sm80\) "
                                              r"takes none$"):
-            kernels.window_or_cap_backend(backend, softcap=0.0)
+            windows.window_or_cap_backend(backend, softcap=0.0)
     monkeypatch.setattr(torch.version, "hip", "6.4")
-    assert kernels.window_or_cap_backend(modelled, softcap=0.0) is modelled  # the planner plans, whatever runs the run
+    assert windows.window_or_cap_backend(modelled, softcap=0.0) is modelled  # the planner plans, whatever runs the run
     for backend in ("sdpa_flash", "sdpa_cudnn"):
         with pytest.raises(ValueError, match=rf"^sliding-window attention on ROCm needs --attention_backend flash_attn"
                                              rf": .* so {backend!r} is not given one$"):
-            kernels.window_or_cap_backend(backend, softcap=0.0)
+            windows.window_or_cap_backend(backend, softcap=0.0)
 
 
 @pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_cudnn"])
