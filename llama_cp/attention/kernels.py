@@ -65,7 +65,7 @@ from llama_cp.attention.kernel_calls import (
     sdpa_flash_window_backward,
     sdpa_flash_window_forward,
 )
-from llama_cp.attention.windows import window_or_cap_backend, window_parts
+from llama_cp.attention.windows import NO_WINDOW, window_or_cap_backend, window_parts
 from llama_cp.attention.workspace import FLASH_ATTN, SDPA_OPS, ModelledBackend
 
 Backend = Literal["flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu", "math"]
@@ -295,27 +295,29 @@ def has_varlen(backend: Backend) -> bool:
 def varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, *, causal: bool, scale: float, backend: Backend, softcap: float = 0.0,
+    window: tuple[int, int] = NO_WINDOW,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of n independent segments in one call of a ``VARLEN`` backend.
 
     q: (Tq, H, D), k/v: (Tk, Hkv, D), contiguous; segment i is queries ``cu_seqlens_q[i] :
     cu_seqlens_q[i + 1]`` x keys ``cu_seqlens_k[i] : cu_seqlens_k[i + 1]`` (int32, (n + 1,),
-    on q's device), causal segments square. Returns out (Tq, H, D) in q's dtype and lse
-    (H, Tq) in the accumulation dtype (Note [Varlen document calls]).
+    on q's device), causal segments square. ``window``: flash's (window_size_left, window_size_right)
+    of every segment, aligned to its bottom-right corner (``windows.flash_segments``). Returns out
+    (Tq, H, D) in q's dtype and lse (H, Tq) in the accumulation dtype (Note [Varlen document calls]).
     """
-    if softcap and backend != "flash_attn":
-        raise ValueError(f"attention backend {backend!r} has no soft-capping (Note [Soft-capped attention])")
+    _check_varlen(backend, softcap, window)
     if backend == "sdpa_flash":
         ops = _sdpa_ops(backend)
         out, lse, *_ = ops._flash_attention_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False, scale=scale,
+            **_sdpa_window(window),
         )
     elif backend == "flash_attn":
         result = call_by_keyword(
             _flash_attn_module(backend)._flash_attn_varlen_forward, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0,
-            softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1, softcap=softcap,
-            alibi_slopes=None, return_softmax=False,
+            softmax_scale=scale, causal=causal, window_size_left=window[0], window_size_right=window[1],
+            softcap=softcap, alibi_slopes=None, return_softmax=False,
         )
         out, lse = (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
     else:
@@ -326,19 +328,18 @@ def varlen_forward(
 def varlen_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
-    causal: bool, scale: float, backend: Backend, softcap: float = 0.0,
+    causal: bool, scale: float, backend: Backend, softcap: float = 0.0, window: tuple[int, int] = NO_WINDOW,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq (Tq, H, D), dk, dv (Tk, Hkv, D)) of :func:`varlen_forward`'s segments, given
     each query row's final ``out`` (Tq, H, D) and ``lse`` (H, Tq), as :func:`attention_backward`."""
     dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
     lse = lse.to(accumulation_dtype(q)).contiguous()
-    if softcap and backend != "flash_attn":
-        raise ValueError(f"attention backend {backend!r} has no soft-capping (Note [Soft-capped attention])")
+    _check_varlen(backend, softcap, window)
     if backend == "sdpa_flash":
         zero = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed/offset: unread without dropout
         return _sdpa_ops(backend)._flash_attention_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal,
-            zero, zero, scale=scale,
+            zero, zero, scale=scale, **_sdpa_window(window),
         )
     if backend == "flash_attn":
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -346,11 +347,28 @@ def varlen_backward(
             _flash_attn_module(backend)._flash_attn_varlen_backward, dout=dout, q=q, k=k, v=v, out=out,
             softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
-            causal=causal, window_size_left=-1, window_size_right=-1, softcap=softcap, alibi_slopes=None,
-            deterministic=False, rng_state=None,
+            causal=causal, window_size_left=window[0], window_size_right=window[1], softcap=softcap,
+            alibi_slopes=None, deterministic=False, rng_state=None,
         )
         return dq, dk, dv
     raise ValueError(f"attention backend {backend!r} has no varlen kernel; varlen backends: {VARLEN}")
+
+
+def _check_varlen(backend: Backend, softcap: float, window: tuple[int, int]) -> None:
+    """Refuse a soft-cap that ``backend``'s varlen kernel has not, and a window where the per-piece
+    path refuses one (``windows.window_or_cap_backend``: torch's flash kernel on ROCm)."""
+    if softcap and backend != "flash_attn":
+        raise ValueError(f"attention backend {backend!r} has no soft-capping (Note [Soft-capped attention])")
+    if window != NO_WINDOW:
+        window_or_cap_backend(backend, softcap)
+
+
+def _sdpa_window(window: tuple[int, int]) -> dict[str, int]:
+    """torch's op's window keywords: none for no window, so that such a call is the one torch's
+    SDPA makes (Note [Windows on torch's flash kernel] in kernel_calls.py)."""
+    if window == NO_WINDOW:
+        return {}
+    return dict(window_size_left=window[0], window_size_right=window[1])
 
 
 def resolve_backend(backend: Backend | None, q: torch.Tensor) -> Backend:

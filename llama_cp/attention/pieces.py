@@ -89,6 +89,7 @@ from llama_cp.attention import kernels
 from llama_cp.attention.documents import Piece, planned_tiles
 from llama_cp.attention.kernels import Backend
 from llama_cp.attention.sinks import add_sinks, sink_gradient
+from llama_cp.attention.windows import NO_WINDOW, flash_segments
 
 
 def pieces_forward(
@@ -188,11 +189,45 @@ def pieces_backward(
 
 # ---------------------------------------------------------------- varlen calls
 # Note [Varlen document calls]: the pieces of a block as a few calls of a varlen kernel.
-def varlen_calls(block: list[Piece], block_size: int) -> list[list[list[Piece]]]:
+class Segment(NamedTuple):
+    """One segment of a varlen call: queries ``q`` x keys ``k`` (local slices, inside ``piece``'s:
+    a windowed piece is cut into :func:`windows.flash_segments`) of ``piece``'s batch row, with
+    flash's ``window`` (left, right), ``windows.NO_WINDOW`` for none."""
+
+    piece: Piece
+    q: slice
+    k: slice
+    window: tuple[int, int]
+
+    @property
+    def causal(self) -> bool:
+        return self.piece.causal
+
+
+def segments(piece: Piece) -> list[Segment]:
+    """``piece`` as the segments of varlen calls: itself, or the parts its window cuts it into."""
+    n_q, n_k = piece.q.stop - piece.q.start, piece.k.stop - piece.k.start
+    return [Segment(piece, slice(piece.q.start + rows.start, piece.q.start + rows.stop),
+                    slice(piece.k.start + keys.start, piece.k.start + keys.stop), window)
+            for rows, keys, window in flash_segments(n_q, n_k, piece.causal, _call_lag(piece))]
+
+
+def _call_key(segment: Segment, causal_windows: set[tuple[int, int]]) -> tuple[bool, tuple[int, int]]:
+    """Which call a segment can join: one kind (causal or full) and one window a call. A causal square
+    without a window joins the causal squares of the window that hides nothing in it, when its
+    window has one (left >= its length - 1): a model's windowed layer, documents shorter than it."""
+    if segment.causal and segment.window == NO_WINDOW and len(causal_windows) == 1:
+        (window,) = causal_windows
+        if window[0] >= segment.q.stop - segment.q.start - 1:
+            return True, window
+    return segment.causal, segment.window
+
+
+def varlen_calls(block: list[Piece], block_size: int) -> list[list[list[Segment]]]:
     """``block`` (pieces of one query slice consecutive) as windows of whole query slices, each
-    a list of varlen calls (causal calls, then full ones), each a list of pieces; a window's
-    query rows, and a call's query and key rows, at most ``block_size`` (0: no bound) unless
-    one query slice or piece alone is longer."""
+    a list of varlen calls (causal calls, then full ones; one flash window a call), each a list of
+    segments; a window's query rows, and a call's query and key rows, at most ``block_size``
+    (0: no bound) unless one query slice or segment alone is longer."""
     budget = block_size or float("inf")
     windows, window, rows = [], [], 0
     for _, group in itertools.groupby(block, key=lambda p: p.queries):
@@ -207,15 +242,20 @@ def varlen_calls(block: list[Piece], block_size: int) -> list[list[list[Piece]]]
         windows.append(window)
     result = []
     for window in windows:
+        cut = [segment for piece in window for segment in segments(piece)]
+        causal_windows = {s.window for s in cut if s.causal and s.window != NO_WINDOW}
+        kinds: dict[tuple[bool, tuple[int, int]], list[Segment]] = {}
+        for segment in cut:
+            kinds.setdefault(_call_key(segment, causal_windows), []).append(segment)
         calls = []
-        for causal in (True, False):
+        for key in sorted(kinds, key=lambda key: (not key[0], key[1])):  # causal calls first
             call, total_q, total_k = [], 0, 0
-            for piece in (p for p in window if p.causal == causal):
-                n_q, n_k = piece.q.stop - piece.q.start, piece.k.stop - piece.k.start
+            for segment in kinds[key]:
+                n_q, n_k = segment.q.stop - segment.q.start, segment.k.stop - segment.k.start
                 if call and (total_q + n_q > budget or total_k + n_k > budget):
                     calls.append(call)
                     call, total_q, total_k = [], 0, 0
-                call.append(piece)
+                call.append(segment if segment.window == key[1] else segment._replace(window=key[1]))
                 total_q, total_k = total_q + n_q, total_k + n_k
             if call:
                 calls.append(call)
@@ -227,6 +267,7 @@ class _VarlenCall(NamedTuple):
     """One varlen kernel call: where its packed rows come from and where its results go."""
 
     causal: bool
+    window: tuple[int, int]  # flash's (window_size_left, window_size_right); windows.NO_WINDOW for none
     q_rows: tuple[torch.Tensor, torch.Tensor]  # (Tq,) batch row and local query of each packed query row
     k_rows: tuple[torch.Tensor, torch.Tensor]  # (Tk,) likewise for the packed keys
     slots: torch.Tensor  # (Tq,) the window accumulator's row of each packed query row
@@ -242,15 +283,16 @@ class _VarlenWindow(NamedTuple):
     calls: list[_VarlenCall]
 
 
-def varlen_windows(block: list[Piece]) -> list[list[list[Piece]]] | None:
+def varlen_windows(block: list[Piece]) -> list[list[list[Segment]]] | None:
     """:func:`varlen_calls` of ``block`` (bounded by the block size :func:`tiles` cut it to), or
     None where a varlen backend still makes one call per piece: pieces of every batch row (a block
-    without documents, whose tiles fill their calls already), windowed pieces, or no fewer calls
-    than pieces."""
-    if any(p.row is None or p.lag is not None for p in block):  # windows: Note [Sliding windows under CP]
+    without documents, whose tiles fill their calls already), or no fewer calls than the per-piece
+    path makes (a windowed piece is one call per part there: ``windows.window_parts``)."""
+    if any(p.row is None for p in block):
         return None
     windows = varlen_calls(block, getattr(block, "block_size", 0))
-    return windows if sum(len(calls) for calls in windows) < len(block) else None
+    per_piece = sum(len(segments(p)) for p in block)
+    return windows if sum(len(calls) for calls in windows) < per_piece else None
 
 
 def _varlen_plan(block: list[Piece], q: torch.Tensor, backend: Backend | None) -> list[_VarlenWindow] | None:
@@ -260,7 +302,7 @@ def _varlen_plan(block: list[Piece], q: torch.Tensor, backend: Backend | None) -
     return _indexed(varlen_windows(block) if kernels.has_varlen(backend) else None, q)
 
 
-def _indexed(windows: list[list[list[Piece]]] | None, q: torch.Tensor) -> list[_VarlenWindow] | None:
+def _indexed(windows: list[list[list[Segment]]] | None, q: torch.Tensor) -> list[_VarlenWindow] | None:
     """:func:`varlen_windows`' calls as index tensors on q's device; None for None (per-piece calls)."""
     if windows is None:
         return None
@@ -268,15 +310,17 @@ def _indexed(windows: list[list[list[Piece]]] | None, q: torch.Tensor) -> list[_
     def index(values: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(values).to(q.device)
 
-    def rows_of(pieces: list[Piece], part: str) -> tuple[torch.Tensor, torch.Tensor]:
-        ranges = [getattr(p, part) for p in pieces]
-        return (index([torch.full((r.stop - r.start,), p.row) for p, r in zip(pieces, ranges)]),
+    def rows_of(parts: list[Segment | Piece], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+        ranges = [getattr(p, side) for p in parts]
+        rows = [p.piece.row if isinstance(p, Segment) else p.row for p in parts]
+        return (index([torch.full((r.stop - r.start,), row) for row, r in zip(rows, ranges)]),
                 index([torch.arange(r.start, r.stop) for r in ranges]))
 
     plan = []
     for calls in windows:
         first_slot, groups, rows = {}, [], 0  # each query slice of the window: its first accumulator row
-        for piece in itertools.chain.from_iterable(calls):
+        for segment in itertools.chain.from_iterable(calls):
+            piece = segment.piece
             if piece.queries not in first_slot:
                 first_slot[piece.queries] = rows
                 groups.append(piece)
@@ -284,17 +328,18 @@ def _indexed(windows: list[list[list[Piece]]] | None, q: torch.Tensor) -> list[_
         made = []
         for call in calls:
             slots, rounds, seen, packed = [], {}, {}, 0
-            for piece in call:
-                n_q = piece.q.stop - piece.q.start
-                piece_slots = torch.arange(first_slot[piece.queries], first_slot[piece.queries] + n_q)
-                slots.append(piece_slots)
-                turn = seen[piece.queries] = seen.get(piece.queries, -1) + 1  # a query slice's n-th piece here
-                rounds.setdefault(turn, []).append((torch.arange(packed, packed + n_q), piece_slots))
+            for segment in call:
+                piece, n_q = segment.piece, segment.q.stop - segment.q.start
+                first = first_slot[piece.queries] + segment.q.start - piece.q.start
+                segment_slots = torch.arange(first, first + n_q)
+                slots.append(segment_slots)
+                turn = seen[piece.queries] = seen.get(piece.queries, -1) + 1  # a query slice's n-th segment here
+                rounds.setdefault(turn, []).append((torch.arange(packed, packed + n_q), segment_slots))
                 packed += n_q
-            lengths_q = [p.q.stop - p.q.start for p in call]
-            lengths_k = [p.k.stop - p.k.start for p in call]
+            lengths_q = [s.q.stop - s.q.start for s in call]
+            lengths_k = [s.k.stop - s.k.start for s in call]
             made.append(_VarlenCall(
-                call[0].causal, rows_of(call, "q"), rows_of(call, "k"), index(slots),
+                call[0].causal, call[0].window, rows_of(call, "q"), rows_of(call, "k"), index(slots),
                 [(index([r for r, _ in parts]), index([s for _, s in parts])) for parts in rounds.values()],
                 _cumulative(lengths_q, q.device), _cumulative(lengths_k, q.device), max(lengths_q), max(lengths_k),
             ))
@@ -327,7 +372,7 @@ def _varlen_forward(q, k, v, plan: list[_VarlenWindow], scale, backend, out, lse
             call_out, call_lse = kernels.varlen_forward(
                 q_[call.q_rows], k_[call.k_rows], v_[call.k_rows], call.cu_seqlens_q, call.cu_seqlens_k,
                 call.max_seqlen_q, call.max_seqlen_k, causal=call.causal, scale=scale, backend=backend,
-                softcap=softcap,
+                softcap=softcap, window=call.window,
             )
             call_lse = call_lse.t()  # (Tq, H)
             for packed, slots in call.rounds:
@@ -353,6 +398,7 @@ def _varlen_backward(dout, q, k, v, out, lse, plan: list[_VarlenWindow], scale, 
                 dout_[call.q_rows], q_[call.q_rows], k_[call.k_rows], v_[call.k_rows], out_[call.q_rows],
                 lse_[call.q_rows].t(), call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
                 call.max_seqlen_k, causal=call.causal, scale=scale, backend=backend, softcap=softcap,
+                window=call.window,
             )
             if result is not None:
                 window_dq.index_add_(0, call.slots, call_dq.to(acc))

@@ -85,10 +85,13 @@ def as_batch(x: torch.Tensor) -> torch.Tensor:
     return x.unsqueeze(0).transpose(1, 2)
 
 
-def varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out, lse, softcap=0.0) -> None:
-    """out (Tq, H, D) and lse (H, Tq) of every segment of a varlen call, one segment at a time."""
+def varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out, lse, softcap=0.0,
+                        window_of=None) -> None:
+    """out (Tq, H, D) and lse (H, Tq) of every segment of a varlen call, one segment at a time;
+    ``window_of(seqlen_q, seqlen_k)``: a segment's window ((lag, lead) or None), for a windowed call."""
     if is_fake(q):
         return
     for qs, ks in segments(cu_seqlens_q, cu_seqlens_k, causal):
+        window = window_of(qs.stop - qs.start, ks.stop - ks.start) if window_of else None
         fill_forward(as_batch(q[qs]), as_batch(k[ks]), as_batch(v[ks]), causal, scale, as_batch(out[qs]),
-                     lse[:, qs].unsqueeze(0), softcap)
+                     lse[:, qs].unsqueeze(0), softcap, window)

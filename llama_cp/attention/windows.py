@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from llama_cp.attention.kernel_calls import flash_window
 from llama_cp.attention.workspace import ModelledBackend
 
 
@@ -94,3 +95,21 @@ def window_or_cap_backend(backend: str, softcap: float) -> str:
         f"sdpa_flash or flash_attn takes it; {str(backend)!r} (chosen for float32, or for a GPU older than sm80) takes "
         "none"
     )
+
+
+#: The flash window of a call without one: flash-attn's (window_size_left, window_size_right).
+NO_WINDOW = (-1, -1)
+
+
+def flash_segments(num_q: int, num_k: int, causal: bool, lag: int | None) -> list[tuple[slice, slice, tuple[int, int]]]:
+    """:func:`window_parts` of a call as (query rows, keys, flash window (left, right)): what a varlen call
+    takes for each part (Note [Varlen document calls] in ``llama_cp/attention/pieces.py``); the whole
+    call with :data:`NO_WINDOW` when the window hides nothing."""
+    parts = window_parts(num_q, num_k, causal, lag)
+    if parts is None:
+        return [(slice(0, num_q), slice(0, num_k), NO_WINDOW)]
+    result = []
+    for rows, keys, part_lag in parts:
+        sides = flash_window(part_lag, rows.stop - rows.start, keys.stop - keys.start, causal)
+        result.append((rows, keys, (sides["window_size_left"], sides["window_size_right"])))
+    return result

@@ -5,8 +5,8 @@ run. A :class:`ModelledBackend` passed as ``backend`` to :mod:`llama_cp.attentio
 attention call of a model run the stand-in of that CUDA backend instead: a function with the
 signature of the library call ``kernel_calls`` makes (flash-attn's ``_flash_attn_forward`` /
 ``_flash_attn_backward`` and their varlen forms, torch's
-``_scaled_dot_product_{flash,efficient}_attention``, ``_flash_attention_forward`` (varlen, and
-windowed without cum_seq) and their backward ops) that allocates the tensors the CUDA code
+``_scaled_dot_product_{flash,efficient}_attention``, ``_flash_attention_forward`` (dense and varlen,
+with or without a window) and their backward ops) that allocates the tensors the CUDA code
 allocates, with their shapes, dtypes and layouts, and computes the values with torch's CPU
 attention kernel, so it is exact on real CPU tensors as well (tests compare it with the math
 backend).
@@ -176,41 +176,54 @@ def flash_attn_backward(
     return _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, causal, softmax_scale, softcap, window)
 
 
-def _check_plain(dropout_p, softcap, alibi_slopes, window_size_left=-1, window_size_right=-1) -> None:
+def _check_plain(dropout_p, softcap, alibi_slopes) -> None:
     """Soft-capping changes only the kernels' scale parameters, not what they allocate (Note
-    [Soft-capped attention] in ``llama_cp/attention/windows.py``): the stand-ins compute it. Windows of the
-    plain kernels are modelled (:func:`_flash_bounds`), not those of the varlen ones."""
-    if dropout_p or alibi_slopes is not None or (window_size_left, window_size_right) != (-1, -1):
-        raise ValueError("the flash-attn stand-in models plain, soft-capped or (not varlen) windowed attention: "
-                         "no dropout, varlen window or ALiBi")
+    [Soft-capped attention] in ``llama_cp/attention/windows.py``): the stand-ins compute it, and
+    windows (:func:`_flash_bounds`, :func:`_varlen_bounds`)."""
+    if dropout_p or alibi_slopes is not None:
+        raise ValueError("the flash-attn stand-in models plain, soft-capped or windowed attention: no dropout or "
+                         "ALiBi")
 
 
-def _flash_bounds(causal: bool, left: int | None, right: int | None, seqlen_q: int, seqlen_k: int
-                  ) -> tuple[int, int] | None:
+def _flash_bounds(causal: bool, left: int | None, right: int | None, seqlen_q: int, seqlen_k: int,
+                  limit: int | None = None) -> tuple[int, int] | None:
     """flash-attn's window of a plain call as (lag, lead) of ``llama_cp/attention/dense.py`` (key j hidden
     from query i when i - j > lag or j - i > lead), or None for no window, as flash-attn 2.8.3
     reads its arguments: mha_fwd / mha_bwd in csrc/flash_attn/flash_api.cpp (a side >= seqlen_k
     becomes -1; causal sets right to 0), set_params_fprop (one side -1 and the other not: it
     becomes seqlen_k) and the mask of csrc/flash_attn/src/mask.h (bottom-right aligned: seen iff
     i + Sk - Sq - left <= j <= i + Sk - Sq + right). The same in 2.6.3 and 2.7.4, and in torch's copy,
-    whose ops take None for -1."""
-    left, right = (-1 if side is None or side >= seqlen_k else side for side in (left, right))
+    whose ops take None for -1. ``limit``: what a side is compared with and a -1 becomes, seqlen_k,
+    or max_seqlen_k for a segment of a varlen call (:func:`_varlen_bounds`)."""
+    limit = seqlen_k if limit is None else limit
+    left, right = (-1 if side is None or side >= limit else side for side in (left, right))
     if causal:
         right = 0
     if left < 0 and right < 0:
         return None
-    left, right = (seqlen_k if left < 0 else left), (seqlen_k if right < 0 else right)
+    left, right = (limit if left < 0 else left), (limit if right < 0 else right)
     return left + seqlen_q - seqlen_k, seqlen_k - seqlen_q + right
+
+
+def _varlen_bounds(causal: bool, left: int | None, right: int | None, max_seqlen_k: int):
+    """The window of each segment of a varlen call, as ``window_of(seqlen_q, seqlen_k)`` of
+    :func:`stand_in_values.varlen_fill_forward`, or None for a call without one: mha_varlen_fwd /
+    mha_varlen_bwd compare the sides with max_seqlen_k and set_params_fprop turns a -1 into it, and the
+    mask aligns each segment's window to the segment's own bottom-right corner (its actual lengths)."""
+    if {left, right} <= {None, -1}:
+        return None
+    return lambda seqlen_q, seqlen_k: _flash_bounds(causal, left, right, seqlen_q, seqlen_k, max_seqlen_k)
 
 
 # ---------------------------------------------------------------- varlen (flash-attn 2.x and torch's copy)
 # Packed layout: q (Tq, H, D), k/v (Tk, Hkv, D); segment i is rows cu_seqlens_q[i] : cu_seqlens_q[i + 1]
 # of q against rows cu_seqlens_k[i] : cu_seqlens_k[i + 1] of k/v; lse (H, Tq). Note [Varlen document calls].
 def _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, causal, scale,
-                    softcap=0.0):
+                    softcap=0.0, window_of=None):
     """``mha_varlen_bwd`` of flash-attn 2.x (and torch's copy) on packed contiguous tensors,
     writing dq, dk, dv; returns ``softmax_d``. Its workspace: every segment's dQ accumulates in
-    float32 with 128 spare rows after it, so that a segment's last 128-row tile may spill."""
+    float32 with 128 spare rows after it, so that a segment's last 128-row tile may spill (a window
+    changes none of it). ``window_of``: as :func:`stand_in_values.varlen_fill_forward`'s."""
     total_q, heads, head_size = q.shape
     total_k, heads_k = k.shape[:2]
     count = cu_seqlens_q.shape[0] - 1
@@ -218,7 +231,8 @@ def _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, c
         for qs, ks in segments(cu_seqlens_q, cu_seqlens_k, causal):
             fill_backward(as_batch(dout[qs]), as_batch(q[qs]), as_batch(k[ks]), as_batch(v[ks]),
                           as_batch(out[qs]), softmax_lse[:, qs].unsqueeze(0), causal, scale, as_batch(dq[qs]),
-                          as_batch(dk[ks]), as_batch(dv[ks]), softcap)
+                          as_batch(dk[ks]), as_batch(dv[ks]), softcap,
+                          window_of(qs.stop - qs.start, ks.stop - ks.start) if window_of else None)
     head_size_rounded = _round_up(head_size, 32 if head_size <= 128 else 64)
     f32 = dict(dtype=torch.float32, device=q.device)
     softmax_d = torch.empty((heads, total_q + 128 * count), **f32)
@@ -244,13 +258,14 @@ def flash_attn_varlen_forward(
 ):
     """flash-attn 2.8's ``_flash_attn_varlen_forward`` (mha_varlen_fwd): ``(out, softmax_lse (H, Tq),
     S_dmask, rng_state)``."""
-    _check_plain(dropout_p, softcap, alibi_slopes, window_size_left, window_size_right)
+    _check_plain(dropout_p, softcap, alibi_slopes)
     if block_table is not None or leftpad_k is not None or seqused_k is not None or return_softmax:
         raise ValueError("the flash-attn varlen stand-in models packed q/k/v: no paged KV, padding or softmax")
     out = torch.empty_like(q)
     softmax_lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q), device=q.device)
     p = torch.empty(0, dtype=q.dtype, device=q.device)
-    varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, out, softmax_lse, softcap)
+    varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, out, softmax_lse, softcap,
+                        _varlen_bounds(causal, window_size_left, window_size_right, max_seqlen_k))
     rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
     return out, softmax_lse, p, rng_state
 
@@ -261,12 +276,13 @@ def flash_attn_varlen_backward(
     rng_state=None, zero_tensors=False,
 ):
     """flash-attn 2.8's ``_flash_attn_varlen_backward``: writes dq, dk, dv; returns ``softmax_d``."""
-    _check_plain(dropout_p, softcap, alibi_slopes, window_size_left, window_size_right)
+    _check_plain(dropout_p, softcap, alibi_slopes)
     if deterministic:
         raise ValueError("the flash-attn stand-in models the default non-deterministic backward only")
     dout, q, k, v, out = (x if x.stride(-1) == 1 else x.contiguous() for x in (dout, q, k, v, out))
     return _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, causal,
-                           softmax_scale, softcap)
+                           softmax_scale, softcap, _varlen_bounds(causal, window_size_left, window_size_right,
+                                                                  max_seqlen_k))
 
 
 #: Stands in for ``flash_attn.flash_attn_interface`` in ``kernel_calls.flash_attn_forward/backward``
@@ -367,21 +383,21 @@ def flash_attention_forward(
     num_splits=None,
 ):
     """``aten._flash_attention_forward`` on CUDA: torch's ``mha_varlen_fwd`` with ``cum_seq_q``/``cum_seq_k``
-    (lse (H, Tq)), its ``mha_fwd`` on (B, S, H, D) tensors without (lse (B, H, Sq); a window read as mha_fwd
-    does, :func:`_flash_bounds`): ``(output, logsumexp, rng_state, unused, debug_attn_mask)``, the shapes
-    and dtypes of the op's meta registration (torch/_meta_registrations.py)."""
-    windowed = {window_size_left, window_size_right} - {None, -1}
+    (lse (H, Tq)), its ``mha_fwd`` on (B, S, H, D) tensors without (lse (B, H, Sq)); a window read as each
+    does (:func:`_flash_bounds`, :func:`_varlen_bounds`): ``(output, logsumexp, rng_state, unused,
+    debug_attn_mask)``, the shapes and dtypes of the op's meta registration (torch/_meta_registrations.py)."""
     if dropout_p or return_debug_mask or seqused_k is not None or alibi_slopes is not None or block_table is not None \
-            or (cum_seq_q is not None and windowed) or (cum_seq_q is None) != (cum_seq_k is None):
-        raise ValueError("the _flash_attention_forward stand-in models plain attention, windowed only without "
-                         "cum_seq: no dropout, ALiBi, paged KV, debug mask or varlen window")
+            or (cum_seq_q is None) != (cum_seq_k is None):
+        raise ValueError("the _flash_attention_forward stand-in models plain or windowed attention: no dropout, "
+                         "ALiBi, paged KV or debug mask")
     if cum_seq_q is None:
         window = _flash_bounds(is_causal, window_size_left, window_size_right, query.shape[1], key.shape[1])
         output, logsumexp = _mha_fwd(query, key, value, is_causal, scale, window=window, lse_dtype=_lse_dtype(query))
     else:
         output = torch.empty_like(query)
         logsumexp = torch.empty((query.shape[1], query.shape[0]), dtype=_lse_dtype(query), device=query.device)
-        varlen_fill_forward(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale, output, logsumexp)
+        varlen_fill_forward(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale, output, logsumexp,
+                            window_of=_varlen_bounds(is_causal, window_size_left, window_size_right, max_k))
     rng_state = torch.empty(2, dtype=torch.uint64, device=query.device)
     unused = torch.empty((), dtype=torch.uint64, device=query.device)
     debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
@@ -393,11 +409,10 @@ def flash_attention_backward(
     rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None,
 ):
     """``aten._flash_attention_backward`` on CUDA: torch's ``mha_varlen_bwd`` with
-    ``cum_seq_q``/``cum_seq_k``, its ``mha_bwd`` (a window as mha_bwd reads it) without; dout and out
+    ``cum_seq_q``/``cum_seq_k``, its ``mha_bwd`` without (a window as each reads it); dout and out
     made contiguous first, dq, dk, dv allocated like query, key, value, and flash-attn's workspace."""
-    if dropout_p or (cum_seq_q is not None and {window_size_left, window_size_right} - {None, -1}):
-        raise ValueError("the _flash_attention_backward stand-in models plain attention, windowed only without "
-                         "cum_seq: no dropout or varlen window")
+    if dropout_p:
+        raise ValueError("the _flash_attention_backward stand-in models plain or windowed attention: no dropout")
     grad_out, out = grad_out.contiguous(), out.contiguous()
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     if cum_seq_q is None:
@@ -406,7 +421,8 @@ def flash_attention_backward(
                                                   key.shape[1]))
     else:
         softmax_d = _mha_varlen_bwd(grad_out, query, key, value, out, logsumexp, dq, dk, dv, cum_seq_q, cum_seq_k,
-                                    is_causal, scale)
+                                    is_causal, scale, window_of=_varlen_bounds(is_causal, window_size_left,
+                                                                               window_size_right, max_k))
     del softmax_d
     return dq, dk, dv
 

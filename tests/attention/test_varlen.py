@@ -154,14 +154,17 @@ def test_ring_step_blocks_varlen_equals_per_piece(backend, cp, block_size, dtype
 
 def test_varlen_calls_are_bounded_and_cover_the_block():
     """Windows of whole query slices, calls of one kind, at most block_size query and key rows
-    (unless one piece alone is longer), every piece exactly once."""
+    (unless one piece alone is longer), every piece exactly once (unwindowed pieces: a segment each)."""
     block = tiles(_layout(0, 2).ring_pieces(0), 0)  # ring step 0 of rank 0: causal and full pieces
     for block_size in (0, 5, 12, 40):
         windows = varlen_calls(block, block_size)
-        assert sorted(p for calls in windows for call in calls for p in call) == sorted(block)
+        segments = [s for calls in windows for call in calls for s in call]
+        assert all((s.q, s.k, s.window) == (s.piece.q, s.piece.k, (-1, -1)) for s in segments)
+        assert sorted(s.piece for s in segments) == sorted(block)
         for calls in windows:
-            queries = {p.queries for call in calls for p in call}
-            assert sorted(p for call in calls for p in call) == sorted(p for p in block if p.queries in queries)
+            queries = {s.piece.queries for call in calls for s in call}
+            assert sorted(s.piece for call in calls for s in call) == sorted(
+                p for p in block if p.queries in queries)
             if block_size and len(queries) > 1:
                 assert sum(stop - start for _, start, stop in queries) <= block_size
             for call in calls:
@@ -203,7 +206,7 @@ def test_sdpa_flash_varlen_glue_against_the_real_schema():
         assert (call.max_seqlen_q, call.max_seqlen_k) == (max(lengths_q), max(lengths_k))
         assert {p.causal for p in call_pieces} == {call.causal}
         # the packed rows are the pieces' rows of q and k, in order
-        want_q = torch.cat([_qkv(SEQ_LEN, torch.bfloat16)[0][p.row, :, p.q].transpose(0, 1) for p in call_pieces])
+        want_q = torch.cat([_qkv(SEQ_LEN, torch.bfloat16)[0][p.piece.row, :, p.q].transpose(0, 1) for p in call_pieces])
         assert torch.equal(q, want_q)
         meta = [t.to("meta") for t in (q, k, v, call.cu_seqlens_q, call.cu_seqlens_k)]
         assert all(t.is_contiguous() for t in meta[:3])
