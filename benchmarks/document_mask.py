@@ -55,7 +55,7 @@ from transformers import LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
 from llama_cp.attention.documents import DocumentLayout, tiles
-from llama_cp.attention.pieces import varlen_windows
+from llama_cp.attention.pieces import segments, varlen_windows
 from llama_cp.modules.causal_lm import embedded_llama_config
 from llama_cp.parallel.mesh import end_distributed, free_port
 from llama_cp.parallel.sharding import document_starts, visible_pairs_per_token
@@ -141,10 +141,11 @@ def balance(seq_lens: str | int | tuple = "32768,131072", cps: str | int | tuple
 
 
 def calls(mix: str = "chat", seq_len: int = 131072, cps: str | int | tuple = "1,2,4,8", rows: int = 8,
-          block_sizes: str | int | tuple = "16384,0") -> None:
-    """Print kernel calls per layer pass (forward + backward), per piece vs varlen (markdown)."""
-    print("| mix | seq_len | cp | block size | docs per row | calls per piece | varlen calls | fewer |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          block_sizes: str | int | tuple = "16384,0", window: int | None = None) -> None:
+    """Print kernel calls per layer pass (forward + backward), per piece vs varlen (markdown);
+    ``window``: a sliding window of that many tokens (a windowed piece is a call per part)."""
+    print("| mix | seq_len | window | cp | block size | docs per row | calls per piece | varlen calls | fewer |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     starts = document_starts(packed_positions(mix, seq_len, rows))
     docs = float((starts == torch.arange(seq_len)).sum(1).float().mean())
     for cp in _ints(cps):
@@ -153,13 +154,14 @@ def calls(mix: str = "chat", seq_len: int = 131072, cps: str | int | tuple = "1,
             for row, rank in itertools.product(range(rows), range(cp)):
                 layout = DocumentLayout(starts[row : row + 1], cp_rank=rank, cp_size=cp)
                 for source in range(cp):  # the ring's steps: every rank's K/V block once
-                    block = tiles(layout.ring_pieces(source), block_size)
+                    block = tiles(layout.ring_pieces(source, window), block_size)
                     windows = varlen_windows(block)
-                    per_piece[row, rank] += 2 * len(block)  # forward and backward
-                    varlen[row, rank] += 2 * (len(block) if windows is None else sum(map(len, windows)))
+                    calls_per_piece = sum(len(segments(p)) for p in block)
+                    per_piece[row, rank] += 2 * calls_per_piece  # forward and backward
+                    varlen[row, rank] += 2 * (calls_per_piece if windows is None else sum(map(len, windows)))
             before, after = (float(counts.max(1).values.mean()) for counts in (per_piece, varlen))  # busiest rank
-            print(f"| {mix} | {seq_len} | {cp} | {block_size or 'untiled'} | {docs:.1f} | {before:.0f} | {after:.1f} "
-                  f"| {before / after:.0f}x |")
+            print(f"| {mix} | {seq_len} | {window or '-'} | {cp} | {block_size or 'untiled'} | {docs:.1f} | {before:.0f} "
+                  f"| {after:.1f} | {before / after:.0f}x |")
 
 
 #: Llama-3-8B attention shapes for the bytes table

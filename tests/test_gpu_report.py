@@ -112,10 +112,10 @@ def test_the_named_kernel_checks_run_right_after_the_references_they_reuse(tmp_p
     from benchmarks.gpu.one_gpu_parts import exactness_runs
 
     runs = exactness_runs(8192, dry_run=False)
-    assert [backend for _, backend in runs] == [None, None] + ["sdpa_flash", "sdpa_cudnn"] * 2 + [None] * 8
+    assert [backend for _, backend in runs] == [None, None] + ["sdpa_flash", "sdpa_cudnn"] * 2 + [None] * 9
     assert {(case[0], case[2]) for case, _ in runs[2:6]} == {(case[0], case[2]) for case, _ in runs[:2]}
     assert all(backend == ("sdpa_cudnn" if packed else "sdpa_flash") for (_, _, packed, _), backend in runs[2:6])
-    assert len(set(runs)) == len(runs) == 14
+    assert len(set(runs)) == len(runs) == 15
     assert {case for case, _ in exactness_runs(8192, dry_run=True)} <= {case for case, _ in runs}
     from benchmarks.gpu_report import main
 
@@ -145,3 +145,23 @@ def test_the_attention_backend_that_ran_is_read_off_its_op():
     with AttentionKernels() as kernels:
         torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.0, True, False)
     assert kernels.backends("sdpa_flash") == "sdpa_cudnn"
+
+
+def test_the_packed_window_row_sends_windowed_varlen_calls():
+    """The correctness part's packed window row, at the GPU run's sizes (one process): windowed
+    squares and a shorter document in one varlen call with the window, fewer calls than pieces."""
+    from benchmarks.gpu.correctness import packed_document_length
+    from benchmarks.gpu.one_gpu_parts import exactness_runs
+    from benchmarks.gpu.settings import Settings, random_row
+    from llama_cp.attention.documents import DocumentLayout, tiles
+    from llama_cp.attention.pieces import varlen_windows
+    from llama_cp.parallel.sharding import document_starts
+
+    assert ("mistral_window", "ring", True, 0) in [case for case, _ in exactness_runs(8192, dry_run=False)]
+    length = 2048  # Settings.of(False, 1, 2).feature_len, without a GPU to build it
+    window = Settings.window.fget(types.SimpleNamespace(feature_len=length))
+    row = random_row(types.SimpleNamespace(vocab_size=8), length, packed_document_length("mistral_window", length))
+    block = tiles(DocumentLayout(document_starts(row["position_ids"])).ring_pieces(0, window), 0)
+    ((call,),) = varlen_windows(block)
+    assert {s.window for s in call} == {(window - 1, 0)} and len(call) == len(block) == 3
+    assert sorted(s.piece.lag is None for s in call) == [False, False, True]

@@ -146,6 +146,12 @@ class AttentionKernels(TorchDispatchMode):
         return "+".join(sorted(seen)) or ("flash_attn" if selected == "flash_attn" else "math")
 
 
+def packed_document_length(case: str, length: int) -> int:
+    """The documents of a packed row: an eighth of it; for the window, 3/8 (two documents longer than the
+    5/16 window, and a shorter one, which joins their windowed varlen call: Note [Varlen document calls])."""
+    return length * 3 // 8 if case == "mistral_window" else length // 8
+
+
 def feature_refusal(case: str, device: torch.device, head_dim: int) -> str | None:
     """llama-cp's own one-line refusal when the attention backend it selects here cannot compute
     the case's window or cap (on CUDA a cap needs flash-attn, Note [Soft-capped attention] in
@@ -183,7 +189,8 @@ def exactness(s: Settings, case: str, strategy: str, packed: bool, ulysses_degre
     refusal = feature_refusal(case, device, config.head_dim)
     if refusal is not None:  # every rank returns here, before any collective: the group goes on
         return {"error": refusal} if dist.get_rank() == 0 else {}
-    batch = {k: v.to(device) for k, v in random_row(config, length, length // 8 if packed else None).items()}
+    batch = {k: v.to(device) for k, v in random_row(config, length, packed_document_length(case, length)
+                                                    if packed else None).items()}
 
     def run(model, inputs, cp: bool):
         model.zero_grad(set_to_none=True)

@@ -125,11 +125,14 @@ def exactness_runs(exact_len: int, dry_run: bool) -> list[tuple[tuple[str, str, 
     cases += [("llama", strategy, packed, quarter) for strategy in ("ring", "allgather") for packed in (False, True)]
     # the window in one call a row (a causal square), then in blocks shorter than the window (640 tokens of
     # a 2048-token row on the GPU): full blocks the window cuts, two calls each (windows.window_parts), some
-    # with fewer queries than keys, where flash's window is aligned bottom-right
-    cases += [("llama", "ulysses", False, quarter), ("mistral_window", "ring", False, 0),
-              ("mistral_window", "ring", False, exact_len // 16), ("gemma2_softcap", "ring", False, 0)]
+    # with fewer queries than keys, where flash's window is aligned bottom-right; then packed documents,
+    # whose windowed and shorter squares go to the varlen kernel in one call a block, with the window
+    # (Note [Varlen document calls])
+    window_blocks = ("mistral_window", "ring", False, exact_len // 16)
+    cases += [("llama", "ulysses", False, quarter), ("mistral_window", "ring", False, 0), window_blocks,
+              ("mistral_window", "ring", True, 0), ("gemma2_softcap", "ring", False, 0)]
     if dry_run:  # the pipeline, not the figures: one case of each kind
-        return [(case, None) for case in (cases[1], cases[3], cases[5], cases[-2])]
+        return [(case, None) for case in (cases[1], cases[3], cases[5], window_blocks)]
     # The kernel auto does not take for a case, named, right after the two cases whose references they
     # reuse: on an H100 without flash-attn auto runs one document a row on sdpa_cudnn and packed
     # documents on sdpa_flash's varlen kernel (kernels.AUTO_GPUS, pieces._resolve), so

@@ -67,10 +67,9 @@ The kernels take the lag of a call (``kernels.attention_forward(lag=)``); rows t
 no key of a call get out = 0, lse = -inf, as document masks already have. On CUDA,
 flash-attn's ``window_size``, or torch's flash kernel's (Note [Windows on torch's flash
 kernel] in ``llama_cp/attention/kernel_calls.py``); on CPU, the exact kernel of ``llama_cp/attention/dense.py``
-(Sq x Sk scores, 512 query rows at a time, so tiles bound it). Windowed pieces are not
-put into varlen calls: flash-attn's window is one pair of numbers per call, aligned to
-each segment's bottom-right corner, and the pieces' bands differ; they take one call
-each.
+(Sq x Sk scores, 512 query rows at a time, so tiles bound it). On CUDA the windowed
+pieces of packed documents also go into varlen calls, one window a call (Note [Varlen
+document calls] in ``llama_cp/attention/pieces.py``).
 
 Note [Tiled attention]
 ======================

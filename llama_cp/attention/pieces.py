@@ -49,10 +49,39 @@ dK/dV of keys that several pieces see (``index_put_`` with ``accumulate``). Each
 segment is computed as its per-piece call is, so the two paths agree to rounding
 (tests/attention/test_varlen.py: 1e-5 in float32, 1e-10 in float64, through the CPU stand-ins).
 
+Sliding windows (Note [Sliding windows under CP] in ``llama_cp/attention/documents.py``): a
+varlen call takes one window, flash's (window_size_left, window_size_right), aligned to
+each segment's own bottom-right corner: query i of a segment of sq queries and sk keys
+sees key j iff i + sk - sq - left <= j <= i + sk - sq + right. So a call holds the
+segments of one window (``varlen_calls``, a ``Segment`` each):
+
+- a windowed causal square (a document longer than the window) is one segment with
+  (left, right) = (w - 1, 0) for a w-token window, the same for every document of a
+  layer, and the unwindowed squares of that block (documents of at most w tokens, which
+  the window hides nothing of: left >= their length - 1) join their call;
+- a windowed full piece is cut as the per-piece path cuts it (``windows.flash_segments``,
+  from ``windows.window_parts``): the rows that see every key, without a window; the rows
+  that see a suffix of the keys, with (keys - queries of the part, -1), which joins the
+  parts of other pieces with the same difference; the rows that see nothing are left out.
+
+No segment has a row that sees no key (flash writes lse = +inf for one) or more queries
+than keys (a right side of -1 becomes max_seqlen_k, which would then cut keys on the
+right: flash-attn issue #895). Read, for this: Dao-AILab/flash-attention v2.6.3 and
+v2.8.3, csrc/flash_attn/flash_api.cpp ``mha_varlen_fwd`` / ``mha_varlen_bwd`` (causal sets
+right to 0; a side >= max_seqlen_k becomes -1; ``set_params_fprop`` turns a remaining -1
+into max_seqlen_k), src/block_info.h (each segment's actual lengths from cu_seqlens) and
+src/mask.h (the bounds above), the local kernels built unless FLASHATTENTION_DISABLE_LOCAL;
+torch's copy of mha_varlen_fwd/bwd (flash_api.cpp at pytorch 03b7c19d, the same rules), the
+schemas of ``_flash_attention_forward`` / ``_backward`` at torch 2.10 and 2.13 (window
+sides ``SymInt?``, None read as -1 and passed to mha_varlen_fwd/bwd), and torch 2.13's
+torch/nn/attention/varlen.py, whose windowed ``varlen_attn`` calls the same two ops. The
+stand-ins read the window so (``workspace._varlen_bounds``).
+
 The varlen path is taken when the backend has varlen kernels, every piece belongs
 to one batch row (documents: a block without them is tiles that fill their calls
-already) and it makes fewer calls than pieces (``varlen_windows``); otherwise, and
-on CPU (sdpa_cpu, math), one call per piece.
+already) and it makes fewer calls than the per-piece path (``varlen_windows``: a
+windowed piece is a call per part there); otherwise, and on CPU (sdpa_cpu, math),
+one call per piece.
 
 What the glue relies on, read in the libraries' sources:
 

@@ -314,13 +314,17 @@ def _flash_attn_release(version, seen):
                                                  _flash_attn_varlen_backward=staticmethod(backward)))
 
 
+@pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("version", sorted(FLASH_ATTN_SIGNATURES))
-def test_flash_attn_varlen_glue_binds_each_release(version, monkeypatch):
+def test_flash_attn_varlen_glue_binds_each_release(version, window, monkeypatch):
     """Our keyword calls bind to every release's signature with the values the Note says, and
-    give the per-piece path's results (through the stand-in)."""
+    give the per-piece path's results (through the stand-in); with a sliding window, each call's
+    window (a (left, right) tuple for 2.6.3)."""
     seen = []
     monkeypatch.setattr(kernels, "_flash_attn_module", lambda backend: _flash_attn_release(version, seen))
-    block = tiles(_layout().full_row_pieces(), 16)
+    block = tiles(_layout().full_row_pieces(window), 16)
+    windows = {call[0].window for calls in varlen_calls(block, 16) for call in calls}
+    assert (len(windows) > 1) == (window is not None)
     q, k, v = _qkv(SEQ_LEN, torch.float32)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
     results = []
@@ -332,13 +336,15 @@ def test_flash_attn_varlen_glue_binds_each_release(version, monkeypatch):
     for want, got in zip(*results, strict=True):
         torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
     assert {kind for kind, _ in seen} == {"forward", "backward"}
+    assert {args.get("window_size", (args.get("window_size_left"), args.get("window_size_right")))
+            for _, args in seen} == windows
     for kind, args in seen:
         assert args["cu_seqlens_q"].dtype == args["cu_seqlens_k"].dtype == torch.int32
         assert args["cu_seqlens_q"].shape == args["cu_seqlens_k"].shape
         assert args["max_seqlen_q"] == int(args["cu_seqlens_q"].diff().max())
         assert args["max_seqlen_k"] == int(args["cu_seqlens_k"].diff().max())
         assert (args["dropout_p"], args["softmax_scale"], args["alibi_slopes"]) == (0.0, D**-0.5, None)
-        assert args.get("window_size", (args.get("window_size_left"), args.get("window_size_right"))) == (-1, -1)
+        assert args.get("window_size", (args.get("window_size_left"), args.get("window_size_right"))) in windows
         assert args["q"].shape[1:] == (H, D) and args["k"].shape[1:] == (HKV, D) and args["q"].is_contiguous()
         if kind == "backward":
             assert args["deterministic"] is False and args["softmax_lse"].shape == (H, args["q"].shape[0])

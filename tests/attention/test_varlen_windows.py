@@ -165,3 +165,18 @@ def test_a_varlen_window_on_rocm_is_refused_as_a_per_piece_one(monkeypatch):
     with pytest.raises(ValueError, match="sliding-window attention on ROCm"):
         kernels.varlen_forward(q, k, v, cu, cu, 7, 7, causal=True, scale=0.125, backend="sdpa_flash", window=(3, 0))
     kernels.varlen_forward(q, k, v, cu, cu, 7, 7, causal=True, scale=0.125, backend="sdpa_flash")
+
+
+def test_a_square_without_window_joins_the_windowed_call_only_where_the_window_hides_nothing():
+    """A causal square without a window goes into the windowed squares' call only when it is at most
+    the window long (left >= its length - 1: the window hides none of its keys); a longer one (a block
+    mixing layers, which llama-cp's layouts never make) keeps a call of its own."""
+    from llama_cp.attention.documents import Piece
+
+    windowed = Piece(0, slice(0, 10), slice(0, 10), True, 3)  # window of 4 tokens: flash's (3, 0)
+    short, long = (Piece(0, slice(a, b), slice(a, b), True, None) for a, b in ((10, 14), (14, 19)))
+    ((joined,),) = varlen_calls([windowed, short], 0)
+    assert [(s.piece, s.window) for s in joined] == [(windowed, (3, 0)), (short, (3, 0))]
+    (calls,) = varlen_calls([windowed, short, long], 0)
+    assert [[(s.piece, s.window) for s in call] for call in calls] == [
+        [(long, NO_WINDOW)], [(windowed, (3, 0)), (short, (3, 0))]]
