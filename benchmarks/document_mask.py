@@ -160,8 +160,8 @@ def calls(mix: str = "chat", seq_len: int = 131072, cps: str | int | tuple = "1,
                     per_piece[row, rank] += 2 * calls_per_piece  # forward and backward
                     varlen[row, rank] += 2 * (calls_per_piece if windows is None else sum(map(len, windows)))
             before, after = (float(counts.max(1).values.mean()) for counts in (per_piece, varlen))  # busiest rank
-            print(f"| {mix} | {seq_len} | {window or '-'} | {cp} | {block_size or 'untiled'} | {docs:.1f} | {before:.0f} "
-                  f"| {after:.1f} | {before / after:.0f}x |")
+            print(f"| {mix} | {seq_len} | {window or '-'} | {cp} | {block_size or 'untiled'} | {docs:.1f} "
+                  f"| {before:.0f} | {after:.1f} | {before / after:.0f}x |")
 
 
 #: Llama-3-8B attention shapes for the bytes table

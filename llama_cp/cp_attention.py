@@ -422,13 +422,13 @@ def apply_context_parallel(
     if block_size < 0:
         raise ValueError(f"attention block_size must be >= 0 (0 = untiled), got {block_size}")
     check_supported(model)
-    windows = sliding_windows(model)
-    if backend is not None and windows and max_seq_len and min(windows) < max_seq_len:
+    layer_windows = sliding_windows(model)
+    if backend is not None and layer_windows and max_seq_len and min(layer_windows) < max_seq_len:
         try:  # the kernels' own rule for which kernels take a window
             windows.window_or_cap_backend(backend, softcap=0.0)
         except ValueError as error:
-            raise ValueError(f"--attention_backend {backend}: this model's sliding window of {min(windows)} tokens is "
-                             f"shorter than the sequence ({max_seq_len} tokens): {error}") from None
+            raise ValueError(f"--attention_backend {backend}: this model's sliding window of {min(layer_windows)} "
+                             f"tokens is shorter than the sequence ({max_seq_len} tokens): {error}") from None
     group = cp_mesh.get_group() if isinstance(cp_mesh, DeviceMesh) else cp_mesh
     cp = 1 if group is None else dist.get_world_size(group)
 
@@ -453,7 +453,7 @@ def apply_context_parallel(
         inner, outer = hybrid_groups(group, ulysses_degree)
     attention = ContextParallelAttention(
         group=group if cp > 1 else None, strategy=strategy, backend=backend, document_mask=document_mask,
-        block_size=block_size, inner=inner, outer=outer, sliding=bool(windows),
+        block_size=block_size, inner=inner, outer=outer, sliding=bool(layer_windows),
     )
     bind_decoder(base_causal_lm(model))
     decoder = base_causal_lm(model).get_decoder()

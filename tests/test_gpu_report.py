@@ -64,7 +64,13 @@ def test_dry_run_writes_every_part(tmp_path):
         ("lora", "llama-cp, profiled"), ("lora", "transformers + peft, profiled")]
     text = (out / "gpu_report.md").read_text()
     assert "## Where one full fine-tuning step's time goes: transformers (" in text
-    assert [row["kernel"] for row in report["kernels"]] == ["sdpa math, GQA expanded", "sdpa math, GQA enable_gqa"]
+    kernels = [row["kernel"] for row in report["kernels"]]
+    assert kernels[:2] == ["sdpa math, GQA expanded", "sdpa math, GQA enable_gqa"], kernels
+    # llama-cp's packed documents under a window (the CPU stand-in of torch's flash kernel): varlen calls,
+    # fewer than a call per piece, the same values
+    varlen, per_piece = report["kernels"][2:]
+    assert varlen["kernel"].endswith("varlen calls") and per_piece["kernel"].endswith("a call per piece")
+    assert 0 < varlen["calls_per_pass"] < per_piece["calls_per_pass"] and varlen["max_abs_difference"] < 1e-4
     for section in ("## Exactness", "## Speed", "## Peak memory", "## The whole Llama-3-8B", "## torch's attention",
                     "## Where one LoRA"):
         assert section in text, section

@@ -162,3 +162,70 @@ def attention_kernels(length: int, device: torch.device, reps: int = 3) -> list[
             except Exception as error:  # noqa: BLE001
                 rows.append({"kernel": f"sdpa {name}, GQA {gqa}", "error": str(error).strip().splitlines()[0][:200]})
     return rows
+
+
+#: The packed-window rows of the kernels part: a chat-like stream of documents (log-normal lengths,
+#: median 300 tokens, as benchmarks/document_mask.py's chat mix) under Gemma 3's 1024-token window
+#: (both cut to the row's 1/16 and 1/4 in the dry run's short rows).
+PACKED_WINDOW, CHAT_MEDIAN = 1024, 300
+
+
+def packed_window_calls(length: int, device: torch.device, reps: int = 3) -> list[dict]:
+    """Forward + backward of llama-cp's attention over one packed row of chat-like documents with a
+    sliding window, at cp 1 (32 heads, 8 KV heads, 128): the varlen calls with the window (Note
+    [Varlen document calls]) against a call per piece, as llama-cp ran windowed blocks until bd40944;
+    their kernel calls, time, and the largest difference of their outputs and gradients. On the CPU (the
+    dry run) both run the CPU stand-in of torch's flash kernel."""
+    import contextlib
+    import math
+    from unittest import mock
+
+    from llama_cp.attention import kernels, pieces
+    from llama_cp.attention.documents import DocumentLayout
+    from llama_cp.attention.workspace import ModelledBackend
+    from llama_cp.parallel.sharding import document_starts
+
+    g = torch.Generator().manual_seed(0)
+    window, median = min(PACKED_WINDOW, length // 4), min(CHAT_MEDIAN, length // 16)
+    lengths, total = [], 0
+    while total < length:
+        lengths.append(min(length - total, max(1, round(median * math.exp(float(torch.randn((), generator=g)))))))
+        total += lengths[-1]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    block = DocumentLayout(document_starts(positions)).full_row_pieces(window)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(1, 32, length, 128, dtype=dtype, generator=g).to(device).requires_grad_()
+    k, v = (torch.randn(1, 8, length, 128, dtype=dtype, generator=g).to(device).requires_grad_() for _ in range(2))
+    backend = kernels.select_backend(q, varlen=True) if device.type == "cuda" else ModelledBackend("sdpa_flash")
+    per_piece = sum(len(pieces.segments(p)) for p in block)
+    windows = pieces.varlen_windows(block)
+    calls = {"varlen calls": sum(map(len, windows)) if windows else per_piece, "a call per piece": per_piece}
+    rows, results = [], {}
+    for name in calls:
+        path = mock.patch.object(pieces, "varlen_windows", lambda block: None) if name != "varlen calls" else (
+            contextlib.nullcontext())
+
+        def work():
+            for t in (q, k, v):
+                t.grad = None
+            out = pieces.pieces_attention(q, k, v, block, scale=128**-0.5, backend=backend)
+            out.backward(torch.ones_like(out))
+            return out.detach(), *(t.grad for t in (q, k, v))
+
+        label = f"llama-cp {backend}, {len(lengths)} documents, window {window}: {name}"
+        try:
+            with path:
+                results[name] = work()  # warm; its values are the ones compared
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(reps):
+                    work()
+                _sync(device)
+            seconds = (time.perf_counter() - start) / reps
+            rows.append({"kernel": label, "ms": seconds * 1e3, "calls_per_pass": calls[name]})
+        except Exception as error:  # noqa: BLE001
+            rows.append({"kernel": label, "error": str(error).strip().splitlines()[0][:200]})
+    if len(results) == 2:
+        rows[0]["max_abs_difference"] = max(float((a.float() - b.float()).abs().max())
+                                            for a, b in zip(*results.values(), strict=True))
+    return rows

@@ -210,12 +210,13 @@ def memory(rows: Rows, shape: dict, which: list) -> None:
 
 def kernels(rows: Rows, shape: dict) -> None:
     """torch's attention kernels alone at the longest speed length: their speed and what a call
-    allocates, the figures a planner model of sdpa_cudnn needs."""
-    from benchmarks.gpu.one_gpu import attention_kernels
+    allocates, the figures a planner model of sdpa_cudnn needs; then llama-cp's packed documents under
+    a window, varlen calls against a call per piece."""
+    from benchmarks.gpu.one_gpu import attention_kernels, packed_window_calls
 
     device = _device()
     length = shape["speed_lens"][-1]
-    for row in attention_kernels(length, device):
+    for row in attention_kernels(length, device) + packed_window_calls(length, device):
         rows.add({"context_length": length, **row})
 
 

@@ -333,7 +333,7 @@ class DocumentLayout:
         """Pieces of this rank's queries against the K/V block of cp rank ``source_rank``."""
         key = ("ring", source_rank, window)
         if key not in self._cache:
-            self._cache[key] = pieces(self.local_spans(), self.zigzag_chunks(source_rank), window)
+            self._cache[key] = self._pieces(self.local_spans(), self.zigzag_chunks(source_rank), window)
         return self._cache[key]
 
     def sees(self, receiver: int, source: int, window: int | None = None) -> bool:
@@ -356,7 +356,7 @@ class DocumentLayout:
         """Pieces of this rank's queries against the whole row in row order (the all-gather)."""
         key = ("gathered", window)
         if key not in self._cache:
-            self._cache[key] = pieces(self.local_spans(), [Chunk(0, 0, self.seq_len)], window)
+            self._cache[key] = self._pieces(self.local_spans(), [Chunk(0, 0, self.seq_len)], window)
         return self._cache[key]
 
     def row_order(self, device: torch.device, inverse: bool = False) -> torch.Tensor:
@@ -374,8 +374,16 @@ class DocumentLayout:
         key = ("full", window)
         if key not in self._cache:
             seq = self.seq_len
-            self._cache[key] = pieces(spans(self.starts, torch.arange(seq)), [Chunk(0, 0, seq)], window)
+            self._cache[key] = self._pieces(spans(self.starts, torch.arange(seq)), [Chunk(0, 0, seq)], window)
         return self._cache[key]
+
+    def _pieces(self, query_spans: list[list[Span]], chunks: list[Chunk], window: int | None) -> list[Piece]:
+        """:func:`pieces`; of a ``single`` layout (every row the same one document), batch row 0's as
+        pieces of every row (``Piece.row`` None): one kernel call for all rows, as without a window,
+        and not gathered into varlen calls (Note [Varlen document calls])."""
+        if self.single:
+            return [piece._replace(row=None) for piece in pieces(query_spans[:1], chunks, window)]
+        return pieces(query_spans, chunks, window)
 
     def visible_pairs(self) -> torch.Tensor:
         """(cp,) number of (query, key) pairs each cp rank's queries see: its attention work."""

@@ -62,7 +62,8 @@ def _counted(monkeypatch):
         return fn(*args, **kwargs)
 
     for name in ("forward", "backward"):
-        monkeypatch.setattr(kernels, f"varlen_{name}", functools.partial(counted, name, getattr(kernels, f"varlen_{name}")))
+        original = getattr(kernels, f"varlen_{name}")
+        monkeypatch.setattr(kernels, f"varlen_{name}", functools.partial(counted, name, original))
     return counts
 
 
@@ -180,3 +181,31 @@ def test_a_square_without_window_joins_the_windowed_call_only_where_the_window_h
     (calls,) = varlen_calls([windowed, short, long], 0)
     assert [[(s.piece, s.window) for s in call] for call in calls] == [
         [(long, NO_WINDOW)], [(windowed, (3, 0)), (short, (3, 0))]]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_rows_of_one_document_keep_one_call_for_every_row(cp, monkeypatch):
+    """Rows without documents (the layout the windowed layers get: every row one document from 0) are
+    not gathered into varlen calls, which would copy the whole local q, k, v for one or two saved
+    launches: their pieces are every row's (row None), one call for all rows, as without a window;
+    the same as the per-piece calls of separate rows (float32: flash-attn's backward takes a float32 lse)."""
+    window, rows = 10, 3
+    single = DocumentLayout(torch.zeros(rows, SEQ_LEN, dtype=torch.long), 0, cp, single=True)
+    separate = DocumentLayout(torch.zeros(rows, SEQ_LEN, dtype=torch.long), 0, cp)
+    block = tiles(single.ring_pieces(0, window), 0)
+    assert block and all(p.row is None for p in block) and any(p.lag is not None for p in block)
+    assert _varlen_plan(block, torch.zeros(1, 1, 1, D), FA) is None
+    assert [p._replace(row=0) for p in block] == [p for p in separate.ring_pieces(0, window) if p.row == 0]
+    counts = _counted(monkeypatch)
+    q, k, v = _qkv(SEQ_LEN // cp, torch.float32, batch=rows)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    results = []
+    for layout in (single, separate):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = pieces_attention(*inputs, tiles(layout.ring_pieces(0, window), 0), scale=D**-0.5,
+                               backend=FA if layout is single else "sdpa_cpu")
+        out.backward(dout)
+        results.append((out, *(t.grad for t in inputs)))
+    assert counts["forward"] == counts["backward"] == 0
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        torch.testing.assert_close(got, want, **TOLERANCE[torch.float32], msg=lambda m: f"{name}: {m}")
