@@ -3,6 +3,7 @@ rows of short documents against one-document rows of the same length.
 
     python benchmarks/document_mask.py balance                     # analytic, seconds
     python benchmarks/document_mask.py speed --seq_lens 8192,16384 # 2 gloo ranks, CPU
+    python benchmarks/document_mask.py gathers                     # fake tensors, a minute
 
 ``balance`` packs documents drawn from a few length mixes (Note [Packed rows] in
 ``llama_cp/data/packing.py``: a stream of documents cut into rows, a document continuing
@@ -18,7 +19,13 @@ document-aware sharding (``shard_batch(layout="documents")``, each row on its ow
 ``calls`` counts the attention kernel calls of one layer's forward + backward on the busiest
 cp rank, summed over the ring's steps, as the per-piece path makes them (CPU backends) and as
 the varlen path does (flash_attn, sdpa_flash; Note [Varlen document calls] in
-``llama_cp/attention/pieces.py``), with the default 16384-token attention blocks and untiled.
+``llama_cp/attention/pieces.py``), with the default 16384-token attention blocks and untiled;
+``--window N``: under a sliding window of N tokens (a piece the window cuts is a call per part).
+
+``gathers`` plans (fake tensors, flash-attn's stand-in: what the memory planner runs) the peak of
+one attention forward + backward over a packed row of the chat mix at cp 1, untiled: a call per
+piece, varlen calls in windows of ``UNTILED_ROWS`` query rows (their gathered copies), the whole
+row gathered at once, and one document (how the planner plans a row).
 
 ``bytes`` prints the bytes each cp rank sends per training step (forward + backward of every
 layer) for each strategy on packed rows of each mix, from the formulas of Note [Ring
@@ -41,6 +48,7 @@ and cp 2 (ring, Ulysses and all-gather on document shards), for a one-document r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -364,6 +372,37 @@ def _worker(rank: int, port: int, seq_lens: list[int], steps: int) -> None:
     end_distributed()  # Note [Leaving a gloo job] in llama_cp/parallel/mesh.py
 
 
+def gathers(seq_len: int = 65536, heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> None:
+    """Print the planned peak of one packed row's attention forward + backward by path (markdown)."""
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from llama_cp.attention import pieces
+    from llama_cp.attention.workspace import ModelledBackend
+    from llama_cp.plan.memory import track_peak_memory
+
+    starts = document_starts(packed_positions("chat", seq_len, 1))
+    documents = int((starts == torch.arange(seq_len)).sum())
+    packed = DocumentLayout(starts).full_row_pieces()
+    one = DocumentLayout(torch.zeros_like(starts)).full_row_pieces()
+    paths = {"a call per piece": (packed, mock.patch.object(pieces, "varlen_windows", lambda block: None)),
+             f"varlen, windows of {pieces.UNTILED_ROWS} rows": (packed, contextlib.nullcontext()),
+             "varlen, the whole row gathered": (packed, mock.patch.object(pieces, "UNTILED_ROWS", seq_len)),
+             "one document (the planner's row)": (one, contextlib.nullcontext())}
+    print(f"| path ({seq_len} tokens, {documents} documents, {heads}/{kv_heads} heads of {head_dim}) | peak GiB |")
+    print("|---|---:|")
+    for name, (block, path) in paths.items():
+        with path, FakeTensorMode():
+            q = torch.empty(1, heads, seq_len, head_dim, dtype=torch.bfloat16).requires_grad_()
+            k, v = (torch.empty(1, kv_heads, seq_len, head_dim, dtype=torch.bfloat16).requires_grad_() for _ in "kv")
+            with track_peak_memory() as peak:
+                out = pieces.pieces_attention(q, k, v, block, scale=head_dim**-0.5,
+                                              backend=ModelledBackend("flash_attn"))
+                out.backward(torch.empty_like(out))
+        print(f"| {name} | {peak['Total'] / 2**30:.2f} |")
+
+
 def speed(seq_lens: str | int | tuple = "8192,16384", steps: int = 2) -> None:
     """Print step times of one-document vs packed rows (markdown), on 2 gloo ranks."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -378,5 +417,5 @@ def _ints(value) -> list[int]:
 
 
 if __name__ == "__main__":
-    fire.Fire({"balance": balance, "calls": calls, "bytes": bytes, "windows": windows, "strategies": strategies,
-               "speed": speed})
+    fire.Fire({"balance": balance, "calls": calls, "gathers": gathers, "bytes": bytes, "windows": windows,
+               "strategies": strategies, "speed": speed})

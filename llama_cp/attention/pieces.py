@@ -32,7 +32,13 @@ go back to the rows they came from (r0: batch row 0):
   flash-attn aligns a causal mask bottom-right), then the full ones;
 - a window holds at most ``block_size`` query rows (the ``--attention_block_size``
   that ``tiles`` cut the block to, carried by its ``Tiles``), a call at most
-  ``block_size`` query and key rows, unless one piece alone is longer; 0: no bound.
+  ``block_size`` query and key rows, unless one piece alone is longer; 0 (untiled):
+  ``UNTILED_ROWS``. A window's rows are gathered: copies of its q, k, v (and out, dout
+  in backward) and its float32 accumulators, which one call per piece does not make.
+  Under fake tensors, one forward + backward over 65536 tokens of 126 documents
+  (Llama-3-8B's heads, flash-attn's stand-in) peaked at 8.53 GiB gathered whole, 4.31
+  GiB in windows of 16384 rows, 3.35 GiB a call per piece; one document, as the memory
+  planner plans a row, 8.27 GiB (``python benchmarks/document_mask.py gathers``).
   The varlen backward's workspace grows with the rows of the call (mha_varlen_bwd:
   dq_accum float32 (total_q + 128 n, H, D rounded to 32), softmax_d float32
   (H, total_q + 128 n), with GQA dK/dV (total_k, H, D)), so the bound keeps the
@@ -64,9 +70,11 @@ segments of one window (``varlen_calls``, a ``Segment`` each):
   that see a suffix of the keys, with (keys - queries of the part, -1), which joins the
   parts of other pieces with the same difference; the rows that see nothing are left out.
 
-No segment has a row that sees no key (flash writes lse = +inf for one) or more queries
-than keys (a right side of -1 becomes max_seqlen_k, which would then cut keys on the
-right: flash-attn issue #895). Read, for this: Dao-AILab/flash-attention v2.6.3 and
+No windowed segment has a row that sees no key (flash writes lse = +inf for one) or more
+queries than keys (a right side of -1 becomes max_seqlen_k, which would then cut keys on
+the right: flash-attn issue #895). Rows without documents (the layout windowed layers get
+for them) are not gathered: their pieces are every row's, one call for all rows
+(``DocumentLayout.single``). Read, for this: Dao-AILab/flash-attention v2.6.3 and
 v2.8.3, csrc/flash_attn/flash_api.cpp ``mha_varlen_fwd`` / ``mha_varlen_bwd`` (causal sets
 right to 0; a side >= max_seqlen_k becomes -1; ``set_params_fprop`` turns a remaining -1
 into max_seqlen_k), src/block_info.h (each segment's actual lengths from cu_seqlens) and
@@ -218,6 +226,10 @@ def pieces_backward(
 
 # ---------------------------------------------------------------- varlen calls
 # Note [Varlen document calls]: the pieces of a block as a few calls of a varlen kernel.
+#: The most query rows of a window, and query or key rows of a call, in an untiled block (block size 0).
+UNTILED_ROWS = 16384
+
+
 class Segment(NamedTuple):
     """One segment of a varlen call: queries ``q`` x keys ``k`` (local slices, inside ``piece``'s:
     a windowed piece is cut into :func:`windows.flash_segments`) of ``piece``'s batch row, with
@@ -256,8 +268,8 @@ def varlen_calls(block: list[Piece], block_size: int) -> list[list[list[Segment]
     """``block`` (pieces of one query slice consecutive) as windows of whole query slices, each
     a list of varlen calls (causal calls, then full ones; one flash window a call), each a list of
     segments; a window's query rows, and a call's query and key rows, at most ``block_size``
-    (0: no bound) unless one query slice or segment alone is longer."""
-    budget = block_size or float("inf")
+    (0: ``UNTILED_ROWS``) unless one query slice or segment alone is longer."""
+    budget = block_size or UNTILED_ROWS
     windows, window, rows = [], [], 0
     for _, group in itertools.groupby(block, key=lambda p: p.queries):
         group = list(group)

@@ -209,3 +209,21 @@ def test_rows_of_one_document_keep_one_call_for_every_row(cp, monkeypatch):
     assert counts["forward"] == counts["backward"] == 0
     for name, got, want in zip(("out", "dq", "dk", "dv"), *results, strict=True):
         torch.testing.assert_close(got, want, **TOLERANCE[torch.float32], msg=lambda m: f"{name}: {m}")
+
+
+def test_an_untiled_block_gathers_at_most_untiled_rows_a_window():
+    """Block size 0 (untiled): a window of varlen calls still holds at most UNTILED_ROWS query rows, and
+    a call at most as many query and key rows (their gathered copies), unless one piece is longer."""
+    from llama_cp.attention.pieces import UNTILED_ROWS
+
+    lengths = [300] * 200 + [UNTILED_ROWS + 5] + [700] * 40  # 100,405 tokens, one document longer than the bound
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    block = DocumentLayout(document_starts(positions)).full_row_pieces(1024)
+    windows = varlen_calls(block, 0)
+    assert len(windows) > 1 and sorted(s.piece for calls in windows for call in calls for s in call) == sorted(block)
+    for calls in windows:
+        rows = {s.piece.queries for call in calls for s in call}
+        assert sum(stop - start for _, start, stop in rows) <= UNTILED_ROWS or len(rows) == 1
+        for call in calls:
+            assert len(call) == 1 or sum(s.q.stop - s.q.start for s in call) <= UNTILED_ROWS
+            assert len(call) == 1 or sum(s.k.stop - s.k.start for s in call) <= UNTILED_ROWS
