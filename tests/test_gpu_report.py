@@ -136,10 +136,18 @@ def test_rows_that_failed_are_shown_with_their_error():
     report = {"environment": {"device": "GPU"}, "dry_run": False, "layers": 4, "parts": {"speed": "done in 1 s"},
               "correctness": [{"check": "qlora", "error": "ValueError: refused"}],
               "speed": [{"context_length": 16, "mode": "lora", "run": "transformers + peft",
-                         "error": "OutOfMemoryError: out"}], "kernels": [], "profile": [], "memory": [], "long": [], "plan": []}
+                         "error": "OutOfMemoryError: out"}], "profile": [], "memory": [], "long": [], "plan": [],
+              "kernels": [{"context_length": 64, "kernel": "sdpa flash, GQA expanded", "error": "RuntimeError: no"},
+                          {"context_length": 64, "kernel": "llama-cp sdpa_flash, 3 documents, window 16: varlen calls",
+                           "ms": 2.0, "calls_per_pass": 1, "max_abs_difference": 0.0},
+                          {"context_length": 64, "kernel": "llama-cp sdpa_flash, 3 documents, window 16: a call per piece",
+                           "error": "RuntimeError: out"}]}
     text = markdown(report)
     assert "| qlora | 1 | error: ValueError: refused |" in text
     assert "| 16 | lora | transformers + peft | error: OutOfMemoryError: out |" in text
+    assert "| sdpa flash, GQA expanded | error: RuntimeError: no |" in text
+    assert "| llama-cp sdpa_flash, 3 documents, window 16: varlen calls | 1 | 2 | 0.00e+00 |" in text
+    assert "| llama-cp sdpa_flash, 3 documents, window 16: a call per piece | error: RuntimeError: out |" in text
 
 
 def test_the_attention_backend_that_ran_is_read_off_its_op():

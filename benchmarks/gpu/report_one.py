@@ -122,9 +122,20 @@ def _kernels(rows: list[dict]) -> list[str]:
         return []
     lines = ["", f"## torch's attention kernels alone ({rows[0]['context_length']} tokens, 32 heads, 8 KV heads, 128; "
              "forward + backward)", "", "| kernel | ms | TFLOP/s | bytes beyond the inputs (GiB) |", "|---|---:|---:|---:|"]
-    for r in rows:
+    packed = [r for r in rows if r["kernel"].startswith("llama-cp")]
+    for r in (r for r in rows if r not in packed):
         if "error" in r:
             lines.append(f"| {r['kernel']} | error: {r['error']} |||")
         else:
             lines.append(f"| {r['kernel']} | {r['ms']:.0f} | {r['tflops']:.0f} | {_gib(r.get('peak_extra_bytes'))} |")
+    if packed:  # benchmarks/gpu/one_gpu.py packed_window_calls
+        lines += ["", "llama-cp's attention over packed documents under a sliding window (one process, forward + "
+                  "backward):", "", "| path | kernel calls | ms | largest difference of the two |", "|---|---:|---:|---:|"]
+        for r in packed:
+            if "error" in r:
+                lines.append(f"| {r['kernel']} | error: {r['error']} |||")
+            else:
+                difference = r.get("max_abs_difference")
+                lines.append(f"| {r['kernel']} | {r['calls_per_pass']} | {r['ms']:.0f} | "
+                             f"{'' if difference is None else f'{difference:.2e}'} |")
     return lines
