@@ -93,7 +93,7 @@ class ContextParallelAttention:
         starts = document_starts(positions) if self.document_mask else torch.zeros_like(positions)
         return DocumentLayout(
             starts, cp_rank=rank, cp_size=cp, local_rows=local_rows.cpu(), gathered_rows=torch.cat(gathered).cpu(),
-            positions=positions,
+            positions=positions, single=not bool(starts.any()),  # every row one document: one call for all rows
         )
 
     def document_layout(self, position_ids: torch.Tensor) -> DocumentLayout | None:

@@ -284,8 +284,9 @@ class DocumentLayout:
     cp_rank / cp_size: where this rank's zigzag chunks are. The all-gather strategy, whose
     ranks may hold any tokens, gives ``local_rows`` (S,), the rows of this rank's tokens in
     local order, and ``gathered_rows`` (cp x S,), the rows of every rank's tokens, rank after
-    rank (the order of an all-gather). ``single``: every row is one document, a layout made
-    only for the windowed layers (Note [Sliding windows under CP]). ``positions`` (B, L): the
+    rank (the order of an all-gather). ``single``: every row is the same one document (the
+    layout made for windowed layers, Note [Sliding windows under CP], and the all-gather's of a
+    batch without documents): its pieces are every row's, one kernel call for all rows. ``positions`` (B, L): the
     call's global position_ids, which Llama 4's chunks may count (Note [Chunked attention under
     CP] in ``llama_cp/attention/chunks.py``).
     """

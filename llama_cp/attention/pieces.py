@@ -73,8 +73,8 @@ segments of one window (``varlen_calls``, a ``Segment`` each):
 No windowed segment has a row that sees no key (flash writes lse = +inf for one) or more
 queries than keys (a right side of -1 becomes max_seqlen_k, which would then cut keys on
 the right: flash-attn issue #895). Rows without documents (the layout windowed layers get
-for them) are not gathered: their pieces are every row's, one call for all rows
-(``DocumentLayout.single``). Read, for this: Dao-AILab/flash-attention v2.6.3 and
+for them; the all-gather's of such a batch) are not gathered: their pieces are every row's,
+one call for all rows (``DocumentLayout.single``). Read, for this: Dao-AILab/flash-attention v2.6.3 and
 v2.8.3, csrc/flash_attn/flash_api.cpp ``mha_varlen_fwd`` / ``mha_varlen_bwd`` (causal sets
 right to 0; a side >= max_seqlen_k becomes -1; ``set_params_fprop`` turns a remaining -1
 into max_seqlen_k), src/block_info.h (each segment's actual lengths from cu_seqlens) and

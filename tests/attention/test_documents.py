@@ -11,6 +11,7 @@ cp 3 runs in ``test_documents_cp3.py`` (world 3).
 
 import collections
 import copy
+import dataclasses
 import functools
 import re
 
@@ -161,6 +162,12 @@ def document_mask_false_attends_across_documents():
         got = unshard(got, mesh["cp"], seq_index=local.get("seq_index"))
         torch.testing.assert_close(got, whole_row, atol=1e-10, rtol=1e-10)
         assert (got - packed).abs().max() > 1e-3
+        if strategy == "allgather":  # rows of one document: one kernel call for all rows, never gathered into varlen
+            attention = next(m.cp_attention for m in model.modules() if hasattr(m, "cp_attention"))
+            layout = attention.gathered_layout(local["position_ids"], local["seq_index"])
+            assert layout.single and all(p.row is None for p in layout.gathered_pieces(4))
+            masked = dataclasses.replace(attention, document_mask=True)  # the packed rows' layout: pieces of each row
+            assert not masked.gathered_layout(local["position_ids"], local["seq_index"]).single
 
 
 @checks.add(group=2)
