@@ -286,9 +286,9 @@ class DocumentLayout:
     local order, and ``gathered_rows`` (cp x S,), the rows of every rank's tokens, rank after
     rank (the order of an all-gather). ``single``: every row is the same one document (the
     layout made for windowed layers, Note [Sliding windows under CP], and the all-gather's of a
-    batch without documents): its pieces are every row's, one kernel call for all rows. ``positions`` (B, L): the
-    call's global position_ids, which Llama 4's chunks may count (Note [Chunked attention under
-    CP] in ``llama_cp/attention/chunks.py``).
+    batch without documents): its pieces are every row's, one kernel call for all rows.
+    ``positions`` (B, L): the call's global position_ids, which Llama 4's chunks may count (Note
+    [Chunked attention under CP] in ``llama_cp/attention/chunks.py``).
     """
 
     starts: torch.Tensor

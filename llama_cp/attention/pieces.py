@@ -244,6 +244,10 @@ class Segment(NamedTuple):
     def causal(self) -> bool:
         return self.piece.causal
 
+    @property
+    def row(self) -> int | None:
+        return self.piece.row
+
 
 def segments(piece: Piece) -> list[Segment]:
     """``piece`` as the segments of varlen calls: itself, or the parts its window cuts it into."""
@@ -332,7 +336,7 @@ def varlen_windows(block: list[Piece]) -> list[list[list[Segment]]] | None:
     if any(p.row is None for p in block):
         return None
     windows = varlen_calls(block, getattr(block, "block_size", 0))
-    per_piece = sum(len(segments(p)) for p in block)
+    per_piece = sum(len(call) for calls in windows for call in calls)  # a segment is a per-piece call
     return windows if sum(len(calls) for calls in windows) < per_piece else None
 
 
@@ -353,8 +357,7 @@ def _indexed(windows: list[list[list[Segment]]] | None, q: torch.Tensor) -> list
 
     def rows_of(parts: list[Segment | Piece], side: str) -> tuple[torch.Tensor, torch.Tensor]:
         ranges = [getattr(p, side) for p in parts]
-        rows = [p.piece.row if isinstance(p, Segment) else p.row for p in parts]
-        return (index([torch.full((r.stop - r.start,), row) for row, r in zip(rows, ranges)]),
+        return (index([torch.full((r.stop - r.start,), p.row) for p, r in zip(parts, ranges)]),
                 index([torch.arange(r.start, r.stop) for r in ranges]))
 
     plan = []

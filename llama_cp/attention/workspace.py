@@ -218,6 +218,15 @@ def _varlen_bounds(causal: bool, left: int | None, right: int | None, max_seqlen
 # ---------------------------------------------------------------- varlen (flash-attn 2.x and torch's copy)
 # Packed layout: q (Tq, H, D), k/v (Tk, Hkv, D); segment i is rows cu_seqlens_q[i] : cu_seqlens_q[i + 1]
 # of q against rows cu_seqlens_k[i] : cu_seqlens_k[i + 1] of k/v; lse (H, Tq). Note [Varlen document calls].
+def _mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, softcap=0.0, window_of=None):
+    """``mha_varlen_fwd`` of flash-attn 2.x (and torch's copy) on packed contiguous tensors: ``(out,
+    softmax_lse)``, out like q, lse (H, Tq). ``window_of``: as :func:`stand_in_values.varlen_fill_forward`'s."""
+    out = torch.empty_like(q)
+    softmax_lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q), device=q.device)
+    varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, out, softmax_lse, softcap, window_of)
+    return out, softmax_lse
+
+
 def _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, causal, scale,
                     softcap=0.0, window_of=None):
     """``mha_varlen_bwd`` of flash-attn 2.x (and torch's copy) on packed contiguous tensors,
@@ -261,11 +270,9 @@ def flash_attn_varlen_forward(
     _check_plain(dropout_p, softcap, alibi_slopes)
     if block_table is not None or leftpad_k is not None or seqused_k is not None or return_softmax:
         raise ValueError("the flash-attn varlen stand-in models packed q/k/v: no paged KV, padding or softmax")
-    out = torch.empty_like(q)
-    softmax_lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q), device=q.device)
+    out, softmax_lse = _mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, softcap,
+                                       _varlen_bounds(causal, window_size_left, window_size_right, max_seqlen_k))
     p = torch.empty(0, dtype=q.dtype, device=q.device)
-    varlen_fill_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, out, softmax_lse, softcap,
-                        _varlen_bounds(causal, window_size_left, window_size_right, max_seqlen_k))
     rng_state = torch.empty(2, dtype=torch.int64, device=q.device)
     return out, softmax_lse, p, rng_state
 
@@ -394,10 +401,9 @@ def flash_attention_forward(
         window = _flash_bounds(is_causal, window_size_left, window_size_right, query.shape[1], key.shape[1])
         output, logsumexp = _mha_fwd(query, key, value, is_causal, scale, window=window, lse_dtype=_lse_dtype(query))
     else:
-        output = torch.empty_like(query)
-        logsumexp = torch.empty((query.shape[1], query.shape[0]), dtype=_lse_dtype(query), device=query.device)
-        varlen_fill_forward(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale, output, logsumexp,
-                            window_of=_varlen_bounds(is_causal, window_size_left, window_size_right, max_k))
+        output, logsumexp = _mha_varlen_fwd(query, key, value, cum_seq_q, cum_seq_k, is_causal, scale,
+                                            window_of=_varlen_bounds(is_causal, window_size_left,
+                                                                     window_size_right, max_k))
     rng_state = torch.empty(2, dtype=torch.uint64, device=query.device)
     unused = torch.empty((), dtype=torch.uint64, device=query.device)
     debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
