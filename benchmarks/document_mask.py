@@ -19,7 +19,7 @@ document-aware sharding (``shard_batch(layout="documents")``, each row on its ow
 ``calls`` counts the attention kernel calls of one layer's forward + backward on the busiest
 cp rank, summed over the ring's steps, as the per-piece path makes them (CPU backends) and as
 the varlen path does (flash_attn, sdpa_flash; Note [Varlen document calls] in
-``llama_cp/attention/pieces.py``), with the default 16384-token attention blocks and untiled;
+``llama_cp/attention/varlen.py``), with the default 16384-token attention blocks and untiled;
 ``--window N``: under a sliding window of N tokens (a piece the window cuts is a call per part).
 
 ``gathers`` plans (fake tensors, flash-attn's stand-in: what the memory planner runs) the peak of
@@ -63,7 +63,7 @@ from transformers import LlamaForCausalLM
 
 from llama_cp import ParallelDims, apply_context_parallel, shard_batch
 from llama_cp.attention.documents import DocumentLayout, tiles
-from llama_cp.attention.pieces import segments, varlen_windows
+from llama_cp.attention.varlen import segments, varlen_windows
 from llama_cp.modules.causal_lm import embedded_llama_config
 from llama_cp.parallel.mesh import end_distributed, free_port
 from llama_cp.parallel.sharding import document_starts, visible_pairs_per_token
@@ -378,7 +378,7 @@ def gathers(seq_len: int = 65536, heads: int = 32, kv_heads: int = 8, head_dim: 
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from llama_cp.attention import pieces
+    from llama_cp.attention import pieces, varlen
     from llama_cp.attention.workspace import ModelledBackend
     from llama_cp.plan.memory import track_peak_memory
 
@@ -386,9 +386,9 @@ def gathers(seq_len: int = 65536, heads: int = 32, kv_heads: int = 8, head_dim: 
     documents = int((starts == torch.arange(seq_len)).sum())
     packed = DocumentLayout(starts).full_row_pieces()
     one = DocumentLayout(torch.zeros_like(starts)).full_row_pieces()
-    paths = {"a call per piece": (packed, mock.patch.object(pieces, "varlen_windows", lambda block: None)),
-             f"varlen, windows of {pieces.UNTILED_ROWS} rows": (packed, contextlib.nullcontext()),
-             "varlen, the whole row gathered": (packed, mock.patch.object(pieces, "UNTILED_ROWS", seq_len)),
+    paths = {"a call per piece": (packed, mock.patch.object(varlen, "varlen_windows", lambda block: None)),
+             f"varlen, windows of {varlen.UNTILED_ROWS} rows": (packed, contextlib.nullcontext()),
+             "varlen, the whole row gathered": (packed, mock.patch.object(varlen, "UNTILED_ROWS", seq_len)),
              "one document (the planner's row)": (one, contextlib.nullcontext())}
     print(f"| path ({seq_len} tokens, {documents} documents, {heads}/{kv_heads} heads of {head_dim}) | peak GiB |")
     print("|---|---:|")

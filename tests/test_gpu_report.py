@@ -94,7 +94,6 @@ def test_the_window_row_in_blocks_makes_calls_with_fewer_queries_than_keys():
     from benchmarks.gpu.settings import Settings
     from llama_cp.attention import windows
     from llama_cp.attention.documents import DocumentLayout, tiles
-    from llama_cp.attention.pieces import _call_lag
     from llama_cp.parallel.sharding import document_starts
 
     length = 2048  # Settings.of(False, 1, 2).feature_len, without a GPU to build it
@@ -106,7 +105,7 @@ def test_the_window_row_in_blocks_makes_calls_with_fewer_queries_than_keys():
     calls = [(rows.stop - rows.start, keys.stop - keys.start, part_lag)
              for p in pieces if not p.causal and p.lag is not None
              for rows, keys, part_lag in windows.window_parts(p.q.stop - p.q.start, p.k.stop - p.k.start, False,
-                                                              _call_lag(p))]
+                                                              p.call_lag)]
     assert any(part_lag == 0 and num_q < num_k for num_q, num_k, part_lag in calls), calls
 
 
@@ -168,7 +167,7 @@ def test_the_packed_window_row_sends_windowed_varlen_calls():
     from benchmarks.gpu.one_gpu_parts import exactness_runs
     from benchmarks.gpu.settings import Settings, random_row
     from llama_cp.attention.documents import DocumentLayout, tiles
-    from llama_cp.attention.pieces import varlen_windows
+    from llama_cp.attention.varlen import varlen_windows
     from llama_cp.parallel.sharding import document_starts
 
     assert ("mistral_window", "ring", True, 0) in [case for case, _ in exactness_runs(8192, dry_run=False)]

@@ -180,7 +180,7 @@ def packed_window_calls(length: int, device: torch.device, reps: int = 3) -> lis
     import math
     from unittest import mock
 
-    from llama_cp.attention import kernels, pieces
+    from llama_cp.attention import kernels, pieces, varlen
     from llama_cp.attention.documents import DocumentLayout
     from llama_cp.attention.workspace import ModelledBackend
     from llama_cp.parallel.sharding import document_starts
@@ -199,12 +199,12 @@ def packed_window_calls(length: int, device: torch.device, reps: int = 3) -> lis
     backend = kernels.select_backend(q, varlen=True) if device.type == "cuda" else ModelledBackend("sdpa_flash")
     if backend is None:  # a GPU before sm80, or float32: no varlen kernel runs here
         return [{"kernel": f"llama-cp, {len(lengths)} documents, window {window}", "error": "no varlen backend here"}]
-    per_piece = sum(len(pieces.segments(p)) for p in block)
-    windows = pieces.varlen_windows(block)
+    per_piece = sum(len(varlen.segments(p)) for p in block)
+    windows = varlen.varlen_windows(block)
     calls = {"varlen calls": sum(map(len, windows)) if windows else per_piece, "a call per piece": per_piece}
     rows, results = [], {}
     for name in calls:
-        path = mock.patch.object(pieces, "varlen_windows", lambda block: None) if name != "varlen calls" else (
+        path = mock.patch.object(varlen, "varlen_windows", lambda block: None) if name != "varlen calls" else (
             contextlib.nullcontext())
 
         def work():

@@ -38,7 +38,7 @@ pieces of a row are merged by their log-sum-exp (``kernels.merge_block``), start
 out = 0, lse = -inf. The backward of a piece takes the final (out, lse) of its rows, as
 the ring does. Pieces longer than ``--attention_block_size`` are cut into tiles: Note
 [Tiled attention]. On CUDA the pieces of a block go to the kernel together: Note [Varlen
-document calls] in ``llama_cp/attention/pieces.py``.
+document calls] in ``llama_cp/attention/varlen.py``.
 
 Note [Sliding windows under CP]
 ===============================
@@ -69,7 +69,7 @@ flash-attn's ``window_size``, or torch's flash kernel's (Note [Windows on torch'
 kernel] in ``llama_cp/attention/kernel_calls.py``); on CPU, the exact kernel of ``llama_cp/attention/dense.py``
 (Sq x Sk scores, 512 query rows at a time, so tiles bound it). On CUDA the windowed
 pieces of packed documents also go into varlen calls, one window a call (Note [Varlen
-document calls] in ``llama_cp/attention/pieces.py``).
+document calls] in ``llama_cp/attention/varlen.py``).
 
 Note [Tiled attention]
 ======================
@@ -167,6 +167,11 @@ class Piece(NamedTuple):
         """Which queries the piece computes, as a key for grouping: (row, first, end)."""
         return self.row, self.q.start, self.q.stop
 
+    @property
+    def call_lag(self) -> int | None:
+        """The lag in the indices of the piece's own kernel call (query ``q.start`` is row 0)."""
+        return None if self.lag is None else self.lag - self.q.start + self.k.start
+
 
 def spans(starts: torch.Tensor, rows: torch.Tensor) -> list[list[Span]]:
     """Cut queries into spans, per batch row.
@@ -216,7 +221,7 @@ def pieces(query_spans: list[list[Span]], chunks: list[Chunk], window: int | Non
 class Tiles(list):
     """The pieces of one block as :func:`tiles` cuts them, with the ``block_size`` they were cut
     to, which also bounds the varlen calls made of them (Note [Varlen document calls] in
-    ``llama_cp/attention/pieces.py``)."""
+    ``llama_cp/attention/varlen.py``)."""
 
     def __init__(self, pieces=(), block_size: int = 0):
         super().__init__(pieces)

@@ -39,7 +39,7 @@ Soft-capped and windowed calls (``softcap`` > 0, ``lag``) are routed and cut int
 
 The backends in ``VARLEN`` also compute many independent attention segments in one call
 (:func:`varlen_forward` / :func:`varlen_backward`, packed layout ``(total, H, D)``): packed
-documents use them, Note [Varlen document calls] in ``llama_cp/attention/pieces.py``.
+documents use them, Note [Varlen document calls] in ``llama_cp/attention/varlen.py``.
 """
 
 from __future__ import annotations

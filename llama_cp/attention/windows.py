@@ -1,6 +1,6 @@
 """Soft-capped and windowed attention calls: which backend computes them, and how a windowed call
 is cut into kernel calls in which every query row sees a key. ``llama_cp/attention/kernels.py``
-makes the calls; ``llama_cp/attention/pieces.py`` groups the windowed pieces of packed documents
+makes the calls; ``llama_cp/attention/varlen.py`` groups the windowed pieces of packed documents
 into varlen calls.
 
 Note [Soft-capped attention]
@@ -103,7 +103,7 @@ NO_WINDOW = (-1, -1)
 
 def flash_segments(num_q: int, num_k: int, causal: bool, lag: int | None) -> list[tuple[slice, slice, tuple[int, int]]]:
     """:func:`window_parts` of a call as (query rows, keys, flash window (left, right)): what a varlen call
-    takes for each part (Note [Varlen document calls] in ``llama_cp/attention/pieces.py``); the whole
+    takes for each part (Note [Varlen document calls] in ``llama_cp/attention/varlen.py``); the whole
     call with :data:`NO_WINDOW` when the window hides nothing."""
     parts = window_parts(num_q, num_k, causal, lag)
     if parts is None:

@@ -1,4 +1,4 @@
-"""Varlen document calls (Note [Varlen document calls] in llama_cp/attention/pieces.py) without a GPU:
+"""Varlen document calls (Note [Varlen document calls] in llama_cp/attention/varlen.py) without a GPU:
 
 - the glue against the real schemas: torch's ``aten._flash_attention_forward`` /
   ``_flash_attention_backward`` run their meta kernels on the tensors our packing code makes,
@@ -21,9 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from document_checks import SEQ_LEN, TOLERANCE, packed_batch
 from llama_cp.attention import kernels
 from llama_cp.attention.documents import DocumentLayout, tiles
-from llama_cp.attention.pieces import (
-    _varlen_plan, pieces_attention, pieces_backward, pieces_forward, varlen_calls,
-)
+from llama_cp.attention.pieces import pieces_attention, pieces_backward, pieces_forward
+from llama_cp.attention.varlen import varlen_calls, varlen_plan
 from llama_cp.attention.workspace import FLASH_ATTN, ModelledBackend, flash_attention_forward
 from llama_cp.parallel.sharding import document_starts
 from probes import RecordedOps
@@ -82,7 +81,7 @@ def test_one_process_varlen_equals_per_piece(backend, block_size, dtype):
     block = tiles(_layout().full_row_pieces(), block_size)
     windows = varlen_calls(block, block_size)
     calls = sum(len(c) for c in windows)
-    assert calls < len(block) and _varlen_plan(block, torch.zeros(1, 1, 1, D), backend) is not None
+    assert calls < len(block) and varlen_plan(block, torch.zeros(1, 1, 1, D), backend) is not None
     q, k, v = _qkv(SEQ_LEN, dtype)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
     results = []
@@ -132,7 +131,7 @@ def test_ring_step_blocks_varlen_equals_per_piece(backend, cp, block_size, dtype
     taken = 0
     for rank, source in itertools.product(range(cp), range(cp)):
         block = tiles(_layout(rank, cp).ring_pieces(source), block_size)
-        if _varlen_plan(block, torch.zeros(1, 1, 1, D), backend) is None:
+        if varlen_plan(block, torch.zeros(1, 1, 1, D), backend) is None:
             continue
         taken += 1
         q, k, v = _qkv(shard, dtype, seed=rank * cp + source)
@@ -183,7 +182,7 @@ def _packed_calls(dtype=torch.bfloat16):
     gathered on CPU, the call's index tensors, its pieces)."""
     q, k, v = _qkv(SEQ_LEN, dtype)
     block = tiles(_layout().full_row_pieces(), 16)
-    plan = _varlen_plan(block, q, VARLEN[0])
+    plan = varlen_plan(block, q, VARLEN[0])
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
     return [((q_[c.q_rows], k_[c.k_rows], v_[c.k_rows]), c, call_pieces)
             for window, calls in zip(plan, varlen_calls(block, 16), strict=True)

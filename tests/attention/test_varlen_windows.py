@@ -1,5 +1,5 @@
 """Windowed pieces of packed documents as varlen calls (Note [Varlen document calls] in
-llama_cp/attention/pieces.py), without a GPU: a varlen call takes one flash window, aligned to each
+llama_cp/attention/varlen.py), without a GPU: a varlen call takes one flash window, aligned to each
 segment's bottom-right corner, so the windowed causal squares of one layer go into one call and a
 windowed full piece is cut into the parts ``windows.flash_segments`` makes.
 
@@ -20,9 +20,8 @@ import torch
 from document_checks import SEQ_LEN, TOLERANCE, packed_batch
 from llama_cp.attention import kernels
 from llama_cp.attention.documents import DocumentLayout, tiles
-from llama_cp.attention.pieces import (
-    _varlen_plan, pieces_attention, pieces_backward, pieces_forward, segments, varlen_calls,
-)
+from llama_cp.attention.pieces import pieces_attention, pieces_backward, pieces_forward
+from llama_cp.attention.varlen import segments, varlen_calls, varlen_plan
 from llama_cp.attention.windows import NO_WINDOW
 from llama_cp.attention.workspace import ModelledBackend
 from llama_cp.parallel.sharding import document_starts
@@ -83,7 +82,7 @@ def test_windowed_documents_as_varlen_calls_equal_the_masked_attention(backend, 
     assert any(p.lag is not None for p in block) and any(p.lag is None and p.causal for p in block)
     calls = varlen_calls(block, block_size)
     count = sum(map(len, calls))
-    assert count < _per_piece_calls(block) and _varlen_plan(block, torch.zeros(1, 1, 1, D), backend) is not None
+    assert count < _per_piece_calls(block) and varlen_plan(block, torch.zeros(1, 1, 1, D), backend) is not None
     if not block_size:  # one window of query rows: one call per kind and window
         ((causal_call, *full_calls),) = calls
         assert {s.window for s in causal_call} == {(window - 1, 0)}
@@ -117,7 +116,7 @@ def test_windowed_ring_step_blocks_varlen_equal_per_piece(backend, cp, block_siz
     shard, taken, cut = SEQ_LEN // cp, 0, False
     for rank, source in itertools.product(range(cp), range(cp)):
         block = tiles(DocumentLayout(_starts(), rank, cp).ring_pieces(source, window), block_size)
-        if _varlen_plan(block, torch.zeros(1, 1, 1, D), backend) is None:
+        if varlen_plan(block, torch.zeros(1, 1, 1, D), backend) is None:
             continue
         taken += 1
         cut |= any(not s.causal and s.window != NO_WINDOW for calls in varlen_calls(block, block_size)
@@ -194,7 +193,7 @@ def test_rows_of_one_document_keep_one_call_for_every_row(cp, monkeypatch):
     separate = DocumentLayout(torch.zeros(rows, SEQ_LEN, dtype=torch.long), 0, cp)
     block = tiles(single.ring_pieces(0, window), 0)
     assert block and all(p.row is None for p in block) and any(p.lag is not None for p in block)
-    assert _varlen_plan(block, torch.zeros(1, 1, 1, D), FA) is None
+    assert varlen_plan(block, torch.zeros(1, 1, 1, D), FA) is None
     assert [p._replace(row=0) for p in block] == [p for p in separate.ring_pieces(0, window) if p.row == 0]
     counts = _counted(monkeypatch)
     q, k, v = _qkv(SEQ_LEN // cp, torch.float32, batch=rows)
@@ -214,7 +213,7 @@ def test_rows_of_one_document_keep_one_call_for_every_row(cp, monkeypatch):
 def test_an_untiled_block_gathers_at_most_untiled_rows_a_window():
     """Block size 0 (untiled): a window of varlen calls still holds at most UNTILED_ROWS query rows, and
     a call at most as many query and key rows (their gathered copies), unless one piece is longer."""
-    from llama_cp.attention.pieces import UNTILED_ROWS
+    from llama_cp.attention.varlen import UNTILED_ROWS
 
     lengths = [300] * 200 + [UNTILED_ROWS + 5] + [700] * 40  # 100,405 tokens, one document longer than the bound
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
