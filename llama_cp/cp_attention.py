@@ -234,6 +234,7 @@ def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple
     return args, kwargs
 
 
+@torch.compiler.disable  # Note [Compiled per-token modules]: dynamo runs it eager, a graph break
 def cp_attention_forward(
     module: nn.Module,
     query: torch.Tensor,

@@ -1,5 +1,6 @@
-"""``--compile``: the decoder's per-token modules (its norms and dense MLPs) run through
-``torch.compile``, so that their elementwise chains become fused kernels.
+"""``--compile``: the decoder's per-token modules (its norms, dense MLPs and the attention layers
+around their kernel) run through ``torch.compile``, so that their elementwise chains become fused
+kernels.
 
 Note [Compiled per-token modules]
 =================================
@@ -7,9 +8,10 @@ Note [Compiled per-token modules]
 A 64K LoRA step of Llama-3-8B's shapes on an H200 spends about 200 ms of its 2.2 s in
 elementwise kernels of the decoder layers (docs/benchmarks.md, runs 4 to 6): an RMSNorm
 is seven passes over its tokens (cast to float32, square, mean, rsqrt, multiply, cast
-back, scale), and SwiGLU three (silu, multiply, and their backward), each pass a kernel
-that reads and writes the whole local sequence; the forward runs twice under activation
-checkpointing. Inductor fuses each chain into one or two kernels.
+back, scale), SwiGLU three (silu, multiply, and their backward), and RoPE about five
+for each of q and k (two products, the half rotation's negation and concatenation, the
+sum), each pass a kernel that reads and writes the whole local sequence; the forward runs
+twice under activation checkpointing. Inductor fuses each chain into one or two kernels.
 
 What is compiled, and what is not:
 
@@ -19,18 +21,28 @@ What is compiled, and what is not:
   DoRA). The norms ``--lora_modules_to_save`` copies are peft's wrappers and stay eager.
   An MoE's ``mlp`` (a router, experts held as fused parameters or a ModuleList chosen per
   token) is left eager: its data-dependent dispatch would break the graph.
-- Attention stays eager: the kernel calls of a block depend on where documents start and
-  which rank holds which rows (``llama_cp.attention.documents``), values read on the host.
-  It is one kernel per call already (flash-attn or cuDNN).
+- The attention layers (the modules ``apply_context_parallel`` bound: ``cp_attention`` and
+  an ``o_proj``), all but their kernel: the family's own forward (q/k/v projections, q/k
+  norms, RoPE, the output projection) is compiled, and the attention function llama-cp
+  registers (``cp_attention_forward``) is ``torch.compiler.disable``d, so dynamo breaks the
+  graph at its call, runs it eager and compiles the rest of the forward as a second graph.
+  The function must stay eager: the kernel calls of a block depend on where documents
+  start and which rank holds which rows (``llama_cp.attention.documents``), values read on
+  the host, and the ring and Ulysses communicate; each call is one kernel already
+  (flash-attn or cuDNN). Its document layout passes through as an argument without
+  guards: a new layout each step compiles nothing new.
 - Each module's own ``forward`` is what is compiled (``torch.compile`` of the bound method,
-  set as the instance's ``forward``): the same code as eager, whatever the family's norm or
-  MLP computes, so the result equals eager up to the order inductor sums in (tests: float32
-  training trajectories to 1e-5, LoRA on every Linear layer). One exception: dropout inside a
-  compiled MLP (``--lora_dropout`` on MLP adapters) draws its masks from inductor's random
-  numbers, so other masks than eager's, of the same distribution (activation checkpointing's
-  recompute draws the same masks as its forward, compiled as eager).
+  set as the instance's ``forward``): the same code as eager, whatever the family's norm,
+  MLP or attention computes, so the result equals eager up to the order inductor sums in
+  (tests: float32 training trajectories to 1e-5, LoRA on every Linear layer; every family's
+  attention layers forward and backward, tests/modules/test_compiled.py). One exception:
+  dropout inside a compiled module (``--lora_dropout`` on adapters) draws its masks from
+  inductor's random numbers, so other masks than eager's, of the same distribution
+  (activation checkpointing's recompute draws the same masks as its forward, compiled as
+  eager).
 - Modules share graphs: dynamo guards on the code, not the instance (2 graphs for 12 norms and
-  12 MLPs in one pass, torch 2.13). A training run compiles a few variants of each forward
+  12 MLPs in one pass, torch 2.13; an attention layer's two graphs are shared by the layers of
+  one family). A training run compiles a few variants of each forward
   (grad mode, whether the input needs a gradient, FSDP2's renamed class of the final norm, a
   new sequence length, which then turns dynamic); past dynamo's recompile limit (8 a
   function) a new variant runs eager, which costs time only.
@@ -78,10 +90,16 @@ def compile_forward(module: nn.Module) -> None:
     module._llama_cp_compiled = True
 
 
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The attention layers ``apply_context_parallel`` bound (the decoder, also bound, has no ``o_proj``)."""
+    return [m for m in model.modules() if getattr(m, "cp_attention", None) is not None and hasattr(m, "o_proj")]
+
+
 def compile_per_token_modules(model: nn.Module, layers: list[nn.Module]) -> None:
-    """``--compile``: compile the decoder's norms and dense MLPs (Note [Compiled per-token modules])."""
+    """``--compile``: compile the decoder's norms, dense MLPs and attention layers but their kernel
+    (Note [Compiled per-token modules])."""
     mlps = [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), nn.Module) and _dense(layer.mlp)]
-    for module in norm_modules(model, layers) + mlps:
+    for module in norm_modules(model, layers) + mlps + attention_layers(model):
         compile_forward(module)
 
 
@@ -90,9 +108,10 @@ def compiled_summary(model: nn.Module, layers: list[nn.Module]) -> str:
     compiled = {id(m) for m in model.modules() if getattr(m, "_llama_cp_compiled", False)}
     norms = sum(id(m) in compiled for m in norm_modules(model, layers))
     mlps = sum(id(getattr(layer, "mlp", None)) in compiled for layer in layers)
+    attention = sum(id(m) in compiled for m in attention_layers(model))
     eager = len(layers) - mlps  # an MoE's mlp (transformers 4's Mixtral: block_sparse_moe)
     copied = len(copied_norms(model))  # --lora_modules_to_save's: left eager
-    return (f"--compile: {norms} norms and {mlps} MLPs run through torch.compile; attention"
-            + (f", {eager} MoE MLPs" if eager else "")
+    return (f"--compile: {norms} norms, {mlps} MLPs and {attention} attention layers run through torch.compile; "
+            "the attention kernels" + (f", {eager} MoE MLPs" if eager else "")
             + (f", {copied} norms of --lora_modules_to_save" if copied else "")
-            + (" stay" if eager or copied else " stays") + " eager; the first steps compile")
+            + " stay eager; the first steps compile")

@@ -13,9 +13,10 @@ from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from llama_cp import apply_context_parallel
 from llama_cp.config import TrainConfig
 from llama_cp.modules.causal_lm import decoder_layers, embedded_llama_config
-from llama_cp.modules.compiled import compile_per_token_modules, compiled_summary
+from llama_cp.modules.compiled import attention_layers, compile_forward, compile_per_token_modules, compiled_summary
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8)
@@ -25,14 +26,16 @@ def _compiled(model) -> list[str]:
     return [name for name, m in model.named_modules() if getattr(m, "_llama_cp_compiled", False)]
 
 
-def test_the_norms_and_dense_mlps_are_compiled_and_moe_mlps_stay_eager():
-    llama = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **SMALL))
+def test_the_norms_dense_mlps_and_attention_layers_are_compiled_and_moe_mlps_stay_eager():
+    llama = apply_context_parallel(AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **SMALL)), None)
     compile_per_token_modules(llama, decoder_layers(llama))
     assert sorted(_compiled(llama)) == [
         "model.layers.0.input_layernorm", "model.layers.0.mlp", "model.layers.0.post_attention_layernorm",
-        "model.layers.1.input_layernorm", "model.layers.1.mlp", "model.layers.1.post_attention_layernorm", "model.norm"]
+        "model.layers.0.self_attn", "model.layers.1.input_layernorm", "model.layers.1.mlp",
+        "model.layers.1.post_attention_layernorm", "model.layers.1.self_attn", "model.norm"]
     assert compiled_summary(llama, decoder_layers(llama)) == (
-        "--compile: 5 norms and 2 MLPs run through torch.compile; attention stays eager; the first steps compile")
+        "--compile: 5 norms, 2 MLPs and 2 attention layers run through torch.compile; the attention kernels stay "
+        "eager; the first steps compile")
     # MoE blocks: Mixtral's (transformers 4: block_sparse_moe, experts a ModuleList of Linear MLPs; 5: mlp,
     # fused experts) and Qwen2-MoE's (mlp in both; 4: a ModuleList of Linear MLPs, a Linear router)
     for family in ("mixtral", "qwen2_moe"):
@@ -44,8 +47,8 @@ def test_the_norms_and_dense_mlps_are_compiled_and_moe_mlps_stay_eager():
                                           "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
                                           "model.norm"], family
         assert compiled_summary(moe, decoder_layers(moe)) == (
-            "--compile: 5 norms and 0 MLPs run through torch.compile; attention, 2 MoE MLPs stay eager; the "
-            "first steps compile")
+            "--compile: 5 norms, 0 MLPs and 0 attention layers run through torch.compile; the attention kernels, "
+            "2 MoE MLPs stay eager; the first steps compile")
 
 
 def test_dora_mlps_compile_and_copied_norms_are_said():
@@ -55,10 +58,11 @@ def test_dora_mlps_compile_and_copied_norms_are_said():
 
     for config, compiled, line in (
         (LoraConfig(target_modules=["gate_proj", "up_proj", "down_proj"], use_dora=True), 7,
-         "--compile: 5 norms and 2 MLPs run through torch.compile; attention stays eager"),
+         "--compile: 5 norms, 2 MLPs and 0 attention layers run through torch.compile; the attention kernels stay "
+         "eager"),
         (LoraConfig(target_modules=["q_proj"], modules_to_save=["norm"]), 2,  # peft matches every "*norm"
-         "--compile: 0 norms and 2 MLPs run through torch.compile; attention, 5 norms of --lora_modules_to_save "
-         "stay eager"),
+         "--compile: 0 norms, 2 MLPs and 0 attention layers run through torch.compile; the attention kernels, 5 "
+         "norms of --lora_modules_to_save stay eager"),
     ):
         model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **SMALL)), config)
         compile_per_token_modules(model, decoder_layers(model))
@@ -128,6 +132,59 @@ def test_a_compiled_run_follows_the_eager_trajectory(tmp_path):
     results = map_in_processes(eager_and_compiled, [(str(tmp_path / name), flags) for name, flags in runs.items()])
     for name, (eager, compiled, captured, said) in zip(runs, results):
         assert captured > 0, name
-        assert "--compile: 9 norms and 4 MLPs run through torch.compile" in said, (name, said)
+        assert "--compile: 9 norms, 4 MLPs and 4 attention layers run through torch.compile" in said, (name, said)
         torch.testing.assert_close(torch.tensor(compiled, dtype=torch.float64),
                                    torch.tensor(eager, dtype=torch.float64), rtol=1e-5, atol=0, msg=name)
+
+
+def _packed_positions(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])[None].expand(2, -1)
+
+
+def _step(model, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad()
+    loss = model(input_ids=ids, position_ids=positions, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.slow
+def test_every_attention_family_compiles_around_its_kernel_and_equals_eager():
+    """The attention layers' own forwards compiled (Note [Compiled per-token modules]), at cp 1 in float32
+    on packed documents: the loss and every gradient equal eager's (inductor sums in another order), for
+    the families whose attention code differs most: Llama's RoPE, Qwen 3's q/k norms, gpt-oss's sinks
+    (a parameter passed to the kernel), DeepSeek-V3's latent attention (interleaved RoPE, narrower value
+    heads) and Llama 4's complex RoPE with query temperature and chunks. Dynamo breaks its graphs only at
+    the attention function, which it never traces (it reads host values), and another batch's documents
+    compile nothing new."""
+    from test_deepseek import family_model as deepseek_model
+    from test_families import family_model
+    from test_gpt_oss import gpt_oss_model
+    from test_llama4 import llama4_model
+
+    builders = {"llama": lambda: family_model("llama"), "qwen3": lambda: family_model("qwen3"),
+                "gpt_oss": gpt_oss_model, "deepseek_v3": lambda: deepseek_model("deepseek_v3"),
+                "llama4_text": llama4_model}
+    for name, build in builders.items():
+        eager, compiled = (apply_context_parallel(build(), None) for _ in range(2))
+        layers = attention_layers(compiled)
+        assert len(layers) == compiled.config.num_hidden_layers, name
+        for module in layers:  # the attention layers alone, as compile_per_token_modules compiles them
+            compile_forward(module)
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, compiled.config.vocab_size, (2, 32), generator=generator)
+        breaks = dict(counters["graph_break"])
+        for lengths in ([20, 12], [5, 1, 14, 12]):
+            graphs = counters["stats"]["unique_graphs"]
+            (loss, grads), (want_loss, want_grads) = (_step(m, ids, _packed_positions(lengths)) for m in (compiled,
+                                                                                                          eager))
+            torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0, msg=name)
+            assert len(grads) == len(want_grads), name
+            for got, want in zip(grads, want_grads):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+            if lengths[0] == 20:
+                assert counters["stats"]["unique_graphs"] > graphs, name  # the first batch compiled
+        assert counters["stats"]["unique_graphs"] == graphs, name  # the second one compiled nothing
+        new_breaks = [reason for reason in counters["graph_break"] if counters["graph_break"][reason] >
+                      breaks.get(reason, 0)]
+        assert new_breaks and all("torch.compiler.disable" in reason for reason in new_breaks), (name, new_breaks)
