@@ -66,7 +66,7 @@ class ModelConfig:
     norm_tile_size: int = 0
     """Compute the decoder's RMSNorm/LayerNorms (per layer and final) in tiles of this many tokens, recomputed per tile in backward (exact); 0 = off."""
     compile: bool = False
-    """torch.compile the decoder's norms, dense MLPs and attention layers around their kernel (projections, q/k norms, RoPE: fused elementwise kernels; the attention kernels and MoE experts stay eager), each module's own forward, so the result equals eager's up to summation order (dropout of adapters draws other masks); the first steps compile (Note [Compiled per-token modules] in llama_cp/modules/compiled.py). The planner plans them eager, an upper bound."""
+    """torch.compile the decoder's norms, dense MLPs and attention layers around their kernel (projections, q/k norms, RoPE), and the training loss's chunks (softmax and logit gradient): fused elementwise kernels; the attention kernels and MoE experts stay eager. Each module's own code, so the result equals eager's up to summation order (dropout of adapters draws other masks); the first steps compile (Note [Compiled per-token modules] in llama_cp/modules/compiled.py). The planner plans them eager, an upper bound."""
     attention_block_size: int = 16384
     """Tokens per query block and per key block of every local attention kernel call (cp 1, each ring step, Ulysses, packed documents), so the kernels' float32 and GQA-expanded workspaces are per block, not per sequence (exact); 0 = one call per block; the default 16384 keeps flash-attn's backward workspace at ~0.5 GiB for Llama-3-8B."""
     router_aux_loss_coef: float = -1.0

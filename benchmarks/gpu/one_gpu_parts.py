@@ -173,8 +173,9 @@ def speed(rows: Rows, shape: dict) -> None:
                 config, length, flags_of(mode, "checkpointing"), steps=steps, device=device,
                 build_on_cpu=mode == "full" and length == shortest))  # the offloaded rows' weights
             if length == max(shape["speed_lens"]):  # the MFU goal's length; compiling costs ~30 s a row
-                # the norms and MLPs compiled (Note [Compiled per-token modules]); its first step compiles and
-                # is not timed. (Runs 2 and 4 compared sdpa_cudnn with sdpa_flash here: docs/benchmarks.md.)
+                # the norms, MLPs and attention layers compiled (Note [Compiled per-token modules]); its first
+                # step compiles and is not timed. (Runs 2 and 4 compared sdpa_cudnn with sdpa_flash here:
+                # docs/benchmarks.md.)
                 rows.measure({**base, "run": "llama-cp, --compile"}, lambda: llama_cp_steps(
                     config, length, {**flags_of(mode, "checkpointing"), "compile": True}, steps=steps, device=device))
             rows.measure({**base, "run": "transformers + peft" if lora else "transformers"},

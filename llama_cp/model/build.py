@@ -79,9 +79,9 @@ def parallelize_model(
     this order: the base Linear layers in 4-bit NF4 (``--quantization 4bit``) -> LoRA adapters
     (peft, with ``--use_peft``) -> frozen weights in their storage dtype (``--frozen_dtype``)
     -> context-parallel attention over ``mesh["cp"]`` (kernel calls of ``--attention_block_size``
-    tokens) -> the chunked loss path -> compiled norms and MLPs (``--compile``) -> tiled MLPs
-    and norms (``--mlp_tile_size``, ``--norm_tile_size``) -> a gradient for every MoE expert on every
-    rank (``llama_cp.modules.experts``) -> FSDP2 over ``dp_shard x cp`` (with
+    tokens) -> the chunked loss path -> compiled norms, MLPs and attention layers (``--compile``) ->
+    tiled MLPs and norms (``--mlp_tile_size``, ``--norm_tile_size``) -> a gradient for every MoE expert
+    on every rank (``llama_cp.modules.experts``) -> FSDP2 over ``dp_shard x cp`` (with
     activation checkpointing, and its inputs offloaded with ``--offload_checkpoints``).
     The compute dtype is ``--dtype`` on ``device_type`` (default: the mesh's; the planner
     passes "cuda"): :func:`llama_cp.modules.causal_lm.compute_dtype`. ``attention_backend``: the attention

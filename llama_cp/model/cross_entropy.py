@@ -7,6 +7,8 @@ loss path around it is :mod:`llama_cp.model.loss`."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -16,13 +18,16 @@ from llama_cp.modules.families import LogitTransform
 from llama_cp.modules.tiling import tile_starts
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTransform, acc: torch.dtype):
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTransform, acc: torch.dtype,
+                  half_gemm: bool | None = None):
     """(logits, tanh) of one chunk in ``acc``: the family's logits of ``hidden @ weight.T``
     (:class:`LogitTransform`), and the tanh term for the backward (None without a softcap). On
     CUDA a half-precision GEMM writes them in float32 itself (Note [The lm_head gradient's GEMM]):
     no half-precision logits and no copy (on an H200 the copies were 74 ms of a 2.3 s LoRA step at
-    64K, docs/benchmarks.md), and the logits are not rounded to bf16 first."""
-    if acc == torch.float32 and mm_to_accumulation_dtype(weight):
+    64K, docs/benchmarks.md), and the logits are not rounded to bf16 first. ``half_gemm``: that
+    choice made by the caller (None: :func:`mm_to_accumulation_dtype`)."""
+    half_gemm = mm_to_accumulation_dtype(weight) if half_gemm is None else half_gemm
+    if acc == torch.float32 and half_gemm:
         logits = mm_out_dtype(hidden, weight.t(), acc)
     else:
         logits = (hidden @ weight.t()).to(acc)
@@ -170,6 +175,52 @@ def _lse_and_exps_(logits) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 # measured). The same formulas as torch's, the rounding different in the last fp32 bit.
 
 
+def _gradient_chunk(hidden, weight, labels, ignore_index: int, transform: LogitTransform, acc: torch.dtype,
+                    half_gemm: bool, return_correct: bool, low: torch.Tensor | None, grad_hidden: torch.Tensor | None):
+    """One chunk of a forward that takes the gradients (Note [The hidden states' gradient in the forward]):
+    its (lse, summed loss, argmax == label or ignored; None without ``return_correct``), the logit
+    gradient written into ``low`` (the weight gradient's stacked rows) and the hidden states' gradient
+    into ``grad_hidden``, each where given. The same function eager and compiled (Note [A compiled loss
+    chunk])."""
+    logits, tanh = _chunk_logits(hidden, weight, transform, acc, half_gemm)  # (chunk, V)
+    valid = labels != ignore_index
+    target = logits.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    correct = (logits.argmax(-1) == labels) | ~valid if return_correct else None
+    lse, exps, sums = _lse_and_exps_(logits)  # Note [One softmax a chunk]
+    loss = ((lse - target) * valid).sum()
+    grad_logits = _grad_from_exps_(exps, sums, tanh, labels, valid.to(acc) * transform.scale)
+    del exps, logits, tanh
+    if low is not None:
+        grad_logits = low.copy_(grad_logits)
+    if grad_hidden is not None:
+        grad_hidden.copy_(grad_logits.to(weight.dtype) @ weight)
+    return lse, loss, correct
+
+
+# Note [A compiled loss chunk]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under --compile the chunks of a forward that takes the gradients run _gradient_chunk through
+# torch.compile, GEMMs included, so that its elementwise passes over the (chunk, V) fp32 logits
+# fuse: eager, each of max, subtract, exp, row sum, scale, the label's subtraction and the cast of
+# the gradient to the GEMMs' dtype is a kernel that reads (and most write) the whole chunk, about
+# nine fp32 passes; inductor makes the reductions one or two reads and the gradient one read and a
+# compute-dtype write, which the hidden states' GEMM then reads. Run 4's profile of the 64K LoRA
+# step (4 layers, docs/gpu_report/h200_2026-11-28_run4_profile.json) had some 180 ms of such
+# kernels, 256 calls each of the fp32 add and exp; not yet measured compiled. The GEMMs stay
+# cuBLAS's (inductor calls aten's mm, and torch.mm's out_dtype through its fallback to aten's
+# kernel: torch 2.11's inductor has no lowering of mm.dtype and implicit_fallbacks is on, read in
+# torch/_inductor/lowering.py and config.py). The function writes its outputs into slices of the
+# caller's buffers (the weight gradient's stacked rows, the hidden states' gradient), which inductor
+# writes in place. The same code as eager, so equal to it up to summation order (tests: the loss,
+# the argmax check and both gradients in float32 on CPU, soft-capped and scaled logits, a shorter
+# last chunk). The planner's fake tensors take it eager, as the compiled modules do. The
+# backward's recomputing chunks (token losses of preference objectives) and the forward without
+# gradients (evaluation) stay eager.
+@functools.cache
+def _compiled_gradient_chunk():
+    return torch.compile(_gradient_chunk)
+
+
 #: When the forward takes the head's weight gradient (Note [The hidden states' gradient in the
 #: forward]), one GEMM sums the logit gradients of as many chunks as fill this many chunks of fp32
 #: logits: 4 chunks in bf16/fp16 (one GEMM of 2048 tokens for Llama 3's 512-token chunks, so the fp32
@@ -185,11 +236,12 @@ def weight_grad_chunks(operand: torch.dtype) -> int:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, transform, return_correct, return_losses=False,
-                eager=False):
+                eager=False, compiled=False):
         # hidden: (N, d), weight: (V, d), labels: (N,) -> summed loss, float32 scalar;
         # correct: (N,) bool, argmax == label or ignored (empty unless return_correct);
         # losses: (N,) each token's loss, 0 where ignored (empty unless return_losses);
-        # eager: the gradients now (Note [The hidden states' gradient in the forward])
+        # eager: the gradients now (Note [The hidden states' gradient in the forward]), through
+        # torch.compile when compiled (Note [A compiled loss chunk])
         acc = accumulation_dtype(hidden)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
@@ -200,34 +252,35 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else None
         # the weight gradient's GEMM operand: the compute dtype where it is written in fp32 (Note [The lm_head
         # gradient's GEMM]), else the fp32 logit gradient; several chunks' rows per GEMM
-        operand = weight.dtype if mm_to_accumulation_dtype(weight) else acc
+        half_gemm = mm_to_accumulation_dtype(weight)
+        operand = weight.dtype if half_gemm else acc
         group = chunk_size * (weight_grad_chunks(operand) if grad_weight is not None else 1)
+        gradient_chunk = _compiled_gradient_chunk() if compiled and not is_fake(hidden) else _gradient_chunk
         for first in tile_starts(hidden.shape[0], group, hidden):  # Note [Planning tiles], for both loops
             group_rows = slice(first, first + group)
             size = hidden[group_rows].shape[0]
             stacked = hidden.new_empty((size, weight.shape[0]), dtype=operand) if grad_weight is not None else None
             for offset in tile_starts(size, chunk_size, hidden):
                 rows = slice(first + offset, first + offset + chunk_size)
-                logits, tanh = _chunk_logits(hidden[rows], weight, transform, acc)  # (chunk, V)
+                if eager:
+                    lse[rows], chunk_loss, chunk_correct = gradient_chunk(
+                        hidden[rows], weight, labels[rows], ignore_index, transform, acc, half_gemm, return_correct,
+                        None if stacked is None else stacked[offset : offset + chunk_size],
+                        None if grad_hidden is None else grad_hidden[rows])
+                    total += chunk_loss
+                    if return_correct:
+                        correct[rows] = chunk_correct
+                    continue
+                logits, tanh = _chunk_logits(hidden[rows], weight, transform, acc, half_gemm)  # (chunk, V)
                 valid = labels[rows] != ignore_index
                 target = logits.gather(1, labels[rows].clamp(min=0)[:, None]).squeeze(1)
                 if return_correct:
                     correct[rows] = (logits.argmax(-1) == labels[rows]) | ~valid
-                if eager:  # Note [One softmax a chunk]
-                    lse[rows], exps, sums = _lse_and_exps_(logits)
-                else:
-                    lse[rows] = torch.logsumexp(logits, dim=-1)
+                lse[rows] = torch.logsumexp(logits, dim=-1)
                 chunk_losses = (lse[rows] - target) * valid  # (chunk,)
                 total += chunk_losses.sum()
                 if return_losses:
                     losses[rows] = chunk_losses
-                if eager:
-                    grad_logits = _grad_from_exps_(exps, sums, tanh, labels[rows], valid.to(acc) * transform.scale)
-                    del exps
-                    low = grad_logits if stacked is None else stacked[offset : offset + chunk_size].copy_(grad_logits)
-                    if grad_hidden is not None:
-                        grad_hidden[rows] = (low.to(weight.dtype) @ weight).to(hidden.dtype)
-                    del grad_logits, low
                 del logits, tanh  # before the next chunk's logits are made
             if stacked is not None:
                 accumulate_weight_grad(grad_weight, stacked, hidden[group_rows], chunk_size)
@@ -244,7 +297,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total, _grad_correct, grad_losses):
-        nothing = (None,) * 9
+        nothing = (None,) * 10
         if grad_total is None and grad_losses is None:
             return nothing
         if ctx.eager:
@@ -298,6 +351,7 @@ def linear_cross_entropy(
     transform: LogitTransform = LogitTransform(),
     return_correct: bool = False,
     return_token_losses: bool = False,
+    compiled: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Sum over valid tokens of cross_entropy(logits, labels), a float32 scalar (float64 for
     float64 inputs), where logits are ``hidden @ weight.T`` through the model family's
@@ -310,7 +364,8 @@ def linear_cross_entropy(
     also (after it) each token's loss, like ``labels`` in the sum's dtype, 0 where ignored:
     the terms of the sum (perplexity by position, ``llama_cp.eval.perplexity``; per-sequence
     log-probabilities, ``llama_cp.model.preference``), differentiable: its gradient joins the
-    sum's in the same chunked backward (Note [Differentiable token losses]).
+    sum's in the same chunked backward (Note [Differentiable token losses]). ``compiled``: a forward
+    that takes the gradients runs its chunks through torch.compile (Note [A compiled loss chunk]).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -318,7 +373,7 @@ def linear_cross_entropy(
     eager = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad) and not return_token_losses
     total, correct, losses = _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_size, ignore_index, transform,
-        return_correct, return_token_losses, eager,
+        return_correct, return_token_losses, eager, compiled,
     )
     extras = ((correct.reshape(labels.shape),) if return_correct else ()) + \
         ((losses.view(labels.shape).clone(),) if return_token_losses else ())  # not a view: FSDP2 hooks outputs

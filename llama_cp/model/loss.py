@@ -72,6 +72,7 @@ def _head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | 
     return linear_cross_entropy(
         hidden, self.weight, labels, chunk_size=self.loss_chunk_size, transform=self.logit_transform,
         return_correct=return_correct, return_token_losses=return_token_losses,
+        compiled=getattr(self, "loss_compiled", False),  # --compile: llama_cp.modules.compiled
     )
 
 

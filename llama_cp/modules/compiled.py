@@ -1,6 +1,6 @@
 """``--compile``: the decoder's per-token modules (its norms, dense MLPs and the attention layers
-around their kernel) run through ``torch.compile``, so that their elementwise chains become fused
-kernels.
+around their kernel) and the training loss's chunks run through ``torch.compile``, so that their
+elementwise chains become fused kernels.
 
 Note [Compiled per-token modules]
 =================================
@@ -31,6 +31,8 @@ What is compiled, and what is not:
   the host, and the ring and Ulysses communicate; each call is one kernel already
   (flash-attn or cuDNN). Its document layout passes through as an argument without
   guards: a new layout each step compiles nothing new.
+- The chunks of the training loss (the head's GEMMs, softmax and logit gradient of each chunk of
+  tokens): Note [A compiled loss chunk] in ``llama_cp/model/cross_entropy.py``.
 - Each module's own ``forward`` is what is compiled (``torch.compile`` of the bound method,
   set as the instance's ``forward``): the same code as eager, whatever the family's norm,
   MLP or attention computes, so the result equals eager up to the order inductor sums in
@@ -95,12 +97,20 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(m, "cp_attention", None) is not None and hasattr(m, "o_proj")]
 
 
+def loss_heads(model: nn.Module) -> list[nn.Module]:
+    """The head's Linear layers ``llama_cp.model.loss.enable_chunked_loss`` gave the chunked loss."""
+    return [m for m in model.modules() if hasattr(m, "loss_chunk_size")]
+
+
 def compile_per_token_modules(model: nn.Module, layers: list[nn.Module]) -> None:
     """``--compile``: compile the decoder's norms, dense MLPs and attention layers but their kernel
-    (Note [Compiled per-token modules])."""
+    (Note [Compiled per-token modules]), and the chunks of the loss (Note [A compiled loss chunk] in
+    llama_cp/model/cross_entropy.py)."""
     mlps = [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), nn.Module) and _dense(layer.mlp)]
     for module in norm_modules(model, layers) + mlps + attention_layers(model):
         compile_forward(module)
+    for head in loss_heads(model):
+        head.loss_compiled = True
 
 
 def compiled_summary(model: nn.Module, layers: list[nn.Module]) -> str:
@@ -111,7 +121,9 @@ def compiled_summary(model: nn.Module, layers: list[nn.Module]) -> str:
     attention = sum(id(m) in compiled for m in attention_layers(model))
     eager = len(layers) - mlps  # an MoE's mlp (transformers 4's Mixtral: block_sparse_moe)
     copied = len(copied_norms(model))  # --lora_modules_to_save's: left eager
-    return (f"--compile: {norms} norms, {mlps} MLPs and {attention} attention layers run through torch.compile; "
-            "the attention kernels" + (f", {eager} MoE MLPs" if eager else "")
+    loss = any(getattr(m, "loss_compiled", False) for m in loss_heads(model))
+    parts = [f"{norms} norms", f"{mlps} MLPs", f"{attention} attention layers", *(["the loss's chunks"] * loss)]
+    return (f"--compile: {', '.join(parts[:-1])} and {parts[-1]} run through torch.compile; the attention kernels"
+            + (f", {eager} MoE MLPs" if eager else "")
             + (f", {copied} norms of --lora_modules_to_save" if copied else "")
             + " stay eager; the first steps compile")

@@ -126,6 +126,41 @@ def test_the_gradients_are_taken_in_the_forward(transform, trainable):
     assert counted.count >= 10, counted.count  # 10 chunks' logits again
 
 
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=3.0, softcap=5.0)])
+def test_a_compiled_loss_chunk_equals_the_eager_one(transform):
+    """--compile's loss chunks (Note [A compiled loss chunk]): the loss, the argmax check and the hidden
+    states' and the trainable head's gradients equal eager's in float32 (inductor sums in another
+    order), chunks of 5 tokens and a last one of 1; dynamo ran it, and the planner's fake tensors
+    take it eager."""
+    from torch._dynamo.utils import counters
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 23, 8, generator=g, requires_grad=True)
+    weight = torch.randn(40, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 40, (2, 23), generator=g)
+    labels[1, :4] = -100
+    results = []
+    for compiled in (False, True):
+        captured = counters["stats"]["calls_captured"]
+        total, correct = linear_cross_entropy(hidden, weight, labels, chunk_size=5, transform=transform,
+                                              return_correct=True, compiled=compiled)
+        results.append((total, correct, *torch.autograd.grad(total / 7, (hidden, weight))))
+        assert (counters["stats"]["calls_captured"] > captured) == compiled
+    (want, want_correct, *want_grads), (got, got_correct, *got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert torch.equal(got_correct, want_correct) and not got_correct.all()
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-7)
+    captured = counters["stats"]["calls_captured"]
+    with FakeTensorMode() as mode:
+        fake_hidden = mode.from_tensor(hidden)
+        fake = linear_cross_entropy(fake_hidden, mode.from_tensor(weight), mode.from_tensor(labels), chunk_size=5,
+                                    transform=transform, compiled=True)
+        torch.autograd.grad(fake, fake_hidden)
+    assert counters["stats"]["calls_captured"] == captured
+
+
 def test_one_gemm_of_the_head_gradient_sums_several_chunks():
     """In fp32 a GEMM of the trainable head's gradient takes two chunks' logit gradients (their
     fp32 logits' bytes twice: Note [The lm_head gradient's GEMM]); the last group is ragged, and the

@@ -122,8 +122,9 @@ def eager_and_compiled(item) -> tuple[list, list, int, str]:
 def test_a_compiled_run_follows_the_eager_trajectory(tmp_path):
     """float32 on CPU: losses and gradient norms of 3 steps equal eager's to 1e-5 (inductor sums in
     another order), and the compiled graphs really ran (dynamo captured frames): LoRA on every Linear
-    layer (the MLPs' adapters compiled) with checkpointing and the MLP and norm tiles, and full
-    fine-tuning without levers, side by side."""
+    layer (the MLPs' and attention layers' adapters compiled) with checkpointing and the MLP and norm
+    tiles, and full fine-tuning without levers (the trainable head's gradient from the compiled loss
+    chunks), side by side."""
     from dist_harness import map_in_processes
 
     runs = {"lora_checkpointing_tiles": dict(use_peft=True, lora_target_modules=("all-linear",),
@@ -132,7 +133,8 @@ def test_a_compiled_run_follows_the_eager_trajectory(tmp_path):
     results = map_in_processes(eager_and_compiled, [(str(tmp_path / name), flags) for name, flags in runs.items()])
     for name, (eager, compiled, captured, said) in zip(runs, results):
         assert captured > 0, name
-        assert "--compile: 9 norms, 4 MLPs and 4 attention layers run through torch.compile" in said, (name, said)
+        assert ("--compile: 9 norms, 4 MLPs, 4 attention layers and the loss's chunks run through torch.compile"
+                in said), (name, said)
         torch.testing.assert_close(torch.tensor(compiled, dtype=torch.float64),
                                    torch.tensor(eager, dtype=torch.float64), rtol=1e-5, atol=0, msg=name)
 
