@@ -207,9 +207,10 @@ def _gradient_chunk(hidden, weight, labels, ignore_index: int, transform: LogitT
 # compute-dtype write, which the hidden states' GEMM then reads. Run 4's profile of the 64K LoRA
 # step (4 layers, docs/gpu_report/h200_2026-11-28_run4_profile.json) had some 180 ms of such
 # kernels, 256 calls each of the fp32 add and exp; not yet measured compiled. The GEMMs stay
-# cuBLAS's (inductor calls aten's mm, and torch.mm's out_dtype through its fallback to aten's
-# kernel: torch 2.11's inductor has no lowering of mm.dtype and implicit_fallbacks is on, read in
-# torch/_inductor/lowering.py and config.py). The function writes its outputs into slices of the
+# cuBLAS's: inductor's lowering of aten.mm (torch/_inductor/kernel/mm.py, tuned_mm, read at torch
+# 2.10, 2.11 and 2.13) calls aten's mm, and with torch.mm's out_dtype aten's mm_dtype_out kernel,
+# on CUDA only (elsewhere it refuses out_dtype, as aten has no CPU kernel for it; the CPU tests
+# compile the half-precision path up to that refusal). The function writes its outputs into slices of the
 # caller's buffers (the weight gradient's stacked rows, the hidden states' gradient), which inductor
 # writes in place. The same code as eager, so equal to it up to summation order (tests: the loss,
 # the argmax check and both gradients in float32 on CPU, soft-capped and scaled logits, a shorter

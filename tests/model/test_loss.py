@@ -161,6 +161,23 @@ def test_a_compiled_loss_chunk_equals_the_eager_one(transform):
     assert counters["stats"]["calls_captured"] == captured
 
 
+def test_a_compiled_half_precision_chunk_reaches_the_cuda_only_gemm_lowering():
+    """The GPU's chunk (bf16 operands, the logits written in fp32 by torch.mm's out_dtype: Note [The
+    lm_head gradient's GEMM]) compiles through dynamo and AOT autograd up to inductor's lowering of
+    the GEMM, which takes out_dtype on CUDA only (Note [A compiled loss chunk]); eager, the CPU has
+    no such kernel at all."""
+    from llama_cp.model.cross_entropy import _compiled_gradient_chunk, _gradient_chunk
+
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = (torch.randn(shape, generator=g).bfloat16() for shape in ((5, 8), (40, 8)))
+    args = (hidden, weight, torch.randint(0, 40, (5,), generator=g), -100, LogitTransform(), torch.float32, True,
+            False, torch.empty(5, 40, dtype=torch.bfloat16), torch.empty(5, 8, dtype=torch.bfloat16))
+    with pytest.raises(NotImplementedError, match="aten::mm.dtype' with arguments from the 'CPU' backend"):
+        _gradient_chunk(*args)
+    with pytest.raises(Exception, match="out_dtype is only supported for CUDA"):
+        _compiled_gradient_chunk()(*args)
+
+
 def test_one_gemm_of_the_head_gradient_sums_several_chunks():
     """In fp32 a GEMM of the trainable head's gradient takes two chunks' logit gradients (their
     fp32 logits' bytes twice: Note [The lm_head gradient's GEMM]); the last group is ragged, and the
