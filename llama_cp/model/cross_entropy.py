@@ -175,51 +175,62 @@ def _lse_and_exps_(logits) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 # measured). The same formulas as torch's, the rounding different in the last fp32 bit.
 
 
-def _gradient_chunk(hidden, weight, labels, ignore_index: int, transform: LogitTransform, acc: torch.dtype,
-                    half_gemm: bool, return_correct: bool, low: torch.Tensor | None, grad_hidden: torch.Tensor | None):
+def _gradient_chunk_(logits, tanh, labels, ignore_index: int, scale: float, acc: torch.dtype, return_correct: bool,
+                     low: torch.Tensor | None, operand: torch.dtype):
     """One chunk of a forward that takes the gradients (Note [The hidden states' gradient in the forward]):
-    its (lse, summed loss, argmax == label or ignored; None without ``return_correct``), the logit
-    gradient written into ``low`` (the weight gradient's stacked rows) and the hidden states' gradient
-    into ``grad_hidden``, each where given. The same function eager and compiled (Note [A compiled loss
-    chunk])."""
-    logits, tanh = _chunk_logits(hidden, weight, transform, acc, half_gemm)  # (chunk, V)
+    its (chunk, V) ``logits`` (and soft-cap ``tanh``) from :func:`_chunk_logits` turned in place into
+    their gradient; returns (lse, summed loss, argmax == label or ignored (None without
+    ``return_correct``), the gradient as the GEMMs' operand: written into ``low`` (the weight gradient's
+    stacked rows) when given, else in ``operand``). The same function eager and compiled (Note [A
+    compiled loss chunk])."""
     valid = labels != ignore_index
     target = logits.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
     correct = (logits.argmax(-1) == labels) | ~valid if return_correct else None
-    lse, exps, sums = _lse_and_exps_(logits)  # Note [One softmax a chunk]
+    row_scale = valid.to(acc) * scale
+    if torch.compiler.is_compiling():  # expressions inductor fuses without a chunk-sized buffer of its own
+        top = logits.amax(dim=-1)
+        top = top.masked_fill(top.abs() == float("inf"), 0)
+        lse = top + (logits - top[:, None]).exp().sum(dim=-1).log()
+        label = torch.arange(logits.shape[1], device=logits.device) == labels.clamp(min=0)[:, None]
+        grad = ((logits - lse[:, None]).exp() - label) * row_scale[:, None]
+        grad_logits = grad if tanh is None else grad * (1 - tanh.square())
+        if low is None and operand == logits.dtype:
+            grad_logits = logits.copy_(grad_logits)  # in place, as eager
+    else:
+        lse, exps, sums = _lse_and_exps_(logits)  # Note [One softmax a chunk]
+        grad_logits = _grad_from_exps_(exps, sums, tanh, labels, row_scale)
     loss = ((lse - target) * valid).sum()
-    grad_logits = _grad_from_exps_(exps, sums, tanh, labels, valid.to(acc) * transform.scale)
-    del exps, logits, tanh
-    if low is not None:
-        grad_logits = low.copy_(grad_logits)
-    if grad_hidden is not None:
-        grad_hidden.copy_(grad_logits.to(weight.dtype) @ weight)
-    return lse, loss, correct
+    return lse, loss, correct, grad_logits.to(operand) if low is None else low.copy_(grad_logits)
 
 
 # Note [A compiled loss chunk]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Under --compile the chunks of a forward that takes the gradients run _gradient_chunk through
-# torch.compile, GEMMs included, so that its elementwise passes over the (chunk, V) fp32 logits
-# fuse: eager, each of max, subtract, exp, row sum, scale, the label's subtraction and the cast of
-# the gradient to the GEMMs' dtype is a kernel that reads (and most write) the whole chunk, about
-# nine fp32 passes; inductor makes the reductions one or two reads and the gradient one read and a
-# compute-dtype write, which the hidden states' GEMM then reads. Run 4's profile of the 64K LoRA
-# step (4 layers, docs/gpu_report/h200_2026-11-28_run4_profile.json) had some 180 ms of such
-# kernels, 256 calls each of the fp32 add and exp; not yet measured compiled. The GEMMs stay
-# cuBLAS's: inductor's lowering of aten.mm (torch/_inductor/kernel/mm.py, tuned_mm, read at torch
-# 2.10, 2.11 and 2.13) calls aten's mm, and with torch.mm's out_dtype aten's mm_dtype_out kernel,
-# on CUDA only (elsewhere it refuses out_dtype, as aten has no CPU kernel for it; the CPU tests
-# compile the half-precision path up to that refusal). The function writes its outputs into slices of the
-# caller's buffers (the weight gradient's stacked rows, the hidden states' gradient), which inductor
-# writes in place. The same code as eager, so equal to it up to summation order (tests: the loss,
-# the argmax check and both gradients in float32 on CPU, soft-capped and scaled logits, a shorter
-# last chunk). The planner's fake tensors take it eager, as the compiled modules do. The
-# backward's recomputing chunks (token losses of preference objectives) and the forward without
-# gradients (evaluation) stay eager.
+# Under --compile the chunks of a forward that takes the gradients run _gradient_chunk_ through
+# torch.compile, so that its elementwise passes over the (chunk, V) fp32 logits fuse: eager, each
+# of max, subtract, exp, row sum, scale, the label's subtraction and the cast to the GEMMs' dtype
+# is a kernel that reads (and most write) the whole chunk, about nine fp32 passes; compiled, the
+# row max and the row sum read the chunk once each and one kernel reads it again and writes the
+# gradient as the GEMMs' operand (compute dtype, or the weight gradient's stacked rows). Run 4's
+# profile of the 64K LoRA step (4 layers, docs/gpu_report/h200_2026-11-28_run4_profile.json) had
+# some 180 ms of such kernels, 256 calls each of the fp32 add and exp; not yet measured compiled.
+# The GEMMs stay outside, eager (cuBLAS; torch.mm's out_dtype on CUDA: Note [The lm_head
+# gradient's GEMM]).
+# - Code: the function's compiled branch (torch.compiler.is_compiling) writes the same formulas
+#   so that inductor needs no chunk-sized buffer: the softmax as exp(logits - lse), recomputed
+#   where the gradient is written, instead of the row sum's exponentials kept in place (inductor
+#   would store them), and the label's subtraction as a comparison in the same expression instead
+#   of scatter_add_ (a chunk-sized buffer of its own). Equal to eager up to rounding (tests: the
+#   loss, the argmax check and both gradients in float32 on CPU, soft-capped and scaled logits, a
+#   shorter last chunk; bf16 through the half-precision GEMM's CPU stand-in).
+# - Memory: it allocates nothing of (chunk, V) but the compute-dtype operand, which eager's cast
+#   makes too; fp32 without stacked rows, it writes the gradient into the logits' own buffer, as
+#   eager does (read in inductor's generated code at torch 2.13, with and without a soft-cap). So
+#   the planner, which plans the eager chunk (fake tensors take it), plans the compiled one too.
+# The backward's recomputing chunks (token losses of preference objectives) and the forward
+# without gradients (evaluation) stay eager.
 @functools.cache
 def _compiled_gradient_chunk():
-    return torch.compile(_gradient_chunk)
+    return torch.compile(_gradient_chunk_)
 
 
 #: When the forward takes the head's weight gradient (Note [The hidden states' gradient in the
@@ -256,23 +267,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         half_gemm = mm_to_accumulation_dtype(weight)
         operand = weight.dtype if half_gemm else acc
         group = chunk_size * (weight_grad_chunks(operand) if grad_weight is not None else 1)
-        gradient_chunk = _compiled_gradient_chunk() if compiled and not is_fake(hidden) else _gradient_chunk
+        gradient_chunk = _compiled_gradient_chunk() if compiled and not is_fake(hidden) else _gradient_chunk_
         for first in tile_starts(hidden.shape[0], group, hidden):  # Note [Planning tiles], for both loops
             group_rows = slice(first, first + group)
             size = hidden[group_rows].shape[0]
             stacked = hidden.new_empty((size, weight.shape[0]), dtype=operand) if grad_weight is not None else None
             for offset in tile_starts(size, chunk_size, hidden):
                 rows = slice(first + offset, first + offset + chunk_size)
+                logits, tanh = _chunk_logits(hidden[rows], weight, transform, acc, half_gemm)  # (chunk, V)
                 if eager:
-                    lse[rows], chunk_loss, chunk_correct = gradient_chunk(
-                        hidden[rows], weight, labels[rows], ignore_index, transform, acc, half_gemm, return_correct,
-                        None if stacked is None else stacked[offset : offset + chunk_size],
-                        None if grad_hidden is None else grad_hidden[rows])
+                    lse[rows], chunk_loss, chunk_correct, low = gradient_chunk(
+                        logits, tanh, labels[rows], ignore_index, transform.scale, acc, return_correct,
+                        None if stacked is None else stacked[offset : offset + chunk_size], weight.dtype)
+                    del logits, tanh  # (low may be them: fp32 without a stacked buffer)
                     total += chunk_loss
                     if return_correct:
                         correct[rows] = chunk_correct
+                    if grad_hidden is not None:
+                        grad_hidden[rows] = (low.to(weight.dtype) @ weight).to(hidden.dtype)
+                    del low
                     continue
-                logits, tanh = _chunk_logits(hidden[rows], weight, transform, acc, half_gemm)  # (chunk, V)
                 valid = labels[rows] != ignore_index
                 target = logits.gather(1, labels[rows].clamp(min=0)[:, None]).squeeze(1)
                 if return_correct:

@@ -36,15 +36,18 @@ What is compiled, and what is not:
 - Each module's own ``forward`` is what is compiled (``torch.compile`` of the bound method,
   set as the instance's ``forward``): the same code as eager, whatever the family's norm,
   MLP or attention computes, so the result equals eager up to the order inductor sums in
-  (tests: float32 training trajectories to 1e-5, LoRA on every Linear layer; every family's
-  attention layers forward and backward, tests/modules/test_compiled.py). One exception:
+  (tests: float32 training trajectories to 1e-5, LoRA on every Linear layer; the attention
+  layers of five families whose attention code differs most, forward and backward,
+  tests/modules/test_compiled.py). One exception:
   dropout inside a compiled module (``--lora_dropout`` on adapters) draws its masks from
   inductor's random numbers, so other masks than eager's, of the same distribution
   (activation checkpointing's recompute draws the same masks as its forward, compiled as
   eager).
 - Modules share graphs: dynamo guards on the code, not the instance (2 graphs for 12 norms and
   12 MLPs in one pass, torch 2.13; an attention layer's two graphs are shared by the layers of
-  one family). A training run compiles a few variants of each forward
+  one family, but for attributes its forward reads that differ between layers: gpt-oss's
+  windowed and full layers, a ``sliding_window`` of 128 or None, compile apart). A training
+  run compiles a few variants of each forward
   (grad mode, whether the input needs a gradient, FSDP2's renamed class of the final norm, a
   new sequence length, which then turns dynamic); past dynamo's recompile limit (8 a
   function) a new variant runs eager, which costs time only.

@@ -161,23 +161,6 @@ def test_a_compiled_loss_chunk_equals_the_eager_one(transform):
     assert counters["stats"]["calls_captured"] == captured
 
 
-def test_a_compiled_half_precision_chunk_reaches_the_cuda_only_gemm_lowering():
-    """The GPU's chunk (bf16 operands, the logits written in fp32 by torch.mm's out_dtype: Note [The
-    lm_head gradient's GEMM]) compiles through dynamo and AOT autograd up to inductor's lowering of
-    the GEMM, which takes out_dtype on CUDA only (Note [A compiled loss chunk]); eager, the CPU has
-    no such kernel at all."""
-    from llama_cp.model.cross_entropy import _compiled_gradient_chunk, _gradient_chunk
-
-    g = torch.Generator().manual_seed(5)
-    hidden, weight = (torch.randn(shape, generator=g).bfloat16() for shape in ((5, 8), (40, 8)))
-    args = (hidden, weight, torch.randint(0, 40, (5,), generator=g), -100, LogitTransform(), torch.float32, True,
-            False, torch.empty(5, 40, dtype=torch.bfloat16), torch.empty(5, 8, dtype=torch.bfloat16))
-    with pytest.raises(NotImplementedError, match="aten::mm.dtype' with arguments from the 'CPU' backend"):
-        _gradient_chunk(*args)
-    with pytest.raises(Exception, match="out_dtype is only supported for CUDA"):
-        _compiled_gradient_chunk()(*args)
-
-
 def test_one_gemm_of_the_head_gradient_sums_several_chunks():
     """In fp32 a GEMM of the trainable head's gradient takes two chunks' logit gradients (their
     fp32 logits' bytes twice: Note [The lm_head gradient's GEMM]); the last group is ragged, and the
@@ -314,3 +297,30 @@ def test_the_planner_plans_a_model_with_its_router_loss():
         router_aux_loss_coef=0.3)
     plan = plan_step_memory(TrainConfig.from_flags(context_length=64, cp=2, report_to="none"), 2, model_config=config)
     assert plan.total > 0 and plan.activations > 0
+
+
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen head", "trainable head"])
+def test_a_compiled_loss_chunk_on_the_gpus_bf16_path_equals_the_eager_one(monkeypatch, trainable):
+    """The GPU's path (bf16 operands, the logits written in fp32 by torch.mm's out_dtype: Note [The
+    lm_head gradient's GEMM]) through an exact CPU stand-in of that GEMM, compiled (Note [A compiled
+    loss chunk]) and eager: the loss and the gradients are equal up to the bf16 rounding of the logit
+    gradient (its compute-dtype operand: LoRA's cast, full fine-tuning's stacked rows)."""
+    from torch._dynamo.utils import counters
+
+    from llama_cp.model import cross_entropy as loss_module
+
+    monkeypatch.setattr(loss_module, "mm_to_accumulation_dtype", lambda weight: True)
+    monkeypatch.setattr(loss_module, "mm_out_dtype", lambda a, b, dtype: a.to(dtype) @ b.to(dtype))
+    hidden, weight, labels = _bf16_head()
+    weight.requires_grad_(trainable)
+    inputs = (hidden, weight) if trainable else (hidden,)
+    results = []
+    for compiled in (False, True):
+        captured = counters["stats"]["calls_captured"]
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_size=8, compiled=compiled)
+        results.append((loss, *torch.autograd.grad(loss, inputs)))
+        assert (counters["stats"]["calls_captured"] > captured) == compiled
+    for got, want in zip(results[1], results[0], strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=0)  # the loss: fp32 throughout

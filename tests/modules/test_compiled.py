@@ -144,8 +144,8 @@ def _packed_positions(lengths: list[int]) -> torch.Tensor:
 
 
 def _step(model, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    model.zero_grad()
-    loss = model(input_ids=ids, position_ids=positions, labels=ids).loss
+    model.zero_grad()  # no cache, as training calls it (llama_cp.model.loss)
+    loss = model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss
     loss.backward()
     return loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]
 
