@@ -18,16 +18,13 @@ from llama_cp.modules.families import LogitTransform
 from llama_cp.modules.tiling import tile_starts
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTransform, acc: torch.dtype,
-                  half_gemm: bool | None = None):
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, transform: LogitTransform, acc: torch.dtype):
     """(logits, tanh) of one chunk in ``acc``: the family's logits of ``hidden @ weight.T``
     (:class:`LogitTransform`), and the tanh term for the backward (None without a softcap). On
     CUDA a half-precision GEMM writes them in float32 itself (Note [The lm_head gradient's GEMM]):
     no half-precision logits and no copy (on an H200 the copies were 74 ms of a 2.3 s LoRA step at
-    64K, docs/benchmarks.md), and the logits are not rounded to bf16 first. ``half_gemm``: that
-    choice made by the caller (None: :func:`mm_to_accumulation_dtype`)."""
-    half_gemm = mm_to_accumulation_dtype(weight) if half_gemm is None else half_gemm
-    if acc == torch.float32 and half_gemm:
+    64K, docs/benchmarks.md), and the logits are not rounded to bf16 first."""
+    if acc == torch.float32 and mm_to_accumulation_dtype(weight):
         logits = mm_out_dtype(hidden, weight.t(), acc)
     else:
         logits = (hidden @ weight.t()).to(acc)
@@ -176,12 +173,12 @@ def _lse_and_exps_(logits) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _gradient_chunk_(logits, tanh, labels, ignore_index: int, scale: float, acc: torch.dtype, return_correct: bool,
-                     low: torch.Tensor | None, operand: torch.dtype):
+                     low: torch.Tensor | None, weight_dtype: torch.dtype):
     """One chunk of a forward that takes the gradients (Note [The hidden states' gradient in the forward]):
     its (chunk, V) ``logits`` (and soft-cap ``tanh``) from :func:`_chunk_logits` turned in place into
     their gradient; returns (lse, summed loss, argmax == label or ignored (None without
     ``return_correct``), the gradient as the GEMMs' operand: written into ``low`` (the weight gradient's
-    stacked rows) when given, else in ``operand``). The same function eager and compiled (Note [A
+    stacked rows) when given, else in ``weight_dtype``). The same function eager and compiled (Note [A
     compiled loss chunk])."""
     valid = labels != ignore_index
     target = logits.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
@@ -194,13 +191,13 @@ def _gradient_chunk_(logits, tanh, labels, ignore_index: int, scale: float, acc:
         label = torch.arange(logits.shape[1], device=logits.device) == labels.clamp(min=0)[:, None]
         grad = ((logits - lse[:, None]).exp() - label) * row_scale[:, None]
         grad_logits = grad if tanh is None else grad * (1 - tanh.square())
-        if low is None and operand == logits.dtype:
+        if low is None and weight_dtype == logits.dtype:
             grad_logits = logits.copy_(grad_logits)  # in place, as eager
     else:
         lse, exps, sums = _lse_and_exps_(logits)  # Note [One softmax a chunk]
         grad_logits = _grad_from_exps_(exps, sums, tanh, labels, row_scale)
     loss = ((lse - target) * valid).sum()
-    return lse, loss, correct, grad_logits.to(operand) if low is None else low.copy_(grad_logits)
+    return lse, loss, correct, grad_logits.to(weight_dtype) if low is None else low.copy_(grad_logits)
 
 
 # Note [A compiled loss chunk]
@@ -264,8 +261,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else None
         # the weight gradient's GEMM operand: the compute dtype where it is written in fp32 (Note [The lm_head
         # gradient's GEMM]), else the fp32 logit gradient; several chunks' rows per GEMM
-        half_gemm = mm_to_accumulation_dtype(weight)
-        operand = weight.dtype if half_gemm else acc
+        operand = weight.dtype if mm_to_accumulation_dtype(weight) else acc
         group = chunk_size * (weight_grad_chunks(operand) if grad_weight is not None else 1)
         gradient_chunk = _compiled_gradient_chunk() if compiled and not is_fake(hidden) else _gradient_chunk_
         for first in tile_starts(hidden.shape[0], group, hidden):  # Note [Planning tiles], for both loops
@@ -274,7 +270,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             stacked = hidden.new_empty((size, weight.shape[0]), dtype=operand) if grad_weight is not None else None
             for offset in tile_starts(size, chunk_size, hidden):
                 rows = slice(first + offset, first + offset + chunk_size)
-                logits, tanh = _chunk_logits(hidden[rows], weight, transform, acc, half_gemm)  # (chunk, V)
+                logits, tanh = _chunk_logits(hidden[rows], weight, transform, acc)  # (chunk, V)
                 if eager:
                     lse[rows], chunk_loss, chunk_correct, low = gradient_chunk(
                         logits, tanh, labels[rows], ignore_index, transform.scale, acc, return_correct,

@@ -31,8 +31,8 @@ What is compiled, and what is not:
   the host, and the ring and Ulysses communicate; each call is one kernel already
   (flash-attn or cuDNN). Its document layout passes through as an argument without
   guards: a new layout each step compiles nothing new.
-- The chunks of the training loss (the head's GEMMs, softmax and logit gradient of each chunk of
-  tokens): Note [A compiled loss chunk] in ``llama_cp/model/cross_entropy.py``.
+- The chunks of the training loss (the softmax, loss and logit gradient of each chunk of tokens;
+  the head's GEMMs stay eager): Note [A compiled loss chunk] in ``llama_cp/model/cross_entropy.py``.
 - Each module's own ``forward`` is what is compiled (``torch.compile`` of the bound method,
   set as the instance's ``forward``): the same code as eager, whatever the family's norm,
   MLP or attention computes, so the result equals eager up to the order inductor sums in

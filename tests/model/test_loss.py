@@ -126,6 +126,19 @@ def test_the_gradients_are_taken_in_the_forward(transform, trainable):
     assert counted.count >= 10, counted.count  # 10 chunks' logits again
 
 
+def _eager_then_compiled(run) -> list:
+    """``run(compiled)`` eager, then with --compile's loss chunks; dynamo captured frames in the second run
+    only (Note [A compiled loss chunk])."""
+    from torch._dynamo.utils import counters
+
+    results = []
+    for compiled in (False, True):
+        captured = counters["stats"]["calls_captured"]
+        results.append(run(compiled))
+        assert (counters["stats"]["calls_captured"] > captured) == compiled
+    return results
+
+
 @pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=3.0, softcap=5.0)])
 def test_a_compiled_loss_chunk_equals_the_eager_one(transform):
     """--compile's loss chunks (Note [A compiled loss chunk]): the loss, the argmax check and the hidden
@@ -140,14 +153,13 @@ def test_a_compiled_loss_chunk_equals_the_eager_one(transform):
     weight = torch.randn(40, 8, generator=g, requires_grad=True)
     labels = torch.randint(0, 40, (2, 23), generator=g)
     labels[1, :4] = -100
-    results = []
-    for compiled in (False, True):
-        captured = counters["stats"]["calls_captured"]
+
+    def run(compiled):
         total, correct = linear_cross_entropy(hidden, weight, labels, chunk_size=5, transform=transform,
                                               return_correct=True, compiled=compiled)
-        results.append((total, correct, *torch.autograd.grad(total / 7, (hidden, weight))))
-        assert (counters["stats"]["calls_captured"] > captured) == compiled
-    (want, want_correct, *want_grads), (got, got_correct, *got_grads) = results
+        return total, correct, *torch.autograd.grad(total / 7, (hidden, weight))
+
+    (want, want_correct, *want_grads), (got, got_correct, *got_grads) = _eager_then_compiled(run)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     assert torch.equal(got_correct, want_correct) and not got_correct.all()
     for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
@@ -305,8 +317,6 @@ def test_a_compiled_loss_chunk_on_the_gpus_bf16_path_equals_the_eager_one(monkey
     lm_head gradient's GEMM]) through an exact CPU stand-in of that GEMM, compiled (Note [A compiled
     loss chunk]) and eager: the loss and the gradients are equal up to the bf16 rounding of the logit
     gradient (its compute-dtype operand: LoRA's cast, full fine-tuning's stacked rows)."""
-    from torch._dynamo.utils import counters
-
     from llama_cp.model import cross_entropy as loss_module
 
     monkeypatch.setattr(loss_module, "mm_to_accumulation_dtype", lambda weight: True)
@@ -314,12 +324,12 @@ def test_a_compiled_loss_chunk_on_the_gpus_bf16_path_equals_the_eager_one(monkey
     hidden, weight, labels = _bf16_head()
     weight.requires_grad_(trainable)
     inputs = (hidden, weight) if trainable else (hidden,)
-    results = []
-    for compiled in (False, True):
-        captured = counters["stats"]["calls_captured"]
+
+    def run(compiled):
         loss = linear_cross_entropy(hidden, weight, labels, chunk_size=8, compiled=compiled)
-        results.append((loss, *torch.autograd.grad(loss, inputs)))
-        assert (counters["stats"]["calls_captured"] > captured) == compiled
+        return loss, *torch.autograd.grad(loss, inputs)
+
+    results = _eager_then_compiled(run)
     for got, want in zip(results[1], results[0], strict=True):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
