@@ -268,3 +268,36 @@ def apply_rope_settings(
     except KeyError as error:  # transformers names a missing key
         raise ValueError(f"--rope_scaling {rope_type}: {error.args[0]}") from None
     return config
+
+
+# Note [Positions past the model's]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A model's config names the longest position it was made for (max_position_embeddings: 8192 for
+# SmolLM2, 40960 for Qwen3, 131072 for Llama 3.1 with its llama3 scaling). RoPE computes its angles
+# for any position, so rows longer than that train without an error, on angles the model never saw:
+# an extension by fine-tuning alone. That is a choice some make, so it is not refused; but it is
+# said once at start, when neither --rope_theta nor --rope_scaling is given (those are checked
+# against --context_length instead: Note [RoPE settings from the command line]), with the scaling
+# that would reach the length. Dynamic scaling grows with the positions by design and is left out.
+
+
+def positions_past_config(config, context_length: int, rope_theta: float = 0.0, rope_scaling: str = "none") -> str | None:
+    """The start line of a run whose rows are longer than ``config``'s max_position_embeddings with
+    its RoPE as it is (Note [Positions past the model's]); None when there is nothing to say."""
+    longest = getattr(config, "max_position_embeddings", None)
+    if rope_theta or parse_rope_scaling(rope_scaling) is not None or not longest or context_length <= longest:
+        return None
+    rope = rope_parameters(config)
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "dynamic":
+        return None
+    if set(getattr(config, "layer_types", None) or ()) & set(rope):  # one RoPE per layer type (Gemma 3)
+        fix = "its config.json's rope_parameters set to reach it"
+    elif rope_type == "default":
+        fix = f"--rope_scaling yarn:factor={math.ceil(context_length / longest)} or a larger --rope_theta"
+    else:  # the model's own scaling
+        fix = f"--rope_scaling {rope_type} with a factor that reaches {context_length}"
+    return (f"--context_length {context_length} is past the model's max_position_embeddings {longest}, with its RoPE "
+            f"unchanged: positions past {longest} are ones it never saw, which the fine-tune alone has to teach it; an "
+            f"extension usually scales RoPE too: {fix} (Note [Positions past the model's] in "
+            "llama_cp/modules/causal_lm.py, docs/long_context.md)")

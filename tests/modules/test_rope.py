@@ -142,3 +142,32 @@ def test_the_trainer_refuses_a_scaling_short_of_the_context_before_starting(tmp_
         "original_max_position_embeddings 256 = 512 tokens): raise factor to 4 or lower --context_length"
     )
     assert not dist.is_initialized() and not (tmp_path / "run").exists()
+
+
+def test_rows_past_the_models_positions_are_said_with_the_scaling_that_reaches_them():
+    """Note [Positions past the model's]: a run longer than max_position_embeddings with the model's
+    RoPE as it is gets one line naming a scaling that reaches the length; flags that change RoPE (checked
+    against the length instead), a length inside, and dynamic scaling get none."""
+    from llama_cp.modules.causal_lm import positions_past_config
+
+    line = positions_past_config(llama_8k(), 20000)
+    assert line.startswith("--context_length 20000 is past the model's max_position_embeddings 8192, with its RoPE "
+                           "unchanged: positions past 8192 are ones it never saw"), line
+    assert "--rope_scaling yarn:factor=3 or a larger --rope_theta" in line, line
+    # the factor named reaches the length: apply_rope_settings takes it
+    assert apply_rope_settings(llama_8k(), 0.0, "yarn:factor=3", 20000).max_position_embeddings == 24576
+    assert positions_past_config(llama_8k(), 8192) is None
+    assert positions_past_config(llama_8k(), 20000, rope_theta=5e6) is None
+    assert positions_past_config(llama_8k(), 20000, rope_scaling="yarn:factor=3") is None
+    # a model's own scaling: its type, with a factor to raise
+    llama31 = apply_rope_settings(llama_8k(), 0.0, "llama3:factor=8,low_freq_factor=1,high_freq_factor=4", 65536)
+    line = positions_past_config(llama31, 131072)
+    assert "--rope_scaling llama3 with a factor that reaches 131072" in line and "65536" in line, line
+    dynamic = apply_rope_settings(llama_8k(), 0.0, "dynamic:factor=2", 8192)
+    assert positions_past_config(dynamic, 65536) is None
+    gemma3 = AutoConfig.for_model("gemma3_text", max_position_embeddings=1024)
+    line = positions_past_config(gemma3, 4096)
+    if set(gemma3.layer_types) & set(rope_parameters(gemma3)):  # transformers >= 5: one RoPE per layer type
+        assert "scales RoPE too: its config.json's rope_parameters set to reach it" in line, line
+    else:
+        assert "--rope_scaling yarn:factor=4" in line, line

@@ -656,7 +656,8 @@ def every_data_format_source_mixture_and_eval_option_trains_end_to_end():
 def a_local_model_with_only_model_name_and_dataset_gets_the_real_model_defaults():
     """Run with nothing but --model_name (a local HF directory) and --dataset: the learning rate of a
     full fine-tune, whole epochs, activation checkpointing, checkpoints during the run (Note
-    [Defaults by run]), as run_info.json records them; the run says them in one line."""
+    [Defaults by run]), as run_info.json records them; the run says them in one line, and that its
+    rows (1024 tokens) are longer than the model's positions (512: Note [Positions past the model's])."""
     from transformers import LlamaForCausalLM
 
     from llama_cp import Trainer, TrainConfig
@@ -666,7 +667,8 @@ def a_local_model_with_only_model_name_and_dataset_gets_the_real_model_defaults(
     with tempfile.TemporaryDirectory() as root:
         model_dir = os.path.join(root, "model")
         torch.manual_seed(0)
-        LlamaForCausalLM(embedded_llama_config(num_hidden_layers=1)).save_pretrained(model_dir)
+        LlamaForCausalLM(embedded_llama_config(num_hidden_layers=1, max_position_embeddings=512)).save_pretrained(
+            model_dir)
         byte_tokenizer().save_pretrained(model_dir)
         data = _write_rows(os.path.join(root, "data.jsonl"), [{"text": f"document {i} " * 40} for i in range(40)])
         here = os.getcwd()
@@ -689,6 +691,9 @@ def a_local_model_with_only_model_name_and_dataset_gets_the_real_model_defaults(
         saves = "every step" if info["save_every"] == 1 else f"every {info['save_every']} steps"  # a run of <= 10
         assert f"{steps} steps (--num_epochs 1), --lr 2e-05, activation checkpointing on, checkpoints {saves} " \
                "(Note [Defaults by run] in llama_cp/flags/defaults.py)" in said, said
+        past = [line for line in said if line.startswith("--context_length 1024 is past the model's "
+                                                          "max_position_embeddings 512, with its RoPE unchanged")]
+        assert len(past) == 1 and "--rope_scaling yarn:factor=2 or a larger --rope_theta" in past[0], said
 
 
 @checks.add
