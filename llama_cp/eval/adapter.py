@@ -28,6 +28,12 @@ from llama_cp.modules.causal_lm import EXPORT_INFO, TOKENIZER_FILES, check_token
 #   adapter_model.safetensors    read whole on every rank (it is small); set_model_state_dict with
 #                                full tensors keeps each rank's shards of them (DTensors)
 #
+# target_modules may name layers whole (model.layers.0.self_attn.q_proj): peft writes all-linear
+# so when it adapts fewer than 20 layers (MIN_TARGET_MODULES_FOR_OPTIMIZATION, peft 0.15 to 0.21; more are
+# written as the names' last parts), as a 2-layer model's or a user's own list does. Each name is
+# taken by its last part, as --lora_target_modules takes it: every layer so named gets adapters,
+# and an adapter of only some of them finds its model's other layers missing (below).
+#
 # peft saves each adapter tensor under the model's name with the adapter's name taken out
 # (...q_proj.lora_A.default.weight -> ...q_proj.lora_A.weight). Every tensor of the file must
 # find its LoRA tensor in the model, and every LoRA tensor of the model its tensor in the file,
@@ -79,7 +85,7 @@ class Adapter:
                              f"directory or hub id (for the embedded model write {EXPORT_INFO}: "
                              '{"model_name": "embedded", "seed": <the run\'s --seed>})')
         flags = {"model_name": base, "use_peft": True, "lora_r": config["r"], "lora_alpha": config["lora_alpha"],
-                 "lora_target_modules": tuple(targets),
+                 "lora_target_modules": tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for name in targets)),
                  "lora_target_parameters": tuple(config.get("target_parameters") or ()),
                  "use_rslora": bool(config.get("use_rslora")), "use_dora": bool(config.get("use_dora")),
                  "lora_modules_to_save": tuple(config.get("modules_to_save") or ())}

@@ -103,6 +103,15 @@ def check_model_name(name: str) -> None:
             f"--model_name {name!r}: no such directory ({os.path.abspath(path)}); pass a local HF model "
             "directory (with config.json, *.safetensors and the tokenizer), a .gguf file, a hub id, or embedded"
         )
+    adapter = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(adapter):
+        with open(adapter) as f:
+            base = json.load(f).get("base_model_name_or_path")
+        raise FileNotFoundError(
+            f"--model_name {name!r} is a LoRA adapter (adapter_config.json), not a model: train from its base "
+            f"({f'--model_name {base}' if base else 'the model it was trained on'}), or merge it into its base first "
+            f"(python -m recipes.export --checkpoint {name} --merge_lora --output_dir DIR) and train from DIR"
+        )
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(
             f"--model_name {name!r} has no config.json: it is not an HF model directory "

@@ -6,7 +6,12 @@ import os
 
 import pytest
 
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaForCausalLM
+
 from llama_cp.eval.adapter import Adapter
+from llama_cp.model.build import lora_targets
+from llama_cp.modules.causal_lm import embedded_llama_config
 
 
 def test_adapter_settings_are_read_and_unusable_adapters_refused(tmp_path):
@@ -32,6 +37,17 @@ def test_adapter_settings_are_read_and_unusable_adapters_refused(tmp_path):
     assert hub.flags["model_name"] == "org/base" and "seed" not in hub.flags
     assert hub.flags["use_rslora"] and hub.flags["use_dora"] and hub.flags["lora_modules_to_save"] == ("embed_tokens",
                                                                                                         "norm")
+    # peft writes all-linear's layers by their whole names when it adapts fewer than 20 (a model of 2 layers):
+    # taken by their last parts, the layers --lora_target_modules all-linear adapts
+    model = LlamaForCausalLM(embedded_llama_config(num_hidden_layers=2))
+    all_linear = lora_targets(model, ("all-linear",))
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).save_pretrained(
+        tmp_path / "by_name")
+    (tmp_path / "by_name" / "llama_cp_export.json").write_text(json.dumps({"model_name": "embedded"}))
+    written = json.loads((tmp_path / "by_name" / "adapter_config.json").read_text())["target_modules"]
+    assert "model.layers.1.mlp.down_proj" in written, written
+    targets = Adapter.read(str(tmp_path / "by_name")).flags["lora_target_modules"]
+    assert sorted(targets) == sorted(all_linear) and len(targets) == 7, targets
     assert Adapter.read("embedded") is None and Adapter.read(str(tmp_path)) is None
     for name, config, message in [
         ("pattern", {"rank_pattern": {"q_proj": 16}}, "per-module ranks"),

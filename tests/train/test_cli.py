@@ -107,8 +107,13 @@ def test_model_directories_without_config_or_tokenizer_are_refused(capsys, tmp_p
 
     build_causal_lm(embedded_llama_config(num_hidden_layers=1)).save_pretrained(tmp_path / "weights_only")
     (tmp_path / "nothing").mkdir()
+    (tmp_path / "adapter").mkdir()  # a run's final/ with --use_peft, given as the model to train
+    (tmp_path / "adapter" / "adapter_config.json").write_text('{"base_model_name_or_path": "/models/base"}')
     capsys.readouterr()  # save_pretrained's progress bar
     for directory, message in (("nothing", "has no config.json: it is not an HF model directory"),
+                               ("adapter", "is a LoRA adapter (adapter_config.json), not a model: train from its base "
+                                           "(--model_name /models/base), or merge it into its base first (python -m "
+                                           f"recipes.export --checkpoint {tmp_path / 'adapter'} --merge_lora"),
                                ("weights_only", "has no tokenizer (none of tokenizer.json, tokenizer.model")):
         with pytest.raises(SystemExit):
             run_cli(finetune_longctx.main, usage="x",
