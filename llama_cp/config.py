@@ -222,7 +222,7 @@ class TrainConfig:
     merge_lora: bool = False
     """With --use_peft: also write final_merged/, the adapters merged into the base weights (a plain transformers model in --export_dtype, RoPE settings in its config.json)."""
     export_gguf: Literal["none", "f16", "bf16", "q8_0"] = "none"
-    """After training, also write final_gguf/model-<TYPE>.gguf for llama.cpp and Ollama, with the tokenizer and chat template: from final_merged/ (LoRA: needs --merge_lora) or final/ (a full fine-tune); Llama-architecture models and qwen2 (docs/gguf.md). Checked before training."""
+    """After training, also write final_gguf/model-<TYPE>.gguf for llama.cpp and Ollama, with the tokenizer and chat template: from final_merged/ (LoRA: needs --merge_lora) or final/ (a full fine-tune); Llama-architecture models, qwen2 and qwen3 (docs/gguf.md). Checked before training."""
     eval_needle: bool = False
     """After training, passkey accuracy over context lengths (--context_length / 4, / 2, / 1) x needle depths (0 to 1) on the trained model: output_dir/needle.json and needle.png (llama_cp/eval/)."""
     eval_perplexity: bool = False

@@ -19,7 +19,7 @@ memory needed is the model once in float32.
 --gguf_type f16, bf16 or q8_0. A LoRA run needs --merge_lora (one file holds one model). The
 model is exported as with --format safetensors into a temporary directory beside --output_dir
 (--export_dtype applies there), which is converted and removed: the disk needed is that export
-plus the file. Llama-architecture models (llama, mistral) and qwen2 with byte-level BPE
+plus the file. Llama-architecture models (llama, mistral), qwen2 and qwen3 with byte-level BPE
 tokenizers; others are refused in one line (convert a safetensors export with llama.cpp's
 convert_hf_to_gguf.py). Needs the gguf package (pip install gguf).
 """
@@ -260,7 +260,7 @@ FLAGS = {
     "model_name": "the base model (a local HF directory or hub id) when it is no longer where the run found it",
     "format": "safetensors (an HF directory for transformers / peft) or gguf (one model-<TYPE>.gguf in --output_dir "
               "for llama.cpp and Ollama, tokenizer and chat template included; a LoRA run needs --merge_lora; "
-              "llama, mistral and qwen2; needs pip install gguf)",
+              "llama, mistral, qwen2 and qwen3; needs pip install gguf)",
     "gguf_type": "the GGUF's weight matrices: f16 (the default), bf16 or q8_0 (8-bit blocks, about half of f16's "
                  "size); norms and biases stay F32",
 }

@@ -163,8 +163,34 @@ def gguf_config(path: str):
     key, memo = _sha256_memo(path)
     if key in memo and os.path.isdir(_converted(path, memo[key])):
         return AutoConfig.from_pretrained(_converted(path, memo[key]))
-    config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    with reading_once():
+        config = _file_config(path)
     config.__dict__.pop("quantization_config", None)
+    return config
+
+
+# Note [A GGUF file's head size]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# llama.cpp takes an attention head's size from <arch>.attention.key_length, and without it from
+# embedding_length / head_count. transformers' GGUF reader (GGUF_CONFIG_MAPPING in
+# integrations/ggml.py, read at 4.56.2, 5.17 and 5.24) maps neither key: the config class's default
+# head_dim stands, which is hidden_size / num_attention_heads for Llama, Mistral and Qwen2, but 128
+# for Qwen3. So a Qwen3 file whose heads are not 128 wide (a small Qwen3, or Mistral Nemo's 128 in a
+# llama file of 5120 / 32) failed its load on mismatched shapes. The config is given llama.cpp's
+# head size before the model is built from it.
+
+
+def _file_config(path: str):
+    """transformers' config of the GGUF file ``path``, with the head size llama.cpp reads (Note [A
+    GGUF file's head size]). Inside ``reading_once``, so the file is parsed once."""
+    import gguf
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    fields = gguf.GGUFReader(path).fields
+    arch = fields["general.architecture"].contents()
+    key = fields.get(f"{arch}.attention.key_length")
+    config.head_dim = key.contents() if key is not None else config.hidden_size // config.num_attention_heads
     return config
 
 
@@ -236,7 +262,8 @@ def _convert(path: str, sha256: str, target: str) -> None:
 
     folder, name = os.path.dirname(path), os.path.basename(path)
     with reading_once():
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=_file_config(path),
+                                                     dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         fields = gguf.GGUFReader(path).fields
     model.config.__dict__.pop("quantization_config", None)  # the tensors are plain float32 now

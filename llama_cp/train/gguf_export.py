@@ -29,7 +29,7 @@ from llama_cp.modules.gguf import GGUF_SOURCE
 #: --gguf_type's choices: the tensor type of the weight matrices.
 GGUF_TYPES = ("f16", "bf16", "q8_0")
 #: model_type -> the llama.cpp architecture it is written as (llama.cpp runs Mistral as "llama").
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 #: The byte-level pre-tokenizers recognised from tokenizer.json (Note [Which pre-tokenizer a GGUF names]).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -86,7 +86,7 @@ _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # so the host holds one tensor (plus its converted copy), never the model.
 #
 # The Llama architecture's q and k rows are permuted (Note [Rotary halves and pairs]); Qwen2's
-# are written as they are.
+# and Qwen3's are written as they are.
 
 # Note [Rotary halves and pairs]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -99,7 +99,9 @@ _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # i.e. reshape (heads, 2, D/2, ...) -> swap axes 1 and 2 -> reshape back. transformers' GGUF
 # loader (LlamaTensorProcessor) applies the inverse, reshape (heads, D/2, 2) and swap back, with
 # num_attention_heads for attn_q and num_key_value_heads for attn_k, so the round trip is exact.
-# Qwen2 in llama.cpp rotates halves (NEOX style): no permutation.
+# Qwen2 and Qwen3 in llama.cpp rotate halves (NEOX style, llama_model_rope_type in llama.cpp's
+# src/llama-model.cpp): no permutation. Qwen3's q/k norms are per-head RMSNorm weights, written F32
+# as attn_q_norm / attn_k_norm.
 
 
 def require_gguf():
@@ -195,7 +197,7 @@ def _check_family(config, flag: str = "--format gguf") -> str:
     """The llama.cpp architecture of ``config``; ValueError for a family or setting not written here."""
     model_type = config.model_type
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"{flag} writes the Llama architecture (llama, mistral) and qwen2; {model_type} is "
+        raise ValueError(f"{flag} writes the Llama architecture (llama, mistral), qwen2 and qwen3; {model_type} is "
                          "not one: export safetensors (--format safetensors) and convert them with llama.cpp's "
                          "convert_hf_to_gguf.py")
     if getattr(config, "mlp_bias", False):
@@ -298,8 +300,8 @@ def _add_hyperparameters(writer, config, outtype: str, name: str, gguf) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(head_dim)
-    if head_dim != config.hidden_size // config.num_attention_heads:
-        writer.add_key_length(head_dim)
+    if head_dim != config.hidden_size // config.num_attention_heads or config.model_type == "qwen3":  # as llama.cpp's
+        writer.add_key_length(head_dim)  # converter writes it for Qwen3 (Note [A GGUF file's head size])
         writer.add_value_length(head_dim)
     rope = rope_parameters(config)
     writer.add_rope_freq_base(float(rope["rope_theta"]))

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from llama_cp.modules.gguf import reading_once  # noqa: E402
+from llama_cp.modules.gguf import _file_config, reading_once  # noqa: E402
 from llama_cp.train.gguf_export import GGUF_SOURCE, write_gguf  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -67,11 +67,13 @@ def model_dir(path, config, tokenizer=None, seed: int = 0):
 
 
 def read_back(path: str):
-    """transformers' reading of the GGUF file ``path``: (model in float32, tokenizer); the file parsed
-    once for both (Note [Reading a GGUF file once] in llama_cp/modules/gguf.py)."""
+    """transformers' reading of the GGUF file ``path`` as GGUF in reads it: (model in float32, tokenizer);
+    the file parsed once for both (Note [Reading a GGUF file once] in llama_cp/modules/gguf.py), the
+    head size llama.cpp's (Note [A GGUF file's head size])."""
     folder, name = os.path.split(path)
     with reading_once():
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=_file_config(path),
+                                                     dtype=torch.float32).eval()
         return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
@@ -96,12 +98,14 @@ def cast_copy(model, dtype):
 
 
 @pytest.mark.parametrize("outtype", ["f16", "bf16"])
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 def test_f16_and_bf16_read_back_as_the_source_rounded_to_the_type(tmp_path, model_type, outtype):
     """Every weight transformers reads back is the source's rounded to the type (exactly: the q/k
     permutation of the llama arch undone row for row), so the logits equal those of the source
     rounded; the tokenizer encodes the same ids and carries the chat template."""
-    source, directory = model_dir(tmp_path / "hf", tiny_config(model_type))
+    # Qwen3's heads 32 wide: neither its config's default (128) nor hidden / heads (16)
+    source, directory = model_dir(tmp_path / "hf", tiny_config(model_type, **({"head_dim": 32} if model_type == "qwen3"
+                                                                             else {})))
     out = write_gguf(directory, str(tmp_path / "m.gguf"), outtype)
     back, tokenizer = read_back(out)
     want = cast_copy(source, CAST[outtype])
@@ -185,6 +189,28 @@ def test_the_metadata_llama_cpp_reads(tmp_path):
     assert meta["tokenizer.ggml.add_bos_token"] is False and meta["tokenizer.chat_template"] == CHATML
     back, _ = read_back(str(tmp_path / "m.gguf"))
     assert back.config.tie_word_embeddings and back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+
+
+def test_qwen3_names_its_head_size_and_gguf_in_builds_it_back(tmp_path, monkeypatch):
+    """Qwen3 as llama.cpp's converter writes it: key_length and value_length always (its config's head_dim
+    defaults to 128, not hidden / heads: Note [A GGUF file's head size]), the q/k norms F32; GGUF in
+    (the conversion a run trains from, and the config the planner reads) has the file's head size and
+    the source's weights rounded to f16."""
+    from llama_cp.modules.gguf import gguf_config, gguf_model_dir
+
+    monkeypatch.setenv("LLAMA_CP_CACHE", str(tmp_path / "cache"))
+    source, directory = model_dir(tmp_path / "hf", tiny_config("qwen3", head_dim=16))  # = hidden / heads
+    out = write_gguf(directory, str(tmp_path / "m.gguf"), "f16")
+    meta = fields(out)
+    assert meta["general.architecture"] == "qwen3"
+    assert (meta["qwen3.attention.key_length"], meta["qwen3.attention.value_length"]) == (16, 16)
+    assert {meta["tensors"][f"blk.1.{name}.weight"] for name in ("attn_q_norm", "attn_k_norm")} == {"F32"}
+    assert gguf_config(out).head_dim == 16
+    converted = AutoModelForCausalLM.from_pretrained(gguf_model_dir(out), dtype=torch.float32)
+    assert converted.config.head_dim == 16
+    want = cast_copy(source, torch.float16).state_dict()
+    for name, value in converted.state_dict().items():
+        torch.testing.assert_close(value, want[name], atol=0, rtol=0, msg=name)
 
 
 def test_rope_scaling_is_written_as_llama_cpp_reads_it(tmp_path):
@@ -365,7 +391,7 @@ def test_export_gguf_flag_is_checked_before_training():
         TrainConfig.from_flags(export_gguf="f16")
     cfg = TrainConfig.from_flags(model_name="org/model", use_peft=True, merge_lora=True, export_gguf="bf16")
     assert cfg.export_gguf == "bf16"
-    with pytest.raises(ValueError, match=r"^--export_gguf writes the Llama architecture \(llama, mistral\) and "
-                                         "qwen2; gemma2 is not one"):
+    with pytest.raises(ValueError, match=r"^--export_gguf writes the Llama architecture \(llama, mistral\), qwen2 "
+                                         "and qwen3; gemma2 is not one"):
         check_gguf_family(AutoConfig.for_model("gemma2"), "--export_gguf")
     assert check_gguf_family(tiny_config()) == "llama"
