@@ -143,6 +143,47 @@ def export_pretrained(
         raise WriteFailed(failure[0])
 
 
+def export_run(model: nn.Module, tokenizer, cfg, path: str, model_path: str | None, say) -> None:
+    """What a run writes at its end (``Trainer.export``): ``path`` (``final/``), an HF model directory in
+    --export_dtype (full fine-tune) or a peft adapter (LoRA), with the tokenizer; with --merge_lora also
+    ``path``_merged, the adapter merged into the base; with --export_gguf also ``final_gguf/`` beside
+    them. Every rank calls it; ``say`` prints on rank 0."""
+    rank0 = dist.get_rank() == 0
+    targets = [(path, False)] + ([(path.rstrip(os.sep) + "_merged", True)] if cfg.merge_lora else [])
+    if rank0:
+        for target, _ in targets:
+            if os.path.exists(target):
+                shutil.rmtree(target)  # the previous export of this output_dir
+    dist.barrier()
+    changed = align_special_tokens(model, tokenizer)
+    if changed:
+        say(f"exported with the tokenizer's special-token ids: {', '.join(changed)}")
+    dtype = export_dtype(cfg.export_dtype, model_path)
+    name = cfg.model.model_name
+    local = name != "embedded" and (os.path.isdir(os.path.expanduser(name)) or name.lower().endswith(".gguf"))
+    base = os.path.abspath(os.path.expanduser(name)) if local else name
+    if hasattr(model, "peft_config") and name != "embedded":
+        for adapter in model.peft_config.values():  # where PeftModel.from_pretrained users find the base
+            adapter.base_model_name_or_path = base
+    info = {"model_name": base, "seed": cfg.seed, "rope_theta": cfg.model.rope_theta,
+            "rope_scaling": cfg.model.rope_scaling, "context_length": cfg.data.context_length}
+    for target, merge in targets:
+        export_pretrained(model, target, tokenizer, dtype=dtype, merge_lora=merge, info=info)
+    if cfg.export_gguf != "none":
+        from llama_cp.train.gguf_export import write_final_gguf
+
+        out = os.path.join(os.path.dirname(path.rstrip(os.sep)), "final_gguf")
+        if rank0:
+            say(f"wrote {write_final_gguf(targets[-1][0], out, cfg.export_gguf, model_path)} (docs/gguf.md)")
+        dist.barrier()  # the other ranks go on once the file is written
+    rope = " ".join(f"--{k} {v}" for k, v in (("rope_theta", cfg.model.rope_theta),
+                                               ("rope_scaling", cfg.model.rope_scaling)) if v not in (0, "none"))
+    if rope and hasattr(model, "peft_config"):  # peft loads an adapter onto the base's own config
+        merged = f"; {targets[-1][0]} carries them" if cfg.merge_lora else "; --merge_lora writes a model that carries them"
+        say(f"{path} is an adapter trained with {rope}: the base model's config must be given the same "
+            f"settings before loading it (README.md there){merged}")
+
+
 def check_mergeable(model: nn.Module) -> None:
     """ValueError naming the flag for an adapter :func:`export_pretrained` cannot merge exactly here."""
     from llama_cp.modules.quantize import quantized_linears

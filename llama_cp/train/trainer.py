@@ -441,46 +441,10 @@ class Trainer:
     def export(self, path: str) -> None:
         """``final/``: an HF model directory in --export_dtype (full fine-tune) or a peft adapter
         (LoRA), with the tokenizer; with --merge_lora also ``final_merged/``, the adapter merged
-        into the base model (``llama_cp.train.export``)."""
-        from llama_cp.train.export import align_special_tokens, export_dtype, export_pretrained
+        into the base model; with --export_gguf also ``final_gguf/`` (``llama_cp.train.export.export_run``)."""
+        from llama_cp.train.export import export_run
 
-        cfg = self.cfg
-        targets = [(path, False)] + ([(path.rstrip(os.sep) + "_merged", True)] if cfg.merge_lora else [])
-        if self.rank == 0:
-            import shutil
-
-            for target, _ in targets:
-                if os.path.exists(target):
-                    shutil.rmtree(target)  # the previous export of this output_dir
-        dist.barrier()
-        changed = align_special_tokens(self.model, self.tokenizer)
-        if changed:
-            self._say(f"exported with the tokenizer's special-token ids: {', '.join(changed)}")
-        dtype = export_dtype(cfg.export_dtype, self.model_path)
-        name = cfg.model.model_name
-        local = name != "embedded" and (os.path.isdir(os.path.expanduser(name)) or name.lower().endswith(".gguf"))
-        base = os.path.abspath(os.path.expanduser(name)) if local else name
-        if hasattr(self.model, "peft_config") and name != "embedded":
-            for adapter in self.model.peft_config.values():  # where PeftModel.from_pretrained users find the base
-                adapter.base_model_name_or_path = base
-        info = {"model_name": base, "seed": cfg.seed, "rope_theta": cfg.model.rope_theta,
-                "rope_scaling": cfg.model.rope_scaling, "context_length": cfg.data.context_length}
-        for target, merge in targets:
-            export_pretrained(self.model, target, self.tokenizer, dtype=dtype, merge_lora=merge, info=info)
-        if cfg.export_gguf != "none":
-            from llama_cp.train.gguf_export import write_final_gguf
-
-            out = os.path.join(os.path.dirname(path.rstrip(os.sep)), "final_gguf")
-            if self.rank == 0:
-                self._say(f"wrote {write_final_gguf(targets[-1][0], out, cfg.export_gguf, self.model_path)} "
-                          "(docs/gguf.md)")
-            dist.barrier()  # the other ranks go on once the file is written
-        rope = " ".join(f"--{k} {v}" for k, v in (("rope_theta", cfg.model.rope_theta),
-                                                   ("rope_scaling", cfg.model.rope_scaling)) if v not in (0, "none"))
-        if rope and hasattr(self.model, "peft_config"):  # peft loads an adapter onto the base's own config
-            merged = f"; {targets[-1][0]} carries them" if cfg.merge_lora else "; --merge_lora writes a model that carries them"
-            self._say(f"{path} is an adapter trained with {rope}: the base model's config must be given the same "
-                      f"settings before loading it (README.md there){merged}")
+        export_run(self.model, self.tokenizer, self.cfg, path, self.model_path, say=self._say)
 
 
 def _global_rank() -> int:
