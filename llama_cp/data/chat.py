@@ -7,6 +7,7 @@ tokenizer without a template is refused: there is no format to render in.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -69,24 +70,58 @@ _THINK_TAG_ENDS = re.compile(r"</?think>\s*$")
 #    reasoning is found where it ends the turn. A think block between the header and the answer
 #    is trained: the model writes it.
 # 3. Close. The turn ends after the first special token that follows the content (tool calls
-#    written after the content are trained with it); a special token of the header (such as
-#    ``<|im_start|>``) opens the next turn instead, and then the turn ends with its content.
+#    written after the content are trained with it: the search starts after the last call's
+#    function name, since Mistral opens its calls with the special token [TOOL_CALLS]); a special
+#    token of the header (such as ``<|im_start|>``) opens the next turn instead, and then the turn
+#    ends with its content.
 #
 # Assistant turns before ``first_trained`` are located the same way (it moves the cursor) but
 # stay prompt, and one that is not found is left as prompt. Templates with ``{% generation %}``
 # markers would say where the turns are, but few templates have them, so they are not used.
 
 
+# Note [A row's tools]
+# ~~~~~~~~~~~~~~~~~~~~
+# Tool-calling data carries, beside its messages, the definitions of the tools the assistant may
+# call (a 'tools' column: a list of JSON schemas, or that list as a JSON string, as many hub datasets
+# store it). At inference the caller gives them to the template (apply_chat_template(messages,
+# tools=...)), which writes them into the system prompt; training renders each row the same way
+# (TRL's SFT and DPO trainers do too). A template that ignores them would train the model to call
+# tools whose definitions it never sees, so a row with tools whose rendering is the same without
+# them is refused, for the run, naming --chat_template.
+
+
+def row_tools(value: Any) -> dict[str, Any]:
+    """The keyword arguments that give a row's 'tools' value to apply_chat_template: {} for none
+    (missing, null, empty), {"tools": [...]} for a list or a JSON string of one (Note [A row's
+    tools]); ChatRenderError for anything else."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as error:
+            raise ChatRenderError(f"its 'tools' is a string and not JSON ({error.msg} at column {error.colno})") \
+                from None
+    if not value:
+        return {}
+    if not isinstance(value, (list, tuple)) or not all(isinstance(tool, Mapping) for tool in value):
+        raise ChatRenderError(f"its 'tools' must be a list of tool definitions (JSON objects), got {str(value)[:60]!r}")
+    return {"tools": list(value)}
+
+
 def chat_segments(
-    messages: Sequence[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, first_trained: int = 0
+    messages: Sequence[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, first_trained: int = 0,
+    tools: Any = None,
 ) -> list[tuple[str, bool]]:
     """(text, trained) pieces of a conversation whose texts join into the template's rendering
     of it; the assistant messages from index ``first_trained`` on are trained, each from its
-    header's end through its end-of-turn token (Note [Locating assistant turns]).
+    header's end through its end-of-turn token (Note [Locating assistant turns]). ``tools``: the
+    row's tool definitions, given to the template as it takes them at inference (Note [A row's tools]).
 
-    ChatRenderError when this conversation cannot be rendered or a trained assistant message
-    cannot be found in the rendering; ValueError when the tokenizer has no chat template.
+    ChatRenderError when this conversation or its tools cannot be rendered or a trained assistant
+    message cannot be found in the rendering; ValueError when the tokenizer has no chat template,
+    or one that writes no tools and the row has some.
     """
+    tools = row_tools(tools)
     messages = list(messages)
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
@@ -97,12 +132,19 @@ def chat_segments(
             "pass --chat_template FILE, a Jinja chat template such as the instruct model's chat_template.jinja"
         )
     try:
-        rendering = tokenizer.apply_chat_template(messages, tokenize=False)
+        rendering = tokenizer.apply_chat_template(messages, tokenize=False, **tools)
+        without = tokenizer.apply_chat_template(messages, tokenize=False) if tools else None
     except _RENDER_ERRORS as error:
         raise ChatRenderError(f"the chat template cannot render this conversation: it says {error}") from error
+    if tools and rendering == without:
+        raise ValueError(
+            "the rows have tools (a 'tools' column) and the chat template writes none of them, so the model would "
+            "learn to call tools it is never shown: pass --chat_template FILE, a template that writes tools (the "
+            "model's own, e.g. Qwen's or Llama 3.1's), or drop the tools column (Note [A row's tools])"
+        )
 
     assistants = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
-    prompts = {index: _generation_prompt(messages[:index], tokenizer) for index in assistants}
+    prompts = {index: _generation_prompt(messages[:index], tokenizer, tools) for index in assistants}
     headers = [prompt[1] for prompt in prompts.values() if prompt and prompt[1]]
     borrowed = ("", headers[0] if headers else "")  # for a prefix that cannot be rendered: a header, no context
     closing = _special_token_pattern(tuple(sorted(_special_tokens(tokenizer))))
@@ -123,7 +165,7 @@ def chat_segments(
             )
         turn_start, content_end = found
         turn_end = content_end
-        close = closing.search(rendering, content_end) if closing else None
+        close = closing.search(rendering, _tool_calls_end(rendering, messages[index], content_end)) if closing else None
         if close and close.group() not in header:
             turn_end = close.end()
         if index >= first_trained:
@@ -138,14 +180,32 @@ def chat_segments(
     return [(text, trained) for text, trained in segments if text]
 
 
-def _generation_prompt(prefix: list[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase) -> tuple[str, str] | None:
+def _tool_calls_end(rendering: str, message: Mapping[str, Any], start: int) -> int:
+    """Where the message's tool calls, written after its content, have their last function name in
+    ``rendering`` (its arguments follow, then the turn's closing token); ``start`` when it has no
+    calls or their names are not there in order. Mistral opens the calls with a special token
+    ([TOOL_CALLS]), which must not close the turn (Note [Locating assistant turns], 3)."""
+    position = start
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", call) if isinstance(call, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        found = rendering.find(name, position) if isinstance(name, str) and name else -1
+        if found < 0:
+            return start
+        position = found + len(name)
+    return position
+
+
+def _generation_prompt(
+    prefix: list[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, tools: Mapping[str, Any]
+) -> tuple[str, str] | None:
     """(context, header) of the prefix's rendering with the generation prompt: the header is
     what the prompt adds, the context what comes before it; None when the prefix cannot be
     rendered. The two renderings are compared, not subtracted: Phi-3 ends the one without a
     prompt with eos."""
     try:
-        plain = tokenizer.apply_chat_template(prefix, tokenize=False) if prefix else ""
-        prompted = tokenizer.apply_chat_template(prefix, tokenize=False, add_generation_prompt=True)
+        plain = tokenizer.apply_chat_template(prefix, tokenize=False, **tools) if prefix else ""
+        prompted = tokenizer.apply_chat_template(prefix, tokenize=False, add_generation_prompt=True, **tools)
     except _RENDER_ERRORS:
         return None
     common = len(os.path.commonprefix([plain, prompted]))

@@ -12,7 +12,9 @@ needs; one example made into a document: its token ids and which of them are tra
     chat          {"messages": [{"role": str, "content": str}, ...]}
                   only the assistant turns (and the end of each turn) are trained;
                   rendered with the tokenizer's chat template or --chat_template's, refused
-                  without one (llama_cp.data.chat)
+                  without one (llama_cp.data.chat); an optional "tools" (a list of tool
+                  definitions, or its JSON string) is given to the template, for message lists
+                  of the other formats too (Note [A row's tools])
     passkey       {"passkey": int, "depth": float, "length": int (optional)}
                   the synthetic task (llama_cp.data.passkey), only the answer is trained
     preference, implicit_preference
@@ -88,6 +90,65 @@ def check_required_values(examples: datasets.Dataset, dataset: str, flag: str = 
         )
 
 
+# Note [JSON objects stored as structs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A tool call's arguments and a tool's parameters are JSON objects of any shape: {"city": "Rome"}
+# in one row, {"query": "cats", "limit": 3} in the next. datasets before 5.0 (3.0 to 4.8 read)
+# stores such a column as one Arrow struct for every row, whose fields are the keys of all rows
+# together, so every row reads back with the keys it never had, as null: {"city": "Rome",
+# "query": null, "limit": null}. The chat template then writes those nulls, and the model learns
+# to emit them. datasets 5 reads JSON lines into its Json feature and keeps each object as
+# written; a parquet file keeps whatever schema it was written with. So wherever such an object
+# is a struct and a row holds a null in it, the source is refused: a null there cannot be told
+# from a key the row never had.
+
+#: The keys whose values are JSON objects of any shape (Note [JSON objects stored as structs]).
+FREE_FORM_KEYS = ("arguments", "properties")
+
+
+def check_free_form_structs(examples: datasets.Dataset, dataset: str, flag: str = "--dataset") -> None:
+    """ValueError when a column stores tool-call arguments or tool parameters as one Arrow struct
+    and a row holds a null in it (Note [JSON objects stored as structs])."""
+    import pyarrow as pa
+
+    def paths(kind, path):  # where the column's type holds a free-form object as a struct
+        if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+            yield from paths(kind.value_type, path)
+        elif pa.types.is_struct(kind):
+            for field in kind:
+                if field.name in FREE_FORM_KEYS and pa.types.is_struct(field.type):
+                    yield (*path, field.name)
+                else:
+                    yield from paths(field.type, (*path, field.name))
+
+    for column in examples.column_names:
+        for path in paths(examples.data.schema.field(column).type, ()):
+            for index, value in enumerate(examples[column]):
+                nulls = _nulls_at(value, path)
+                if nulls:
+                    import datasets as installed
+
+                    raise ValueError(
+                        f"{flag} {dataset!r}: row {index + 1}'s {column!r} has {'.'.join(path)} with "
+                        f"{', '.join(nulls)}: null. The rows' {path[-1]} are stored as one struct whose keys are all "
+                        f"rows' together (datasets {installed.__version__} reads JSON so; a parquet file may be written "
+                        "so), and a row reads back with the keys it never had as null, which the chat template would "
+                        f"write: upgrade datasets (>= 5.0 keeps JSON objects as written) or store {path[-1]} as JSON "
+                        "strings (Note [JSON objects stored as structs])"
+                    )
+
+
+def _nulls_at(value: Any, path: tuple[str, ...]) -> list[str]:
+    """The keys holding None in the objects at ``path`` (through lists) of ``value``."""
+    if isinstance(value, list):
+        return next((found for item in value if (found := _nulls_at(item, path))), [])
+    if not isinstance(value, Mapping):
+        return []
+    if not path:
+        return [key for key, item in value.items() if item is None]
+    return _nulls_at(value.get(path[0]), path[1:])
+
+
 def detect_format(columns: Iterable[str]) -> str:
     """"chat", "prompt_completion", "preference", "implicit_preference", "instruction", "text" or
     "passkey" from the column names;
@@ -152,24 +213,27 @@ def tokenize_example(
             return [], []
         segments = [(example["text"], True)]
     elif kind == "prompt_completion":
-        segments = prompt_completion_segments(example["prompt"], example["completion"], tokenizer)
+        segments = prompt_completion_segments(example["prompt"], example["completion"], tokenizer,
+                                              tools=example.get("tools"))
     elif kind == "instruction":
         template = ALPACA_PROMPT_WITH_INPUT if example.get("input") else ALPACA_PROMPT
         prompt = template.format(instruction=example["instruction"], input=example.get("input") or "")
         segments = [(prompt, False), (example["output"] or "", True)]
     else:
-        segments = chat_segments(example["messages"], tokenizer)
+        segments = chat_segments(example["messages"], tokenizer, tools=example.get("tools"))
     return _encode_document(segments, tokenizer)
 
 
-def prompt_completion_segments(prompt: Any, completion: Any, tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, bool]]:
+def prompt_completion_segments(
+    prompt: Any, completion: Any, tokenizer: PreTrainedTokenizerBase, tools: Any = None
+) -> list[tuple[str, bool]]:
     """(text, trained) pieces of a prompt-completion example: two strings, the prompt untrained;
-    or two message lists rendered as one conversation with the chat template, only the
-    completion's assistant turns trained (TRL's conversational prompt-completion)."""
+    or two message lists rendered as one conversation with the chat template (and the row's
+    ``tools``), only the completion's assistant turns trained (TRL's conversational prompt-completion)."""
     if isinstance(prompt, str) and isinstance(completion, str):
         return [(prompt, False), (completion, True)]
     if isinstance(prompt, list) and isinstance(completion, list):
-        return chat_segments([*prompt, *completion], tokenizer, first_trained=len(prompt))
+        return chat_segments([*prompt, *completion], tokenizer, first_trained=len(prompt), tools=tools)
     raise ChatRenderError(
         f"'prompt' and 'completion' must both be strings or both be message lists, got "
         f"{type(prompt).__name__} and {type(completion).__name__}"

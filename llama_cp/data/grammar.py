@@ -20,7 +20,8 @@ PASSKEY = "passkey"
 LOCAL_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt", ".csv", ".tsv", ".arrow", ".gz", ".zst")
 #: The columns of the example formats (llama_cp.data.formats), which --dataset_columns and a
 #: source's options may map to another column of the data.
-FORMAT_COLUMNS = ("text", "prompt", "completion", "messages", "instruction", "input", "output", "chosen", "rejected")
+FORMAT_COLUMNS = ("text", "prompt", "completion", "messages", "instruction", "input", "output", "chosen", "rejected",
+                  "tools")
 #: A source's options after its path or id (``org/corpus:config=en:split=train``).
 SOURCE_OPTIONS = ("config", "split", "revision", "data_files", "weight")
 

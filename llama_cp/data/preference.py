@@ -91,8 +91,9 @@ def tokenize_pair(example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase
         return (_encode_document([(prompt, False), (chosen, True)], tokenizer),
                 _encode_document([(prompt, False), (rejected, True)], tokenizer))
     if isinstance(prompt, list) and isinstance(chosen, list) and isinstance(rejected, list):
-        return _conversation_document(prompt, chosen, "chosen", tokenizer), \
-            _conversation_document(prompt, rejected, "rejected", tokenizer)
+        tools = example.get("tools")
+        return _conversation_document(prompt, chosen, "chosen", tokenizer, tools), \
+            _conversation_document(prompt, rejected, "rejected", tokenizer, tools)
     raise ChatRenderError(
         f"'prompt', 'chosen' and 'rejected' must all be strings or all be message lists, got "
         f"{type(prompt).__name__}, {type(chosen).__name__} and {type(rejected).__name__}"
@@ -125,9 +126,10 @@ def implicit_prompt(chosen: Any, rejected: Any) -> tuple[list, list, list]:
 
 
 def _conversation_document(
-    prompt: list, completion: list, column: str, tokenizer: PreTrainedTokenizerBase
+    prompt: list, completion: list, column: str, tokenizer: PreTrainedTokenizerBase, tools: Any = None
 ) -> Document:
-    """The document of prompt + completion messages, only the last (assistant) message scored."""
+    """The document of prompt + completion messages (with the row's ``tools``: Note [A row's tools]),
+    only the last (assistant) message scored."""
     last = completion[-1] if completion else None
     if not isinstance(last, Mapping) or last.get("role") != "assistant":
         got = "no messages" if last is None else f"a last message {str(last)[:60]!r}"
@@ -135,7 +137,8 @@ def _conversation_document(
             f"the {column!r} completion must end with an assistant message, which is what is scored; got {got}"
         )
     messages = [*prompt, *completion]
-    return _encode_document(chat_segments(messages, tokenizer, first_trained=len(messages) - 1), tokenizer)
+    return _encode_document(chat_segments(messages, tokenizer, first_trained=len(messages) - 1, tools=tools),
+                            tokenizer)
 
 
 def preference_pairs(examples: Iterable[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase) -> Iterator[Pair]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from llama_cp.data.formats import check_required_values, detect_format
+from llama_cp.data.formats import check_free_form_structs, check_required_values, detect_format
 from llama_cp.data.grammar import PASSKEY, Source, check_sources, parse_sources
 from llama_cp.data.passkey import (
     DEFAULT_PASSKEY_SAMPLES,
@@ -83,8 +83,9 @@ def load_source(source: Source, part: str, seed: int = 0, eval_fraction: float =
         if len(piece) == 0:
             raise ValueError(f"{source.flag} {where!r} is empty: it holds no rows")
         check_required_values(piece, where, source.flag)  # also fails on unusable columns, before tokenizing
+        check_free_form_structs(piece, where, source.flag)
         for column in ("prompt", "completion", "messages", "chosen", "rejected"):
-            if type(piece.features.get(column)).__name__ == "Json":  # datasets >= 4 reads mixed JSON as Json
+            if type(piece.features.get(column)).__name__ == "Json":  # datasets >= 5 reads mixed JSON as Json
                 raise ValueError(f"{source.flag} {where!r}: the {column!r} column mixes strings and message lists "
                                  "across rows; use one form per source (split the file in two)")
         # each example's row number (from 1, in its split) goes along, for messages about the row

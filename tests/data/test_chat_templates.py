@@ -9,6 +9,7 @@ from the end of the assistant header through the token that closes the turn
 """
 
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,53 @@ def test_tool_call_turns_are_trained_through_their_end_of_turn_token():
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>',
         "Sunny.<|im_end|>",
     ]
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("name", [QWEN3, LLAMA, MISTRAL])
+def test_a_rows_tools_are_written_by_the_template_into_the_prompt(name):
+    """Note [A row's tools]: the 'tools' column goes to the template as at inference (the document is
+    its rendering with tools=), the definitions land in the untrained prompt, the turns trained are
+    the ones trained without tools; a JSON string of the list is the same row."""
+    messages = [
+        {"role": "user", "content": "weather in Rome?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "call00001", "type": "function",  # Mistral's template wants 9-character ids
+                         "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+        {"role": "tool", "tool_call_id": "call00001", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    tokenizer = model_tokenizer(name)
+    document = tokenize_example({"messages": messages, "tools": [WEATHER_TOOL]}, tokenizer)
+    rendering = tokenizer.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=False)
+    assert rendering != tokenizer.apply_chat_template(messages, tokenize=False)
+    text = tokenizer.decode(document[0])
+    assert text.endswith(rendering) or text.endswith(rendering + tokenizer.eos_token), (text, rendering)
+    prompt = "".join(piece for piece, mask in runs(document, tokenizer) if not mask)
+    assert "The weather in a city now" in prompt, prompt
+    without = tokenize_example({"messages": messages}, model_tokenizer(name))
+    assert trained(document, tokenizer) == trained(without, tokenizer)
+    call, answer = trained(document, tokenizer)  # the call is the model's to write, arguments and closing token too
+    assert '"city": "Rome"' in call and call.endswith(tokenizer.eos_token if name == MISTRAL else
+                                                       {QWEN3: "<|im_end|>", LLAMA: "<|eot_id|>"}[name]), call
+    assert answer.endswith("Sunny." + {QWEN3: "<|im_end|>", LLAMA: "<|eot_id|>", MISTRAL: "</s>"}[name]), answer
+    assert tokenize_example({"messages": messages, "tools": json.dumps([WEATHER_TOOL])}, tokenizer) == document
+    assert tokenize_example({"messages": messages, "tools": None}, tokenizer) == without
+
+
+def test_tools_a_template_does_not_write_are_refused_and_bad_tools_name_the_row():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    with pytest.raises(ValueError, match=r"^the rows have tools \(a 'tools' column\) and the chat template writes "
+                                         r"none of them, .* pass --chat_template FILE"):
+        tokenize_example({"messages": messages, "tools": [WEATHER_TOOL]}, model_tokenizer(PHI))
+    for tools, message in (("[{", "its 'tools' is a string and not JSON"),
+                           ({"name": "f"}, "its 'tools' must be a list of tool definitions")):
+        with pytest.raises(ChatRenderError, match=message):
+            tokenize_example({"messages": messages, "tools": tools}, model_tokenizer(QWEN3))
 
 
 @pytest.mark.parametrize("name", [QWEN25, PHI])

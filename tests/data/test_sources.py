@@ -3,6 +3,7 @@ revisions / data_files, mixtures (Note [Mixtures]), the eval set, prompt/complet
 --on_bad_row; in one process, against rows built by hand."""
 
 import json
+import re
 from collections import Counter
 
 import datasets
@@ -258,6 +259,48 @@ def test_a_row_the_template_cannot_render_is_skipped_or_refused(tokenizer, tmp_p
     with pytest.raises(ValueError, match=rf"row 2 of --dataset '{path}': .*cannot render.*\(the tokenizer's chat "
                                          r"template\); fix the row, or pass --on_bad_row skip to train on the others"):
         build_rows(DataSpec(str(path), eval_fraction=0, on_bad_row="error"), tokenizer, 64)
+
+
+def test_tool_calls_of_other_shapes_read_back_as_written_or_are_refused(tmp_path):
+    """Note [JSON objects stored as structs]: rows whose tool-call arguments and tool parameters differ
+    in their keys either read back as written (datasets >= 5's Json) or, stored as one struct for every
+    row (datasets < 5; a parquet file written so), are refused naming the row and the fix, never
+    trained with keys a row never had, as null."""
+    from llama_cp.data.formats import check_free_form_structs
+    from llama_cp.data.sources import load_source
+
+    def row(name, arguments):
+        properties = {key: {"type": "string"} for key in arguments}
+        return {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": name, "arguments": arguments}}]}],
+                "tools": [{"type": "function", "function": {"name": name, "parameters": {
+                    "type": "object", "properties": properties}}}]}
+
+    rows = [row("get_weather", {"city": "Rome"}), row("search", {"query": "cats", "limit": "3"})]
+    path = write_jsonl(tmp_path / "calls.jsonl", rows)
+    message = r"row 1's 'messages' has tool_calls.function.arguments with (query, limit|limit, query): null\. The rows'"
+    try:
+        loaded = load_source(parse_sources(str(path))[0], "train", eval_fraction=0)
+    except ValueError as error:  # datasets < 5: the arguments as one struct
+        assert int(datasets.__version__.split(".")[0]) < 5
+        assert re.search(message, str(error)) and "upgrade datasets (>= 5.0" in str(error), error
+    else:
+        assert int(datasets.__version__.split(".")[0]) >= 5
+        assert [(r["messages"], r["tools"]) for r in loaded.remove_columns("_row_number")] == \
+            [(r["messages"], r["tools"]) for r in rows]
+    # the struct form, on any datasets version: refused where a row holds a null, read as written where none does
+    def as_structs(records, keys):
+        text = datasets.Value("string")
+        return datasets.Dataset.from_list(records, features=datasets.Features({
+            "messages": [{"role": text, "content": text, "tool_calls": [
+                {"type": text, "function": {"name": text, "arguments": {key: text for key in keys}}}]}],
+            "tools": [{"type": text, "function": {"name": text, "parameters": {
+                "type": text, "properties": {key: {"type": text} for key in keys}}}}]}))
+
+    with pytest.raises(ValueError, match=message):
+        check_free_form_structs(as_structs(rows, ("city", "query", "limit")), "calls.jsonl")
+    check_free_form_structs(as_structs([row("search", {"query": "a", "limit": "1"}),
+                                        row("search", {"query": "b", "limit": "2"})], ("query", "limit")), "same keys")
 
 
 # ----------------------------------------------------------------------------- streaming
