@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 #: Version of the files' layout (Note [Prepared rows] in row_files.py); a change makes every cache key new.
 #: 2: a checksum per row (``<split>.rowsums``) and the files' sizes in summary.json.
 LAYOUT_VERSION = 2
+#: Version of how examples become documents; a change that trains other tokens makes every cache key new,
+#: so no run reuses rows an older llama-cp made. 2: a row's tools go to the chat template (Note [A row's
+#: tools]), Mistral's tool calls are trained whole. (1: the key had no such entry.)
+DOCUMENT_VERSION = 2
 
 
 def dataset_fingerprint(source: Source | str) -> dict[str, Any]:
@@ -65,6 +69,7 @@ def cache_key(
     sources = dict.fromkeys([*spec.sources("train"), *spec.sources("eval")])
     return {
         "layout": LAYOUT_VERSION,
+        "documents": DOCUMENT_VERSION,
         "data": spec.key(),
         "dataset": [dataset_fingerprint(source) for source in sources],
         "tokenizer": {"name": getattr(tokenizer, "name_or_path", ""), "sha256": tokenizer_fingerprint(tokenizer)},

@@ -6,6 +6,7 @@ import os
 import random
 import re
 import time
+from unittest import mock
 
 import pyarrow as pa
 import pytest
@@ -150,6 +151,11 @@ def test_cache_key_changes_with_tokenizer_format_context_and_cp_and_rebuilds(tok
     assert key_hash(cache_key(str(dataset), tokenizer, 64, 2)) != base
     assert key_hash(cache_key(str(dataset), tokenizer, 64, 1, truncate=True)) != base
     assert key_hash(cache_key(str(dataset), byte_tokenizer(), 64, 1)) == base  # the same definition, the same key
+    # rows an older llama-cp made, which encoded examples otherwise, are not reused
+    from llama_cp.data import cache_key as module
+
+    with mock.patch.object(module, "DOCUMENT_VERSION", module.DOCUMENT_VERSION - 1):
+        assert key_hash(cache_key(str(dataset), tokenizer, 64, 1)) != base
     cache = str(tmp_path / "cache")
     first, summary = prepare_dataset(str(dataset), tokenizer, 64, cache_dir=cache)
     assert first.name == base and not summary["reused"]
