@@ -106,12 +106,12 @@ def check_required_values(examples: datasets.Dataset, dataset: str, flag: str = 
 FREE_FORM_KEYS = ("arguments", "properties")
 
 
-def check_free_form_structs(examples: datasets.Dataset, dataset: str, flag: str = "--dataset") -> None:
-    """ValueError when a column stores tool-call arguments or tool parameters as one Arrow struct
-    and a row holds a null in it (Note [JSON objects stored as structs])."""
+def free_form_struct_paths(features: datasets.Features | None) -> dict[str, list[tuple[str, ...]]]:
+    """Column -> where its type holds a tool call's arguments or a tool's parameters as a struct
+    (Note [JSON objects stored as structs]); {} when the features are unknown or hold none."""
     import pyarrow as pa
 
-    def paths(kind, path):  # where the column's type holds a free-form object as a struct
+    def paths(kind, path):
         if pa.types.is_list(kind) or pa.types.is_large_list(kind):
             yield from paths(kind.value_type, path)
         elif pa.types.is_struct(kind):
@@ -121,21 +121,39 @@ def check_free_form_structs(examples: datasets.Dataset, dataset: str, flag: str 
                 else:
                     yield from paths(field.type, (*path, field.name))
 
-    for column in examples.column_names:
-        for path in paths(examples.data.schema.field(column).type, ()):
-            for index, value in enumerate(examples[column]):
-                nulls = _nulls_at(value, path)
-                if nulls:
-                    import datasets as installed
+    if features is None:
+        return {}
+    schema = features.arrow_schema
+    found = {name: list(paths(schema.field(name).type, ())) for name in schema.names}
+    return {name: where for name, where in found.items() if where}
 
-                    raise ValueError(
-                        f"{flag} {dataset!r}: row {index + 1}'s {column!r} has {'.'.join(path)} with "
-                        f"{', '.join(nulls)}: null. The rows' {path[-1]} are stored as one struct whose keys are all "
-                        f"rows' together (datasets {installed.__version__} reads JSON so; a parquet file may be written "
-                        "so), and a row reads back with the keys it never had as null, which the chat template would "
-                        f"write: upgrade datasets (>= 5.0 keeps JSON objects as written) or store {path[-1]} as JSON "
-                        "strings (Note [JSON objects stored as structs])"
-                    )
+
+def check_free_form_nulls(example: Mapping[str, Any], paths: Mapping[str, list[tuple[str, ...]]], row: str,
+                          dataset: str, flag: str = "--dataset") -> None:
+    """ValueError naming ``row`` when ``example`` holds a null where ``paths`` (of
+    ``free_form_struct_paths``) say an object is a struct (Note [JSON objects stored as structs])."""
+    for column, where in paths.items():
+        for path in where:
+            nulls = _nulls_at(example.get(column), path)
+            if nulls:
+                import datasets as installed
+
+                raise ValueError(
+                    f"{flag} {dataset!r}: {row}'s {column!r} has {'.'.join(path)} with {', '.join(nulls)}: null. The "
+                    f"rows' {path[-1]} are stored as one struct whose keys are all rows' together (datasets "
+                    f"{installed.__version__} reads JSON so; a parquet file may be written so), and a row reads back with "
+                    f"the keys it never had as null, which the chat template would write: upgrade datasets (>= 5.0 "
+                    f"keeps JSON objects as written) or store {path[-1]} as JSON strings (Note [JSON objects stored as "
+                    "structs])"
+                )
+
+
+def check_free_form_structs(examples: datasets.Dataset, dataset: str, flag: str = "--dataset") -> None:
+    """``check_free_form_nulls`` for every row of ``examples`` (rows count from 1)."""
+    paths = free_form_struct_paths(examples.features)
+    if paths:
+        for index, example in enumerate(examples.select_columns(list(paths))):
+            check_free_form_nulls(example, paths, f"row {index + 1}", dataset, flag)
 
 
 def _nulls_at(value: Any, path: tuple[str, ...]) -> list[str]:

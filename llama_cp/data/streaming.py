@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import datasets
 import torch
 
-from llama_cp.data.formats import REQUIRED_COLUMNS, detect_format
+from llama_cp.data.formats import REQUIRED_COLUMNS, check_free_form_nulls, detect_format, free_form_struct_paths
 from llama_cp.data.grammar import Source
 from llama_cp.data.mixture import DataSpec, mixed_stream, mixture_weights, tokenize_row
 from llama_cp.data.packing import Row, RowPacker, _pad_id, truncate_document
@@ -98,7 +98,9 @@ def _stream_documents(spec: DataSpec, eval_part: bool, dp_rank: int = 0, dp_size
     (Note [Streaming rows]); the sources mixed as Note [Mixtures] says."""
     own_eval = eval_part and bool(spec.eval_dataset)
     sources = spec.sources("eval" if own_eval else "train")
-    mixed = mixed_stream([stream_examples(source) for source in sources], mixture_weights(sources), spec.seed)
+    streams = [stream_examples(source) for source in sources]
+    structs = [free_form_struct_paths(stream.features) for stream in streams]  # Note [JSON objects stored as structs]
+    mixed = mixed_stream(streams, mixture_weights(sources), spec.seed)
     held_out = not spec.eval_dataset and spec.eval_fraction > 0
     train_index = 0
     for index, (which, example) in enumerate(mixed):
@@ -107,6 +109,8 @@ def _stream_documents(spec: DataSpec, eval_part: bool, dp_rank: int = 0, dp_size
         if not held_out and eval_part and not own_eval:
             return  # --eval_fraction 0: no eval documents
         if eval_part or train_index % dp_size == dp_rank:
+            check_free_form_nulls(example, structs[which], f"document {index} of the stream", sources[which].name,
+                                  sources[which].flag)
             yield _checked(example, index, sources[which])
         train_index += not eval_part
 
