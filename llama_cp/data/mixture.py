@@ -153,6 +153,8 @@ def tokenize_row(
         return tokenize_example(example, tokenizer, context_length), None
     except ChatRenderError as error:
         return ([], []), bad_row(error, where, spec)
+    except ValueError as error:  # about the data as a whole (no template, one that writes no tools): at its first row
+        raise ValueError(f"{where}: {error}") from None
 
 
 def bad_row(error: ChatRenderError, where: str, spec: DataSpec) -> str:

@@ -225,5 +225,7 @@ def _tokenize_pair(example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBas
     except ChatRenderError as error:
         reason = bad_row(error, f"row {example.get(ROW_NUMBER)} of {source.flag} {source.name!r}", spec)
         ids, mask, rejected_ids, rejected_mask = [], [], [], []
+    except ValueError as error:  # about the data as a whole, as tokenize_row says it
+        raise ValueError(f"row {example.get(ROW_NUMBER)} of {source.flag} {source.name!r}: {error}") from None
     return {"chosen_ids": ids, "chosen_mask": mask, "rejected_ids": rejected_ids, "rejected_mask": rejected_mask,
             "bad": reason}

@@ -261,6 +261,25 @@ def test_a_row_the_template_cannot_render_is_skipped_or_refused(tokenizer, tmp_p
         build_rows(DataSpec(str(path), eval_fraction=0, on_bad_row="error"), tokenizer, 64)
 
 
+def test_tools_the_template_does_not_write_are_refused_naming_the_row(tokenizer, tmp_path):
+    """Note [A row's tools]: the embedded tokenizer's template writes no tools; SFT and DPO rows with
+    a 'tools' column are refused for the run, at the first such row, not skipped."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    user, assistant = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"messages": [user, assistant]}, {"messages": [user, assistant],
+                                                                                   "tools": tools}])
+    with pytest.raises(ValueError, match=rf"^row 2 of --dataset '{sft}': the rows have tools \(a 'tools' column\) "
+                                         "and the chat template writes none of them"):
+        build_rows(DataSpec(str(sft), eval_fraction=0), tokenizer, 64)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": [user], "chosen": [assistant], "tools": tools,
+                                                    "rejected": [{"role": "assistant", "content": "no"}]}] * 2)
+    from llama_cp.data.prepared import prepare_dataset
+
+    with pytest.raises(ValueError, match=rf"^row 1 of --dataset '{pairs}': the rows have tools"):
+        prepare_dataset(DataSpec(str(pairs), eval_fraction=0), tokenizer, 64, cache_dir=str(tmp_path / "cache"),
+                        objective="dpo")
+
+
 def test_tool_calls_of_other_shapes_read_back_as_written_or_are_refused(tmp_path):
     """Note [JSON objects stored as structs]: rows whose tool-call arguments and tool parameters differ
     in their keys either read back as written (datasets >= 5's Json) or, stored as one struct for every
