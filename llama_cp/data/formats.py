@@ -93,13 +93,14 @@ def check_required_values(examples: datasets.Dataset, dataset: str, flag: str = 
 # Note [JSON objects stored as structs]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A tool call's arguments and a tool's parameters are JSON objects of any shape: {"city": "Rome"}
-# in one row, {"query": "cats", "limit": 3} in the next. datasets before 5.0 (3.0 to 4.8 read)
-# stores such a column as one Arrow struct for every row, whose fields are the keys of all rows
-# together, so every row reads back with the keys it never had, as null: {"city": "Rome",
-# "query": null, "limit": null}. The chat template then writes those nulls, and the model learns
-# to emit them. datasets 5 reads JSON lines into its Json feature and keeps each object as
-# written; a parquet file keeps whatever schema it was written with. So wherever such an object
-# is a struct and a row holds a null in it, the source is refused: a null there cannot be told
+# in one row, {"query": "cats", "limit": 3} in the next. datasets before 4.7 (no Json feature in
+# the 4.0 to 4.6 wheels; 3.0.0 run) stores such a column as one Arrow struct for every row, whose
+# fields are the keys of all rows together, so every row reads back with the keys it never had,
+# as null: {"city": "Rome", "query": null, "limit": null}. The chat template then writes those
+# nulls, and the model learns to emit them. datasets 4.7 and later (4.7.0, 4.8.5 and 5.2 run)
+# read JSON lines into their Json feature and keep each object as written; a parquet file keeps
+# whatever schema it was written with. So wherever such an object is a struct and a row holds a
+# null in it, the source is refused: a null there cannot be told
 # from a key the row never had.
 
 #: The keys whose values are JSON objects of any shape (Note [JSON objects stored as structs]).
@@ -142,7 +143,7 @@ def check_free_form_nulls(example: Mapping[str, Any], paths: Mapping[str, list[t
                     f"{flag} {dataset!r}: {row}'s {column!r} has {'.'.join(path)} with {', '.join(nulls)}: null. The "
                     f"rows' {path[-1]} are stored as one struct whose keys are all rows' together (datasets "
                     f"{installed.__version__} reads JSON so; a parquet file may be written so), and a row reads back with "
-                    f"the keys it never had as null, which the chat template would write: upgrade datasets (>= 5.0 "
+                    f"the keys it never had as null, which the chat template would write: upgrade datasets (>= 4.7 "
                     f"keeps JSON objects as written) or store {path[-1]} as JSON strings (Note [JSON objects stored as "
                     "structs])"
                 )

@@ -85,7 +85,7 @@ def load_source(source: Source, part: str, seed: int = 0, eval_fraction: float =
         check_required_values(piece, where, source.flag)  # also fails on unusable columns, before tokenizing
         check_free_form_structs(piece, where, source.flag)
         for column in ("prompt", "completion", "messages", "chosen", "rejected"):
-            if type(piece.features.get(column)).__name__ == "Json":  # datasets >= 5 reads mixed JSON as Json
+            if type(piece.features.get(column)).__name__ == "Json":  # datasets >= 4.7 reads mixed JSON as Json
                 raise ValueError(f"{source.flag} {where!r}: the {column!r} column mixes strings and message lists "
                                  "across rows; use one form per source (split the file in two)")
         # each example's row number (from 1, in its split) goes along, for messages about the row
