@@ -165,7 +165,8 @@ def chat_segments(
             )
         turn_start, content_end = found
         turn_end = content_end
-        close = closing.search(rendering, _tool_calls_end(rendering, messages[index], content_end)) if closing else None
+        calls_end = _tool_calls_end(rendering, messages[index], content_end, closing)
+        close = closing.search(rendering, calls_end) if closing else None
         if close and close.group() not in header:
             turn_end = close.end()
         if index >= first_trained:
@@ -180,16 +181,23 @@ def chat_segments(
     return [(text, trained) for text, trained in segments if text]
 
 
-def _tool_calls_end(rendering: str, message: Mapping[str, Any], start: int) -> int:
+def _tool_calls_end(rendering: str, message: Mapping[str, Any], start: int, closing: re.Pattern[str] | None) -> int:
     """Where the message's tool calls, written after its content, have their last function name in
     ``rendering`` (its arguments follow, then the turn's closing token); ``start`` when it has no
-    calls or their names are not there in order. Mistral opens the calls with a special token
-    ([TOOL_CALLS]), which must not close the turn (Note [Locating assistant turns], 3)."""
-    position = start
-    for call in message.get("tool_calls") or ():
+    calls or their names are not there in order before the second special token after ``start``
+    (a template that writes no calls leaves them unfound, whatever later turns say). Mistral opens
+    the calls with a special token ([TOOL_CALLS]), which must not close the turn (Note [Locating
+    assistant turns], 3)."""
+    calls = message.get("tool_calls") or ()
+    first = closing.search(rendering, start) if calls and closing else None
+    if first is None:
+        return start
+    second = closing.search(rendering, first.end())
+    limit, position = second.start() if second else len(rendering), start
+    for call in calls:
         function = call.get("function", call) if isinstance(call, Mapping) else None
         name = function.get("name") if isinstance(function, Mapping) else None
-        found = rendering.find(name, position) if isinstance(name, str) and name else -1
+        found = rendering.find(name, position, limit) if isinstance(name, str) and name else -1
         if found < 0:
             return start
         position = found + len(name)

@@ -280,6 +280,25 @@ def test_a_rows_tools_are_written_by_the_template_into_the_prompt(name):
     assert tokenize_example({"messages": messages, "tools": None}, tokenizer) == without
 
 
+@pytest.mark.parametrize("name", [PHI, GEMMA])
+def test_tool_calls_a_template_does_not_write_leave_the_turns_as_without_them(name):
+    """A template that writes no tool calls: the turn closes at its end-of-turn token as without the
+    calls, also when a later message names the called function (the call's name is looked for in
+    its own turn only)."""
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "let me look",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+        {"role": "user", "content": "get_weather says sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    document, tokenizer = encode(messages, name)
+    plain = [{key: value for key, value in message.items() if key != "tool_calls"} for message in messages]
+    end = {PHI: "<|end|>", GEMMA: "<end_of_turn>"}[name]
+    assert trained(document, tokenizer) == trained(encode(plain, name)[0], tokenizer) == [
+        f"let me look{end}", f"Sunny.{end}"]
+
+
 def test_tools_a_template_does_not_write_are_refused_and_bad_tools_name_the_row():
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     with pytest.raises(ValueError, match=r"^the rows have tools \(a 'tools' column\) and the chat template writes "
