@@ -219,13 +219,14 @@ def _tokenize_pair(example: Mapping[str, Any], tokenizer: PreTrainedTokenizerBas
                    source: Source) -> dict[str, Any]:
     """One preference example as its (chosen, rejected) sequences; empty ones and the reason for a
     row that cannot be made into a pair under --on_bad_row skip (as ``tokenize_row`` does)."""
+    where = f"row {example.get(ROW_NUMBER)} of {source.flag} {source.name!r}"
     try:
         (ids, mask), (rejected_ids, rejected_mask) = tokenize_pair(example, tokenizer)
         reason = None
     except ChatRenderError as error:
-        reason = bad_row(error, f"row {example.get(ROW_NUMBER)} of {source.flag} {source.name!r}", spec)
+        reason = bad_row(error, where, spec)
         ids, mask, rejected_ids, rejected_mask = [], [], [], []
     except ValueError as error:  # about the data as a whole, as tokenize_row says it
-        raise ValueError(f"row {example.get(ROW_NUMBER)} of {source.flag} {source.name!r}: {error}") from None
+        raise ValueError(f"{where}: {error}") from None
     return {"chosen_ids": ids, "chosen_mask": mask, "rejected_ids": rejected_ids, "rejected_mask": rejected_mask,
             "bad": reason}

@@ -101,20 +101,23 @@ class Trainer:
         return build_tokenizer(self.model_path, self.cfg.data.chat_template)
 
     def _build_model(self):
+        """The run's model; said when its rows are longer than its positions (Note [Positions past the model's])."""
         from llama_cp.model.build import build_model
-
-        return build_model(self.cfg, self.mesh, self.device, self.model_path)
-
-    def _start_flops_count(self) -> None:
-        """The model FLOPs per token and per attention pair, and the GPU's peak (Note [Model FLOPs]); and
-        whether the rows are longer than the model's positions (Note [Positions past the model's])."""
         from llama_cp.modules.causal_lm import base_causal_lm, positions_past_config
 
-        p, config = self.cfg.peft, base_causal_lm(self.model).config
-        if line := positions_past_config(config, self.cfg.data.context_length, self.cfg.model.rope_theta,
-                                         self.cfg.model.rope_scaling):
+        model = build_model(self.cfg, self.mesh, self.device, self.model_path)
+        m = self.cfg.model
+        if line := positions_past_config(base_causal_lm(model).config, self.cfg.data.context_length, m.rope_theta,
+                                         m.rope_scaling):
             self._say(line)
-        self.flops = model_flops(config, lora_r=p.lora_r if p.use_peft else 0,
+        return model
+
+    def _start_flops_count(self) -> None:
+        """The model FLOPs per token and per attention pair, and the GPU's peak (Note [Model FLOPs])."""
+        from llama_cp.modules.causal_lm import base_causal_lm
+
+        p = self.cfg.peft
+        self.flops = model_flops(base_causal_lm(self.model).config, lora_r=p.lora_r if p.use_peft else 0,
                                  lora_targets=p.lora_target_modules, modules_to_save=p.lora_modules_to_save)
         device_name = torch.cuda.get_device_name(self.device) if self.device_type == "cuda" else None
         self.peak_flops = self.cfg.peak_tflops * 1e12 or peak_flops(device_name)
