@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from llama_cp.modules.causal_lm import base_causal_lm, compute_dtype, decoder_layers
+from llama_cp.modules.checkpoints import text_model_tensors
 from llama_cp.modules.quantize import quantize_checkpoint, quantized_linears
 from llama_cp.parallel.mesh import submesh
 
@@ -184,17 +185,36 @@ def activation_offload(enabled: bool) -> contextlib.AbstractContextManager:
 
 
 # ---------------------------------------------------------------- weights in and out
-def _reinit_rotary_buffers(model: nn.Module, device: torch.device) -> None:
-    """After ``to_empty`` the non-persistent RoPE buffers (``inv_freq``) hold garbage and no
-    checkpoint restores them: rebuild each rotary module from its config and take its buffers."""
+def restore_buffers(model: nn.Module, device: torch.device) -> None:
+    """Put the buffers no checkpoint holds back on ``device`` after ``to_empty`` (or, for a model
+    whose parameters live in host memory, move them there): the values ``build_causal_lm`` kept
+    (Note [Buffers no checkpoint holds] in llama_cp/modules/causal_lm.py). A module made after the
+    build (peft's copy of a ``modules_to_save`` layer) takes the values of a built module of its class;
+    a RoPE module of a model built elsewhere is rebuilt from its config; any other such buffer is refused."""
+    built = getattr(base_causal_lm(model), "_built_buffers", [])
+    restored = set()
+    for module, name, value in built:
+        module.register_buffer(name, value.to(device), persistent=False)
+        restored.add(id(module))
     for module in model.modules():
-        if "inv_freq" in dict(module.named_buffers(recurse=False)):
+        names = sorted(module._non_persistent_buffers_set & dict(module.named_buffers(recurse=False)).keys())
+        if not names or id(module) in restored:
+            continue
+        twin = next((m for m, _, _ in built if type(m) is type(module)), None)
+        if twin is not None:
+            for name in names:
+                module.register_buffer(name, getattr(twin, name).to(device), persistent=False)
+        elif any(name.endswith("inv_freq") for name in names):
             with torch.device(device):
                 fresh = type(module)(module.config)
             for name, buffer in fresh.named_buffers(recurse=False):
                 module.register_buffer(name, buffer, persistent=name not in fresh._non_persistent_buffers_set)
             if hasattr(fresh, "attention_scaling"):
                 module.attention_scaling = fresh.attention_scaling
+        else:
+            raise ValueError(f"{type(module).__name__} has buffers no checkpoint holds ({', '.join(names)}) and the "
+                             "model was not built by llama_cp.modules.causal_lm.build_causal_lm, which keeps them: "
+                             "build it there")
 
 
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -216,18 +236,19 @@ def _read_checkpoint(path: str, config, load_kwargs: dict | None = None) -> dict
     (``conversion_mapping.get_checkpoint_conversion_mapping``), so for those transformers itself
     loads the model on this rank (one full copy, as reading the files takes) and hands its state; so it
     does, with them, for ``load_kwargs`` (an MXFP4 checkpoint's dequantization: Note [MXFP4 checkpoints]
-    in llama_cp/model/build.py)."""
+    in llama_cp/model/build.py). A vision-language checkpoint gives its text model's tensors
+    (``text_model_tensors``)."""
     if not load_kwargs:
         try:
             from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         except ImportError:  # transformers 4.x: checkpoints hold the model's own names
-            return _read_safetensors(path)
+            return text_model_tensors(_read_safetensors(path))
         if not get_checkpoint_conversion_mapping(config.model_type):
-            return _read_safetensors(path)
+            return text_model_tensors(_read_safetensors(path))
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype="auto", device_map="cpu", **(load_kwargs or {}))
-    return dict(loaded.state_dict())
+    return text_model_tensors(dict(loaded.state_dict()))
 
 
 def _checkpoint_key(key: str) -> str:
@@ -275,7 +296,7 @@ def load_full_weights(model: nn.Module, path: str, device: torch.device | str, p
     RoPE buffers still go to ``device``. ``load_kwargs``: transformers loads the files, with them.
     """
     model.to_empty(device="cpu" if params_on_cpu else device)
-    _reinit_rotary_buffers(model, torch.device(device))
+    restore_buffers(model, torch.device(device))
     full: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
         checkpoint = _read_checkpoint(path, base_causal_lm(model).config, load_kwargs)

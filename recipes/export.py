@@ -203,23 +203,30 @@ def build_base(run: dict, base_dir: str | None, with_weights: bool):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from llama_cp.modules.causal_lm import apply_rope_settings, build_causal_lm, embedded_llama_config
+    from llama_cp.modules.checkpoints import text_config, vision_language
 
-    config = embedded_llama_config() if base_dir is None else AutoConfig.from_pretrained(base_dir)
+    raw = embedded_llama_config() if base_dir is None else AutoConfig.from_pretrained(base_dir)
+    config = text_config(raw)
     apply_rope_settings(config, run["rope_theta"], run["rope_scaling"], run.get("context_length"))
     if base_dir is None:
         torch.manual_seed(run["seed"])  # as llama_cp.model.build.build_model initialises it
         return build_causal_lm(config)
-    if with_weights:
+    if with_weights and not vision_language(raw):
         return AutoModelForCausalLM.from_pretrained(base_dir, config=config, dtype=torch.float32)
     model = build_causal_lm(config, device="meta").to_empty(device="cpu")
+    model.tie_weights()  # to_empty makes a new parameter of each: a tied head gets its own
     _init_rotary(model)
+    if with_weights:  # the text model of a vision-language checkpoint, as the run loaded it
+        from llama_cp.fsdp_wrap import _full_state_for, _read_checkpoint
+
+        model.load_state_dict(_full_state_for(model.state_dict(), _read_checkpoint(base_dir, config), base_dir))
     return model
 
 
 def _init_rotary(model) -> None:
-    from llama_cp.fsdp_wrap import _reinit_rotary_buffers
+    from llama_cp.fsdp_wrap import restore_buffers
 
-    _reinit_rotary_buffers(model, torch.device("cpu"))
+    restore_buffers(model, torch.device("cpu"))
 
 
 def load_checkpoint_weights(model, run: dict, path: str):

@@ -33,7 +33,7 @@ def llama_cp_steps(config, context_length: int, flags: dict, *, steps: int, devi
     import contextlib
 
     from llama_cp import count_valid_tokens, optimizer_step, parallelize_model, shard_batch
-    from llama_cp.fsdp_wrap import _reinit_rotary_buffers
+    from llama_cp.fsdp_wrap import restore_buffers
     from llama_cp.modules.causal_lm import build_causal_lm
     from llama_cp.optim.optimizers import build_optimizer
 
@@ -47,7 +47,7 @@ def llama_cp_steps(config, context_length: int, flags: dict, *, steps: int, devi
     model = model.to("cpu" if offload else device)
     model = parallelize_model(model, cfg, mesh, device_type=device.type)
     if offload:
-        _reinit_rotary_buffers(model, device)  # buffers are not offloaded (build_model does the same)
+        restore_buffers(model, device)  # buffers are not offloaded (build_model does the same)
     optimizer = build_optimizer("adamw", model, lr=1e-5, weight_decay=0.0, on_host=offload)
     row = random_row(config, context_length, doc_len)
     local = {k: v.to(device) for k, v in shard_batch(row, mesh["cp"]).items()}

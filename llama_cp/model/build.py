@@ -25,10 +25,11 @@ from llama_cp.attention.choose import choose_strategy
 from llama_cp.attention.kernels import check_backend
 from llama_cp.config import ALL_LINEAR, PASSKEY, TrainConfig, check_all_linear
 from llama_cp.cp_attention import apply_context_parallel
-from llama_cp.fsdp_wrap import _reinit_rotary_buffers, cast_frozen_parameters, load_full_weights, shard_model
+from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, restore_buffers, shard_model
 from llama_cp.model.loss import enable_chunked_loss
 from llama_cp.modules.experts import apply_expert_gradients
-from llama_cp.modules.families import attention_head_dim, set_router_loss_coef
+from llama_cp.modules.checkpoints import check_quantization, text_config, vision_language_line
+from llama_cp.modules.families import attention_head_dim, check_family, set_router_loss_coef
 from llama_cp.modules.gguf import gguf_model_dir, gguf_path
 from llama_cp.modules.causal_lm import (
     apply_rope_settings, base_causal_lm, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,
@@ -49,6 +50,13 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
 
     torch.manual_seed(cfg.seed)
     config = embedded_llama_config() if path is None else AutoConfig.from_pretrained(path)
+    if path is not None:
+        check_quantization(config, path)
+        line = vision_language_line(config, path)
+        if line and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(line, flush=True)
+        config = text_config(config)  # Note [The text model of a vision-language checkpoint]
+        check_family(config)  # before it is built: some families cannot be built on the meta device
     load_kwargs = mxfp4_load_kwargs(config)
     if load_kwargs:  # Note [MXFP4 checkpoints]
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -68,7 +76,7 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
     if path is not None:
         load_full_weights(model, path, device=device, params_on_cpu=offload, load_kwargs=load_kwargs)
     elif offload:
-        _reinit_rotary_buffers(model, device)  # buffers are not offloaded: the RoPE tables compute on the device
+        restore_buffers(model, device)  # buffers are not offloaded: the RoPE tables compute on the device
     return model
 
 

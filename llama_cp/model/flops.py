@@ -205,13 +205,14 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     weight_passes = 2 if lora_r else 3  # frozen: forward + input gradient; trained: + weight gradient
 
     attention_linears = _attention_linears(config, shape)
+    mlp_linears = _MLP_LINEARS[1:] if config.model_type in _UNGATED_MLP else _MLP_LINEARS
 
     def layer_flops(mlp_copies: int, mlp_shape: dict, attention: bool = True) -> int:
         per_layer = 0
         linears = [*(attention_linears.items() if attention else ()),
-                   *((name, _LAYER_LINEARS[name](mlp_shape)) for name in _MLP_LINEARS)]
+                   *((name, _LAYER_LINEARS[name](mlp_shape)) for name in mlp_linears)]
         for name, (fan_in, fan_out) in linears:
-            copies = mlp_copies if name in _MLP_LINEARS else 1
+            copies = mlp_copies if name in mlp_linears else 1
             per_layer += copies * 2 * (3 if name in trained else weight_passes) * fan_in * fan_out
             if lora_r and name in lora_targets:
                 per_layer += copies * 2 * 3 * lora_r * (fan_in + fan_out)
@@ -269,6 +270,8 @@ def _attention_linears(config: Any, shape: dict) -> dict[str, tuple[int, int]]:
 
 #: The MLP's layers: an MoE runs them once per routed expert.
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+#: Families whose MLP is down_proj(act(up_proj(x))), without a gate (transformers 5.24 ApertusMLP).
+_UNGATED_MLP = {"apertus"}
 #: The layers of _LAYER_LINEARS a fused layer replaces.
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 

@@ -3,6 +3,7 @@ structure helpers, the compute-dtype rule, and the RoPE settings of the command 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -63,16 +64,59 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+# Note [Buffers no checkpoint holds]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A checkpoint's model is built on the meta device, made real with to_empty and then given the
+# checkpoint's tensors. Its non-persistent buffers are in no checkpoint: RoPE's inv_freq (in
+# Gemma 3 and OLMo 3 one per layer type: full_attention_inv_freq, sliding_attention_inv_freq)
+# and, in transformers 5, Gemma 1/2/3's embed_scale (sqrt(hidden_size): models/gemma3/
+# modeling_gemma3.py Gemma3TextScaledWordEmbedding, 5.24). to_empty leaves them uninitialised
+# memory. Rebuilding only the modules with a buffer named inv_freq missed both: a Gemma 3
+# checkpoint trained with its embeddings scaled by whatever the memory held (zeros on a fresh
+# CPU page: every gradient zero; against transformers, logits off by 0.9). So build_causal_lm
+# builds such a model with its parameters on meta but its buffers on the CPU, as transformers
+# computes them, keeps those values (``_built_buffers`` of the model), and leaves the model as a
+# meta build was; llama_cp.fsdp_wrap.restore_buffers puts them back after to_empty.
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Within: each parameter a module registers is moved to the meta device (made with torch.empty,
+    its memory never touched); buffers stay on the CPU, computed."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def build_causal_lm(config, device: torch.device | str = "cpu") -> nn.Module:
     """The HF causal LM of ``config`` with float32 parameters on ``device`` (``"meta"``: no
     memory, to load sharded weights into or to plan with), whatever dtype the checkpoint's
     config names. The trainer and the memory planner both build here, so what FSDP shards,
     and the optimizer state made from it, is float32; bf16 is only FSDP's compute dtype
-    (``shard_model``'s ``param_dtype``)."""
+    (``shard_model``'s ``param_dtype``). The values of the buffers no checkpoint holds are kept
+    for ``fsdp_wrap.restore_buffers`` (Note [Buffers no checkpoint holds])."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    meta = torch.device(device).type == "meta"
+    with _parameters_on_meta() if meta else torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    built = [(module, name, buffer) for module in model.modules() for name, buffer in
+             module.named_buffers(recurse=False) if name in module._non_persistent_buffers_set]
+    model._built_buffers = built
+    if meta:  # otherwise as a meta build was: every tensor on meta
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to("meta")
+    return model
 
 
 #: Files that hold a tokenizer in an HF model directory (any one is enough).

@@ -80,6 +80,10 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "exaone4": _plain,  # windowed RoPE layers, full NoPE layers, q/k norm, norms after attention and MLP
     "smollm3": _plain,  # NoPE layers among RoPE ones (no_rope_layers), windows where use_sliding_window
     "olmo3": _plain,  # windowed and full layers, a RoPE per layer type
+    # Ministral 3: queries scaled by their position_id after RoPE (get_llama_4_attn_scale: the positions a
+    # rank's shard holds, as transformers computes them), windowed when config.sliding_window is set
+    "ministral3": _plain,
+    "apertus": _plain,  # q/k norm, xIELU activation (per token), Llama 3 RoPE
     # learned per-head sinks (s_aux: Note [Attention sinks under CP]), windowed and full layers,
     # experts with clamped SwiGLU and the router loss
     "gpt_oss": _plain,
@@ -136,7 +140,7 @@ def set_router_loss_coef(config, coef: float) -> None:
     config.output_router_logits = coef > 0
 
 #: Families whose attention reads ``config.sliding_window`` itself (others set it per layer).
-_WINDOW_IN_CONFIG = {"mistral", "phi3", "mixtral", "olmoe", "qwen3_moe"}
+_WINDOW_IN_CONFIG = {"mistral", "phi3", "mixtral", "olmoe", "qwen3_moe", "ministral3"}
 
 _RECURRENT = ("carry a recurrent state along the sequence, which under CP would restart at every rank's shard "
               "(no context-parallel algorithm here passes it across ranks)")
@@ -146,6 +150,9 @@ _REFUSAL_REASONS = {
     "phi": "its attention has no o_proj and a partial rotary embedding",
     # linear-attention and state-space hybrids: their non-attention layers see only the local shard
     "qwen3_next": f"its linear-attention layers (gated DeltaNet with a causal convolution) {_RECURRENT}",
+    # Qwen3.5 (Qwen3_5ForCausalLM, built from its qwen3_5 config): the layers of Qwen3-Next
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+                    f"its linear-attention layers (gated DeltaNet with a causal convolution) {_RECURRENT}"),
     "kimi_linear": f"its linear-attention layers (Kimi Delta Attention) {_RECURRENT}",
     "falcon_h1": f"its Mamba2 mixers, one beside the attention of every layer, {_RECURRENT}",
     "granitemoehybrid": f"its Mamba2 layers {_RECURRENT}",
@@ -177,8 +184,19 @@ _REFUSAL_REASONS = {
 # Qwen2-MoE the same: 4.56.2 and 4.57.6 have QWEN2MOE_ATTENTION_CLASSES (Qwen2MoeSdpaAttention ->
 # SDPA), 5.0.0 has ALL_ATTENTION_FUNCTIONS (read in the released wheels' models/qwen2_moe/modeling_qwen2_moe.py).
 
-#: Family -> the first transformers release whose code of it calls the attention interface.
-_NEEDS_TRANSFORMERS = {"olmoe": (5, 0), "qwen2_moe": (5, 0)}
+#
+# Apertus the same for another cause: its xIELU activation (transformers' activations.py XIELU)
+# reads its beta and eps with .item() of tensors it has just made while it is built, which fails
+# on the meta device every checkpoint is built on ("Cannot copy out of meta tensor"); 5.0.0 takes
+# them as floats (read in the released wheels of 4.56.2, 4.57.6 and 5.0.0).
+
+_SDPA_ITSELF = "its attention calls SDPA itself, so context-parallel attention cannot take its place"
+#: Family -> (the first transformers release where llama-cp computes it, why not before).
+_NEEDS_TRANSFORMERS = {
+    "olmoe": ((5, 0), _SDPA_ITSELF), "qwen2_moe": ((5, 0), _SDPA_ITSELF),
+    "apertus": ((5, 0), "its xIELU activation cannot be built on the meta device, where llama-cp builds a "
+                        "checkpoint's model before loading it"),
+}
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -189,12 +207,11 @@ def release(version: str) -> tuple[int, ...]:
 def transformers_refusal(family: str, transformers_version: str) -> str | None:
     """None when llama-cp's attention runs in ``family`` under this transformers version, else the
     one-line reason (Note [A family's transformers floor])."""
-    needed = _NEEDS_TRANSFORMERS.get(family)
-    if needed is None or release(transformers_version) >= needed:
+    needed, why = _NEEDS_TRANSFORMERS.get(family, ((), ""))
+    if release(transformers_version) >= needed:
         return None
     return (f"model family {family!r} needs transformers >= {'.'.join(map(str, needed))} (installed: "
-            f"{transformers_version}): before that its attention calls SDPA itself, so context-parallel attention "
-            "cannot take its place; upgrade transformers")
+            f"{transformers_version}): before that {why}; upgrade transformers")
 
 
 def attention_head_dim(config) -> int:
@@ -252,20 +269,32 @@ def bind_decoder(causal_lm: nn.Module) -> None:
         causal_lm.base_model_prefix = "model"
 
 
-def check_supported(model: nn.Module) -> LogitTransform:
-    """Raise a ValueError naming the cause and the fix unless llama-cp computes ``model``
-    exactly; returns the family's :class:`LogitTransform`."""
-    causal_lm = base_causal_lm(model)
-    config, family = causal_lm.config, causal_lm.config.model_type
+def check_family(config, class_name: str | None = None) -> None:
+    """ValueError naming the cause unless ``config``'s family is supported under the installed
+    transformers: what can be said of a model before it is built. ``class_name``: the built
+    model's class (else the one AutoModelForCausalLM builds from ``config``)."""
+    family = config.model_type
     if family not in SUPPORTED_FAMILIES:
+        if class_name is None:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(family, type(config).__name__)
         reason = _REFUSAL_REASONS.get(family, "it has not been checked exact against single-process transformers")
         raise ValueError(
-            f"model family {family!r} ({type(causal_lm).__name__}) is not supported by llama-cp: {reason}. "
+            f"model family {family!r} ({class_name}) is not supported by llama-cp: {reason}. "
             f"Supported families: {', '.join(sorted(SUPPORTED_FAMILIES))}"
         )
     refusal = transformers_refusal(family, transformers.__version__)
     if refusal is not None:
         raise ValueError(refusal)
+
+
+def check_supported(model: nn.Module) -> LogitTransform:
+    """Raise a ValueError naming the cause and the fix unless llama-cp computes ``model``
+    exactly; returns the family's :class:`LogitTransform`."""
+    causal_lm = base_causal_lm(model)
+    config, family = causal_lm.config, causal_lm.config.model_type
+    check_family(config, type(causal_lm).__name__)
     if getattr(config, "attention_dropout", 0.0):
         raise ValueError(
             f"{family}: config.attention_dropout={config.attention_dropout}; context-parallel attention has no "

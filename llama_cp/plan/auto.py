@@ -182,7 +182,9 @@ def planned_model_config(model_name: str):
         return simulate.load_model_config(os.path.expanduser(model_name))
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_name)
+    from llama_cp.modules.checkpoints import text_config
+
+    return text_config(AutoConfig.from_pretrained(model_name))
 
 
 def choose_levers(

@@ -82,7 +82,7 @@ from llama_cp.config import TrainConfig
 from llama_cp.cp_attention import ContextParallelAttention
 from llama_cp.model.build import cp_strategy, parallelize_model
 from llama_cp.modules.causal_lm import compute_dtype
-from llama_cp.modules.families import attention_head_dim, layer_chunks
+from llama_cp.modules.families import attention_head_dim, check_family, layer_chunks
 from llama_cp.plan.memory import MemoryBreakdown, create_optimizer_state, measure_step_memory, step_peak
 
 # ----------------------------------------------------------------------------- models
@@ -112,9 +112,10 @@ MODEL_PRESETS: dict[str, dict] = {
 def load_model_config(model_name: str):
     """The HF config of ``model_name``: "embedded", a preset of ``MODEL_PRESETS``, a local
     directory with a config.json, or a GGUF file (``llama_cp.modules.gguf``)."""
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import LlamaConfig
 
     from llama_cp.modules.causal_lm import embedded_llama_config
+    from llama_cp.modules.checkpoints import checkpoint_config
     from llama_cp.modules.gguf import gguf_config, gguf_path
 
     if model_name == "embedded":
@@ -122,7 +123,7 @@ def load_model_config(model_name: str):
     if model_name in MODEL_PRESETS:
         return LlamaConfig(max_position_embeddings=1 << 24, **MODEL_PRESETS[model_name])
     if os.path.isfile(os.path.join(model_name, "config.json")):
-        return AutoConfig.from_pretrained(model_name)
+        return checkpoint_config(model_name)  # a vision-language checkpoint's text config
     gguf_file = gguf_path(model_name)
     if gguf_file is not None:
         return gguf_config(gguf_file)  # the metadata alone: planning does not dequantize the file
@@ -172,7 +173,7 @@ def simulate_step_phases(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from llama_cp.fsdp_wrap import _reinit_rotary_buffers
+    from llama_cp.fsdp_wrap import restore_buffers
     from llama_cp.modules.causal_lm import build_causal_lm
     from llama_cp.optim.optimizers import build_optimizer
     from llama_cp.parallel.sharding import shard_batch
@@ -221,6 +222,7 @@ def simulate_step_phases(
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=False))
     with _fake_world(world_size):
         mesh = dims.build_mesh("cpu")  # outside the fake mode: the mesh reads real rank tensors
+        check_family(config)  # the trainer's refusals, before a family that cannot be built on meta is
         model = build_causal_lm(config, device="meta")  # the trainer's build: float32 sharded state
         backend = planned_attention_backend(cfg, config)
         model = parallelize_model(  # planned for GPUs: "auto" is bf16; attention: Note [GPU attention kernels' workspace]
@@ -231,7 +233,7 @@ def simulate_step_phases(
         # meta -> fake: the sharded parameters get fake storage of their real size
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=cpu)
-            _reinit_rotary_buffers(model, cpu)
+            restore_buffers(model, cpu)
             optimizer = build_optimizer(o.optimizer, model, lr=o.lr, weight_decay=o.weight_decay,  # the trainer's
                                         on_host=offload)  # groups and implementation
             create_optimizer_state(model, optimizer, max_grad_norm=o.max_grad_norm)

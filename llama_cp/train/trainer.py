@@ -368,9 +368,9 @@ class Trainer:
         directory has a tokenizer, --rope_scaling reaches --context_length, an explicit
         --attention_backend can run here, and the parallel rules, every broken one in one
         message, now that the number of processes is known (``ParallelConfig.check``)."""
-        from transformers import AutoConfig
-
         from llama_cp.model.build import check_attention_backend, check_strategy_heads
+        from llama_cp.modules.checkpoints import checkpoint_config
+        from llama_cp.modules.families import check_family
         from llama_cp.modules.causal_lm import apply_rope_settings, check_tokenizer_files, embedded_llama_config
         from llama_cp.modules.gguf import gguf_config, gguf_path
 
@@ -380,8 +380,9 @@ class Trainer:
         if local:
             check_tokenizer_files(name)
         if self.cfg.model.model_name == "embedded" or local or gguf_file:  # a hub id's config comes with its download
-            config = (AutoConfig.from_pretrained(name) if local else gguf_config(gguf_file) if gguf_file
+            config = (checkpoint_config(name) if local else gguf_config(gguf_file) if gguf_file
                       else embedded_llama_config())
+            check_family(config)
             model = self.cfg.model
             apply_rope_settings(config, model.rope_theta, model.rope_scaling, self.cfg.data.context_length)
             check_attention_backend(self.cfg, config, machine_device_type())

@@ -45,6 +45,11 @@ def per_layer_type_rope(full: dict) -> dict:
                                  "full_attention": full})
 
 
+#: Ministral 3's YaRN, with its query temperature on from position 8 (its checkpoints: 16384).
+MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=8,
+                       llama_4_scaling_beta=0.5)
+
+
 #: name -> (model_type, config overrides).
 FAMILIES = {
     "ministral": ("ministral", SLIDING_FULL),
@@ -66,6 +71,9 @@ FAMILIES = {
     # [Position-dependent RoPE under CP] on a rotary module with a RoPE per layer type
     "olmo3_dynamic_rope": ("olmo3", dict(**SLIDING_FULL, max_position_embeddings=16, **per_layer_type_rope(
         dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)))),
+    # queries scaled by 1 + beta * log(1 + floor(position / 8)): 1 to 1.7 over 32 positions; every layer windowed
+    "ministral3": ("ministral3", dict(sliding_window=WINDOW, rope_parameters=MINISTRAL3_ROPE)),
+    "apertus": ("apertus", dict(attention_bias=True)),  # q/k norm, xIELU, Llama 3 RoPE
     # layer 0 dense, layer 1 sigmoid-routed experts (the best of 2 groups of 4, then its 4 weighed)
     # plus a shared one; no router loss in transformers
     "glm4_moe": ("glm4_moe", dict(
@@ -277,6 +285,10 @@ FEATURES = {
                                    None),
     "olmo3_dynamic_rope: dynamic RoPE": ("olmo3_dynamic_rope", {}, per_layer_type_rope(
         dict(rope_type="default", rope_theta=10000.0)), None),
+    "ministral3: windows": ("ministral3", {}, NO_WINDOWS, None),
+    "ministral3: query temperature": ("ministral3", {}, dict(rope_parameters={**MINISTRAL3_ROPE,
+                                                                              "llama_4_scaling_beta": 0.0}), None),
+    "apertus: biases": ("apertus", {}, {}, BIASES),
     "glm4_moe: biases": ("glm4_moe", {}, {}, BIASES),
     "glm4_moe: partial rotary": ("glm4_moe", {}, dict(partial_rotary_factor=1.0), None),
     "glm4_moe: shared experts": ("glm4_moe", {}, {}, _zero("shared_experts.down_proj.weight")),
@@ -330,6 +342,8 @@ def test_check(results, name):
 #: Refused families -> (config fields of a tiny one, what the one-line reason names).
 REFUSED = {
     "qwen3_next": ({}, r"linear-attention layers \(gated DeltaNet.*recurrent state"),
+    "qwen3_5_text": ({}, r"linear-attention layers \(gated DeltaNet.*recurrent state"),
+    "qwen3_5_moe_text": ({}, r"linear-attention layers \(gated DeltaNet.*recurrent state"),
     "kimi_linear": ({}, r"linear-attention layers \(Kimi Delta Attention\).*recurrent state"),
     "falcon_h1": ({}, r"Mamba2 mixers.*recurrent state"),
     "granitemoehybrid": (dict(mamba_n_heads=8, layer_types=["linear_attention", "full_attention"] if TRANSFORMERS_5

@@ -32,6 +32,8 @@ FAMILIES = {
     "exaone4": WINDOWED,
     "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=6),
     "olmo3": WINDOWED,
+    "ministral3": dict(sliding_window=6),  # every layer windowed
+    "apertus": dict(attention_bias=True),
     # layer 0 dense (its own intermediate size), layer 1 routed experts + the shared ones
     "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=16,
                      first_k_dense_replace=1, n_group=2, topk_group=1),

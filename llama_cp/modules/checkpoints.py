@@ -1,0 +1,125 @@
+"""A checkpoint directory read as the causal LM llama-cp trains: its config (the text model's, for a
+vision-language checkpoint) and its tensors by the names of that model.
+
+    config = checkpoint_config(path)         # AutoConfig's; a vision-language one's text config
+    state = text_model_tensors(state)        # the text model's tensors, by its names
+
+Note [The text model of a vision-language checkpoint] says what is kept and why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Note [The text model of a vision-language checkpoint]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Gemma 3 from 4B up, Mistral Small 3.1/3.2 and Ministral 3 are released as vision-language
+# checkpoints: config model_type gemma3 / mistral3 (Gemma3ForConditionalGeneration,
+# Mistral3ForConditionalGeneration), the language model's settings in config.text_config.
+# transformers' AutoModelForCausalLM builds the whole vision-language model for gemma3 and
+# refuses mistral3, and its text classes (Gemma3ForCausalLM, Ministral3ForCausalLM,
+# MistralForCausalLM) given such a directory load none of its weights: they stay random, with a
+# warning (transformers 5.24: every tensor MISSING). llama-cp trains the text model: it is built
+# from text_config (with the outer config's tie_word_embeddings, which decides the tying in the
+# vision-language model: a mistral3 text_config says False where its model ties), and its
+# tensors are the checkpoint's language model and lm_head, renamed:
+#
+#     language_model.model.X, model.language_model.X  ->  model.X
+#     language_model.lm_head.X, lm_head.X              ->  lm_head.X
+#
+# (the first of each pair as the released checkpoints and transformers' save_pretrained write
+# them, the second as transformers 5 names them in memory). The vision tower and the projector
+# are not loaded. On text rows the vision-language model computes what its text model does
+# (no image token, so nothing is merged into the embeddings): tests/modules/test_checkpoints.py
+# checks the logits equal. What the run writes (checkpoints, final/, exports) is the text model.
+# A vision-language family is taken only where AutoModelForCausalLM would build something else
+# than a causal LM of the text config; Llama 4 (llama4), whose AutoModelForCausalLM is
+# Llama4ForCausalLM already, is left to transformers.
+
+
+def _text_causal_lm_name(config) -> str | None:
+    """The class AutoModelForCausalLM builds from ``config``'s type, or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+
+
+def vision_language(config) -> bool:
+    """Whether ``config`` is a vision-language checkpoint's whose text model llama-cp builds (Note [The
+    text model of a vision-language checkpoint])."""
+    text = getattr(config, "text_config", None)
+    if text is None or text is config or getattr(config, "vision_config", None) is None:
+        return False
+    built = _text_causal_lm_name(config)
+    return built is None or built.endswith("ForConditionalGeneration")
+
+
+def text_config(config):
+    """``config``, or the text config of a vision-language checkpoint's, tied as its model is."""
+    if not vision_language(config):
+        return config
+    text = config.text_config
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    return text
+
+
+def checkpoint_config(path: str):
+    """The config llama-cp builds the model of the directory ``path`` from (``text_config``),
+    after :func:`check_quantization`."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    check_quantization(config, path)
+    return text_config(config)
+
+
+def vision_language_line(config, path: str) -> str | None:
+    """What a run says when ``path``'s checkpoint is a vision-language one, else None."""
+    if not vision_language(config):
+        return None
+    whole = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    text = _text_causal_lm_name(config.text_config) or config.text_config.model_type
+    return (f"model: {path} is a vision-language checkpoint ({whole}): llama-cp trains its text model, {text} "
+            "(the language model and lm_head); the vision tower and projector are not loaded, and the "
+            "checkpoints and exports of this run hold the text model")
+
+
+#: quant_method values of checkpoints llama-cp loads (MXFP4: dequantized by transformers, Note [MXFP4
+#: checkpoints] in llama_cp/model/build.py).
+LOADED_QUANTIZATIONS = {"mxfp4"}
+
+
+def check_quantization(config, path: str) -> None:
+    """ValueError naming the fix when ``path``'s checkpoint stores quantized weights (FP8 with scales,
+    bitsandbytes, GPTQ, AWQ): read as plain tensors they would train as different numbers."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    method = getattr(method, "value", method)
+    if method in LOADED_QUANTIZATIONS:
+        return
+    raise ValueError(
+        f"--model_name {path!r}: the checkpoint's weights are quantized (config.json quantization_config "
+        f"quant_method {method!r}); llama-cp trains from unquantized weights: use the model's bfloat16 release "
+        "(the same repository without -FP8/-AWQ/-GPTQ/-bnb-4bit), and for a 4-bit base add --quantization 4bit"
+    )
+
+
+_RENAMES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+            ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def text_model_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A vision-language checkpoint's tensors as its text model names them, the others dropped (Note
+    [The text model of a vision-language checkpoint]); any other checkpoint's as they are."""
+    if not any(key.startswith(("language_model.", "model.language_model.")) for key in state):
+        return state
+    renamed = {}
+    for key, tensor in state.items():
+        for old, new in _RENAMES:
+            if key.startswith(old):
+                renamed[new + key[len(old):]] = tensor
+                break
+    return renamed

@@ -1,0 +1,183 @@
+"""A checkpoint as llama-cp builds and loads it, against transformers' own load of the same directory:
+the buffers no checkpoint holds (Note [Buffers no checkpoint holds] in llama_cp/modules/causal_lm.py),
+the text model of a vision-language checkpoint (Note [The text model of a vision-language checkpoint]
+in llama_cp/modules/checkpoints.py), and the checkpoints refused before anything is built."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+from llama_cp.fsdp_wrap import _full_state_for, _read_checkpoint, restore_buffers
+from llama_cp.modules.causal_lm import build_causal_lm
+from llama_cp.modules.checkpoints import check_quantization, checkpoint_config, vision_language
+from llama_cp.modules.families import SUPPORTED_FAMILIES, check_family, transformers_refusal
+
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+#: What some families need beyond TEXT to be built small (a few experts; windowed and full layers).
+EXTRA = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16),
+         "olmoe": dict(num_experts=4), "gpt_oss": dict(num_local_experts=4),
+         "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32),
+         "deepseek_v2": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+         "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16),
+         "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=4, n_group=2, topk_group=1, moe_intermediate_size=16),
+         "llama4_text": dict(num_local_experts=4),
+         "gemma3_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
+         "olmo3": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6)}
+
+
+def family_config(family: str):
+    return AutoConfig.for_model(family, **TEXT, **EXTRA.get(family, {}))
+
+
+def buildable(family: str) -> bool:
+    return family in CONFIG_MAPPING_NAMES and transformers_refusal(family, transformers.__version__) is None
+
+
+@pytest.mark.parametrize("family", sorted(SUPPORTED_FAMILIES))
+def test_buffers_no_checkpoint_holds_are_those_transformers_builds(family):
+    """Built on meta, made real (its buffers then filled with NaN: what to_empty leaves is any memory)
+    and restored: every buffer outside the state dict equals transformers' CPU build's (Gemma 3's
+    embed_scale and per-layer-type inv_freq among them)."""
+    if not buildable(family):
+        pytest.skip(f"transformers {transformers.__version__}: {family} is not built here")
+    config = family_config(family)
+    torch.manual_seed(0)
+    want = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = build_causal_lm(config, device="meta")
+    assert all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for buffer in model.buffers():
+            buffer.fill_(float("nan")) if buffer.is_floating_point() else buffer.fill_(7)
+    restore_buffers(model, torch.device("cpu"))
+    kept = set(want.state_dict())
+    restored = {name: b for name, b in model.named_buffers() if name not in kept}
+    expected = {name: b for name, b in want.named_buffers() if name not in kept}
+    assert restored.keys() == expected.keys()
+    for name, buffer in expected.items():
+        torch.testing.assert_close(restored[name], buffer, rtol=0, atol=0, msg=name)
+
+
+def test_a_gemma3_checkpoint_loads_as_transformers_loads_it(tmp_path):
+    """The trainer's load (meta build, to_empty, restore_buffers, the checkpoint's tensors) of a saved
+    Gemma 3 computes transformers' from_pretrained logits (before the fix: embed_scale was left as
+    to_empty's memory)."""
+    config = family_config("gemma3_text")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = build_causal_lm(config, device="meta").to_empty(device="cpu")
+    with torch.no_grad():
+        for buffer in model.buffers():
+            buffer.fill_(float("nan"))
+    restore_buffers(model, torch.device("cpu"))
+    model.load_state_dict(_full_state_for(model.state_dict(), _read_checkpoint(str(tmp_path), config), str(tmp_path)))
+    ids = torch.randint(3, 96, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits,
+                                   AutoModelForCausalLM.from_pretrained(tmp_path)(input_ids=ids).logits)
+
+
+#: Vision-language checkpoints -> (text config fields, their vision config); the smallest each can be.
+VISION_LANGUAGE = {
+    "gemma3": (dict(model_type="gemma3_text", **TEXT, **EXTRA["gemma3_text"]),
+               dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                    num_attention_heads=2, image_size=28, patch_size=14), dict(mm_tokens_per_image=1,
+                    image_token_index=93, boi_token_index=94, eoi_token_index=95)),
+    # Mistral Small 3.1/3.2: a Mistral text model, its own lm_head
+    "mistral3": (dict(model_type="mistral", **TEXT), dict(model_type="pixtral", hidden_size=16, intermediate_size=32,
+                 num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14, head_dim=8),
+                 dict(image_token_index=93, tie_word_embeddings=False)),
+}
+if "ministral3" in CONFIG_MAPPING_NAMES:  # Ministral 3: tied by the outer config while its text config says not
+    VISION_LANGUAGE["ministral3"] = (dict(model_type="ministral3", **TEXT), VISION_LANGUAGE["mistral3"][1],
+                                     dict(image_token_index=93, tie_word_embeddings=True))
+
+
+def vision_language_dir(name: str, path) -> torch.nn.Module:
+    """A saved vision-language checkpoint of random weights; returns transformers' model of it."""
+    text, vision, extra = VISION_LANGUAGE[name]
+    model_type = "mistral3" if name == "ministral3" else name
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():  # the head apart from the embedding where the model does not tie them
+        if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+            model.get_output_embeddings().weight.normal_(0, 0.02)
+    model.save_pretrained(path)
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("name", VISION_LANGUAGE)
+def test_text_model_of_a_vision_language_checkpoint_computes_its_logits(name, tmp_path):
+    """llama-cp's text model of the checkpoint (its config, the trainer's load) computes the
+    vision-language model's logits on text rows, tied as it is; transformers' text class of the same
+    directory would load none of its weights."""
+    whole = vision_language_dir(name, tmp_path)
+    raw = AutoConfig.from_pretrained(tmp_path)
+    assert vision_language(raw)
+    config = checkpoint_config(str(tmp_path))
+    assert config.model_type == VISION_LANGUAGE[name][0]["model_type"]
+    check_family(config)
+    model = build_causal_lm(config, device="meta").to_empty(device="cpu")
+    model.tie_weights()  # as recipes.export does (to_empty unties; FSDP's load keeps the tie)
+    restore_buffers(model, torch.device("cpu"))
+    model.load_state_dict(_full_state_for(model.state_dict(), _read_checkpoint(str(tmp_path), config), str(tmp_path)))
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert tied == (whole.get_output_embeddings().weight is whole.get_input_embeddings().weight)
+    ids = torch.randint(3, 90, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, whole(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_llama4_is_left_to_transformers():
+    """A llama4 config is not read as a text model here: transformers' AutoModelForCausalLM builds
+    Llama4ForCausalLM from it itself."""
+    if "llama4" not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no llama4")
+    assert not vision_language(AutoConfig.for_model("llama4"))
+    assert not vision_language(family_config("llama"))
+
+
+@pytest.mark.parametrize("method", ["fp8", "bitsandbytes", "gptq", "awq"])
+def test_quantized_checkpoints_are_refused_naming_the_fix(tmp_path, method):
+    """Stored quantized (FP8 with scales, bitsandbytes, GPTQ, AWQ), a checkpoint's tensors read as
+    plain ones would be other numbers: refused in one line, at the config (before anything is
+    built); MXFP4 is loaded dequantized (Note [MXFP4 checkpoints])."""
+    config = family_config("llama")
+    config.save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        fields = json.load(f)
+    fields["quantization_config"] = {"quant_method": method}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(fields, f)
+    with pytest.raises(ValueError, match=rf"^--model_name '{tmp_path}': the checkpoint's weights are quantized "
+                                         rf"\(config.json quantization_config quant_method '{method}'\); llama-cp "
+                                         r"trains from unquantized weights: use the model's bfloat16 release"):
+        checkpoint_config(str(tmp_path))
+    check_quantization(AutoConfig.for_model("llama", quantization_config={"quant_method": "mxfp4"}), "x")
+
+
+def test_families_refused_before_they_are_built():
+    """check_family says, from a config alone, what check_supported says of the built model: the
+    family and the class AutoModelForCausalLM would build, or the transformers floor (Apertus below 5:
+    its activation cannot be built on meta)."""
+    with pytest.raises(ValueError, match=r"^model family 'phi' \(PhiForCausalLM\) is not supported by llama-cp: its "
+                                         r"attention has no o_proj"):
+        check_family(AutoConfig.for_model("phi"))
+    assert transformers_refusal("apertus", "4.57.6") == (
+        "model family 'apertus' needs transformers >= 5.0 (installed: 4.57.6): before that its xIELU activation "
+        "cannot be built on the meta device, where llama-cp builds a checkpoint's model before loading it; "
+        "upgrade transformers")
+    assert transformers_refusal("apertus", "5.0.0") is None
+    if not TRANSFORMERS_5:
+        with pytest.raises(ValueError, match=r"^model family 'apertus' needs transformers >= 5.0"):
+            check_family(AutoConfig.for_model("apertus", **TEXT))
+    else:
+        check_family(AutoConfig.for_model("apertus", **TEXT))
