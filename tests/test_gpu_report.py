@@ -178,3 +178,21 @@ def test_the_packed_window_row_sends_windowed_varlen_calls():
     ((call,),) = varlen_windows(block)
     assert {s.window for s in call} == {(window - 1, 0)} and len(call) == len(block) == 3
     assert sorted(s.piece.lag is None for s in call) == [False, False, True]
+
+
+def test_the_kernels_part_keeps_each_measures_rows_before_the_next_runs(tmp_path, monkeypatch):
+    """The kernels part writes torch's kernels' rows before the packed window calls run: a part past its
+    time limit is killed, and a part that had added nothing yet would leave no row."""
+    from benchmarks.gpu import one_gpu, one_gpu_parts
+
+    def killed(length, device):
+        raise KeyboardInterrupt("killed at its time limit")
+
+    monkeypatch.setattr(one_gpu_parts, "_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(one_gpu, "attention_kernels", lambda length, device: [{"kernel": "math", "ms": 1.0}])
+    monkeypatch.setattr(one_gpu, "packed_window_calls", killed)
+    rows = one_gpu_parts.Rows(str(tmp_path / "kernels.json"))
+    with pytest.raises(KeyboardInterrupt):
+        one_gpu_parts.kernels(rows, one_gpu_parts.shapes(True, 2))
+    with open(tmp_path / "kernels.json") as f:
+        assert json.load(f) == [{"context_length": 128, "kernel": "math", "ms": 1.0}]

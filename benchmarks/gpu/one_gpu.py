@@ -194,8 +194,11 @@ def packed_window_calls(length: int, device: torch.device, reps: int = 3) -> lis
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     block = DocumentLayout(document_starts(positions)).full_row_pieces(window)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    q = torch.randn(1, 32, length, 128, dtype=dtype, generator=g).to(device).requires_grad_()
-    k, v = (torch.randn(1, 8, length, 128, dtype=dtype, generator=g).to(device).requires_grad_() for _ in range(2))
+    # made on the device: at 64K tokens the host's generator took 8 s of the part's time (2 cores)
+    on_device = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(1, 32, length, 128, device=device, dtype=dtype, generator=on_device, requires_grad=True)
+    k, v = (torch.randn(1, 8, length, 128, device=device, dtype=dtype, generator=on_device, requires_grad=True)
+            for _ in range(2))
     backend = kernels.select_backend(q, varlen=True) if device.type == "cuda" else ModelledBackend("sdpa_flash")
     if backend is None:  # a GPU before sm80, or float32: no varlen kernel runs here
         return [{"kernel": f"llama-cp, {len(lengths)} documents, window {window}", "error": "no varlen backend here"}]

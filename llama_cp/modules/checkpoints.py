@@ -60,6 +60,10 @@ def text_config(config):
         return config
     text = config.text_config
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    # what the run's exports name as their class (vLLM and transformers' pipelines read it); a text
+    # config has none of its own
+    if _text_causal_lm_name(text):
+        text.architectures = [_text_causal_lm_name(text)]
     return text
 
 

@@ -124,6 +124,7 @@ def test_text_model_of_a_vision_language_checkpoint_computes_its_logits(name, tm
     assert vision_language(raw)
     config = checkpoint_config(str(tmp_path))
     assert config.model_type == VISION_LANGUAGE[name][0]["model_type"]
+    assert config.architectures == [type(AutoModelForCausalLM.from_config(config)).__name__]  # the exports' class
     check_family(config)
     model = build_causal_lm(config, device="meta").to_empty(device="cpu")
     model.tie_weights()  # as recipes.export does (to_empty unties; FSDP's load keeps the tie)
