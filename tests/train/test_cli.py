@@ -124,6 +124,34 @@ def test_model_directories_without_config_or_tokenizer_are_refused(capsys, tmp_p
     assert not (tmp_path / "run").exists()  # refused before the run claimed anything
 
 
+
+def test_checkpoints_llama_cp_cannot_train_are_refused_before_the_run_starts(capsys, tmp_path):
+    """A family refused (here Phi) and a checkpoint stored quantized (fp8) are said in one line from
+    the directory's config, before anything is built or written (a family that cannot be built on the
+    meta device, Apertus below transformers 5, failed in the build before)."""
+    import json
+
+    from transformers import AutoConfig
+
+    for name, config in (("phi", AutoConfig.for_model("phi", num_hidden_layers=1)),
+                         ("fp8", AutoConfig.for_model("llama", num_hidden_layers=1))):
+        directory = tmp_path / name
+        config.save_pretrained(directory)
+        (directory / "tokenizer.json").write_text("{}")  # present: the config's check comes after the tokenizer's
+        if name == "fp8":
+            fields = json.loads((directory / "config.json").read_text())
+            fields["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+            (directory / "config.json").write_text(json.dumps(fields))
+    for directory, message in (("phi", r"model family 'phi' \(PhiForCausalLM\) is not supported by llama-cp: "),
+                               ("fp8", rf"--model_name '{tmp_path / 'fp8'}': the checkpoint's weights are quantized ")):
+        with pytest.raises(SystemExit):
+            run_cli(finetune_longctx.main, usage="x",
+                    argv=["--model_name", str(tmp_path / directory), "--output_dir", str(tmp_path / "run")])
+        err = capsys.readouterr().err
+        assert re.match(f"error: {message}", err), err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
 @pytest.mark.slow
 def test_an_empty_dataset_is_one_line(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
