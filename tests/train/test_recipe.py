@@ -548,6 +548,42 @@ def packed_chat_rows_train_with_document_masks_by_default():
 
 
 @checks.add
+def a_gemma3_vision_language_checkpoint_trains_its_text_model_as_transformers_computes_it():
+    """The trainer's model of a saved Gemma 3 vision-language checkpoint (built on meta, sharded, loaded:
+    its text model, Note [The text model of a vision-language checkpoint]) gives the whole model's loss
+    on the run's packed rows (transformers masks across their documents from the position_ids). Gemma 3 holds buffers no checkpoint does (embed_scale, a RoPE table per layer
+    type): left as to_empty's memory before, the loss was ln(vocab) and every gradient zero."""
+    import torch.nn.functional as F
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from llama_cp import Trainer
+    from llama_cp.data.tokenizer import byte_tokenizer
+    from llama_cp.model.loss import causal_lm_loss_sum
+
+    text = dict(model_type="gemma3_text", vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=["sliding_attention",
+                "full_attention"], sliding_window=32, max_position_embeddings=1024)
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=1,
+                                  image_token_index=261, boi_token_index=262, eoi_token_index=263)
+    with tempfile.TemporaryDirectory() as root:
+        torch.manual_seed(3)
+        AutoModelForImageTextToText.from_config(config).save_pretrained(os.path.join(root, "gemma3"))
+        byte_tokenizer().save_pretrained(os.path.join(root, "gemma3"))
+        trainer = Trainer(_config(os.path.join(root, "run"), model_name=os.path.join(root, "gemma3")))
+        trainer.setup()
+        batch = next(iter(trainer.loader))
+        valid = int((batch["labels"] != -100).sum())
+        with torch.no_grad():
+            loss = (causal_lm_loss_sum(trainer.model, trainer._to_device(batch)) / valid).item()
+        whole = AutoModelForImageTextToText.from_pretrained(os.path.join(root, "gemma3"), dtype=torch.float32)
+        with torch.no_grad():
+            logits = whole(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        want = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100).item()
+    assert abs(loss - want) <= 1e-5 * want, (loss, want)
+
+@checks.add
 def a_row_logs_the_mean_loss_since_the_last_row_tokens_seen_and_epoch():
     """--log_every 2 logs the mean of the two steps' losses (it logged the second step's alone), the
     tokens seen so far and the epoch; the same run logged every step gives the values to average."""
