@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from typing import Any
 
 import torch
@@ -420,6 +421,42 @@ def adamw8bit(s: Settings) -> dict[str, Any]:
             "update_error_vs_one_process": distance, "yardstick_8bit_vs_fp32_adamw": yardstick,
             "pass": finite and float(single_update.norm()) > 0 and distance <= yardstick}
 
+
+def checkpoint_load(s: Settings) -> dict[str, Any]:
+    """A saved Gemma 3 vision-language checkpoint, built and loaded the trainer's way on this device
+    (``build_model``: its text model on the meta device, made real here, the buffers no checkpoint
+    holds put back, its tensors loaded), against transformers' ``from_pretrained`` of the whole
+    model, both float32: the relative error of the logits on a row of one document. Gemma's
+    embed_scale and its RoPE tables per layer type are in no checkpoint (Note [Buffers no checkpoint
+    holds]): left as memory they cost an error of order 1. Full layers and one document: float32 on
+    CUDA takes sdpa_efficient, which takes no window and has no varlen call. World of one. The
+    checkpoint goes to a temporary directory, not the report's, whose files come back from the GPU."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from llama_cp.model.build import build_model
+
+    device = _device(s)
+    shape = {key: s.exact_model[key] for key in _SHAPE_FIELDS if key != "tie_word_embeddings"}
+    text = dict(model_type="gemma3_text", **shape, layer_types=["full_attention"] * shape["num_hidden_layers"],
+                max_position_embeddings=s.exact_len)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    vocab = shape["vocab_size"]
+    config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=1,
+                                  image_token_index=vocab - 3, boi_token_index=vocab - 2, eoi_token_index=vocab - 1)
+    row = {k: v.to(device) for k, v in random_row(config.text_config, s.exact_len, None).items()}
+    with tempfile.TemporaryDirectory() as path:
+        torch.manual_seed(0)
+        AutoModelForImageTextToText.from_config(config).save_pretrained(path)
+        cfg = TrainConfig.from_flags(model_name=path, dtype="float32", context_length=s.exact_len, report_to="none")
+        model = build_model(cfg, cfg.parallel.dims(1).build_mesh(device.type), device, path)
+        whole = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).to(device)
+        with torch.no_grad():
+            got = model(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False).logits
+            want = whole(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False).logits
+    error = _relative(got.float(), want.float())
+    return {"model": type(whole).__name__, "trained_as": type(model).__name__, "logits_rel_error": error,
+            "pass": error <= 1e-4}
 
 
 def correctness_jobs(s: Settings) -> list[dict]:

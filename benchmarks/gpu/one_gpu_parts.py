@@ -143,7 +143,7 @@ def exactness_runs(exact_len: int, dry_run: bool) -> list[tuple[tuple[str, str, 
 
 
 def correctness(rows: Rows, dry_run: bool) -> None:
-    from benchmarks.gpu.correctness import adamw8bit, exactness, qlora
+    from benchmarks.gpu.correctness import adamw8bit, checkpoint_load, exactness, qlora
     from benchmarks.gpu.settings import Settings
 
     _device()
@@ -154,6 +154,7 @@ def correctness(rows: Rows, dry_run: bool) -> None:
                 + (f"/{backend}" if backend else "")}
         rows.measure(name, lambda: exactness(s, case, strategy, packed, 0, references, block_size=block, backend=backend))
     references.clear()
+    rows.measure({"check": "checkpoint load/gemma3 vision-language"}, lambda: checkpoint_load(s))
     if dry_run:  # their CPU rehearsal is gpu_acceptance's (tests/test_gpu_acceptance.py)
         return
     rows.measure({"check": "qlora"}, lambda: qlora(s, os.path.dirname(rows.path)))
