@@ -15,6 +15,7 @@ code puts bos / eos around each document itself.
 
 from __future__ import annotations
 
+import json
 import os
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -68,10 +69,21 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+# Note [A processor's chat template]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A vision-language checkpoint may keep its chat template only in its processor's file,
+# chat_template.json ({"chat_template": "..."}, written by transformers' ProcessorMixin), which
+# AutoTokenizer does not read (checked with transformers 5.17 and 5.24: no template). llama-cp
+# trains such a checkpoint's text model (Note [The text model of a vision-language checkpoint]), and
+# that template is the model's own: a tokenizer without one takes it. --chat_template still wins.
+PROCESSOR_TEMPLATE = "chat_template.json"
+
+
 def build_tokenizer(path: str | None, chat_template: str = ""):
     """The tokenizer of the model directory ``path`` (``build.model_path``), the embedded byte
     tokenizer for None; ``chat_template``: a Jinja file whose template replaces the tokenizer's
-    (``--chat_template``)."""
+    (``--chat_template``); without one, a tokenizer with no template takes the processor's (Note [A
+    processor's chat template])."""
     from transformers import AutoTokenizer
 
     from llama_cp.modules.causal_lm import check_tokenizer_files
@@ -81,6 +93,12 @@ def build_tokenizer(path: str | None, chat_template: str = ""):
     else:
         check_tokenizer_files(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
+        processor_file = os.path.join(path, PROCESSOR_TEMPLATE)
+        if not chat_template and not tokenizer.chat_template and os.path.isfile(processor_file):
+            with open(processor_file) as f:
+                template = json.load(f).get("chat_template")
+            if isinstance(template, str):
+                tokenizer.chat_template = template
     if chat_template:
         with open(os.path.expanduser(chat_template)) as f:
             tokenizer.chat_template = f.read()

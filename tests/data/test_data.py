@@ -140,6 +140,30 @@ def test_chat_without_template_is_refused_and_chat_template_names_one(tmp_path):
         TrainConfig.from_flags(chat_template="missing.jinja")
 
 
+def test_a_processors_chat_template_is_taken_when_the_tokenizer_has_none(tmp_path):
+    """A vision-language checkpoint's template may be only in its processor's chat_template.json, which
+    AutoTokenizer does not read (Note [A processor's chat template]): the tokenizer takes it, and a
+    --chat_template file still wins."""
+    import json
+
+    byte_tokenizer().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("chat_template.jinja", "chat_template.json"):  # where transformers 5 / 4 save the tokenizer's
+        (tmp_path / name).unlink(missing_ok=True)
+    assert build_tokenizer(str(tmp_path)).chat_template is None
+    processor = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": processor}))
+    tokenizer = build_tokenizer(str(tmp_path))
+    assert tokenizer.chat_template == processor
+    assert trained_text(tokenize_example({"messages": CHAT[1:3]}, tokenizer), tokenizer) == "yo!<|eos|>"
+    own = tmp_path / "own.jinja"
+    own.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert build_tokenizer(str(tmp_path), str(own)).chat_template == own.read_text()
+
+
 # ----------------------------------------------------------------------------- packing
 
 
