@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from llama_cp.modules.causal_lm import base_causal_lm, compute_dtype, decoder_layers
-from llama_cp.modules.checkpoints import text_model_tensors
+from llama_cp.modules.checkpoints import safetensors_files, text_model_tensors
 from llama_cp.modules.quantize import quantize_checkpoint, quantized_linears
 from llama_cp.parallel.mesh import submesh
 
@@ -220,7 +220,7 @@ def restore_buffers(model: nn.Module, device: torch.device) -> None:
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    files = safetensors_files(path)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!r}; save the model with save_pretrained")
     state: dict[str, torch.Tensor] = {}

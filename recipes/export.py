@@ -206,7 +206,7 @@ def build_base(run: dict, base_dir: str | None, with_weights: bool):
     from llama_cp.modules.checkpoints import text_config, vision_language
 
     raw = embedded_llama_config() if base_dir is None else AutoConfig.from_pretrained(base_dir)
-    config = text_config(raw)
+    config = text_config(raw, base_dir)
     apply_rope_settings(config, run["rope_theta"], run["rope_scaling"], run.get("context_length"))
     if base_dir is None:
         torch.manual_seed(run["seed"])  # as llama_cp.model.build.build_model initialises it

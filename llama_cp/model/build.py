@@ -55,8 +55,8 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
         line = vision_language_line(config, path)
         if line and (not dist.is_initialized() or dist.get_rank() == 0):
             print(line, flush=True)
-        config = text_config(config)  # Note [The text model of a vision-language checkpoint]
-        check_family(config)  # before it is built: some families cannot be built on the meta device
+        config = text_config(config, path)  # Note [The text model of a vision-language checkpoint]
+        check_family(config)  # refused before anything is built
     load_kwargs = mxfp4_load_kwargs(config)
     if load_kwargs:  # Note [MXFP4 checkpoints]
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -318,6 +318,8 @@ def resolve_frozen_dtype(cfg: TrainConfig, compute: torch.dtype | None) -> torch
 #: What a hub snapshot of a model fetches: weights, configs, and every tokenizer file (a chat
 #: template saved apart, as transformers writes it, is chat_template.jinja; tiktoken vocabularies).
 HUB_MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+#: Not fetched: Mistral's repositories ship their weights a second time in their own layout and names.
+HUB_SKIPPED_FILES = ["consolidated*"]
 
 
 def model_path(name: str) -> str | None:
@@ -334,7 +336,7 @@ def model_path(name: str) -> str | None:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(name, allow_patterns=HUB_MODEL_FILES)
+        return snapshot_download(name, allow_patterns=HUB_MODEL_FILES, ignore_patterns=HUB_SKIPPED_FILES)
     except Exception as error:  # noqa: BLE001 - offline, unknown id, gated repo: one message for all
         raise FileNotFoundError(
             f"--model_name {name!r} is not a local directory, and as a hub id it could not be fetched "

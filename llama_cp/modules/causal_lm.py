@@ -74,15 +74,43 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 # memory. Rebuilding only the modules with a buffer named inv_freq missed both: a Gemma 3
 # checkpoint trained with its embeddings scaled by whatever the memory held (zeros on a fresh
 # CPU page: every gradient zero; against transformers, logits off by 0.9). So build_causal_lm
-# builds such a model with its parameters on meta but its buffers on the CPU, as transformers
-# computes them, keeps those values (``_built_buffers`` of the model), and leaves the model as a
-# meta build was; llama_cp.fsdp_wrap.restore_buffers puts them back after to_empty.
+# builds such a model with its buffers on the CPU, as transformers computes them, and everything
+# else on meta (_parameters_on_meta), keeps the buffers' values (``_built_buffers`` of the model),
+# and leaves the model as a meta build was; llama_cp.fsdp_wrap.restore_buffers puts them back after
+# to_empty. Nothing large may be made on the CPU meanwhile: a factory call (torch.empty, zeros, ...)
+# of LARGE_ON_META elements or more is made on meta (DeepSeek-V3's fused experts are one 30 GB
+# tensor, which torch.empty cannot even reserve on a small host; Llama 4's experts are torch.zeros,
+# written); smaller ones are made and at once moved to meta when they become parameters.
+
+#: Elements from which a tensor made while a model is built on meta is made there directly.
+LARGE_ON_META = 1 << 20
+_FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.full, torch.randn, torch.rand,
+                        torch.empty_strided})
+
+
+def _requested_numel(args: tuple, kwargs: dict) -> int:
+    """The number of elements a factory call asks for: its size as a sequence or as ints."""
+    size = kwargs.get("size", args[0] if args else ())
+    if isinstance(size, int):
+        size = [arg for arg in args if isinstance(arg, int)]
+    return math.prod(int(n) for n in size) if isinstance(size, (tuple, list, torch.Size)) else 0
+
+
+class _LargeOnMeta(torch.overrides.TorchFunctionMode):
+    """Factory calls of LARGE_ON_META elements or more, on the CPU or no device, made on meta."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES and torch.device(kwargs.get("device") or "cpu").type == "cpu" and (
+                _requested_numel(args, kwargs) >= LARGE_ON_META):
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def _parameters_on_meta():
-    """Within: each parameter a module registers is moved to the meta device (made with torch.empty,
-    its memory never touched); buffers stay on the CPU, computed."""
+    """Within: each parameter a module registers is moved to the meta device, and large tensors are
+    made there (_LargeOnMeta); buffers stay on the CPU, computed."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
@@ -92,7 +120,8 @@ def _parameters_on_meta():
 
     nn.Module.register_parameter = register_on_meta
     try:
-        yield
+        with _LargeOnMeta():
+            yield
     finally:
         nn.Module.register_parameter = register
 
@@ -110,7 +139,8 @@ def build_causal_lm(config, device: torch.device | str = "cpu") -> nn.Module:
     with _parameters_on_meta() if meta else torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     built = [(module, name, buffer) for module in model.modules() for name, buffer in
-             module.named_buffers(recurse=False) if name in module._non_persistent_buffers_set]
+             module.named_buffers(recurse=False)
+             if name in module._non_persistent_buffers_set and buffer.device.type != "meta"]  # not a large one
     model._built_buffers = built
     if meta:  # otherwise as a meta build was: every tensor on meta
         for module in model.modules():

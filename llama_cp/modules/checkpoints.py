@@ -9,6 +9,9 @@ Note [The text model of a vision-language checkpoint] says what is kept and why.
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 # Note [The text model of a vision-language checkpoint]
@@ -20,21 +23,24 @@ import torch
 # refuses mistral3, and its text classes (Gemma3ForCausalLM, Ministral3ForCausalLM,
 # MistralForCausalLM) given such a directory load none of its weights: they stay random, with a
 # warning (transformers 5.24: every tensor MISSING). llama-cp trains the text model: it is built
-# from text_config (with the outer config's tie_word_embeddings, which decides the tying in the
-# vision-language model: a mistral3 text_config says False where its model ties), and its
-# tensors are the checkpoint's language model and lm_head, renamed:
+# from text_config, and its tensors are the checkpoint's language model and lm_head, renamed:
 #
 #     language_model.model.X, model.language_model.X  ->  model.X
 #     language_model.lm_head.X, lm_head.X              ->  lm_head.X
 #
 # (the first of each pair as the released checkpoints and transformers' save_pretrained write
-# them, the second as transformers 5 names them in memory). The vision tower and the projector
-# are not loaded. On text rows the vision-language model computes what its text model does
-# (no image token, so nothing is merged into the embeddings): tests/modules/test_checkpoints.py
-# checks the logits equal. What the run writes (checkpoints, final/, exports) is the text model.
-# A vision-language family is taken only where AutoModelForCausalLM would build something else
-# than a causal LM of the text config; Llama 4 (llama4), whose AutoModelForCausalLM is
-# Llama4ForCausalLM already, is left to transformers.
+# them, the second as transformers 5 names them in memory). Neither config says reliably whether
+# the head is tied: Mistral Small's names no top-level tie_word_embeddings (Mistral3Config's
+# default is True) and stores its own head, which transformers keeps untied; a Ministral 3 text
+# config says False where the model ties and stores none. So the head is tied exactly when the
+# checkpoint stores none. The vision tower and the projector are not loaded. On text rows the
+# vision-language model computes what its text model does (no image token, so nothing is merged
+# into the embeddings): tests/modules/test_checkpoints.py checks the logits equal. What the run
+# writes (checkpoints, final/, exports) is the text model; a LoRA adapter's names are the text
+# model's, so the vision-language model does not take it: merge it (--merge_lora, recipes.export).
+# Only the types of VISION_LANGUAGE_TYPES are read so; other vision-language models are refused as
+# families, and Llama 4 (llama4), whose AutoModelForCausalLM builds Llama4ForCausalLM itself, is
+# refused naming that text model.
 
 
 def _text_causal_lm_name(config) -> str | None:
@@ -44,27 +50,72 @@ def _text_causal_lm_name(config) -> str | None:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
 
 
+#: Vision-language model types whose checkpoints store the language model under the names
+#: text_model_tensors renames (tests/modules/test_checkpoints.py builds each). Others (Idefics3 and
+#: SmolVLM keep theirs under model.text_model, PaliGemma masks its prefix both ways) are refused as
+#: families by name.
+VISION_LANGUAGE_TYPES = frozenset({"gemma3", "mistral3"})
+#: Where a vision-language checkpoint stores its own lm_head (absent: tied to the embedding).
+_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
 def vision_language(config) -> bool:
     """Whether ``config`` is a vision-language checkpoint's whose text model llama-cp builds (Note [The
     text model of a vision-language checkpoint])."""
-    text = getattr(config, "text_config", None)
-    if text is None or text is config or getattr(config, "vision_config", None) is None:
-        return False
-    built = _text_causal_lm_name(config)
-    return built is None or built.endswith("ForConditionalGeneration")
+    return config.model_type in VISION_LANGUAGE_TYPES and getattr(config, "text_config", None) is not None
 
 
-def text_config(config):
-    """``config``, or the text config of a vision-language checkpoint's, tied as its model is."""
+def checkpoint_names(path: str) -> set[str] | None:
+    """The tensor names of the checkpoint directory ``path`` (its index, else the safetensors files'
+    headers; no tensor is read), None without safetensors files."""
+    files = safetensors_files(path)
+    if not files:
+        return None
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for name in files:
+        with safe_open(os.path.join(path, name), "pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def text_config(config, path: str | None = None):
+    """``config``, or the text config of a vision-language checkpoint's, tied as its model is: tied
+    when the checkpoint at ``path`` stores no head of its own (Mistral Small's config names no
+    tie_word_embeddings, whose class default is True, and stores one; Ministral 3's says True and stores
+    none), else (no files: the planner's hub configs) as its text config says."""
     if not vision_language(config):
         return config
     text = config.text_config
-    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    names = checkpoint_names(path) if path is not None else None
+    if names is not None:
+        text.tie_word_embeddings = not any(head in names for head in _HEADS)
     # what the run's exports name as their class (vLLM and transformers' pipelines read it); a text
     # config has none of its own
     if _text_causal_lm_name(text):
         text.architectures = [_text_causal_lm_name(text)]
     return text
+
+
+#: The index of a sharded safetensors checkpoint.
+INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The safetensors files of the checkpoint in ``path``: those its index names, else every one but
+    a second copy in another layout (Mistral's repositories ship consolidated.safetensors, its own
+    names, beside model*.safetensors)."""
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    return [f for f in files if f.startswith("model")] or files
 
 
 def checkpoint_config(path: str):
@@ -74,7 +125,7 @@ def checkpoint_config(path: str):
 
     config = AutoConfig.from_pretrained(path)
     check_quantization(config, path)
-    return text_config(config)
+    return text_config(config, path)
 
 
 def vision_language_line(config, path: str) -> str | None:
@@ -85,7 +136,7 @@ def vision_language_line(config, path: str) -> str | None:
     text = _text_causal_lm_name(config.text_config) or config.text_config.model_type
     return (f"model: {path} is a vision-language checkpoint ({whole}): llama-cp trains its text model, {text} "
             "(the language model and lm_head); the vision tower and projector are not loaded, and the "
-            "checkpoints and exports of this run hold the text model")
+            "checkpoints and exports of this run hold the text model (a LoRA adapter: merge it, --merge_lora)")
 
 
 #: quant_method values of checkpoints llama-cp loads (MXFP4: dequantized by transformers, Note [MXFP4

@@ -186,16 +186,17 @@ _REFUSAL_REASONS = {
 
 #
 # Apertus the same for another cause: its xIELU activation (transformers' activations.py XIELU)
-# reads its beta and eps with .item() of tensors it has just made while it is built, which fails
-# on the meta device every checkpoint is built on ("Cannot copy out of meta tensor"); 5.0.0 takes
-# them as floats (read in the released wheels of 4.56.2, 4.57.6 and 5.0.0).
+# makes its two parameters in bfloat16 (the class's default dtype) beside the model's float32 ones,
+# and FSDP2 shards a layer's parameters in one dtype only ("FSDP expects uniform original parameter
+# dtype"); from 5.0.0 ApertusMLP passes the model's dtype (read in the released wheels of 4.56.2,
+# 4.57.6 and 5.0.0: models/apertus/modeling_apertus.py, ACT2FN["xielu"] then ACT2CLS["xielu"](dtype=)).
 
 _SDPA_ITSELF = "its attention calls SDPA itself, so context-parallel attention cannot take its place"
 #: Family -> (the first transformers release where llama-cp computes it, why not before).
 _NEEDS_TRANSFORMERS = {
     "olmoe": ((5, 0), _SDPA_ITSELF), "qwen2_moe": ((5, 0), _SDPA_ITSELF),
-    "apertus": ((5, 0), "its xIELU activation cannot be built on the meta device, where llama-cp builds a "
-                        "checkpoint's model before loading it"),
+    "apertus": ((5, 0), "its xIELU activation keeps its parameters in bfloat16 beside the model's float32 ones, "
+                        "which FSDP2 cannot shard together"),
 }
 
 

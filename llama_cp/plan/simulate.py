@@ -222,7 +222,7 @@ def simulate_step_phases(
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=False))
     with _fake_world(world_size):
         mesh = dims.build_mesh("cpu")  # outside the fake mode: the mesh reads real rank tensors
-        check_family(config)  # the trainer's refusals, before a family that cannot be built on meta is
+        check_family(config)  # the trainer's refusals, before the model is built
         model = build_causal_lm(config, device="meta")  # the trainer's build: float32 sharded state
         backend = planned_attention_backend(cfg, config)
         model = parallelize_model(  # planned for GPUs: "auto" is bf16; attention: Note [GPU attention kernels' workspace]

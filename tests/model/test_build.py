@@ -23,26 +23,30 @@ TEMPLATE = "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}<|e
 
 def test_a_hub_snapshot_fetches_every_file_a_saved_model_needs(tmp_path, monkeypatch):
     """transformers saves a chat template as chat_template.jinja: a snapshot restricted to other
-    patterns loaded the tokenizer without its template, and chat data was then rendered without it."""
+    patterns loaded the tokenizer without its template, and chat data was then rendered without it.
+    Mistral's second copy of the weights (consolidated.safetensors, its own names) is not fetched."""
     saved = tmp_path / "saved"
     LlamaForCausalLM(embedded_llama_config(num_hidden_layers=1)).save_pretrained(saved)
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(saved)
+    wanted = sorted(os.listdir(saved))
+    shutil.copy(saved / "model.safetensors", saved / "consolidated.safetensors")  # Mistral's second copy
     fetched = {}
 
-    def snapshot_download(repo_id, allow_patterns):  # the hub, as a folder of what was uploaded
-        fetched["patterns"] = allow_patterns
+    def snapshot_download(repo_id, allow_patterns, ignore_patterns=()):  # the hub, as a folder of what was uploaded
+        fetched["patterns"] = allow_patterns, ignore_patterns
         local = tmp_path / "snapshot"
         for name in os.listdir(saved):
-            if any(fnmatch.fnmatch(name, pattern) for pattern in allow_patterns):
+            if any(fnmatch.fnmatch(name, pattern) for pattern in allow_patterns) and not any(
+                    fnmatch.fnmatch(name, pattern) for pattern in ignore_patterns):
                 local.mkdir(exist_ok=True)
                 shutil.copy(saved / name, local / name)
         return str(local)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     path = model_path("org/model")
-    assert sorted(os.listdir(path)) == sorted(os.listdir(saved)), fetched["patterns"]
+    assert sorted(os.listdir(path)) == wanted, fetched["patterns"]
     assert AutoTokenizer.from_pretrained(path).chat_template == TEMPLATE
 
 

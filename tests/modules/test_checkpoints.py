@@ -13,7 +13,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from llama_cp.fsdp_wrap import _full_state_for, _read_checkpoint, restore_buffers
 from llama_cp.modules.causal_lm import build_causal_lm
-from llama_cp.modules.checkpoints import check_quantization, checkpoint_config, vision_language
+from llama_cp.modules.checkpoints import (
+    check_quantization, checkpoint_config, safetensors_files, text_config, vision_language,
+)
 from llama_cp.modules.families import SUPPORTED_FAMILIES, check_family, transformers_refusal
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -65,6 +67,17 @@ def test_buffers_no_checkpoint_holds_are_those_transformers_builds(family):
         torch.testing.assert_close(restored[name], buffer, rtol=0, atol=0, msg=name)
 
 
+def test_a_meta_build_makes_nothing_large_on_the_host():
+    """A model built on meta for a checkpoint makes its large tensors on meta directly (Note [Buffers no
+    checkpoint holds]): an embedding of 2^36 elements (256 GiB in float32, more than the host has; made
+    on the CPU first, torch.empty failed) builds, and every parameter is on meta."""
+    config = AutoConfig.for_model("llama", **{**TEXT, "vocab_size": 1 << 22, "hidden_size": 1 << 14,
+                                              "head_dim": 128, "num_attention_heads": 128, "num_key_value_heads": 8,
+                                              "num_hidden_layers": 1})
+    model = build_causal_lm(config, device="meta")
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert model.model.embed_tokens.weight.numel() == 1 << 36
+
 def test_a_gemma3_checkpoint_loads_as_transformers_loads_it(tmp_path):
     """The trainer's load (meta build, to_empty, restore_buffers, the checkpoint's tensors) of a saved
     Gemma 3 computes transformers' from_pretrained logits (before the fix: embed_scale was left as
@@ -72,6 +85,9 @@ def test_a_gemma3_checkpoint_loads_as_transformers_loads_it(tmp_path):
     config = family_config("gemma3_text")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    # a second copy in another layout (Mistral's repositories ship one) is not read
+    (tmp_path / "consolidated.safetensors").write_bytes((tmp_path / "model.safetensors").read_bytes())
+    assert safetensors_files(str(tmp_path)) == ["model.safetensors"]
     model = build_causal_lm(config, device="meta").to_empty(device="cpu")
     with torch.no_grad():
         for buffer in model.buffers():
@@ -90,7 +106,8 @@ VISION_LANGUAGE = {
                dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                     num_attention_heads=2, image_size=28, patch_size=14), dict(mm_tokens_per_image=1,
                     image_token_index=93, boi_token_index=94, eoi_token_index=95)),
-    # Mistral Small 3.1/3.2: a Mistral text model, its own lm_head
+    # Mistral Small 3.1/3.2: a Mistral text model, its own lm_head; its config.json names no top-level
+    # tie_word_embeddings (removed after saving: vision_language_dir), whose class default is True
     "mistral3": (dict(model_type="mistral", **TEXT), dict(model_type="pixtral", hidden_size=16, intermediate_size=32,
                  num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14, head_dim=8),
                  dict(image_token_index=93, tie_word_embeddings=False)),
@@ -111,6 +128,10 @@ def vision_language_dir(name: str, path) -> torch.nn.Module:
         if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
             model.get_output_embeddings().weight.normal_(0, 0.02)
     model.save_pretrained(path)
+    if name == "mistral3":  # as released
+        fields = json.loads((path / "config.json").read_text())
+        del fields["tie_word_embeddings"]
+        (path / "config.json").write_text(json.dumps(fields))
     return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -137,13 +158,19 @@ def test_text_model_of_a_vision_language_checkpoint_computes_its_logits(name, tm
         torch.testing.assert_close(model(input_ids=ids).logits, whole(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_llama4_is_left_to_transformers():
-    """A llama4 config is not read as a text model here: transformers' AutoModelForCausalLM builds
-    Llama4ForCausalLM from it itself."""
-    if "llama4" not in CONFIG_MAPPING_NAMES:
-        pytest.skip(f"transformers {transformers.__version__} has no llama4")
-    assert not vision_language(AutoConfig.for_model("llama4"))
+def test_other_vision_language_models_are_refused_as_families():
+    """Only gemma3 and mistral3 checkpoints are read as their text model: Idefics3 keeps its language
+    model under model.text_model (its tensors would not be found, late), Llama 4 is refused naming
+    its text model; both in one line before anything is built."""
     assert not vision_language(family_config("llama"))
+    for model_type, reason in (("idefics3", "it has not been checked exact"), ("llama4", "its text model is supported")):
+        if model_type not in CONFIG_MAPPING_NAMES:
+            continue
+        config = AutoConfig.for_model(model_type)
+        assert not vision_language(config) and text_config(config) is config
+        with pytest.raises(ValueError, match=rf"^model family '{model_type}' \(\w+\) is not supported by llama-cp: "
+                                             rf"[^\n]*{reason}"):
+            check_family(config)
 
 
 @pytest.mark.parametrize("method", ["fp8", "bitsandbytes", "gptq", "awq"])
@@ -168,13 +195,13 @@ def test_quantized_checkpoints_are_refused_naming_the_fix(tmp_path, method):
 def test_families_refused_before_they_are_built():
     """check_family says, from a config alone, what check_supported says of the built model: the
     family and the class AutoModelForCausalLM would build, or the transformers floor (Apertus below 5:
-    its activation cannot be built on meta)."""
+    its activation's parameters are bfloat16 among float32 ones)."""
     with pytest.raises(ValueError, match=r"^model family 'phi' \(PhiForCausalLM\) is not supported by llama-cp: its "
                                          r"attention has no o_proj"):
         check_family(AutoConfig.for_model("phi"))
     assert transformers_refusal("apertus", "4.57.6") == (
         "model family 'apertus' needs transformers >= 5.0 (installed: 4.57.6): before that its xIELU activation "
-        "cannot be built on the meta device, where llama-cp builds a checkpoint's model before loading it; "
+        "keeps its parameters in bfloat16 beside the model's float32 ones, which FSDP2 cannot shard together; "
         "upgrade transformers")
     assert transformers_refusal("apertus", "5.0.0") is None
     if not TRANSFORMERS_5:

@@ -127,8 +127,7 @@ def test_model_directories_without_config_or_tokenizer_are_refused(capsys, tmp_p
 
 def test_checkpoints_llama_cp_cannot_train_are_refused_before_the_run_starts(capsys, tmp_path):
     """A family refused (here Phi) and a checkpoint stored quantized (fp8) are said in one line from
-    the directory's config, before anything is built or written (a family that cannot be built on the
-    meta device, Apertus below transformers 5, failed in the build before)."""
+    the directory's config, before anything is built or written."""
     import json
 
     from transformers import AutoConfig
