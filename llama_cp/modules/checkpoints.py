@@ -52,7 +52,7 @@ def _text_causal_lm_name(config) -> str | None:
 
 #: Vision-language model types whose checkpoints store the language model under the names
 #: text_model_tensors renames (tests/modules/test_checkpoints.py builds each). Others (Idefics3 and
-#: SmolVLM keep theirs under model.text_model, PaliGemma masks its prefix both ways) are refused as
+#: SmolVLM keep theirs under model.text_model; PaliGemma and the rest are not checked) are refused as
 #: families by name.
 VISION_LANGUAGE_TYPES = frozenset({"gemma3", "mistral3"})
 #: Where a vision-language checkpoint stores its own lm_head (absent: tied to the embedding).
