@@ -28,7 +28,7 @@ from llama_cp.cp_attention import apply_context_parallel
 from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, restore_buffers, shard_model
 from llama_cp.model.loss import enable_chunked_loss
 from llama_cp.modules.experts import apply_expert_gradients
-from llama_cp.modules.checkpoints import check_quantization, text_config, vision_language_line
+from llama_cp.modules.checkpoints import checkpoint_config, vision_language_line
 from llama_cp.modules.families import attention_head_dim, check_family, set_router_loss_coef
 from llama_cp.modules.gguf import gguf_model_dir, gguf_path
 from llama_cp.modules.causal_lm import (
@@ -51,12 +51,11 @@ def build_model(cfg: TrainConfig, mesh, device: torch.device, path: str | None) 
     torch.manual_seed(cfg.seed)
     config = embedded_llama_config() if path is None else AutoConfig.from_pretrained(path)
     if path is not None:
-        check_quantization(config, path)
         line = vision_language_line(config, path)
+        config = checkpoint_config(path, config)  # Note [The text model of a vision-language checkpoint]
+        check_family(config)  # refused before anything is built
         if line and (not dist.is_initialized() or dist.get_rank() == 0):
             print(line, flush=True)
-        config = text_config(config, path)  # Note [The text model of a vision-language checkpoint]
-        check_family(config)  # refused before anything is built
     load_kwargs = mxfp4_load_kwargs(config)
     if load_kwargs:  # Note [MXFP4 checkpoints]
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -55,6 +55,8 @@ def _text_causal_lm_name(config) -> str | None:
 #: SmolVLM keep theirs under model.text_model; PaliGemma and the rest are not checked) are refused as
 #: families by name.
 VISION_LANGUAGE_TYPES = frozenset({"gemma3", "mistral3"})
+#: The index of a sharded safetensors checkpoint.
+INDEX = "model.safetensors.index.json"
 #: Where a vision-language checkpoint stores its own lm_head (absent: tied to the embedding).
 _HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
@@ -68,13 +70,13 @@ def vision_language(config) -> bool:
 def checkpoint_names(path: str) -> set[str] | None:
     """The tensor names of the checkpoint directory ``path`` (its index, else the safetensors files'
     headers; no tensor is read), None without safetensors files."""
-    files = safetensors_files(path)
-    if not files:
-        return None
     index = os.path.join(path, INDEX)
     if os.path.isfile(index):
         with open(index) as f:
             return set(json.load(f)["weight_map"])
+    files = safetensors_files(path)
+    if not files:
+        return None
     from safetensors import safe_open
 
     names: set[str] = set()
@@ -102,10 +104,6 @@ def text_config(config, path: str | None = None):
     return text
 
 
-#: The index of a sharded safetensors checkpoint.
-INDEX = "model.safetensors.index.json"
-
-
 def safetensors_files(path: str) -> list[str]:
     """The safetensors files of the checkpoint in ``path``: those its index names, else every one but
     a second copy in another layout (Mistral's repositories ship consolidated.safetensors, its own
@@ -118,12 +116,12 @@ def safetensors_files(path: str) -> list[str]:
     return [f for f in files if f.startswith("model")] or files
 
 
-def checkpoint_config(path: str):
+def checkpoint_config(path: str, config=None):
     """The config llama-cp builds the model of the directory ``path`` from (``text_config``),
-    after :func:`check_quantization`."""
+    after :func:`check_quantization`; ``config``: its AutoConfig when read already."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path) if config is None else config
     check_quantization(config, path)
     return text_config(config, path)
 
