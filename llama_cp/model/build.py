@@ -29,7 +29,7 @@ from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, restor
 from llama_cp.model.loss import enable_chunked_loss
 from llama_cp.modules.experts import apply_expert_gradients
 from llama_cp.modules.checkpoints import checkpoint_config, vision_language_line
-from llama_cp.modules.families import attention_head_dim, check_family, set_router_loss_coef
+from llama_cp.modules.families import attention_head_dims, check_family, set_router_loss_coef
 from llama_cp.modules.gguf import gguf_model_dir, gguf_path
 from llama_cp.modules.causal_lm import (
     apply_rope_settings, base_causal_lm, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,
@@ -300,9 +300,9 @@ def check_attention_backend(cfg: TrainConfig, config, device_type: str) -> None:
     if cfg.model.attention_backend == "auto":
         return
     dtype = compute_dtype(cfg.model.dtype, device_type) or torch.float32
-    head_dim = attention_head_dim(config)  # DeepSeek's latent attention: not its config's head_dim
     backend = cfg.model.attention_backend
-    check_backend(backend, device_type, dtype, head_dim, name=f"--attention_backend {backend}")
+    for head_dim in attention_head_dims(config):  # DeepSeek's latent attention: not its config's head_dim
+        check_backend(backend, device_type, dtype, head_dim, name=f"--attention_backend {backend}")
 
 
 def resolve_frozen_dtype(cfg: TrainConfig, compute: torch.dtype | None) -> torch.dtype | None:

@@ -90,7 +90,7 @@ from typing import Any
 
 import torch
 
-from llama_cp.modules.families import attention_head_dim, layer_chunks, layer_windows
+from llama_cp.modules.families import attention_head_dim, layer_chunks, layer_configs, layer_windows
 
 #: Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per GPU by the exact name
 #: ``torch.cuda.get_device_name()`` reports; a name not here gets no MFU (--peak_tflops sets one).
@@ -169,6 +169,8 @@ class ModelFlops:
     """each layer's sliding window (None: full); empty: no layer has one."""
     chunks: tuple[int | None, ...] = ()
     """each layer's attention chunk (Llama 4; None: none); empty: no layer has one."""
+    pair_shares: tuple[float, ...] = ()
+    """each layer's share of ``per_pair`` (Gemma 4's full layers have larger heads); empty: equal shares."""
 
     def step(self, tokens: int, pairs: float) -> float:
         """Model FLOPs of ``tokens`` tokens whose attention sees ``pairs`` (query, key) pairs
@@ -178,10 +180,11 @@ class ModelFlops:
     def pairs(self, position_ids: torch.Tensor, document_mask: bool = True) -> float:
         """The visible (query, key) pairs of a batch (:func:`attention_pairs`), averaged over the
         layers, whose sliding windows or attention chunks see fewer."""
-        layers = max(len(self.windows), len(self.chunks), 1)
+        layers = max(len(self.windows), len(self.chunks), len(self.pair_shares), 1)
         kinds = list(zip(self.windows or (None,) * layers, self.chunks or (None,) * layers))
         counts = {kind: attention_pairs(position_ids, document_mask, *kind) for kind in set(kinds)}
-        return sum(counts[kind] for kind in kinds) / len(kinds)
+        shares = self.pair_shares or (1 / layers,) * layers
+        return sum(share * counts[kind] for share, kind in zip(shares, kinds, strict=True))
 
 
 def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] = (),
@@ -194,28 +197,20 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     if lora_r:
         lora_targets, trained = _lora_layers(config, lora_targets, modules_to_save)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = config.num_attention_heads
-    shape = {
-        "hidden": config.hidden_size, "heads": heads,
-        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
-        # Llama 4's dense layers: intermediate_size_mlp (its experts and shared expert: intermediate_size)
-        "intermediate": getattr(config, "intermediate_size_mlp", None) or config.intermediate_size,
-    }
     weight_passes = 2 if lora_r else 3  # frozen: forward + input gradient; trained: + weight gradient
 
-    attention_linears = _attention_linears(config, shape)
+    def linear(name: str, fan_in: int, fan_out: int, copies: int = 1) -> int:
+        """A linear layer's FLOPs per token, run ``copies`` times (an MoE's routed experts), its adapters too."""
+        flops = copies * 2 * (3 if name in trained else weight_passes) * fan_in * fan_out
+        if lora_r and name in lora_targets:
+            flops += copies * 2 * 3 * lora_r * (fan_in + fan_out)
+        return flops
+
     mlp_linears = _MLP_LINEARS[1:] if config.model_type in _UNGATED_MLP else _MLP_LINEARS
 
-    def layer_flops(mlp_copies: int, mlp_shape: dict, attention: bool = True) -> int:
-        per_layer = 0
-        linears = [*(attention_linears.items() if attention else ()),
-                   *((name, _LAYER_LINEARS[name](mlp_shape)) for name in mlp_linears)]
-        for name, (fan_in, fan_out) in linears:
-            copies = mlp_copies if name in mlp_linears else 1
-            per_layer += copies * 2 * (3 if name in trained else weight_passes) * fan_in * fan_out
-            if lora_r and name in lora_targets:
-                per_layer += copies * 2 * 3 * lora_r * (fan_in + fan_out)
+    def layer_flops(mlp_copies: int, mlp_shape: dict, attention: dict | None, shape: dict) -> int:
+        per_layer = sum(linear(name, *features) for name, features in (attention or {}).items())
+        per_layer += sum(linear(name, *_LAYER_LINEARS[name](mlp_shape), mlp_copies) for name in mlp_linears)
         for name, features in _FUSED_LINEARS.items():
             if lora_r and name in lora_targets and attention:
                 per_layer += 2 * 3 * lora_r * sum(features(shape))
@@ -223,28 +218,72 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
 
     top_k, experts = _moe(config)
     layers = config.num_hidden_layers
-    decoder = 0
-    for index in range(layers):
-        if experts and _is_moe_layer(config, index):
+    decoder, per_pair, pair_flops = 0, 0, []
+    for index, layer in enumerate(layer_configs(config)):
+        shape = _shape(layer)
+        attention = _attention_linears(layer, shape)
+        if config.model_type == "gemma4_text":
+            decoder += _gemma4_layer_flops(config, index, shape, attention, linear, layer_flops)
+        elif experts and _is_moe_layer(config, index):
             expert_size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
             expert = {**shape, "intermediate": expert_size}
-            decoder += layer_flops(top_k, expert) + 2 * weight_passes * config.hidden_size * experts  # + the router
+            decoder += layer_flops(top_k, expert, attention, shape) + 2 * weight_passes * config.hidden_size * experts
             shared, gated = _shared_expert(config)
             if shared:  # every token, beside the routed experts
-                decoder += layer_flops(1, {**shape, "intermediate": shared}, attention=False)
+                decoder += layer_flops(1, {**shape, "intermediate": shared}, None, shape)
                 decoder += 2 * weight_passes * config.hidden_size * gated
         else:
-            decoder += layer_flops(1, shape)
+            decoder += layer_flops(1, shape, attention, shape)
+        # q.k at the query/key heads' size, p.v at the values' (DeepSeek's MLA: unlike), each 2 FLOPs a multiply-add
+        pair_flops.append(3 * 2 * (attention_head_dim(layer) + _value_head_dim(layer)) * shape["heads"])
+    if getattr(config, "hidden_size_per_layer_input", None):  # Gemma 4's per-layer inputs, once per token
+        decoder += linear("per_layer_model_projection", config.hidden_size,
+                          layers * config.hidden_size_per_layer_input)
     head_in, head_out = config.hidden_size, config.vocab_size
     head = 2 * (3 if "lm_head" in trained else weight_passes) * head_in * head_out
     if lora_r and "lm_head" in lora_targets:
         head += 2 * 3 * lora_r * (head_in + head_out)
-    # q.k at the query/key heads' size, p.v at the values' (DeepSeek's MLA: unlike), each 2 FLOPs a multiply-add
-    per_pair = 3 * 2 * (attention_head_dim(config) + _value_head_dim(config)) * heads * layers
+    per_pair = sum(pair_flops)
     windows, chunks = tuple(layer_windows(config)), tuple(layer_chunks(config))
     return ModelFlops(per_token=float(decoder + head), per_pair=float(per_pair),
                       windows=windows if any(w is not None for w in windows) else (),
-                      chunks=chunks if any(c is not None for c in chunks) else ())
+                      chunks=chunks if any(c is not None for c in chunks) else (),
+                      pair_shares=tuple(f / per_pair for f in pair_flops) if len(set(pair_flops)) > 1 else ())
+
+
+def _shape(config: Any) -> dict:
+    """The sizes a decoder layer's linear layers take, from its config (:func:`layer_configs`)."""
+    heads = config.num_attention_heads
+    return {
+        "hidden": config.hidden_size, "heads": heads,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        # Llama 4's dense layers: intermediate_size_mlp (its experts and shared expert: intermediate_size)
+        "intermediate": getattr(config, "intermediate_size_mlp", None) or config.intermediate_size,
+    }
+
+
+def _gemma4_layer_flops(config: Any, index: int, shape: dict, attention: dict, linear, layer_flops) -> int:
+    """A Gemma 4 decoder layer (transformers 5.24 models/gemma4, Gemma4TextDecoderLayer): the layers that
+    reuse an earlier layer's keys and values have no k/v projections (and, with use_double_wide_mlp, an MLP
+    twice as wide), full layers with attention_k_eq_v no v projection (their values are their keys); with
+    enable_moe_block a router and the top k of the experts beside the MLP; with per-layer inputs, their gate
+    (hidden -> per-layer size) and projection back."""
+    reuses = index >= config.num_hidden_layers - (config.num_kv_shared_layers or 0)
+    full = config.layer_types[index] != "sliding_attention"
+    attention = {name: features for name, features in attention.items()
+                 if not (reuses and name in ("k_proj", "v_proj") or config.attention_k_eq_v and full and
+                         name == "v_proj")}
+    wide = 2 if config.use_double_wide_mlp and reuses else 1
+    flops = layer_flops(1, {**shape, "intermediate": wide * config.intermediate_size}, attention, shape)
+    if config.enable_moe_block:
+        flops += linear("proj", config.hidden_size, config.num_experts)  # the router
+        flops += layer_flops(config.top_k_experts, {**shape, "intermediate": config.moe_intermediate_size}, None,
+                             shape)
+    if config.hidden_size_per_layer_input:
+        flops += linear("per_layer_input_gate", config.hidden_size, config.hidden_size_per_layer_input)
+        flops += linear("per_layer_projection", config.hidden_size_per_layer_input, config.hidden_size)
+    return flops
 
 
 def _value_head_dim(config: Any) -> int:

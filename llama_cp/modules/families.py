@@ -63,6 +63,13 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "gemma2": _final_softcap,
     "phi3": _plain,  # fused qkv_proj / gate_up_proj: attention still receives q, k, v
     "gemma3_text": _final_softcap,  # Gemma3ForCausalLM: windowed and full layers, a RoPE per layer type
+    # Gemma 4 (Gemma4ForCausalLM): windowed and full layers, the full ones with heads of their own size
+    # (global_head_dim, num_global_key_value_heads; transformers' per-layer config: layer_configs) and
+    # values that are their keys (attention_k_eq_v), a RoPE per layer type ("proportional" on the full
+    # layers); the last num_kv_shared_layers reuse the keys and values an earlier layer passed to
+    # attention (its local rows: each call exchanges them again); per-layer inputs and the expert
+    # block beside the MLP are per token; no router loss
+    "gemma4_text": _final_softcap,
     # mixture of experts: the experts are per token (nothing to change under CP); the router's
     # load-balancing loss is reduced over every rank (Note [Router loss under CP] in llama_cp/model/loss.py)
     "mixtral": _plain,
@@ -215,12 +222,28 @@ def transformers_refusal(family: str, transformers_version: str) -> str | None:
             f"{transformers_version}): before that {why}; upgrade transformers")
 
 
+def layer_configs(config) -> list:
+    """Each decoder layer's config. A transformers 5 config whose fields vary by layer (Gemma 4's
+    full-attention layers have their own head size and key/value heads) raises where such a field is
+    read on the whole config, and gives each layer's through ``per_layer_config``; any other config
+    is every layer's."""
+    if getattr(config, "is_heterogeneous", False):
+        return config.per_layer_config[:]
+    return [config] * config.num_hidden_layers
+
+
 def attention_head_dim(config) -> int:
     """The head size attention computes with: the query/key heads' (DeepSeek's multi-head latent
-    attention: qk_nope_head_dim + qk_rope_head_dim; its config's head_dim is the RoPE slice's)."""
+    attention: qk_nope_head_dim + qk_rope_head_dim; its config's head_dim is the RoPE slice's).
+    ``config``: a layer's (:func:`layer_configs`) where the head size varies by layer."""
     if getattr(config, "qk_nope_head_dim", None) is not None:
         return config.qk_nope_head_dim + config.qk_rope_head_dim
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_head_dims(config) -> list[int]:
+    """The head sizes attention computes with, smallest first: one, or Gemma 4's two (windowed and full layers)."""
+    return sorted({attention_head_dim(layer) for layer in layer_configs(config)})
 
 
 def model_family(model: nn.Module) -> str:
@@ -309,9 +332,11 @@ def check_supported(model: nn.Module) -> LogitTransform:
             "transformers itself computes two ways (sdpa windows them, flash_attention does not): set "
             "use_sliding_window=True, or layer_types to full_attention"
         )
-    if getattr(config, "use_bidirectional_attention", False):
+    # Gemma 4's "vision": image tokens see each other both ways, text stays causal (llama-cp trains text)
+    bidirectional = getattr(config, "use_bidirectional_attention", False)
+    if bidirectional and bidirectional != "vision":
         raise ValueError(
-            f"{family}: config.use_bidirectional_attention=True (an encoder, every token sees every other); "
-            "llama-cp trains causal language models: set it to false"
+            f"{family}: config.use_bidirectional_attention={bidirectional!r} (an encoder, every token sees every "
+            "other); llama-cp trains causal language models: set it to false"
         )
     return SUPPORTED_FAMILIES[family](config)

@@ -82,7 +82,7 @@ from llama_cp.config import TrainConfig
 from llama_cp.cp_attention import ContextParallelAttention
 from llama_cp.model.build import cp_strategy, parallelize_model
 from llama_cp.modules.causal_lm import compute_dtype
-from llama_cp.modules.families import attention_head_dim, check_family, layer_chunks
+from llama_cp.modules.families import attention_head_dims, check_family, layer_chunks
 from llama_cp.plan.memory import MemoryBreakdown, create_optimizer_state, measure_step_memory, step_peak
 
 # ----------------------------------------------------------------------------- models
@@ -360,7 +360,8 @@ def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
     A CUDA backend that could not run there, or that the planner cannot model, is refused in
     one line; sdpa_cpu and math are planned as they run on CPU (the planner's own checks)."""
     dtype = compute_dtype(cfg.model.dtype, "cuda") or torch.float32
-    head_dim = attention_head_dim(model_config)  # DeepSeek's MLA: the query/key heads', not config.head_dim
+    # DeepSeek's MLA: the query/key heads', not config.head_dim; Gemma 4's larger (its full layers')
+    head_dim = attention_head_dims(model_config)[-1]
     choice = cfg.model.attention_backend
     if choice == "sdpa_cudnn":  # Note [Planning cuDNN attention]
         if head_dim > 128:

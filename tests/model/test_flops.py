@@ -222,6 +222,33 @@ def test_sliding_windows_count_the_pairs_they_see():
                         + recompute}
 
 
+def test_layers_of_unlike_head_sizes_weigh_their_pairs_by_their_heads():
+    """Gemma 4: a windowed layer of heads of 8 and a full layer of heads of 16. Under CP's math kernel in
+    1 x 1 tiles each layer computes its own pairs at its own head size; model_flops weighs each layer's pairs
+    by its heads (``pair_shares``), where an average over the layers would count the two alike."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "gemma4_text" not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4")
+    config = AutoConfig.for_model(
+        "gemma4_text", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = apply_context_parallel(AutoModelForCausalLM.from_config(config), None, backend="math", block_size=1)
+    position_ids = torch.cat([torch.arange(4), torch.arange(7)])[None]
+    flops = model_flops(config)
+    assert flops.windows == (3, None) and flops.pair_shares == (1 / 3, 2 / 3)
+    assert flops.per_pair == 6 * 4 * (2 * 8 + 2 * 16)
+    measured = _measure(model, input_ids=torch.randint(3, config.vocab_size, (1, 11)), position_ids=position_ids)
+    pairs = {8: 27, 16: 38}  # the windowed layer's 27 pairs, the full layer's 10 + 28 (as above)
+    recompute = sum(2 * 4 * head_dim * count for head_dim, count in pairs.items())
+    attention = sum(6 * 4 * 2 * head_dim * count for head_dim, count in pairs.items())
+    assert flops.per_pair * flops.pairs(position_ids) == pytest.approx(attention, rel=1e-12)
+    assert measured == {"aten.mm": flops.per_token * 11, "aten.bmm": attention + recompute}
+
+
 @pytest.mark.parametrize("window", [{}, dict(sliding_window=6), dict(sliding_window=6, use_sliding_window=True,
                                                                        max_window_layers=1)])
 def test_layer_windows_are_those_the_attention_layers_hold(window):

@@ -29,7 +29,7 @@ from llama_cp import apply_context_parallel
 from llama_cp.cp_attention import UNCOMPUTED_KWARGS, cp_attention_forward
 from llama_cp.modules.families import SUPPORTED_FAMILIES, check_supported, layer_windows, transformers_refusal
 from test_families import (
-    BASE, FUSED_EXPERTS_LORA_PROBLEM, MOE_LOSS, SEQ_LEN, TOLERANCE, TRANSFORMERS_5, WINDOW, WORLD_SIZE, batch,
+    BASE, FUSED_EXPERTS_LORA_PROBLEM, MOE_LOSS, SEQ_LEN, TOLERANCE, TRANSFORMERS_5, VOCAB, WINDOW, WORLD_SIZE, batch,
     hf_reference, mesh_for, rope,
 )
 
@@ -49,6 +49,11 @@ def per_layer_type_rope(full: dict) -> dict:
 MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=8,
                        llama_4_scaling_beta=0.5)
 
+
+#: Gemma 4: four layers (sliding, full, sliding, full), the last two reusing the first two's keys and values.
+GEMMA4 = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=WINDOW,
+              global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+              hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, final_logit_softcapping=1.0)
 
 #: name -> (model_type, config overrides).
 FAMILIES = {
@@ -74,6 +79,15 @@ FAMILIES = {
     # queries scaled by 1 + beta * log(1 + floor(position / 8)): 1 to 1.7 over 32 positions; every layer windowed
     "ministral3": ("ministral3", dict(sliding_window=WINDOW, rope_parameters=MINISTRAL3_ROPE)),
     "apertus": ("apertus", dict(attention_bias=True)),  # q/k norm, xIELU, Llama 3 RoPE
+    # windowed and full layers, the full ones with their own head size (16) and one key/value head whose
+    # values are its keys, a quarter of each head rotated ("proportional" RoPE); layers 2 and 3 reuse the
+    # keys and values of layers 0 and 1; per-layer embeddings; soft-capped logits
+    "gemma4_text": ("gemma4_text", GEMMA4),
+    # + an expert block beside each layer's MLP (softmax router with a per-expert scale; no router loss), a
+    # double-wide MLP on the reusing layers; image tokens attended both ways (none in text rows)
+    "gemma4_moe": ("gemma4_text", dict(**GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                       moe_intermediate_size=16, use_double_wide_mlp=True,
+                                       use_bidirectional_attention="vision")),
     # layer 0 dense, layer 1 sigmoid-routed experts (the best of 2 groups of 4, then its 4 weighed)
     # plus a shared one; no router loss in transformers
     "glm4_moe": ("glm4_moe", dict(
@@ -87,10 +101,10 @@ FAMILIES = {
         mlp_only_layers=[0], qkv_bias=True, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2,
         **MOE_LOSS)),
 }
-MOE = {"glm4_moe", "qwen2_moe"}
+MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
-#: LayerNorm), routers in float32 (GLM-4.5's gate and its score bias), the router loss.
-FLOAT32_ONLY = {"cohere2", *MOE}
+#: LayerNorm, Gemma 4's RMSNorm), routers in float32 (GLM-4.5's gate and its score bias), the router loss.
+FLOAT32_ONLY = {"cohere2", "gemma4_text", *MOE}
 
 
 def skip_reason(name: str, dtype: torch.dtype = torch.float32) -> str | None:
@@ -110,7 +124,7 @@ def family_model(name: str, dtype=torch.float32, **overrides):
     model_type, family_overrides = FAMILIES[name]
     config = AutoConfig.for_model(model_type, **{**BASE, **family_overrides, **overrides})
     torch.manual_seed(0)
-    experts = {"experts_implementation": "eager"} if model_type in MOE and TRANSFORMERS_5 else {}
+    experts = {"experts_implementation": "eager"} if name in MOE and TRANSFORMERS_5 else {}
     # .to: GLM-4.5 keeps its router's weight and score bias in float32 whatever the dtype (its
     # _keep_in_fp32_modules_strict); its router computes in float32 either way
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, **experts).to(dtype)
@@ -133,7 +147,7 @@ def family_reference(name: str, dtype: torch.dtype):
 
 
 def check_family(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.dtype):
-    tol = TOLERANCE[torch.float32 if FAMILIES[name][0] in FLOAT32_ONLY else dtype]
+    tol = TOLERANCE[torch.float32 if name in FLOAT32_ONLY else dtype]
     pristine, reference, ref_logits, ref_loss = family_reference(name, dtype)
     check_cp_against_reference(copy.deepcopy(pristine), reference, batch(), ref_logits, ref_loss, mesh_for(cp),
                                strategy=strategy, sharded=sharded, tol=tol, max_seq_len=SEQ_LEN,
@@ -233,7 +247,7 @@ def check_lora(name: str, strategy: str):
     with torch.no_grad(), reference.disable_adapter():
         moved = float((reference(input_ids=batch()["input_ids"]).logits - logits).abs().max())
     assert moved > 1e-3, f"the adapters move the logits by {moved} only"
-    tol = TOLERANCE[torch.float32 if FAMILIES[name][0] in FLOAT32_ONLY else torch.float64]
+    tol = TOLERANCE[torch.float32 if name in FLOAT32_ONLY else torch.float64]
     check_cp_against_reference(pristine, reference, batch(), logits.detach(), loss.detach(), mesh_for(2),
                                strategy=strategy, sharded=False, tol=tol, max_seq_len=SEQ_LEN)
 
@@ -289,6 +303,13 @@ FEATURES = {
     "ministral3: query temperature": ("ministral3", {}, dict(rope_parameters={**MINISTRAL3_ROPE,
                                                                               "llama_4_scaling_beta": 0.0}), None),
     "apertus: biases": ("apertus", {}, {}, BIASES),
+    "gemma4_text: windows": ("gemma4_text", {}, NO_WINDOWS, None),
+    "gemma4_text: proportional RoPE": ("gemma4_text", {}, dict(rope_parameters={
+        "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+        "full_attention": dict(rope_type="proportional", partial_rotary_factor=1.0, rope_theta=1e6)}), None),
+    "gemma4_text: per-layer inputs": ("gemma4_text", {}, {}, _zero("per_layer_projection.weight")),
+    "gemma4_text: logit soft-cap": ("gemma4_text", {}, dict(final_logit_softcapping=None), None),
+    "gemma4_moe: experts": ("gemma4_moe", {}, {}, _zero("experts.down_proj")),
     "glm4_moe: biases": ("glm4_moe", {}, {}, BIASES),
     "glm4_moe: partial rotary": ("glm4_moe", {}, dict(partial_rotary_factor=1.0), None),
     "glm4_moe: shared experts": ("glm4_moe", {}, {}, _zero("shared_experts.down_proj.weight")),
@@ -314,6 +335,30 @@ def features_change_the_result():
                 change(off)
             moved[feature] = float((on(input_ids=input_ids).logits - off(input_ids=input_ids).logits).abs().max())
     assert min(moved.values()) > 1e-3, moved
+
+
+def test_gemma4_test_models_hold_the_features_they_are_checked_for():
+    """The layers that reuse keys and values hold no k/v projections, the full layers values that are their
+    keys and heads of their own size: what check_family compares under CP is Gemma 4's own structure."""
+    if skip_reason("gemma4_text"):
+        pytest.skip(skip_reason("gemma4_text"))
+    for name in ("gemma4_text", "gemma4_moe"):
+        layers = family_model(name).model.layers
+        assert [layer.self_attn.is_kv_shared_layer for layer in layers] == [False, False, True, True]
+        assert [hasattr(layer.self_attn, "k_proj") for layer in layers] == [True, True, False, False]
+        assert layers[0].self_attn.v_proj is not None and layers[1].self_attn.v_proj is None  # keys as values
+        assert [layer.self_attn.head_dim for layer in layers] == [8, 16, 8, 16]
+        assert layers[1].self_attn.k_proj.out_features == 16  # one key/value head on the full layers
+    assert family_model("gemma4_moe").model.layers[2].mlp.up_proj.out_features == 2 * BASE["intermediate_size"]
+
+
+def test_gemma4_attending_every_token_both_ways_is_refused():
+    """Gemma 4's use_bidirectional_attention="all" (an encoder) is refused in one line; "vision" (image
+    tokens both ways, text causal) is checked exact above."""
+    if skip_reason("gemma4_text"):
+        pytest.skip(skip_reason("gemma4_text"))
+    with pytest.raises(ValueError, match=r"^gemma4_text: config.use_bidirectional_attention='all' \(an encoder"):
+        check_supported(family_model("gemma4_text", use_bidirectional_attention="all"))
 
 
 def test_attention_kwargs_it_does_not_compute_are_refused():

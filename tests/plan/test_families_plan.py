@@ -34,6 +34,14 @@ FAMILIES = {
     "olmo3": WINDOWED,
     "ministral3": dict(sliding_window=6),  # every layer windowed
     "apertus": dict(attention_bias=True),
+    # sliding layers of head size 8 (2 key/value heads), full ones of 16 (1 head, values = keys), layers 2-3
+    # reusing layers 0-1's keys and values (no k/v projections), per-layer embeddings, an expert block
+    # beside each MLP (4 experts, top 2), a double-wide MLP on the reusing layers
+    "gemma4_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                        sliding_window=6, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+                        num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+                        vocab_size_per_layer_input=96, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                        moe_intermediate_size=16),
     # layer 0 dense (its own intermediate size), layer 1 routed experts + the shared ones
     "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=16,
                      first_k_dense_replace=1, n_group=2, topk_group=1),
@@ -50,7 +58,7 @@ FAMILIES["deepseek_v3"] = dict(MLA, q_lora_rank=12)
 #: layer 0 RoPE, chunks of 6, a dense MLP of intermediate_size_mlp; layer 1 NoPE, full, 4 experts (top 1) + a shared one
 FAMILIES["llama4_text"] = dict(no_rope_layers=[1, 0], attention_chunk_size=6, num_local_experts=4,
                                num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size_mlp=48)
-MOE = {"glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3"}
+MOE = {"glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gemma4_text"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
