@@ -110,7 +110,9 @@ def backend_problem(
         return f"{backend} needs CUDA tensors, not {device_type}"
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"{backend} takes float16/bfloat16/float32, not {dtype}"
-    if head_dim % 8 or head_dim > 256:
+    if backend == "sdpa_efficient" and head_dim % 8:  # Note [Head sizes above 256]
+        return f"{backend} takes head sizes that are multiples of 8, not {head_dim}"
+    if backend != "sdpa_efficient" and (head_dim % 8 or head_dim > 256):
         return f"{backend} takes head sizes 8, 16, ..., 256, not {head_dim}"
     sm80 = (capability or torch.cuda.get_device_capability()) >= (8, 0)
     if backend == "sdpa_efficient":
@@ -129,6 +131,22 @@ def backend_problem(
     if backend == "flash_attn" and not flash_attn_installed:
         return "flash-attn is not installed (pip install flash-attn --no-build-isolation)"
     return None
+
+
+# Note [Head sizes above 256]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Gemma 4's full-attention layers have heads of 512 (global_head_dim). flash-attn, torch's flash
+# kernel and cuDNN stop at 256 (cuDNN here at 128), so "auto" would fall to "math", which builds
+# each block's scores in float32. torch's memory-efficient kernel has no largest head size: its
+# selection (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, check_head_dim_size_mem_efficient)
+# asks only that the head size be a multiple of the GEMM alignment (8 for 16-bit inputs on sm80+),
+# and its CUTLASS kernels include ones for any head size up to 65536, which stream K and V through
+# global memory (mem_eff_attention/kernels/cutlassF.h: fmha_cutlassF_bf16_aligned_32x128_gmem_sm80,
+# kMaxK 65536; backward likewise in cutlassB.h). Read in pytorch's source through the code index; the
+# ops' meta registrations in torch 2.13 take (1, 4, 1000, 512) bfloat16 inputs and give the
+# forward's out and 32-padded lse and the backward's three gradients. So a layer of heads over 256
+# runs sdpa_efficient under "auto" and a layer of the same model with smaller heads the faster kernel
+# (select_backend chooses per call). The GPU report's correctness part checks it against math.
 
 
 def check_backend(

@@ -16,9 +16,10 @@ import torch
 
 # Note [The text model of a vision-language checkpoint]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Gemma 3 from 4B up, Mistral Small 3.1/3.2 and Ministral 3 are released as vision-language
-# checkpoints: config model_type gemma3 / mistral3 (Gemma3ForConditionalGeneration,
-# Mistral3ForConditionalGeneration), the language model's settings in config.text_config.
+# Gemma 3 from 4B up, every Gemma 4, Mistral Small 3.1/3.2 and Ministral 3 are released as
+# vision-language checkpoints: config model_type gemma3 / gemma4 / mistral3 (Gemma3-, Gemma4- and
+# Mistral3ForConditionalGeneration; Gemma 4's small ones hold an audio tower too), the language
+# model's settings in config.text_config.
 # transformers' AutoModelForCausalLM builds the whole vision-language model for gemma3 and
 # refuses mistral3, and its text classes (Gemma3ForCausalLM, Ministral3ForCausalLM,
 # MistralForCausalLM) given such a directory load none of its weights: they stay random, with a
@@ -33,7 +34,7 @@ import torch
 # the head is tied: Mistral Small's names no top-level tie_word_embeddings (Mistral3Config's
 # default is True) and stores its own head, which transformers keeps untied; a Ministral 3 text
 # config says False where the model ties and stores none. So the head is tied exactly when the
-# checkpoint stores none. The vision tower and the projector are not loaded. On text rows the
+# checkpoint stores none. The vision (and audio) towers and the projectors are not loaded. On text rows the
 # vision-language model computes what its text model does (no image token, so nothing is merged
 # into the embeddings): tests/modules/test_checkpoints.py checks the logits equal. What the run
 # writes (checkpoints, final/, exports) is the text model; a LoRA adapter's names are the text
@@ -54,7 +55,7 @@ def _text_causal_lm_name(config) -> str | None:
 #: text_model_tensors renames (tests/modules/test_checkpoints.py builds each). Others (Idefics3 and
 #: SmolVLM keep theirs under model.text_model; PaliGemma and the rest are not checked) are refused as
 #: families by name.
-VISION_LANGUAGE_TYPES = frozenset({"gemma3", "mistral3"})
+VISION_LANGUAGE_TYPES = frozenset({"gemma3", "gemma4", "mistral3"})
 #: The index of a sharded safetensors checkpoint.
 INDEX = "model.safetensors.index.json"
 #: Where a vision-language checkpoint stores its own lm_head (absent: tied to the embedding).

@@ -373,6 +373,13 @@ def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
     if choice in MODELLED:
         check_backend(choice, "cuda", dtype, head_dim, name=f"--attention_backend {cfg.model.attention_backend}",
                       **_PLANNED_GPU)
+        if choice == "sdpa_efficient" and head_dim > 256 and cfg.model.attention_backend == "auto":
+            raise ValueError(
+                f"this model's attention has heads of {head_dim} (Gemma 4's full layers), which on a GPU only "
+                "sdpa_efficient computes (Note [Head sizes above 256] in llama_cp/attention/kernels.py), and the "
+                "planner models its workspace for head sizes up to 128: it cannot plan this model; set the memory "
+                "levers by hand"
+            )
         if choice == "sdpa_efficient" and (dtype not in (torch.float16, torch.bfloat16) or head_dim > 128):
             raise ValueError(
                 f"--attention_backend sdpa_efficient: the planner models its workspace for float16/bfloat16 and head "

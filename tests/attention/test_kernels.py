@@ -125,10 +125,29 @@ H100, T4 = (9, 0), (7, 5)
     ("flash_attn", "cpu", torch.bfloat16, 128, None, "flash_attn needs CUDA tensors, not cpu"),
     ("sdpa_cpu", "cuda", torch.bfloat16, 128, H100, "sdpa_cpu runs on CPU tensors, not cuda"),
     ("math", "cuda", torch.float64, 100, T4, None),
+    # Gemma 4's full layers (Note [Head sizes above 256]): the memory-efficient kernel alone, at any multiple of 8
+    ("sdpa_efficient", "cuda", torch.bfloat16, 512, H100, None),
+    ("sdpa_efficient", "cuda", torch.bfloat16, 260, H100, "sdpa_efficient takes head sizes that are multiples of 8"),
+    ("sdpa_flash", "cuda", torch.bfloat16, 512, H100, "sdpa_flash takes head sizes 8, 16, ..., 256, not 512"),
+    ("flash_attn", "cuda", torch.bfloat16, 512, H100, "flash_attn takes head sizes 8, 16, ..., 256, not 512"),
 ])
 def test_backend_problem_names_the_cause(backend, device, dtype, head_dim, capability, problem):
     got = kernels.backend_problem(backend, device, dtype, head_dim, capability=capability)
     assert got == problem if problem is None else problem in got
+
+
+def test_auto_takes_the_fastest_kernel_of_each_head_size(monkeypatch):
+    """select_backend chooses per call: a Gemma 4 run's windowed layers (heads of 256) take flash-attn,
+    its full layers (512) the memory-efficient kernel, where "math" would build each block's scores.
+    (An H100 stood in: select_backend reads a query's device, dtype and head size only.)"""
+    import types
+
+    monkeypatch.setattr(kernels, "_flash_attn_interface", lambda: object())
+    monkeypatch.setattr(kernels, "_capability", lambda device: H100)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: H100)
+    picks = {head_dim: kernels.select_backend(types.SimpleNamespace(
+        device=torch.device("cuda"), dtype=torch.bfloat16, shape=(1, 2, 4, head_dim))) for head_dim in (256, 512)}
+    assert picks == {256: "flash_attn", 512: "sdpa_efficient"}
 
 
 def test_flash_attn_without_the_package_is_refused(monkeypatch):

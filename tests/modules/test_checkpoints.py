@@ -31,7 +31,12 @@ EXTRA = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, 
          "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=4, n_group=2, topk_group=1, moe_intermediate_size=16),
          "llama4_text": dict(num_local_experts=4),
          "gemma3_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
-         "olmo3": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6)}
+         "olmo3": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
+         # full layers of their own head size, values = keys, per-layer inputs, an expert block
+         "gemma4_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6, global_head_dim=16,
+                             num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8,
+                             vocab_size_per_layer_input=96, final_logit_softcapping=1.0, enable_moe_block=True,
+                             num_experts=4, top_k_experts=2, moe_intermediate_size=16)}
 
 
 def family_config(family: str):
@@ -112,6 +117,12 @@ VISION_LANGUAGE = {
                  num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14, head_dim=8),
                  dict(image_token_index=93, tie_word_embeddings=False)),
 }
+if "gemma4" in CONFIG_MAPPING_NAMES:  # Gemma 4 from E2B up: image (and audio) towers, tied
+    VISION_LANGUAGE["gemma4"] = (dict(model_type="gemma4_text", **TEXT, **EXTRA["gemma4_text"]),
+                                 dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                                      patch_size=14, pooling_kernel_size=2, position_embedding_size=64),
+                                 dict(image_token_id=93, boi_token_id=94, eoi_token_id=95, audio_config=None))
 if "ministral3" in CONFIG_MAPPING_NAMES:  # Ministral 3: tied by the outer config while its text config says not
     VISION_LANGUAGE["ministral3"] = (dict(model_type="ministral3", **TEXT), VISION_LANGUAGE["mistral3"][1],
                                      dict(image_token_index=93, tie_word_embeddings=True))

@@ -169,6 +169,25 @@ for _name in FAMILIES:
 
 
 
+def check_gemma4_checkpointed(name: str):
+    """Gemma 4 with each decoder layer checkpointed as the trainer does it (transformers' per-layer
+    checkpointing, non-reentrant): the layers that reuse keys and values read them from a dict their
+    recompute in backward shares with the forward, not from their inputs; ring at cp 2 with FSDP."""
+    from llama_cp.fsdp_wrap import apply_activation_checkpointing
+
+    pristine, reference, ref_logits, ref_loss = family_reference(name, torch.float32)
+    model = copy.deepcopy(pristine)
+    apply_activation_checkpointing(model)
+    assert model.training and all(layer.gradient_checkpointing for layer in model.model.layers)
+    check_cp_against_reference(model, reference, batch(), ref_logits, ref_loss, mesh_for(2), strategy="ring",
+                               sharded=True, tol=TOLERANCE[torch.float32], max_seq_len=SEQ_LEN)
+
+
+for _name in ("gemma4_text", "gemma4_moe"):
+    checks.add(functools.partial(check_gemma4_checkpointed, _name), name=f"{_name}_checkpointed_ring_cp2_fsdp_float32",
+               skip=skip_reason(_name))
+
+
 # Packed documents and LoRA, once per family (tests/attention/test_documents.py and test_families.py check
 # the older ones in every layout): the kernel's document mask and peft's adapters are the same code for
 # every family, so one run each shows they meet the family's windows, NoPE layers, biases and experts.

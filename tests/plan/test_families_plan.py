@@ -167,3 +167,13 @@ def test_llama4_flops_count_its_chunks_and_its_routed_experts():
     assert measured["aten.bmm"] - experts == flops.per_pair * rows * length ** 2
     assert flops.chunks == (6, None)
     assert flops.pairs(torch.arange(length).expand(rows, -1)) == rows * (4 * 21 + 300) / 2
+
+
+def test_heads_only_the_memory_efficient_kernel_computes_are_not_planned():
+    """Gemma 4's full layers of heads of 512 run sdpa_efficient on a GPU (Note [Head sizes above 256]),
+    whose workspace the planner models up to heads of 128: refused in one line naming the cause (``--memory
+    auto`` then keeps the levers as given and says why)."""
+    cfg = TrainConfig.from_flags(context_length=64, cp=2, report_to="none")
+    with pytest.raises(ValueError, match=r"^this model's attention has heads of 512 \(Gemma 4's full layers\), which "
+                                         r"on a GPU only sdpa_efficient computes .* it cannot plan this model"):
+        plan_step_memory(cfg, 2, model_config=family_config("gemma4_text", head_dim=256, global_head_dim=512))
