@@ -114,7 +114,8 @@ def backend_problem(
         return f"{backend} takes head sizes that are multiples of 8, not {head_dim}"
     if backend != "sdpa_efficient" and (head_dim % 8 or head_dim > 256):
         return f"{backend} takes head sizes 8, 16, ..., 256, not {head_dim}"
-    sm80 = (capability or torch.cuda.get_device_capability()) >= (8, 0)
+    # no CUDA device here (a CPU build asked about "cuda"): no capability, so no sm80 kernel
+    sm80 = (capability or (torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0))) >= (8, 0)
     if backend == "sdpa_efficient":
         return "sdpa_efficient takes bfloat16 only on sm80+ GPUs" if dtype == torch.bfloat16 and not sm80 else None
     if dtype not in _HALF_DTYPES:

@@ -145,6 +145,7 @@ def test_auto_takes_the_fastest_kernel_of_each_head_size(monkeypatch):
     monkeypatch.setattr(kernels, "_flash_attn_interface", lambda: object())
     monkeypatch.setattr(kernels, "_capability", lambda device: H100)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: H100)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     picks = {head_dim: kernels.select_backend(types.SimpleNamespace(
         device=torch.device("cuda"), dtype=torch.bfloat16, shape=(1, 2, 4, head_dim))) for head_dim in (256, 512)}
     assert picks == {256: "flash_attn", 512: "sdpa_efficient"}
