@@ -32,7 +32,8 @@ def test_dry_run_writes_every_part(tmp_path):
     # adamw8bit's are gpu_acceptance's functions, rehearsed by tests/test_gpu_acceptance.py)
     checks = {row["check"]: row for row in report["correctness"]}
     assert {"exact/llama/ring/packed", "exact/llama/ring/packed/blocks 16", "exact/llama/allgather/packed/blocks 16",
-            "exact/mistral_window/ring/one/blocks 4", "checkpoint load/gemma3 vision-language"} == checks.keys(), list(checks)
+            "exact/mistral_window/ring/one/blocks 4", "checkpoint load/gemma3 vision-language",
+            "kernel/heads of 512"} == checks.keys(), list(checks)
     assert all(row.get("pass") is True for row in checks.values()), checks
     # speed: llama-cp and transformers side by side at each length, the same first loss
     runs = {(r["context_length"], r["mode"], r["run"]): r for r in report["speed"]}

@@ -144,9 +144,10 @@ def exactness_runs(exact_len: int, dry_run: bool) -> list[tuple[tuple[str, str, 
 
 def correctness(rows: Rows, dry_run: bool) -> None:
     from benchmarks.gpu.correctness import adamw8bit, checkpoint_load, exactness, qlora
+    from benchmarks.gpu.wide_heads import wide_heads
     from benchmarks.gpu.settings import Settings
 
-    _device()
+    device = _device()
     s = Settings.of(dry_run, 1, 2)
     references: dict = {}
     for (case, strategy, packed, block), backend in exactness_runs(s.exact_len, dry_run):
@@ -155,6 +156,7 @@ def correctness(rows: Rows, dry_run: bool) -> None:
         rows.measure(name, lambda: exactness(s, case, strategy, packed, 0, references, block_size=block, backend=backend))
     references.clear()
     rows.measure({"check": "checkpoint load/gemma3 vision-language"}, lambda: checkpoint_load(s))
+    rows.measure({"check": "kernel/heads of 512"}, lambda: wide_heads(device, s.exact_len))
     if dry_run:  # their CPU rehearsal is gpu_acceptance's (tests/test_gpu_acceptance.py)
         return
     rows.measure({"check": "qlora"}, lambda: qlora(s, os.path.dirname(rows.path)))
