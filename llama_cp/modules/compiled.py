@@ -30,7 +30,10 @@ What is compiled, and what is not:
   start and which rank holds which rows (``llama_cp.attention.documents``), values read on
   the host, and the ring and Ulysses communicate; each call is one kernel already
   (flash-attn or cuDNN). Its document layout passes through as an argument without
-  guards: a new layout each step compiles nothing new.
+  guards: a new layout each step compiles nothing new. Gemma 4's layers that store their keys and
+  values for later layers, or reuse an earlier layer's, stay eager (``shares_keys_and_values``):
+  compiled, the recompute under activation checkpointing took another graph than the forward
+  and torch refused it.
 - The chunks of the training loss (the softmax, loss and logit gradient of each chunk of tokens;
   the head's GEMMs stay eager): Note [A compiled loss chunk] in ``llama_cp/model/cross_entropy.py``.
 - Each module's own ``forward`` is what is compiled (``torch.compile`` of the bound method,
@@ -100,6 +103,14 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(m, "cp_attention", None) is not None and hasattr(m, "o_proj")]
 
 
+def shares_keys_and_values(attention: nn.Module) -> bool:
+    """Whether a Gemma 4 attention layer stores its keys and values for later layers or reuses an earlier
+    layer's (transformers 5.24 Gemma4TextAttention): its forward writes or reads a dict the whole model
+    shares, whose contents differ between the forward and activation checkpointing's recompute, so a
+    compiled forward would take another graph there (torch.utils.checkpoint refuses the recompute)."""
+    return bool(getattr(attention, "is_kv_shared_layer", False) or getattr(attention, "store_full_length_kv", False))
+
+
 def loss_heads(model: nn.Module) -> list[nn.Module]:
     """The head's Linear layers ``llama_cp.model.loss.enable_chunked_loss`` gave the chunked loss."""
     return [m for m in model.modules() if hasattr(m, "loss_chunk_size")]
@@ -110,7 +121,8 @@ def compile_per_token_modules(model: nn.Module, layers: list[nn.Module]) -> None
     (Note [Compiled per-token modules]), and the chunks of the loss (Note [A compiled loss chunk] in
     llama_cp/model/cross_entropy.py)."""
     mlps = [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), nn.Module) and _dense(layer.mlp)]
-    for module in norm_modules(model, layers) + mlps + attention_layers(model):
+    attention = [m for m in attention_layers(model) if not shares_keys_and_values(m)]
+    for module in norm_modules(model, layers) + mlps + attention:
         compile_forward(module)
     for head in loss_heads(model):
         head.loss_compiled = True
@@ -123,10 +135,12 @@ def compiled_summary(model: nn.Module, layers: list[nn.Module]) -> str:
     mlps = sum(id(getattr(layer, "mlp", None)) in compiled for layer in layers)
     attention = sum(id(m) in compiled for m in attention_layers(model))
     eager = len(layers) - mlps  # an MoE's mlp (transformers 4's Mixtral: block_sparse_moe)
+    sharing = sum(map(shares_keys_and_values, attention_layers(model)))
     copied = len(copied_norms(model))  # --lora_modules_to_save's: left eager
     loss = any(getattr(m, "loss_compiled", False) for m in loss_heads(model))
     parts = [f"{norms} norms", f"{mlps} MLPs", f"{attention} attention layers", *(["the loss's chunks"] * loss)]
     return (f"--compile: {', '.join(parts[:-1])} and {parts[-1]} run through torch.compile; the attention kernels"
             + (f", {eager} MoE MLPs" if eager else "")
             + (f", {copied} norms of --lora_modules_to_save" if copied else "")
+            + (f", {sharing} attention layers that share keys and values across layers" if sharing else "")
             + " stay eager; the first steps compile")
