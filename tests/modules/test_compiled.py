@@ -193,35 +193,34 @@ def test_every_attention_family_compiles_around_its_kernel_and_equals_eager():
 
 
 @pytest.mark.slow
-def test_gemma4_layers_sharing_keys_and_values_stay_eager_under_checkpointing():
+def test_gemma4_layers_sharing_keys_and_values_stay_eager(tmp_path):
     """Gemma 4's layers that store keys and values for later layers, or reuse them, read and write a dict
-    the model shares; compiled, activation checkpointing's recompute took another graph than the forward
-    ("Recomputed values ... have different metadata" at a --compile recipe run's first step, the trainer's
-    FSDP-wrapped model built from a checkpoint; this model unwrapped does not show it). They stay eager and
-    the summary says so; with every decoder layer checkpointed the compiled model's loss and gradients
-    equal eager's."""
-    from test_families_new import family_model, skip_reason
+    the model shares. Compiled, the trainer's first step failed in backward: activation checkpointing's
+    recompute took another graph than the forward ("Recomputed values ... have different metadata"). They
+    stay eager and the start line says so; with every decoder layer checkpointed the compiled run follows
+    eager's trajectory (float32; the gradient norms to 1e-3: Gemma's many norms, summed in inductor's
+    order, move them by up to 5e-4 in 3 steps at lr 3e-3, the losses by 1e-6)."""
+    from dist_harness import map_in_processes
+    from test_families_new import skip_reason
 
-    from llama_cp.fsdp_wrap import apply_activation_checkpointing
+    from llama_cp.data.tokenizer import byte_tokenizer
 
     if skip_reason("gemma4_text"):
         pytest.skip(skip_reason("gemma4_text"))
-    # layers 0-1 store, 2-3 reuse; a fifth and sixth layer before them neither (compiled)
-    layer_types = ["sliding_attention", "full_attention"] * 3
-    eager, compiled = (apply_context_parallel(family_model("gemma4_text", num_hidden_layers=6, layer_types=layer_types),
-                                              None) for _ in range(2))
-    for model in (eager, compiled):
-        apply_activation_checkpointing(model)
-    compile_per_token_modules(compiled, decoder_layers(compiled))
-    assert [getattr(m, "_llama_cp_compiled", False) for m in attention_layers(compiled)] == [True, True, False, False, False, False]
-    assert ", 4 attention layers that share keys and values across layers stay eager" in compiled_summary(
-        compiled, decoder_layers(compiled))
-    ids = torch.randint(3, compiled.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    (loss, grads), (want_loss, want_grads) = (_step(m, ids, _packed_positions([20, 12])) for m in (compiled, eager))
-    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
-    assert len(grads) == len(want_grads)
-    # by norm: six layers of four norms each, a sum reordered by inductor moves single elements of the
-    # embeddings' gradients by up to 1% of their small values (2e-5 of each gradient's norm, without
-    # checkpointing alike)
-    for got, want in zip(grads, want_grads):
-        assert (got - want).norm() <= 1e-4 * want.norm()
+    # layers 0-1 store their keys and values, 2-3 reuse them (transformers' kv_sharing_modes)
+    config = AutoConfig.for_model(
+        "gemma4_text", vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+        attention_k_eq_v=True, num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=64, hidden_size_per_layer_input=8, vocab_size_per_layer_input=264, max_position_embeddings=1024)
+    assert config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma4")
+    byte_tokenizer().save_pretrained(tmp_path / "gemma4")
+    flags = dict(model_name=str(tmp_path / "gemma4"), activation_checkpointing=True)
+    ((eager, compiled, captured, said),) = map_in_processes(eager_and_compiled, [(str(tmp_path), flags)], processes=1)
+    assert captured > 0
+    assert ("--compile: 21 norms, 4 MLPs, 0 attention layers and the loss's chunks run through torch.compile; the "
+            "attention kernels, 4 attention layers that share keys and values across layers stay eager" in said), said
+    torch.testing.assert_close(torch.tensor(compiled, dtype=torch.float64), torch.tensor(eager, dtype=torch.float64),
+                               rtol=1e-3, atol=0)
