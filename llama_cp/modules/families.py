@@ -163,8 +163,21 @@ _REFUSAL_REASONS = {
     "kimi_linear": f"its linear-attention layers (Kimi Delta Attention) {_RECURRENT}",
     "falcon_h1": f"its Mamba2 mixers, one beside the attention of every layer, {_RECURRENT}",
     "granitemoehybrid": f"its Mamba2 layers {_RECURRENT}",
-    "lfm2": "its short-convolution layers read the few tokens before each position, which under CP lie on another "
-            "rank's shard at every shard's start (no context-parallel algorithm here passes them across ranks)",
+    **dict.fromkeys(("lfm2", "lfm2_moe"), "its short-convolution layers read the few tokens before each position, "
+                    "which under CP lie on another rank's shard at every shard's start (no context-parallel "
+                    "algorithm here passes them across ranks)"),
+    # Qwen4-Exp: gated DeltaNet layers (and a sparse-attention indexer) among the attention layers
+    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"),
+                    f"its linear-attention layers (gated DeltaNet with a causal convolution) {_RECURRENT}"),
+    "olmo_hybrid": f"its linear-attention layers (gated DeltaNet) {_RECURRENT}",
+    "bailing_hybrid": f"its linear-attention layers (delta attention) {_RECURRENT}",
+    "minimax": f"its lightning-attention layers (linear attention) {_RECURRENT}",
+    **dict.fromkeys(("nemotron_h", "jamba", "zamba", "zamba2", "bamba"), f"its Mamba layers {_RECURRENT}"),
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"), f"it is a state-space model (Mamba): its layers {_RECURRENT}"),
+    # DeepSeek Sparse Attention (V3.2, GLM-5): a learned indexer picks each query's top-k keys
+    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4"),
+                    "its sparse attention lets a learned indexer pick each query's keys (its top k of the whole "
+                    "sequence), which context-parallel attention does not compute"),
     # transformers 5's AutoModelForCausalLM builds Llama4ForCausalLM (llama4_text) from a llama4 config
     "llama4": "it is the vision-language Llama4ForConditionalGeneration, not checked under CP; its text model is "
               "supported: Llama4ForCausalLM (llama4_text) of its config's text_config",

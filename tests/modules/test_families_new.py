@@ -413,6 +413,14 @@ REFUSED = {
     "granitemoehybrid": (dict(mamba_n_heads=8, layer_types=["linear_attention", "full_attention"] if TRANSFORMERS_5
                               else ["mamba", "attention"]), r"Mamba2 layers.*recurrent state"),
     "lfm2": ({}, r"short-convolution layers read the few tokens before each position.*another rank's shard"),
+    "qwen4_exp_text": ({}, r"linear-attention layers \(gated DeltaNet.*recurrent state"),
+    "olmo_hybrid": ({}, r"linear-attention layers \(gated DeltaNet\).*recurrent state"),
+    "bailing_hybrid": ({}, r"linear-attention layers \(delta attention\).*recurrent state"),
+    "minimax": ({}, r"lightning-attention layers \(linear attention\).*recurrent state"),
+    "nemotron_h": ({}, r"Mamba layers.*recurrent state"),
+    "jamba": ({}, r"Mamba layers.*recurrent state"),
+    "deepseek_v32": ({}, r"sparse attention lets a learned indexer pick each query's keys"),
+    "glm_moe_dsa": ({}, r"sparse attention lets a learned indexer pick each query's keys"),
 }
 
 
@@ -430,6 +438,25 @@ def test_refused_by_name_with_the_reason(model_type):
     with pytest.raises(ValueError, match=rf"^model family '{model_type}' \(\w+\) is not supported by llama-cp: "
                                          rf"[^\n]*{reason}[^\n]*\. Supported families: [^\n]*$"):
         apply_context_parallel(model, None)
+
+
+#: Refused families whose tiny configs do not build; refused from their configs (the released defaults).
+REFUSED_BY_CONFIG = {
+    "lfm2_moe": r"short-convolution layers read the few tokens before each position",
+    "bamba": r"Mamba layers.*recurrent state", "zamba2": r"Mamba layers.*recurrent state",
+    "mamba2": r"state-space model \(Mamba\).*recurrent state", "deepseek_v4": r"learned indexer pick each query's keys",
+}
+
+
+@pytest.mark.parametrize("model_type", REFUSED_BY_CONFIG)
+def test_refused_from_the_config_by_name_with_the_reason(model_type):
+    from llama_cp.modules.families import check_family
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
+    with pytest.raises(ValueError, match=rf"^model family '{model_type}' \(\w+\) is not supported by llama-cp: "
+                                         rf"[^\n]*{REFUSED_BY_CONFIG[model_type]}"):
+        check_family(AutoConfig.for_model(model_type))
 
 
 def test_smollm3_windows_its_attention_would_not_take_are_refused():
