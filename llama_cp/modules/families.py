@@ -91,6 +91,9 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # rank's shard holds, as transformers computes them), windowed when config.sliding_window is set
     "ministral3": _plain,
     "apertus": _plain,  # q/k norm, xIELU activation (per token), Llama 3 RoPE
+    # MiniMax-M2: q/k norms over all of a token's heads (before the attention call: per token), partial
+    # RoPE, sigmoid-routed experts with a score bias, the router loss
+    "minimax_m2": _plain,
     # learned per-head sinks (s_aux: Note [Attention sinks under CP]), windowed and full layers,
     # experts with clamped SwiGLU and the router loss
     "gpt_oss": _plain,
@@ -109,7 +112,7 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
 #: MoE families -> the config field holding their number of experts.
 #: (GLM-4.5's glm4_moe and DeepSeek-V2/V3 have a router but their forwards add no load-balancing loss: not here.)
 _EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts",
-                  "qwen2_moe": "num_experts", "gpt_oss": "num_local_experts"}
+                  "qwen2_moe": "num_experts", "gpt_oss": "num_local_experts", "minimax_m2": "num_local_experts"}
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,10 @@ FAMILIES = {
         attention_bias=True, use_qk_norm=True, **PARTIAL_ROTARY, n_routed_experts=8, num_experts_per_tok=4,
         n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
         norm_topk_prob=True, routed_scaling_factor=2.0)),  # every expert gets tokens (transformers 4 and 5)
+    # q/k norms over all heads, half of each head rotated, sigmoid-routed experts (8, top 2) with a score bias
+    # and the router loss
+    "minimax_m2": ("minimax_m2", dict(num_local_experts=8, num_experts_per_tok=2, **rope(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5), **MOE_LOSS)),
     # layer 0 dense and windowed (its window reaches attention only as the module's: Note [A window
     # held, not passed]), layer 1 experts plus a gated shared expert, with the router loss
     "qwen2_moe": ("qwen2_moe", dict(
@@ -101,7 +105,7 @@ FAMILIES = {
         mlp_only_layers=[0], qkv_bias=True, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2,
         **MOE_LOSS)),
 }
-MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe"}
+MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
 #: LayerNorm, Gemma 4's RMSNorm), routers in float32 (GLM-4.5's gate and its score bias), the router loss.
 FLOAT32_ONLY = {"cohere2", "gemma4_text", *MOE}
@@ -255,11 +259,13 @@ def check_lora(name: str, strategy: str):
     experts = EXPERTS if name in MOE else []
     reference = family_model(name, torch.float64)
     check_lora_targets(reference, LORA_TARGETS, experts)
+    moe_layers = sum(name.endswith("experts.down_proj") for name, _ in reference.named_parameters())
     torch.manual_seed(1)
     reference = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS,
                                                      init_lora_weights=False,
                                                      **({"target_parameters": experts} if experts else {})))
-    assert sum("experts" in key for key, p in reference.named_parameters() if p.requires_grad) == 2 * len(experts)
+    assert sum("experts" in key for key, p in reference.named_parameters() if p.requires_grad) == (
+        2 * len(experts) * moe_layers)
     pristine = copy.deepcopy(reference)
     logits, loss = forward_and_loss(reference, batch())
     loss.backward()
@@ -333,6 +339,9 @@ FEATURES = {
     "glm4_moe: partial rotary": ("glm4_moe", {}, dict(partial_rotary_factor=1.0), None),
     "glm4_moe: shared experts": ("glm4_moe", {}, {}, _zero("shared_experts.down_proj.weight")),
     "glm4_moe: router score bias": ("glm4_moe", {}, {}, _zero("e_score_correction_bias")),
+    "minimax_m2: router score bias": ("minimax_m2", {}, {}, _zero("e_score_correction_bias")),
+    "minimax_m2: partial rotary": ("minimax_m2", {}, rope(rope_type="default", rope_theta=10000.0,
+                                                           partial_rotary_factor=1.0), None),
     "qwen2_moe: windows": ("qwen2_moe", {}, NO_WINDOWS, None),
     "qwen2_moe: biases": ("qwen2_moe", {}, {}, BIASES),
     "qwen2_moe: shared expert": ("qwen2_moe", {}, {}, _zero("shared_expert.down_proj.weight")),
