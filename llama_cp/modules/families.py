@@ -91,6 +91,10 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # rank's shard holds, as transformers computes them), windowed when config.sliding_window is set
     "ministral3": _plain,
     "apertus": _plain,  # q/k norm, xIELU activation (per token), Llama 3 RoPE
+    "arcee": _plain,  # Arcee AFM: Llama with an MLP without a gate (ReLU squared), per token
+    # dots.llm1: Qwen 3's attention (q/k norms, windows on the sliding layer_types), DeepSeek-V3's experts
+    # (sigmoid router with a score bias, by group, a shared expert, dense first layers); no router loss
+    "dots1": _plain,
     # MiniMax-M2: q/k norms over all of a token's heads (before the attention call: per token), partial
     # RoPE, sigmoid-routed experts with a score bias, the router loss
     "minimax_m2": _plain,

@@ -30,6 +30,8 @@ EXTRA = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, 
          "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16),
          "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=4, n_group=2, topk_group=1, moe_intermediate_size=16),
          "llama4_text": dict(num_local_experts=4), "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2),
+         "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                       n_group=1, topk_group=1),
          "gemma3_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
          "olmo3": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
          # full layers of their own head size, values = keys, per-layer inputs, an expert block

@@ -94,6 +94,13 @@ FAMILIES = {
         attention_bias=True, use_qk_norm=True, **PARTIAL_ROTARY, n_routed_experts=8, num_experts_per_tok=4,
         n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
         norm_topk_prob=True, routed_scaling_factor=2.0)),  # every expert gets tokens (transformers 4 and 5)
+    "arcee": ("arcee", dict(mlp_bias=True, attention_bias=True)),  # an MLP without a gate: ReLU squared
+    # layer 0 full and dense, layer 1 windowed with sigmoid-routed experts (the best group of 2, a score bias)
+    # and a shared one
+    "dots1": ("dots1", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=WINDOW,
+                            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                            first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
+                            routed_scaling_factor=2.0)),
     # q/k norms over all heads, half of each head rotated, sigmoid-routed experts (8, top 2) with a score bias
     # and the router loss
     "minimax_m2": ("minimax_m2", dict(num_local_experts=8, num_experts_per_tok=2, **rope(
@@ -105,7 +112,7 @@ FAMILIES = {
         mlp_only_layers=[0], qkv_bias=True, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2,
         **MOE_LOSS)),
 }
-MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2"}
+MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
 #: LayerNorm, Gemma 4's RMSNorm), routers in float32 (GLM-4.5's gate and its score bias), the router loss.
 FLOAT32_ONLY = {"cohere2", "gemma4_text", *MOE}
@@ -339,6 +346,10 @@ FEATURES = {
     "glm4_moe: partial rotary": ("glm4_moe", {}, dict(partial_rotary_factor=1.0), None),
     "glm4_moe: shared experts": ("glm4_moe", {}, {}, _zero("shared_experts.down_proj.weight")),
     "glm4_moe: router score bias": ("glm4_moe", {}, {}, _zero("e_score_correction_bias")),
+    "arcee: biases": ("arcee", {}, {}, _zero("_proj.bias")),
+    "dots1: windows": ("dots1", {}, NO_WINDOWS, None),
+    "dots1: shared expert": ("dots1", {}, {}, _zero("shared_experts.down_proj.weight")),
+    "dots1: router score bias": ("dots1", {}, {}, _zero("e_score_correction_bias")),
     "minimax_m2: router score bias": ("minimax_m2", {}, {}, _zero("e_score_correction_bias")),
     "minimax_m2: partial rotary": ("minimax_m2", {}, rope(rope_type="default", rope_theta=10000.0,
                                                            partial_rotary_factor=1.0), None),
