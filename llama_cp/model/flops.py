@@ -353,6 +353,8 @@ def _shared_expert(config: Any) -> tuple[int, int]:
         return config.shared_expert_intermediate_size, 1
     if getattr(config, "n_shared_experts", None):
         return config.n_shared_experts * config.moe_intermediate_size, 0
+    if getattr(config, "moe_num_shared_experts", None):  # ERNIE 4.5's, one ungated MLP
+        return config.moe_num_shared_experts * config.moe_intermediate_size, 0
     if config.model_type == "llama4_text":  # Llama4TextMoe.shared_expert, ungated
         return config.intermediate_size, 0
     return 0, 0
@@ -360,10 +362,14 @@ def _shared_expert(config: Any) -> tuple[int, int]:
 
 def _is_moe_layer(config: Any, index: int) -> bool:
     """Whether decoder layer ``index`` has experts (Qwen2/3-MoE: not in ``mlp_only_layers`` and every
-    ``decoder_sparse_step``-th; GLM-4.5: from ``first_k_dense_replace`` on; Llama 4: in ``moe_layers``;
+    ``decoder_sparse_step``-th; GLM-4.5: from ``first_k_dense_replace`` on; Llama 4: in ``moe_layers``; ERNIE 4.5:
+    every ``moe_layer_interval``-th from ``moe_layer_start_index`` to ``moe_layer_end_index``;
     Mixtral and OLMoE: every layer)."""
     if getattr(config, "moe_layers", None) is not None:
         return index in config.moe_layers
+    if getattr(config, "moe_layer_interval", None):  # ERNIE 4.5: every interval-th layer from start to end
+        return ((index + 1) % config.moe_layer_interval == 0
+                and config.moe_layer_start_index <= index <= config.moe_layer_end_index)
     if index in (getattr(config, "mlp_only_layers", None) or ()) or index < (
             getattr(config, "first_k_dense_replace", None) or 0):
         return False

@@ -91,6 +91,9 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # rank's shard holds, as transformers computes them), windowed when config.sliding_window is set
     "ministral3": _plain,
     "apertus": _plain,  # q/k norm, xIELU activation (per token), Llama 3 RoPE
+    # ERNIE 4.5 MoE: dense and expert layers (every moe_layer_interval-th from moe_layer_start_index), a
+    # softmax router in float32 with a score bias (moe_statics), shared experts, the router loss
+    "ernie4_5_moe": _plain,
     "arcee": _plain,  # Arcee AFM: Llama with an MLP without a gate (ReLU squared), per token
     # dots.llm1: Qwen 3's attention (q/k norms, windows on the sliding layer_types), DeepSeek-V3's experts
     # (sigmoid router with a score bias, by group, a shared expert, dense first layers); no router loss
@@ -116,7 +119,8 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
 #: MoE families -> the config field holding their number of experts.
 #: (GLM-4.5's glm4_moe and DeepSeek-V2/V3 have a router but their forwards add no load-balancing loss: not here.)
 _EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts",
-                  "qwen2_moe": "num_experts", "gpt_oss": "num_local_experts", "minimax_m2": "num_local_experts"}
+                  "qwen2_moe": "num_experts", "gpt_oss": "num_local_experts", "minimax_m2": "num_local_experts",
+                  "ernie4_5_moe": "num_experts"}
 
 
 @dataclass(frozen=True)
