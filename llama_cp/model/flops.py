@@ -216,12 +216,12 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
                 per_layer += 2 * 3 * lora_r * sum(features(shape))
         return per_layer
 
-    top_k, experts = _moe(config)
     layers = config.num_hidden_layers
     decoder, per_pair, pair_flops = 0, 0, []
     for index, layer in enumerate(layer_configs(config)):
         shape = _shape(layer)
         attention = _attention_linears(layer, shape)
+        top_k, experts = _moe(config, index)
         if config.model_type == "gemma4_text":
             decoder += _gemma4_layer_flops(config, index, shape, attention, linear, layer_flops)
         elif experts and _is_moe_layer(config, index):
@@ -337,11 +337,13 @@ def _lora_layers(config: Any, targets: tuple[str, ...], modules_to_save: tuple[s
     return lora_targets(model, targets), frozenset(trained)
 
 
-def _moe(config: Any) -> tuple[int, int]:
-    """(experts per token, experts) of an MoE config; (0, 0) for a dense one."""
+def _moe(config: Any, index: int = 0) -> tuple[int, int]:
+    """(experts per token, experts) of decoder layer ``index`` of an MoE config; (0, 0) for a dense one."""
     experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
                or getattr(config, "n_routed_experts", None) or 0)  # GLM-4.5 in transformers 4 (5 aliases it)
     top_k = getattr(config, "num_experts_per_tok", None) or 0
+    if config.model_type == "hunyuan_v1_moe":  # Hunyuan-A13B's moe_topk: one, or one per layer
+        top_k = config.moe_topk[index] if isinstance(config.moe_topk, list) else config.moe_topk
     return (top_k, experts) if experts and top_k else (0, 0)
 
 
@@ -355,6 +357,8 @@ def _shared_expert(config: Any) -> tuple[int, int]:
         return config.n_shared_experts * config.moe_intermediate_size, 0
     if getattr(config, "moe_num_shared_experts", None):  # ERNIE 4.5's, one ungated MLP
         return config.moe_num_shared_experts * config.moe_intermediate_size, 0
+    if config.model_type == "hunyuan_v1_moe":  # HunYuanMoEV1Moe.shared_mlp, a Llama MLP
+        return config.intermediate_size, 0
     if config.model_type == "llama4_text":  # Llama4TextMoe.shared_expert, ungated
         return config.intermediate_size, 0
     return 0, 0

@@ -94,6 +94,9 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # ERNIE 4.5 MoE: dense and expert layers (every moe_layer_interval-th from moe_layer_start_index), a
     # softmax router in float32 with a score bias (moe_statics), shared experts, the router loss
     "ernie4_5_moe": _plain,
+    # Hunyuan-A13B: Hunyuan's attention (q/k norms after RoPE), experts (moe_topk) beside a shared MLP in every
+    # layer, a float32 router; transformers adds no router loss
+    "hunyuan_v1_moe": _plain,
     "arcee": _plain,  # Arcee AFM: Llama with an MLP without a gate (ReLU squared), per token
     # dots.llm1: Qwen 3's attention (q/k norms, windows on the sliding layer_types), DeepSeek-V3's experts
     # (sigmoid router with a score bias, by group, a shared expert, dense first layers); no router loss

@@ -97,6 +97,8 @@ FAMILIES = {
     # layer 0 dense, layer 1 softmax-routed experts (4, top 2; a score bias) and a shared one, the router loss
     "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
                                           moe_num_shared_experts=1, moe_layer_start_index=1, **MOE_LOSS)),
+    # experts (4, top 2) beside a shared MLP in every layer, q/k norms after RoPE, biases
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(num_experts=4, moe_topk=2, attention_bias=True)),
     "arcee": ("arcee", dict(mlp_bias=True, attention_bias=True)),  # an MLP without a gate: ReLU squared
     # layer 0 full and dense, layer 1 windowed with sigmoid-routed experts (the best group of 2, a score bias)
     # and a shared one
@@ -115,7 +117,7 @@ FAMILIES = {
         mlp_only_layers=[0], qkv_bias=True, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2,
         **MOE_LOSS)),
 }
-MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe"}
+MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
 #: LayerNorm, Gemma 4's RMSNorm), routers in float32 (GLM-4.5's gate and its score bias), the router loss.
 FLOAT32_ONLY = {"cohere2", "gemma4_text", *MOE}
@@ -351,6 +353,8 @@ FEATURES = {
     "glm4_moe: router score bias": ("glm4_moe", {}, {}, _zero("e_score_correction_bias")),
     "ernie4_5_moe: shared expert": ("ernie4_5_moe", {}, {}, _zero("shared_experts.down_proj.weight")),
     "ernie4_5_moe: router score bias": ("ernie4_5_moe", {}, {}, _zero("e_score_correction_bias")),
+    "hunyuan_v1_moe: shared MLP": ("hunyuan_v1_moe", {}, {}, _zero("shared_mlp.down_proj.weight")),
+    "hunyuan_v1_moe: biases": ("hunyuan_v1_moe", {}, {}, BIASES),
     "arcee: biases": ("arcee", {}, {}, _zero("_proj.bias")),
     "dots1: windows": ("dots1", {}, NO_WINDOWS, None),
     "dots1: shared expert": ("dots1", {}, {}, _zero("shared_experts.down_proj.weight")),
