@@ -44,14 +44,24 @@ FLOPs the *model* needs for a step by what the devices could do in the step's ti
   itself; ``DocumentLayout.visible_pairs``, Note [Document masks under CP] in
   llama_cp/attention/documents.py), the whole row when --document_mask is off.
 - Sliding windows: a query of a windowed layer sees at most the window's keys, so
-  the pairs are counted per layer and averaged over the layers (``ModelFlops.pairs``).
+  the pairs are counted per layer and averaged over the layers (``ModelFlops.pairs``). Where the
+  layers' heads differ (Gemma 4's full layers: their own head size and key/value heads, read
+  per layer from transformers' per-layer config), each layer's pairs weigh by its own FLOPs
+  per pair (``ModelFlops.pair_shares``), and its linear layers take its own sizes. Gemma 4's
+  layers that reuse an earlier layer's keys and values have no k/v projections, its full
+  layers with ``attention_k_eq_v`` no v projection; its per-layer inputs add a projection of
+  the embeddings once per token and a gate and projection back in every layer, its expert block
+  (``enable_moe_block``) a router and its top k experts beside the MLP.
 - Mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.5, gpt_oss, DeepSeek-V2/V3): a token
   runs through its top k experts, so an MoE layer's MLP counts k x (gate, up, down) at the expert's
   intermediate size (``moe_intermediate_size`` where the config has one), plus the
   router (hidden -> experts) and a shared expert every token runs (Qwen2-MoE's, with its
   hidden -> 1 gate; GLM-4.5's and DeepSeek's); Qwen2/3-MoE's dense layers (``mlp_only_layers``,
   ``decoder_sparse_step``) and GLM-4.5's and DeepSeek's first ``first_k_dense_replace`` count as
-  dense. LoRA on the fused experts
+  dense; ERNIE 4.5's every ``moe_layer_interval``-th layer has experts and its shared ones,
+  Hunyuan-A13B's every layer its top ``moe_topk`` experts (of ``intermediate_size``, k per
+  layer where a list) beside a shared Llama MLP; MiniMax-M2's and dots.llm1's count as above.
+  LoRA on the fused experts
   (--lora_target_parameters) is not counted. gpt_oss's experts (fused gate_up_proj) count the same;
   its attention sinks (one more logit per query row and head, Note [Attention sinks under CP]) and its
   experts' biases are no matmul: left out. Llama 4: its ``moe_layers`` have routed experts and an
@@ -217,7 +227,7 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
         return per_layer
 
     layers = config.num_hidden_layers
-    decoder, per_pair, pair_flops = 0, 0, []
+    decoder, pair_flops = 0, []
     for index, layer in enumerate(layer_configs(config)):
         shape = _shape(layer)
         attention = _attention_linears(layer, shape)
