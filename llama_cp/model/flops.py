@@ -363,8 +363,9 @@ def _shared_expert(config: Any) -> tuple[int, int]:
     as one ungated MLP (transformers 5.24 models/qwen2_moe, models/glm4_moe); (0, 0): none."""
     if getattr(config, "shared_expert_intermediate_size", None):
         return config.shared_expert_intermediate_size, 1
-    if getattr(config, "n_shared_experts", None):
-        return config.n_shared_experts * config.moe_intermediate_size, 0
+    shared = getattr(config, "n_shared_experts", None) or getattr(config, "num_shared_experts", None)  # EXAONE's name
+    if shared:
+        return shared * config.moe_intermediate_size, 0
     if getattr(config, "moe_num_shared_experts", None):  # ERNIE 4.5's, one ungated MLP
         return config.moe_num_shared_experts * config.moe_intermediate_size, 0
     if config.model_type == "hunyuan_v1_moe":  # HunYuanMoEV1Moe.shared_mlp, a Llama MLP
@@ -377,10 +378,13 @@ def _shared_expert(config: Any) -> tuple[int, int]:
 def _is_moe_layer(config: Any, index: int) -> bool:
     """Whether decoder layer ``index`` has experts (Qwen2/3-MoE: not in ``mlp_only_layers`` and every
     ``decoder_sparse_step``-th; GLM-4.5: from ``first_k_dense_replace`` on; Llama 4: in ``moe_layers``; ERNIE 4.5:
-    every ``moe_layer_interval``-th from ``moe_layer_start_index`` to ``moe_layer_end_index``;
+    every ``moe_layer_interval``-th from ``moe_layer_start_index`` to ``moe_layer_end_index``; EXAONE-MoE:
+    its ``mlp_layer_types`` "sparse";
     Mixtral and OLMoE: every layer)."""
     if getattr(config, "moe_layers", None) is not None:
         return index in config.moe_layers
+    if getattr(config, "mlp_layer_types", None):  # EXAONE-MoE: "dense" or "sparse" by layer
+        return config.mlp_layer_types[index] == "sparse"
     if getattr(config, "moe_layer_interval", None):  # ERNIE 4.5: every interval-th layer from start to end
         return ((index + 1) % config.moe_layer_interval == 0
                 and config.moe_layer_start_index <= index <= config.moe_layer_end_index)

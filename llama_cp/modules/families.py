@@ -97,6 +97,9 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # Hunyuan-A13B: Hunyuan's attention (q/k norms after RoPE), experts (moe_topk) beside a shared MLP in every
     # layer, a float32 router; transformers adds no router loss
     "hunyuan_v1_moe": _plain,
+    # EXAONE-MoE: EXAONE 4's attention (windowed RoPE layers, full NoPE ones, q/k norms), DeepSeek-V3's experts
+    # (sigmoid router with a score bias, by group, shared experts) on its mlp_layer_types "sparse"; no router loss
+    "exaone_moe": _plain,
     "arcee": _plain,  # Arcee AFM: Llama with an MLP without a gate (ReLU squared), per token
     # dots.llm1: Qwen 3's attention (q/k norms, windows on the sliding layer_types), DeepSeek-V3's experts
     # (sigmoid router with a score bias, by group, a shared expert, dense first layers); no router loss

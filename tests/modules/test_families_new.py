@@ -101,6 +101,11 @@ FAMILIES = {
     # experts (4, top 2) beside a shared MLP in every layer, q/k norms after RoPE, biases (weights 2.5x the usual
     # init: at 0.02 the shared MLP moved the logits by 9e-4 on transformers 4.56.2)
     "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(num_experts=4, moe_topk=2, attention_bias=True, initializer_range=0.05)),
+    # layer 0 windowed with RoPE and dense, layer 1 full without RoPE (NoPE), sigmoid-routed experts by group and
+    # a shared one
+    "exaone_moe": ("exaone_moe", dict(**SLIDING_FULL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                      num_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                      norm_topk_prob=True, routed_scaling_factor=2.0)),
     "arcee": ("arcee", dict(mlp_bias=True, attention_bias=True)),  # an MLP without a gate: ReLU squared
     # layer 0 full and dense, layer 1 windowed with sigmoid-routed experts (the best group of 2, a score bias)
     # and a shared one
@@ -119,7 +124,7 @@ FAMILIES = {
         mlp_only_layers=[0], qkv_bias=True, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2,
         **MOE_LOSS)),
 }
-MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe"}
+MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
 #: LayerNorm, Gemma 4's RMSNorm), routers in float32 (GLM-4.5's gate and its score bias), the router loss.
 FLOAT32_ONLY = {"cohere2", "gemma4_text", *MOE}
@@ -367,6 +372,10 @@ FEATURES = {
     "ernie4_5_moe: router score bias": ("ernie4_5_moe", {}, {}, _zero("e_score_correction_bias")),
     "hunyuan_v1_moe: shared MLP": ("hunyuan_v1_moe", {}, {}, _zero("shared_mlp.down_proj.weight")),
     "hunyuan_v1_moe: biases": ("hunyuan_v1_moe", {}, {}, BIASES),
+    "exaone_moe: windows": ("exaone_moe", {}, NO_WINDOWS, None),
+    "exaone_moe: NoPE full layer": ("exaone_moe", NO_WINDOWS, NOPE_OFF, None),
+    "exaone_moe: shared expert": ("exaone_moe", {}, {}, _zero("shared_experts.down_proj.weight")),
+    "exaone_moe: router score bias": ("exaone_moe", {}, {}, _zero("e_score_correction_bias")),
     "arcee: biases": ("arcee", {}, {}, _zero("_proj.bias")),
     "dots1: windows": ("dots1", {}, NO_WINDOWS, None),
     "dots1: shared expert": ("dots1", {}, {}, _zero("shared_experts.down_proj.weight")),
@@ -539,7 +548,7 @@ def test_each_layer_window_is_the_one_its_attention_takes():
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("llama_cp_test_record_windows", record)
-    for name in ("ministral", "cohere2", "exaone4", "smollm3", "olmo3", "qwen2_moe"):
+    for name in ("ministral", "cohere2", "exaone4", "exaone_moe", "smollm3", "olmo3", "qwen2_moe"):
         if skip_reason(name):
             continue
         model = family_model(name)
