@@ -306,7 +306,10 @@ def _attention_linears(config: Any, shape: dict) -> dict[str, tuple[int, int]]:
     q_proj, or q_a_proj -> q_b_proj (q_lora_rank); kv_a_proj_with_mqa to the latent and the shared
     RoPE key, kv_b_proj from the latent to every head's key (no RoPE part) and value; o_proj."""
     if getattr(config, "qk_nope_head_dim", None) is None:
-        return {name: _LAYER_LINEARS[name](shape) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        linears = {name: _LAYER_LINEARS[name](shape) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        if config.model_type == "afmoe":  # AfmoeAttention.gate_proj: a sigmoid gate on each head's output
+            linears["gate_proj"] = _LAYER_LINEARS["q_proj"](shape)
+        return linears
     hidden, heads, latent = shape["hidden"], shape["heads"], config.kv_lora_rank
     queries = heads * attention_head_dim(config)
     q_rank = getattr(config, "q_lora_rank", None)
@@ -389,7 +392,7 @@ def _is_moe_layer(config: Any, index: int) -> bool:
         return ((index + 1) % config.moe_layer_interval == 0
                 and config.moe_layer_start_index <= index <= config.moe_layer_end_index)
     if index in (getattr(config, "mlp_only_layers", None) or ()) or index < (
-            getattr(config, "first_k_dense_replace", None) or 0):
+            getattr(config, "first_k_dense_replace", None) or getattr(config, "num_dense_layers", None) or 0):
         return False
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return (index + 1) % step == 0

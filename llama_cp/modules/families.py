@@ -100,6 +100,10 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # EXAONE-MoE: EXAONE 4's attention (windowed RoPE layers, full NoPE ones, q/k norms), DeepSeek-V3's experts
     # (sigmoid router with a score bias, by group, shared experts) on its mlp_layer_types "sparse"; no router loss
     "exaone_moe": _plain,
+    # AFMoE (Arcee Trinity): windowed RoPE layers next to full NoPE ones, q/k norms, a sigmoid gate on the
+    # attention output (per token), routed experts with a score bias and shared ones after dense first
+    # layers; no router loss
+    "afmoe": _plain,
     "arcee": _plain,  # Arcee AFM: Llama with an MLP without a gate (ReLU squared), per token
     # dots.llm1: Qwen 3's attention (q/k norms, windows on the sliding layer_types), DeepSeek-V3's experts
     # (sigmoid router with a score bias, by group, a shared expert, dense first layers); no router loss

@@ -268,6 +268,7 @@ def test_layer_windows_are_those_the_attention_layers_hold(window):
                "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=4, n_group=2, topk_group=1,
                                 moe_intermediate_size=16),
                "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2),
+               "afmoe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1),
                "exaone_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=1,
                                   topk_group=1),
                "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1),

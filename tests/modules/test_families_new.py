@@ -106,6 +106,10 @@ FAMILIES = {
     "exaone_moe": ("exaone_moe", dict(**SLIDING_FULL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                                       num_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
                                       norm_topk_prob=True, routed_scaling_factor=2.0)),
+    # layer 0 windowed with RoPE and dense, layer 1 full without RoPE, a sigmoid gate on the attention output,
+    # q/k norms, routed experts with a score bias and a shared one
+    "afmoe": ("afmoe", dict(**SLIDING_FULL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                            num_shared_experts=1, num_dense_layers=1, route_scale=2.0)),
     "arcee": ("arcee", dict(mlp_bias=True, attention_bias=True)),  # an MLP without a gate: ReLU squared
     # layer 0 full and dense, layer 1 windowed with sigmoid-routed experts (the best group of 2, a score bias)
     # and a shared one
@@ -124,7 +128,7 @@ FAMILIES = {
         mlp_only_layers=[0], qkv_bias=True, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2,
         **MOE_LOSS)),
 }
-MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe"}
+MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
 #: LayerNorm, Gemma 4's RMSNorm), routers in float32 (GLM-4.5's gate and its score bias), the router loss.
 FLOAT32_ONLY = {"cohere2", "gemma4_text", *MOE}
@@ -161,8 +165,9 @@ def family_model(name: str, dtype=torch.float32, **overrides):
     with torch.no_grad():
         for tensor_name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             # the score bias about as large as the scores' spread (~0.03): larger, the same experts win every token
-            scale = 0.04 if tensor_name.endswith("e_score_correction_bias") else 1.0
-            if tensor_name.endswith(("_proj.bias", "e_score_correction_bias")):
+            router_bias = tensor_name.endswith(("e_score_correction_bias", "expert_bias"))  # AFMoE's is expert_bias
+            scale = 0.04 if router_bias else 1.0
+            if tensor_name.endswith("_proj.bias") or router_bias:
                 tensor.copy_(scale * (torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype) - 0.5))
     # transformers 4's experts are separate modules, and one that no token of a rank picked gets no gradient
     # there: every expert made part of the graph, as the trainer does (Note [An expert no token picked]); the
@@ -251,10 +256,24 @@ def check_documents(name: str):
     reference = family_model(name)
     assert all(window < max(map(max, lengths)) for window in layer_windows(reference.config) if window)
     pristine = copy.deepcopy(reference)
-    logits, loss = forward_and_loss(reference, data)
+    if name in PACKED_ROWS_ATTENDED_WHOLE:  # the reference: each document run alone, the rows' logits rebuilt
+        logits = torch.stack([torch.cat([
+            reference(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
+            for ids, positions in zip(data["input_ids"][row].split(row_lengths),
+                                      data["position_ids"][row].split(row_lengths), strict=True)])
+            for row, row_lengths in enumerate(lengths)])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+    else:
+        logits, loss = forward_and_loss(reference, data)
     loss.backward()
     check_cp_against_reference(pristine, reference, data, logits.detach(), loss.detach(), mesh_for(2), strategy="ring",
                                sharded=True, tol=TOLERANCE[torch.float32], max_seq_len=DOCUMENT_LEN)
+
+
+#: Families whose transformers model builds its masks without position_ids, so that its packed rows attend
+#: across their documents (transformers 5.24 AfmoeModel); llama-cp's attend within them (--document_mask), and
+#: the packed check's reference runs each document alone.
+PACKED_ROWS_ATTENDED_WHOLE = {"afmoe"}
 
 
 def check_documents_reference(name: str):
@@ -309,8 +328,10 @@ def check_lora(name: str, strategy: str):
 for _index, _name in enumerate(ISSUE_47):
     checks.add(functools.partial(check_documents, _name), name=f"{_name}_documents_ring_cp2_fsdp_float32",
                skip=skip_reason(_name))
-    checks.add(functools.partial(check_documents_reference, _name), skip=skip_reason(_name), group=1,
-               name=f"{_name}_documents_reference_is_per_document")
+    checks.add(functools.partial(check_documents_reference, _name), group=1,
+               skip=skip_reason(_name) or (f"transformers' {_name} attends across a packed row's documents: the "
+                                           "packed check runs each alone" if _name in PACKED_ROWS_ATTENDED_WHOLE
+                                           else None), name=f"{_name}_documents_reference_is_per_document")
     _strategy = ("ulysses", "allgather")[_index % 2]
     checks.add(functools.partial(check_lora, _name, _strategy), name=f"{_name}_lora_{_strategy}_cp2_plain_float64",
                skip=skip_reason(_name) or (FUSED_EXPERTS_LORA_PROBLEM if _name in MOE else None)
@@ -376,6 +397,10 @@ FEATURES = {
     "exaone_moe: NoPE full layer": ("exaone_moe", NO_WINDOWS, NOPE_OFF, None),
     "exaone_moe: shared expert": ("exaone_moe", {}, {}, _zero("shared_experts.down_proj.weight")),
     "exaone_moe: router score bias": ("exaone_moe", {}, {}, _zero("e_score_correction_bias")),
+    "afmoe: windows": ("afmoe", {}, NO_WINDOWS, None),
+    "afmoe: NoPE full layer": ("afmoe", NO_WINDOWS, NOPE_OFF, None),
+    "afmoe: attention output gate": ("afmoe", {}, {}, _zero("self_attn.gate_proj.weight")),
+    "afmoe: router score bias": ("afmoe", {}, {}, _zero("expert_bias")),
     "arcee: biases": ("arcee", {}, {}, _zero("_proj.bias")),
     "dots1: windows": ("dots1", {}, NO_WINDOWS, None),
     "dots1: shared expert": ("dots1", {}, {}, _zero("shared_experts.down_proj.weight")),
@@ -548,7 +573,7 @@ def test_each_layer_window_is_the_one_its_attention_takes():
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("llama_cp_test_record_windows", record)
-    for name in ("ministral", "cohere2", "exaone4", "exaone_moe", "smollm3", "olmo3", "qwen2_moe"):
+    for name in ("ministral", "cohere2", "exaone4", "exaone_moe", "afmoe", "smollm3", "olmo3", "qwen2_moe"):
         if skip_reason(name):
             continue
         model = family_model(name)

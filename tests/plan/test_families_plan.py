@@ -49,6 +49,9 @@ FAMILIES = {
                       shared_expert_intermediate_size=24, mlp_only_layers=[0]),
     "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2),  # every layer's experts, a router each
     "arcee": dict(mlp_bias=True),  # an MLP without a gate
+    # the attention's output gate (a Linear hidden -> heads x head_dim), layer 0 dense, layer 1 experts + shared
+    "afmoe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1,
+                  num_dense_layers=1),
     # both layers experts + shared: mlp_layer_types wins over first_k_dense_replace (1 by default)
     "exaone_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1, n_group=1,
                        topk_group=1, mlp_layer_types=["sparse", "sparse"]),
@@ -69,7 +72,7 @@ FAMILIES["deepseek_v3"] = dict(MLA, q_lora_rank=12)
 #: layer 0 RoPE, chunks of 6, a dense MLP of intermediate_size_mlp; layer 1 NoPE, full, 4 experts (top 1) + a shared one
 FAMILIES["llama4_text"] = dict(no_rope_layers=[1, 0], attention_chunk_size=6, num_local_experts=4,
                                num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size_mlp=48)
-MOE = {"glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gemma4_text", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe"}
+MOE = {"glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gemma4_text", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
