@@ -144,8 +144,8 @@ def exactness_runs(exact_len: int, dry_run: bool) -> list[tuple[tuple[str, str, 
 
 def correctness(rows: Rows, dry_run: bool) -> None:
     from benchmarks.gpu.correctness import adamw8bit, checkpoint_load, exactness, qlora
-    from benchmarks.gpu.wide_heads import wide_heads
     from benchmarks.gpu.settings import Settings
+    from benchmarks.gpu.wide_heads import wide_heads
 
     device = _device()
     s = Settings.of(dry_run, 1, 2)

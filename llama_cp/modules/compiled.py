@@ -133,9 +133,10 @@ def compiled_summary(model: nn.Module, layers: list[nn.Module]) -> str:
     compiled = {id(m) for m in model.modules() if getattr(m, "_llama_cp_compiled", False)}
     norms = sum(id(m) in compiled for m in norm_modules(model, layers))
     mlps = sum(id(getattr(layer, "mlp", None)) in compiled for layer in layers)
-    attention = sum(id(m) in compiled for m in attention_layers(model))
+    attention_modules = attention_layers(model)
+    attention = sum(id(m) in compiled for m in attention_modules)
     eager = len(layers) - mlps  # an MoE's mlp (transformers 4's Mixtral: block_sparse_moe)
-    sharing = sum(map(shares_keys_and_values, attention_layers(model)))
+    sharing = sum(map(shares_keys_and_values, attention_modules))
     copied = len(copied_norms(model))  # --lora_modules_to_save's: left eager
     loss = any(getattr(m, "loss_compiled", False) for m in loss_heads(model))
     parts = [f"{norms} norms", f"{mlps} MLPs", f"{attention} attention layers", *(["the loss's chunks"] * loss)]
