@@ -23,8 +23,9 @@ tensors (``llama_cp.plan.simulate``), in seconds on a CPU. Training flags are th
                         (and search the max context) with them
 
 --attention_backend names the GPU attention kernel whose workspace the plan includes; "auto"
-(default) plans what an sm80+ GPU with flash-attn installed runs: flash_attn in bf16/fp16
-(Note [GPU attention kernels' workspace] in llama_cp/attention/workspace.py). sdpa_cpu plans the CPU kernel.
+(default) plans what an sm80+ GPU with flash-attn installed runs: flash_attn in bf16/fp16, and
+sdpa_efficient for the layers whose heads are over 256 (Gemma 4's full layers) (Note [GPU attention
+kernels' workspace] in llama_cp/attention/workspace.py). sdpa_cpu plans the CPU kernel.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import json as json_lib
 
 
+from llama_cp.attention.workspace import ModelledBackend
 from llama_cp.config import TrainConfig
 from llama_cp.train.cli import run_cli
 from llama_cp.plan.fit import find_max_context as search_max_context  # main's flag has the same name
@@ -208,7 +210,7 @@ def main(
         plan = choice.plan
     else:
         plan = plan_step_memory(cfg, num_gpus, model_config=config_hf)
-    print(describe(cfg, num_gpus, backend))
+    print(describe(cfg, num_gpus, backend.describe() if isinstance(backend, ModelledBackend) else backend))
     print(table(plan, budget, gpu_memory_gb, headroom, num_gpus))
     result = {
         "per_rank_bytes": plan.to_dict(),

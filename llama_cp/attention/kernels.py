@@ -147,7 +147,9 @@ def backend_problem(
 # ops' meta registrations in torch 2.13 take (1, 4, 1000, 512) bfloat16 inputs and give the
 # forward's out and 32-padded lse and the backward's three gradients. So a layer of heads over 256
 # runs sdpa_efficient under "auto" and a layer of the same model with smaller heads the faster kernel
-# (select_backend chooses per call). The GPU report's correctness part checks it against math.
+# (select_backend chooses per call). The GPU report's correctness part checks it against math. The
+# planner does the same per call (workspace.ModelledBackend.for_heads) and models those kernels'
+# global-memory workspace (Note [GPU attention kernels' workspace] in workspace.py).
 
 
 def check_backend(
@@ -395,7 +397,7 @@ def resolve_backend(backend: Backend | None, q: torch.Tensor) -> Backend:
     if backend is None:
         return select_backend(q)
     if isinstance(backend, ModelledBackend):  # a CPU stand-in: runs wherever the planner runs
-        return backend
+        return backend.for_heads(q.shape[-1])
     check_backend(backend, q.device.type, q.dtype, q.shape[-1])
     return backend
 

@@ -54,21 +54,29 @@ pytorch main: attention_backward.cu 00afd8f2, flash_api.cpp 03b7c19d)
 
 sdpa_efficient (torch's CUDA memory-efficient kernel: attention.cu
 _efficient_attention_forward, attention_backward.cu _efficient_attention_backward,
-mem_eff_attention/kernel_backward.h, kernels/cutlassB.h, at pytorch main; the kernel choice
-and the gradQ tile shape (block_i x block_j) are read from those files, not measured)
+mem_eff_attention/kernel_backward.h and kernel_forward.h, kernels/cutlassF.h and cutlassB.h, read
+at pytorch main through the code index (attention_backward.cu 00afd8f2, kernel_backward.h
+00f993df); the kernel choice and its block sizes are read from those files, not measured)
   ours: K and V expanded as for sdpa_flash; the backward pads our lse back to r(Sq, 32)
   rows (a new (B, H, r(Sq, 32)) fp32 tensor).
-  forward   out (B, Sq, H, D) e, logsumexp (B, H, r(Sq, 32)) fp32. The fp32 output
-            accumulator is needed only for head sizes above 128 (kernels whose kMaxK
-            exceeds their key block), which the planner refuses for this backend.
+  The sm80 bf16/fp16 kernels dispatch takes the first whose kMaxK covers m = max(D, Dv) (and
+  whose shared memory fits, as these do on the A100/H100/H200 the planner is for):
+  m <= 64: backward blocks 64 x 64; m <= 128: 128 x 128, dK/dV kept in registers
+  (kOutputInRF: kMaxK <= block_i); m > 128: the kMaxK 65536 kernels that stream through
+  global memory, forward 32 x 128 (queries x keys), backward 128 x 64 (block_i x block_j).
+  forward   out (B, Sq, H, Dv) e, logsumexp (B, H, r(Sq, 32)) fp32; for m > 128 (kMaxK above
+            the key block: no single value iteration) also the fp32 output accumulator
+            output_accum (B, Sq, H, Dv), freed when the op returns.
   backward  dout made contiguous in (B, S, H, D); grad q, k, v (B, S, H, D) e; delta
             (B, H, Sq) fp32 (computed by the kernel in half precision); the workspace of
-            AttentionBackwardKernel::workspace_size: per (batch, head), for each of
-            ceil(Sq / b) x ceil(D / b) tiles, a 16-byte lock header and a b x b fp32 dq
-            accumulator (GradQTempStorage), rounded to 16 bytes; b = 64 for D <= 64 and
-            128 for D <= 128 (the sm80 bf16/fp16 kernels cutlassB dispatches first for
-            those head sizes; their dK/dV stay in registers, kOutputInRF, so no dK/dV
-            workspace). Half precision only: the planner refuses float32 for it.
+            AttentionBackwardKernel::Params::workspace_size, per (batch, head), rounded to 16
+            bytes: for each of ceil(Sq / block_i) x ceil(D / block_j) tiles a 16-byte lock
+            header and a block_i x block_j fp32 dq accumulator (GradQTempStorage); for m > 128
+            (dK/dV not in registers: kNeedsAccumGradK/V) also s x block_j x r(D, block_i) and
+            s x block_j x r(Dv, block_i) fp32 dK/dV accumulators, where s, the key splits, is
+            ceil(Sk / block_j) capped at 200 // (B x H) and at least 1 (the split heuristic of
+            _efficient_attention_backward, num_splits_key unset as SDPA leaves it). Half precision
+            only: the planner refuses float32 for it.
 
 On real CPU tensors the stand-ins compute the values (``llama_cp/attention/stand_in_values.py``)
 one query head (forward) or one key/value head group (backward) at a time, into the kernel's
@@ -98,15 +106,30 @@ class ModelledBackend(str):
     """The name of a CUDA backend (one of ``MODELLED``) whose calls run its CPU stand-in.
 
     A ``str`` so that it travels wherever a backend name does (it equals the name), and a
-    type of its own so that :mod:`llama_cp.attention.kernels` tells it from the real backend."""
+    type of its own so that :mod:`llama_cp.attention.kernels` tells it from the real backend.
+    ``auto``: the backend "auto" picks on the planned GPU, where calls with heads over 256 run
+    sdpa_efficient instead, as there (Note [Head sizes above 256] in kernels.py): see
+    :meth:`for_heads`."""
 
-    def __new__(cls, name: str) -> "ModelledBackend":
+    auto: bool
+
+    def __new__(cls, name: str, *, auto: bool = False) -> "ModelledBackend":
         if name not in MODELLED:
             raise ValueError(f"the planner models the CUDA attention backends {MODELLED}, not {name!r}")
-        return super().__new__(cls, name)
+        modelled = super().__new__(cls, name)
+        modelled.auto = auto
+        return modelled
+
+    def for_heads(self, head_dim: int) -> "ModelledBackend":
+        """The backend that runs a call with heads of ``head_dim``."""
+        return ModelledBackend("sdpa_efficient") if self.auto and head_dim > 256 else self
+
+    def describe(self) -> str:
+        """The name, and under ``auto`` what the calls of heads over 256 run."""
+        return f"{self} (sdpa_efficient for heads over 256)" if self.auto else str(self)
 
     def __repr__(self) -> str:
-        return f"ModelledBackend({str(self)!r})"
+        return f"ModelledBackend({str(self)!r}{', auto=True' if self.auto else ''})"
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -329,12 +352,16 @@ def sdpa_flash_backward(
 def sdpa_efficient_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
                            scale=None):
     """``aten._scaled_dot_product_efficient_attention`` on CUDA (attention.cu
-    ``_efficient_attention_forward``): out (B, S, H, D), lse rows padded to a multiple of 32."""
-    batch, heads, seqlen_q, head_dim = query.shape
-    _check_efficient(head_dim, attn_bias, dropout_p)
+    ``_efficient_attention_forward``): out (B, S, H, D), lse rows padded to a multiple of 32, and
+    for heads over 128 the float32 output accumulator the kernel frees on return."""
+    batch, heads, seqlen_q, _ = query.shape
+    _check_efficient(attn_bias, dropout_p)
     res = torch.empty((batch, seqlen_q, heads, value.shape[-1]), dtype=query.dtype, device=query.device)
     lse_rows = _round_up(seqlen_q, 32) if compute_log_sumexp else 0
     logsumexp = torch.empty((batch, heads, lse_rows), dtype=torch.float32, device=query.device)
+    if _efficient_blocks(query.shape[-1], value.shape[-1]) == _WIDE_BLOCKS:
+        output_accum = torch.empty(res.shape, dtype=torch.float32, device=query.device)
+        del output_accum
     fill_forward(query, key, value, is_causal, scale, _t(res), logsumexp[..., :seqlen_q])
     logsumexp[..., seqlen_q:].fill_(float("inf"))
     seed = torch.empty((), dtype=torch.int64, device=query.device)
@@ -349,9 +376,10 @@ def sdpa_efficient_backward(
     """``aten._scaled_dot_product_efficient_attention_backward`` on CUDA (attention_backward.cu
     ``_efficient_attention_backward``): dout made contiguous in (B, S, H, D), dq/dk/dv in
     (B, S, H, D), delta float32 (B, H, Sq) and the kernel's workspace (the float32 dq
-    accumulator tiles of mem_eff_attention/kernel_backward.h)."""
+    accumulator tiles of mem_eff_attention/kernel_backward.h, and for heads over 128 its dK/dV
+    accumulators)."""
     batch, heads, seqlen_q, head_dim = query.shape
-    _check_efficient(head_dim, attn_bias, dropout_p)
+    _check_efficient(attn_bias, dropout_p)
     grad_out_t = _t(grad_out).contiguous()
     grad_q = torch.empty(_t(query).shape, dtype=query.dtype, device=query.device)
     grad_k = torch.empty(_t(key).shape, dtype=key.dtype, device=key.device)
@@ -359,27 +387,41 @@ def sdpa_efficient_backward(
     fill_backward(grad_out, query, key, value, out, logsumexp[..., :seqlen_q], is_causal, scale,
                   _t(grad_q), _t(grad_k), _t(grad_v))
     delta = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=query.device)
-    workspace = torch.empty(efficient_backward_workspace_bytes(batch, heads, seqlen_q, head_dim),
-                            dtype=torch.uint8, device=query.device)
+    workspace = torch.empty(
+        efficient_backward_workspace_bytes(batch, heads, seqlen_q, key.shape[2], head_dim, value.shape[-1]),
+        dtype=torch.uint8, device=query.device,
+    )
     del delta, workspace, grad_out_t
     return _t(grad_q), _t(grad_k), _t(grad_v), None
 
 
-def efficient_backward_workspace_bytes(batch: int, heads: int, seqlen_q: int, head_dim: int) -> int:
-    """Bytes of the memory-efficient backward's workspace on an sm80+ GPU in half precision:
-    per (batch, head), one float32 dq accumulator tile of block_i x block_j, plus a 16-byte
-    lock header, for every (query block, head-dim block); rounded to 16 bytes. The kernel for
-    head sizes up to 64 has 64 x 64 blocks, up to 128: 128 x 128, and keeps dK/dV in registers
-    (no dK/dV workspace). Note [GPU attention kernels' workspace]."""
-    block = 64 if head_dim <= 64 else 128
-    tiles = -(-seqlen_q // block) * -(-head_dim // block)
-    floats_per_head = _round_up(tiles * (4 + block * block), 4)
-    return batch * heads * floats_per_head * 4
+#: The backward's (block_i, block_j) of the sm80 bf16/fp16 kernels: heads up to 64, up to 128
+#: (both with dK/dV in registers), and the global-memory kernels above (Note [GPU attention
+#: kernels' workspace]).
+_SMALL_BLOCKS, _MEDIUM_BLOCKS, _WIDE_BLOCKS = (64, 64), (128, 128), (128, 64)
 
 
-def _check_efficient(head_dim, attn_bias, dropout_p) -> None:
-    if head_dim > 128:
-        raise ValueError(f"the planner models sdpa_efficient for head sizes up to 128, not {head_dim}")
+def _efficient_blocks(head_dim: int, head_dim_value: int) -> tuple[int, int]:
+    widest = max(head_dim, head_dim_value)
+    return _SMALL_BLOCKS if widest <= 64 else _MEDIUM_BLOCKS if widest <= 128 else _WIDE_BLOCKS
+
+
+def efficient_backward_workspace_bytes(
+    batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, head_dim_value: int
+) -> int:
+    """Bytes of the memory-efficient backward's workspace on an sm80+ GPU in half precision, per
+    (batch, head) rounded to 16 bytes: a 16-byte lock header and a block_i x block_j float32 dq
+    accumulator tile for every (query block, head-dim block); for heads over 128 also float32 dK
+    and dV accumulators of block_j rows per key split. Note [GPU attention kernels' workspace]."""
+    block_i, block_j = _efficient_blocks(head_dim, head_dim_value)
+    floats = -(-seqlen_q // block_i) * -(-head_dim // block_j) * (4 + block_i * block_j)
+    if (block_i, block_j) == _WIDE_BLOCKS:  # dK/dV accumulate in global memory (kNeedsAccumGradK/V)
+        splits = max(1, min(-(-seqlen_k // block_j), 200 // (batch * heads)))
+        floats += splits * block_j * (_round_up(head_dim, block_i) + _round_up(head_dim_value, block_i))
+    return batch * heads * _round_up(floats, 4) * 4
+
+
+def _check_efficient(attn_bias, dropout_p) -> None:
     if attn_bias is not None or dropout_p:
         raise ValueError("the sdpa_efficient stand-in models plain attention: no bias or dropout")
 

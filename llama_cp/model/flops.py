@@ -181,6 +181,9 @@ class ModelFlops:
     """each layer's attention chunk (Llama 4; None: none); empty: no layer has one."""
     pair_shares: tuple[float, ...] = ()
     """each layer's share of ``per_pair`` (Gemma 4's full layers have larger heads); empty: equal shares."""
+    layer_flops: tuple[float, ...] = ()
+    """each decoder layer's share of ``per_token``: its linear layers (dense and MoE layers, Gemma 4's
+    layers without k/v projections differ)."""
 
     def step(self, tokens: int, pairs: float) -> float:
         """Model FLOPs of ``tokens`` tokens whose attention sees ``pairs`` (query, key) pairs
@@ -228,7 +231,9 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
 
     layers = config.num_hidden_layers
     decoder, pair_flops = 0, []
+    per_layer = []
     for index, layer in enumerate(layer_configs(config)):
+        before = decoder
         shape = _shape(layer)
         attention = _attention_linears(layer, shape)
         top_k, experts = _moe(config, index)
@@ -244,6 +249,7 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
                 decoder += 2 * weight_passes * config.hidden_size * gated
         else:
             decoder += layer_flops(1, shape, attention, shape)
+        per_layer.append(float(decoder - before))
         # q.k at the query/key heads' size, p.v at the values' (DeepSeek's MLA: unlike), each 2 FLOPs a multiply-add
         pair_flops.append(3 * 2 * (attention_head_dim(layer) + _value_head_dim(layer)) * shape["heads"])
     if getattr(config, "hidden_size_per_layer_input", None):  # Gemma 4's per-layer inputs, once per token
@@ -258,7 +264,8 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     return ModelFlops(per_token=float(decoder + head), per_pair=float(per_pair),
                       windows=windows if any(w is not None for w in windows) else (),
                       chunks=chunks if any(c is not None for c in chunks) else (),
-                      pair_shares=tuple(f / per_pair for f in pair_flops) if len(set(pair_flops)) > 1 else ())
+                      pair_shares=tuple(f / per_pair for f in pair_flops) if len(set(pair_flops)) > 1 else (),
+                      layer_flops=tuple(per_layer))
 
 
 def _shape(config: Any) -> dict:

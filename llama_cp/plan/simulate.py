@@ -35,6 +35,31 @@ with the MLP/norm tiles or checkpoint offload) the 2-to-3 slope took that one bu
 per-layer cost: Llama-3-8B at 4M tokens on 8 GPUs was overstated by 30 x 0.81 GiB
 (tests/plan/test_memory_regression.py::test_layer_extrapolation_is_exact).
 
+Note [Layers of different kinds]
+================================
+
+Not every model's decoder layers are alike. DeepSeek-V3's first three are dense and the
+rest routed experts; Llama 4 and ERNIE 4.5 interleave dense and expert layers; Gemma 4's full
+layers have heads of 512 against the windowed layers' 256, and its last layers reuse earlier
+layers' keys and values (no k/v projections). A 3- and 4-layer simulation of those would
+extrapolate the wrong layer (Gemma 4's first 4 layers are all windowed), and a Gemma 4 config
+cut to 3 layers is not even valid (transformers checks that every layer type reusing keys and
+values has one storing them). :func:`repeated_from` sorts the layers into kinds by what
+``llama_cp.model.flops.model_flops`` counts for each (its linear layers, its attention per
+pair), which is where the shapes that set a layer's memory show: a dense layer against an
+expert one, a head size, a missing projection. Layers alike in that count (a window, RoPE or
+none) are one kind here, the windows being planned as full anyway. When the layers from some
+index P on are all of one kind, the extrapolation starts at n = max(3, P + 2): the n- and
+(n + 1)-layer simulations hold the P different first layers and differ by one layer of the
+repeated kind. Not from P or P + 1: the first repeated layers sit beside one of another kind,
+whose buffers (the gathered parameters prefetched in backward, the gradients reduce-scattered)
+are alive with theirs at the backward's peak. A DeepSeek-V3 of 4 dense layers (64 tokens, cp 2)
+grew by 125,372 bytes from 4 to 5 layers and 127,580 from 5 to 6, then 127,444 a layer, as its
+1-dense-layer form does from 3 layers on. From P + 2 the plan equals the whole simulation
+(tests/plan/test_families_plan.py). Otherwise (Gemma 4's 5:1 pattern,
+interleaved experts) the model is simulated whole: exact, at the cost of a simulation of every
+layer (seconds per layer: 22 s for a 30-layer Gemma 4 at 32K tokens on 2 cores).
+
 Note [Planning --offload_params]
 ================================
 
@@ -81,6 +106,7 @@ from llama_cp.attention.workspace import MODELLED, ModelledBackend
 from llama_cp.config import TrainConfig
 from llama_cp.cp_attention import ContextParallelAttention
 from llama_cp.model.build import cp_strategy, parallelize_model
+from llama_cp.model.flops import model_flops
 from llama_cp.modules.causal_lm import compute_dtype
 from llama_cp.modules.families import attention_head_dims, check_family, layer_chunks
 from llama_cp.plan.memory import MemoryBreakdown, create_optimizer_state, measure_step_memory, step_peak
@@ -225,9 +251,10 @@ def simulate_step_phases(
         check_family(config)  # the trainer's refusals, before the model is built
         model = build_causal_lm(config, device="meta")  # the trainer's build: float32 sharded state
         backend = planned_attention_backend(cfg, config)
+        if backend in MODELLED and not isinstance(backend, ModelledBackend):
+            backend = ModelledBackend(backend)
         model = parallelize_model(  # planned for GPUs: "auto" is bf16; attention: Note [GPU attention kernels' workspace]
-            model, cfg, mesh, device_type="cuda",
-            attention_backend=ModelledBackend(backend) if backend in MODELLED else backend,
+            model, cfg, mesh, device_type="cuda", attention_backend=backend,
         )
         plan_windows_as_full(model)  # an upper bound: windows and chunks only skip work
         # meta -> fake: the sharded parameters get fake storage of their real size
@@ -355,56 +382,75 @@ _PLANNED_GPU = dict(capability=(8, 0), flash_attn_installed=True)
 # keeps sdpa_flash's varlen calls, whose workspace is bounded per block as the per-piece calls' is.
 def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
     """The attention backend the plan models: ``--attention_backend``, where "auto" is what
-    the trainer picks on an sm80+ GPU with flash-attn installed (flash_attn for bf16/fp16), and
-    sdpa_cudnn is planned as sdpa_flash (Note [Planning cuDNN attention]).
+    the trainer picks on an sm80+ GPU with flash-attn installed (flash_attn for bf16/fp16, and
+    sdpa_efficient for the calls of a layer whose heads are over 256: a ``ModelledBackend`` with
+    ``auto``), and sdpa_cudnn is planned as sdpa_flash (Note [Planning cuDNN attention]).
     A CUDA backend that could not run there, or that the planner cannot model, is refused in
     one line; sdpa_cpu and math are planned as they run on CPU (the planner's own checks)."""
     dtype = compute_dtype(cfg.model.dtype, "cuda") or torch.float32
-    # DeepSeek's MLA: the query/key heads', not config.head_dim; Gemma 4's larger (its full layers')
-    head_dim = attention_head_dims(model_config)[-1]
+    # DeepSeek's MLA: the query/key heads', not config.head_dim; Gemma 4: its layers' two sizes
+    head_dims = attention_head_dims(model_config)
     choice = cfg.model.attention_backend
     if choice == "sdpa_cudnn":  # Note [Planning cuDNN attention]
-        if head_dim > 128:
-            check_backend(choice, "cuda", dtype, head_dim, name=f"--attention_backend {choice}", **_PLANNED_GPU)
+        if head_dims[-1] > 128:
+            check_backend(choice, "cuda", dtype, head_dims[-1], name=f"--attention_backend {choice}", **_PLANNED_GPU)
         choice = "sdpa_flash"
-    if choice == "auto":
-        choice = next(b for b in BACKENDS if b in MODELLED + ("math",) and
-                      backend_problem(b, "cuda", dtype, head_dim, **_PLANNED_GPU) is None)
+    if choice == "auto":  # per call, as select_backend: the backend of each head size the model has
+        chosen = {next(b for b in BACKENDS if b in MODELLED + ("math",) and
+                       backend_problem(b, "cuda", dtype, head_dim, **_PLANNED_GPU) is None) for head_dim in head_dims}
+        for backend in chosen & set(MODELLED):
+            _check_modelled(backend, dtype, cfg.model.attention_backend)
+        if len(chosen) == 1:
+            choice = chosen.pop()
+        elif chosen <= set(MODELLED) and "sdpa_efficient" in chosen and len(chosen) == 2:
+            return ModelledBackend((chosen - {"sdpa_efficient"}).pop(), auto=True)
+        else:  # not a pair the planner's stand-ins cover (e.g. math beside a CUDA kernel)
+            raise ValueError(f"the planner models one CUDA attention backend per head size, not {sorted(chosen)} "
+                             f"for head sizes {head_dims}; set the memory levers by hand")
     if choice in MODELLED:
-        check_backend(choice, "cuda", dtype, head_dim, name=f"--attention_backend {cfg.model.attention_backend}",
-                      **_PLANNED_GPU)
-        if choice == "sdpa_efficient" and head_dim > 256 and cfg.model.attention_backend == "auto":
-            raise ValueError(
-                f"this model's attention has heads of {head_dim} (Gemma 4's full layers), which on a GPU only "
-                "sdpa_efficient computes (Note [Head sizes above 256] in llama_cp/attention/kernels.py), and the "
-                "planner models its workspace for head sizes up to 128: it cannot plan this model; set the memory "
-                "levers by hand"
-            )
-        if choice == "sdpa_efficient" and (dtype not in (torch.float16, torch.bfloat16) or head_dim > 128):
-            raise ValueError(
-                f"--attention_backend sdpa_efficient: the planner models its workspace for float16/bfloat16 and head "
-                f"sizes up to 128, not {str(dtype).removeprefix('torch.')} with head size {head_dim}; plan with "
-                "--dtype bfloat16 or another backend"
-            )
+        check_backend(choice, "cuda", dtype, head_dims[-1],
+                      name=f"--attention_backend {cfg.model.attention_backend}", **_PLANNED_GPU)
+        _check_modelled(choice, dtype, cfg.model.attention_backend)
     return choice
 
 
-#: Layer counts simulated for the extrapolation (Note [Planning from a few layers]).
-_FEW_LAYERS = (3, 4)
+def _check_modelled(backend: str, dtype: torch.dtype, flag: str) -> None:
+    if backend == "sdpa_efficient" and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"--attention_backend {flag}: the planner models sdpa_efficient's workspace for float16/bfloat16, "
+            f"not {str(dtype).removeprefix('torch.')}; plan with --dtype bfloat16 or another backend"
+        )
+
+
+#: The fewest layers simulated for the extrapolation (Note [Planning from a few layers]).
+_FEW_LAYERS = 3
+
+
+def repeated_from(config) -> int:
+    """The first decoder layer from which every layer is of the last one's kind: its linear layers'
+    FLOPs and its attention's per pair (Note [Layers of different kinds]); 0 when all are alike."""
+    flops = model_flops(config)
+    kinds = list(zip(flops.layer_flops, flops.pair_shares or (0.0,) * len(flops.layer_flops), strict=True))
+    first = len(kinds) - 1
+    while first > 0 and kinds[first - 1] == kinds[-1]:
+        first -= 1
+    return first
 
 
 def plan_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None) -> MemoryBreakdown:
-    """:func:`simulate_step_memory` for the whole model, from simulations of 3 and 4 layers
-    extrapolated phase by phase (Note [Planning from a few layers]); models of at most 4
-    layers are simulated whole."""
+    """:func:`simulate_step_memory` for the whole model, from simulations of n and n + 1 layers
+    extrapolated phase by phase (Note [Planning from a few layers]), n the larger of 3 and two
+    past the layers before those that repeat (Note [Layers of different kinds]); a model with no
+    more layers than n + 1 is simulated whole."""
     config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
     layers = config.num_hidden_layers
-    if layers <= _FEW_LAYERS[-1]:
+    start = max(_FEW_LAYERS, repeated_from(config) + 2)
+    if layers <= start + 1:
         return simulate_step_memory(cfg, world_size, model_config=config)
     few = []
-    for n in _FEW_LAYERS:
+    for n in (start, start + 1):
         small = copy.deepcopy(config)
         small.num_hidden_layers = n
         few.append(simulate_step_phases(cfg, world_size, model_config=small))
-    steps = layers - _FEW_LAYERS[0]
+    steps = layers - start
     return step_peak({phase: few[0][phase].extrapolate(few[1][phase], steps) for phase in few[0]})

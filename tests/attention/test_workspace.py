@@ -45,14 +45,14 @@ def test_stand_in_matches_math(backend, causal, heads):
 B, S, H, HKV, D, E = 1, 1000, 32, 8, 128, 2
 
 
-def _expected_peaks(backend):
+def _expected_peaks(backend, head_dim=D):
     """(forward, forward+backward) peak bytes of one call each, by Note [GPU attention kernels'
-    workspace], the inputs q, k, v (and dout) included; all (B, H, S, D) contiguous."""
-    q_bytes, kv_bytes = B * S * H * D * E, B * S * HKV * D * E
+    workspace], the inputs q, k, v (and dout) included; all (B, H, S, head_dim) contiguous."""
+    q_bytes, kv_bytes = B * S * H * head_dim * E, B * S * HKV * head_dim * E
     lse = B * H * S * 4
     inputs_fwd, inputs_bwd = q_bytes + 2 * kv_bytes, 2 * q_bytes + 2 * kv_bytes  # q, k, v (+ dout)
     softmax_d = B * H * _round_up(S, 128) * 4
-    dq_accum = B * _round_up(S, 128) * H * _round_up(D, 32) * 4
+    dq_accum = B * _round_up(S, 128) * H * _round_up(head_dim, 32) * 4
     if backend == "flash_attn":
         # forward: (B, S, H, D) copies of q, k, v; out; lse; rng_state (2 x int64)
         fwd = q_bytes + 2 * kv_bytes + q_bytes + lse + 16
@@ -67,24 +67,32 @@ def _expected_peaks(backend):
         bwd = q_bytes + lse + 2 * q_bytes + 8 + 2 * q_bytes + 3 * q_bytes + softmax_d + dq_accum
     else:
         lse32 = B * H * _round_up(S, 32) * 4
-        fwd = 2 * q_bytes + q_bytes + lse32 + 16  # + the returned philox seed and offset
+        if head_dim <= 128:  # the 128 x 128 backward, dK/dV in registers; one value pass forward
+            workspace = B * H * _round_up(_round_up(S, 128) // 128 * 1 * (4 + 128 * 128), 4) * 4
+            fwd = 2 * q_bytes + q_bytes + lse32 + 16  # + the returned philox seed and offset
+        else:  # the global-memory kernels: 128 x 64 backward tiles, dK/dV accumulated in float32 per key split
+            splits = min(_round_up(S, 64) // 64, 200 // (B * H))
+            per_head = (_round_up(S, 128) // 128) * (head_dim // 64) * (4 + 128 * 64) + 2 * splits * 64 * head_dim
+            workspace = B * H * _round_up(per_head, 4) * 4
+            fwd = 2 * q_bytes + q_bytes + lse32 + B * S * H * head_dim * 4  # + the float32 output accumulator
+        assert workspace == efficient_backward_workspace_bytes(B, H, S, S, head_dim, head_dim)
         # backward: out, padded lse; K/V expanded; zero scalar; our lse padded again; dout copied;
-        # grad q, k, v with H heads; delta; the dq accumulator workspace
-        workspace = B * H * _round_up(_round_up(S, 128) // 128 * 1 * (4 + 128 * 128), 4) * 4
-        assert workspace == efficient_backward_workspace_bytes(B, H, S, D)
+        # grad q, k, v with H heads; delta; the workspace
         bwd = q_bytes + lse32 + 2 * q_bytes + 8 + lse32 + q_bytes + 3 * q_bytes + lse + workspace
-    return inputs_fwd + fwd, inputs_bwd + bwd
+    return inputs_fwd + fwd, inputs_bwd + max(fwd, bwd)
 
 
-@pytest.mark.parametrize("backend", MODELLED)
-def test_stand_in_peak_is_the_notes_formula(backend):
+@pytest.mark.parametrize("backend,head_dim", [(b, D) for b in MODELLED] + [("sdpa_efficient", 256),
+                                                                             ("sdpa_efficient", 512)])
+def test_stand_in_peak_is_the_notes_formula(backend, head_dim):
     """Under fake tensors (what the planner runs), one forward and one forward+backward of
-    each stand-in peak at exactly the bytes of the Note, for a GQA shape of Llama-3-8B."""
-    expected_fwd, expected_both = _expected_peaks(backend)
+    each stand-in peak at exactly the bytes of the Note, for a GQA shape of Llama-3-8B (and
+    Gemma 4's heads of 512 and Gemma 3's of 256, which take the global-memory kernels of sdpa_efficient)."""
+    expected_fwd, expected_both = _expected_peaks(backend, head_dim)
     modelled = ModelledBackend(backend)
 
     def new(heads):
-        return torch.empty(B, heads, S, D, dtype=torch.bfloat16)
+        return torch.empty(B, heads, S, head_dim, dtype=torch.bfloat16)
 
     with FakeTensorMode():
         with track_peak_memory() as fwd:
@@ -99,6 +107,21 @@ def test_stand_in_peak_is_the_notes_formula(backend):
     assert both["Total"] == expected_both
     if backend == "flash_attn":  # the issue's figure: dq_accum 16 MiB + 2 x 8 MB expanded dK/dV at 1000 tokens
         assert both["Total"] - fwd["Total"] > 16 * (1 << 20) + 2 * B * S * H * D * E
+
+
+def test_efficient_workspace_of_wide_heads():
+    """The memory-efficient backward's workspace for heads over 128, by hand from kernel_backward.h's
+    workspace_size (128 x 64 tiles; dK/dV staged in float32 per key split, the splits capped at
+    200 // (B x H)): Gemma 4's full layer, 32 heads of 512, one 4096-row block; and with few heads,
+    where the key blocks bound the splits."""
+    tiles = (4096 // 128) * (512 // 64)
+    assert efficient_backward_workspace_bytes(1, 32, 4096, 4096, 512, 512) == 32 * 4 * (
+        tiles * (4 + 128 * 64) + 2 * (200 // 32) * 64 * 512)
+    # 2 heads, 100 keys: ceil(100 / 64) = 2 splits (not 100); value heads of 128 round up to 128 rows
+    assert efficient_backward_workspace_bytes(1, 2, 100, 100, 192, 128) == 2 * 4 * _round_up(
+        1 * 3 * (4 + 128 * 64) + 2 * 64 * 256 + 2 * 64 * 128, 4)
+    # heads up to 128: no dK/dV staging, whatever the keys
+    assert efficient_backward_workspace_bytes(1, 2, 100, 9999, 128, 128) == 2 * 4 * _round_up(4 + 128 * 128, 4)
 
 
 def test_modelled_backend_names_a_cuda_backend():

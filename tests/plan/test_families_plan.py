@@ -5,6 +5,8 @@ dense layers among the MoE ones, fused gate_up_proj, biases)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import transformers
@@ -77,6 +79,12 @@ MOE = {"glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gemma4_text", "mi
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
+def skip_unplannable(model_type: str) -> None:
+    if model_type in MOE and not TRANSFORMERS_5:
+        pytest.skip(f"transformers {transformers.__version__} runs experts as a loop over Linear layers, routed by "
+                    "torch.where on the router's choice, which fake tensors cannot simulate")
+
+
 def family_config(model_type: str, **overrides):
     if model_type not in CONFIG_MAPPING_NAMES:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
@@ -139,9 +147,7 @@ def test_each_family_plans(model_type):
     """The planner simulates the trainer's step of each family at cp 2; a windowed model is planned as
     full attention (an upper bound: llama_cp/plan/simulate.py, _FullAttention), so its windows of 6
     tokens plan what windows as long as the sequence (which cut nothing) do (checked on Ministral)."""
-    if model_type in MOE and not TRANSFORMERS_5:
-        pytest.skip(f"transformers {transformers.__version__} runs experts as a loop over Linear layers, routed by "
-                    "torch.where on the router's choice, which fake tensors cannot simulate")
+    skip_unplannable(model_type)
     cfg = TrainConfig.from_flags(context_length=64, cp=2, report_to="none")
     plan = plan_step_memory(cfg, 2, model_config=family_config(model_type))
     assert plan.total > 0 and plan.activations > 0
@@ -151,17 +157,22 @@ def test_each_family_plans(model_type):
 
 def test_mla_plans_the_kernel_at_the_query_key_head_size():
     """DeepSeek-V3's attention runs at qk_nope + qk_rope = 192 (its config's head_dim is the RoPE
-    slice's, 64): the planner models that kernel, and refuses sdpa_efficient's above 128 in one line."""
+    slice's, 64): the planner models that kernel, sdpa_efficient's global-memory one included, and
+    refuses sdpa_efficient in float32 (whose kernels it does not model) in one line."""
     from llama_cp.plan.simulate import planned_attention_backend
 
     config = family_config("deepseek_v3", qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     assert config.head_dim == 64
+    fp32 = TrainConfig.from_flags(context_length=64, cp=2, report_to="none", attention_backend="sdpa_efficient",
+                                  dtype="float32")
+    with pytest.raises(ValueError, match=r"^--attention_backend sdpa_efficient: the planner models sdpa_efficient's "
+                                         r"workspace for float16/bfloat16, not float32; plan with --dtype bfloat16"):
+        planned_attention_backend(fp32, config)
     cfg = TrainConfig.from_flags(context_length=64, cp=2, report_to="none", attention_backend="sdpa_efficient",
                                  dtype="bfloat16")
-    with pytest.raises(ValueError, match=r"^--attention_backend sdpa_efficient: the planner models its workspace "
-                                         r"for float16/bfloat16 and head sizes up to 128, not bfloat16 with head size "
-                                         r"192; plan with"):
-        planned_attention_backend(cfg, config)
+    assert planned_attention_backend(cfg, config) == "sdpa_efficient"
+    skip_unplannable("deepseek_v3")
+    assert plan_step_memory(cfg, 2, model_config=config).total > 0
 
 
 def test_llama4_flops_count_its_chunks_and_its_routed_experts():
@@ -184,11 +195,70 @@ def test_llama4_flops_count_its_chunks_and_its_routed_experts():
     assert flops.pairs(torch.arange(length).expand(rows, -1)) == rows * (4 * 21 + 300) / 2
 
 
-def test_heads_only_the_memory_efficient_kernel_computes_are_not_planned():
-    """Gemma 4's full layers of heads of 512 run sdpa_efficient on a GPU (Note [Head sizes above 256]),
-    whose workspace the planner models up to heads of 128: refused in one line naming the cause (``--memory
-    auto`` then keeps the levers as given and says why)."""
+def test_heads_over_256_are_planned_with_the_memory_efficient_kernel(monkeypatch):
+    """Gemma 4's full layers of heads of 512 run sdpa_efficient on a GPU under "auto", and its windowed
+    layers of 256 flash-attn (Note [Head sizes above 256]): the planner runs each call through the
+    stand-in of the kernel the GPU runs for its head size, in the forward, the checkpointed recompute
+    and the backward."""
+    from llama_cp.attention import workspace
+    from llama_cp.plan.simulate import planned_attention_backend
+
+    config = family_config("gemma4_text", head_dim=256, global_head_dim=512)
     cfg = TrainConfig.from_flags(context_length=64, cp=2, report_to="none")
-    with pytest.raises(ValueError, match=r"^this model's attention has heads of 512 \(Gemma 4's full layers\), which "
-                                         r"on a GPU only sdpa_efficient computes .* it cannot plan this model"):
-        plan_step_memory(cfg, 2, model_config=family_config("gemma4_text", head_dim=256, global_head_dim=512))
+    backend = planned_attention_backend(cfg, config)
+    assert backend == "flash_attn" and backend.auto
+    calls = []
+
+    def recording(ops, name):
+        real = getattr(ops, name)
+
+        @functools.wraps(real)  # kernel_calls passes the keywords its signature names
+        def record(*args, **kwargs):
+            query = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() >= 3)
+            calls.append((name, query.shape[-1]))
+            return real(*args, **kwargs)
+        monkeypatch.setattr(ops, name, record)
+
+    for name in vars(workspace.SDPA_OPS):
+        recording(workspace.SDPA_OPS, name)
+    for name in vars(workspace.FLASH_ATTN):
+        recording(workspace.FLASH_ATTN, name)
+    assert plan_step_memory(cfg, 2, model_config=config).total > 0
+    by_kernel = {name: {head for called, head in calls if called == name} for name, _ in calls}
+    assert by_kernel == {"_flash_attn_forward": {256}, "_flash_attn_backward": {256},
+                         "_scaled_dot_product_efficient_attention": {512},
+                         "_scaled_dot_product_efficient_attention_backward": {512}}
+    # all layers of 512: sdpa_efficient alone
+    wide = family_config("gemma4_text", head_dim=512, global_head_dim=512)
+    assert planned_attention_backend(cfg, wide) == "sdpa_efficient"
+
+
+def test_layers_of_different_kinds_are_planned_exactly(monkeypatch):
+    """Note [Layers of different kinds]: a DeepSeek-V3 of 4 dense layers before 5 expert ones is planned
+    from 6 and 7 layers, equal to its whole simulation (3 and 4 layers took a dense layer for the repeated
+    one); a Gemma 4 whose kinds never settle (windowed and full layers of two head sizes, the last two
+    reusing keys and values) is simulated whole (cut to 3 layers, transformers refuses its config)."""
+    import llama_cp.plan.simulate as simulate
+    from llama_cp.plan.simulate import repeated_from, simulate_step_memory
+
+    skip_unplannable("deepseek_v3")
+    simulated = []
+    real = simulate.simulate_step_phases
+
+    def counting(cfg, world_size, *, model_config):
+        simulated.append(model_config.num_hidden_layers)
+        return real(cfg, world_size, model_config=model_config)
+    monkeypatch.setattr(simulate, "simulate_step_phases", counting)
+
+    cfg = TrainConfig.from_flags(context_length=64, cp=2, report_to="none")
+    for config, first, counts in [
+        (lambda: family_config("deepseek_v3", num_hidden_layers=9, first_k_dense_replace=4), 4, [6, 7, 9]),
+        (lambda: family_config("gemma4_text", num_hidden_layers=7, layer_types=["sliding_attention", "full_attention"]
+                               + ["sliding_attention"] * 4 + ["full_attention"]), 6, [7, 7]),
+    ]:
+        simulated.clear()
+        assert repeated_from(config()) == first
+        assert plan_step_memory(cfg, 2, model_config=config()) == simulate_step_memory(cfg, 2, model_config=config())
+        assert simulated == counts
+    windowed = family_config("ministral", num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3)
+    assert repeated_from(windowed) == 0  # windows alone: one kind
