@@ -16,13 +16,13 @@ import torch
 
 # Note [The text model of a vision-language checkpoint]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Gemma 3 from 4B up, every Gemma 4, Mistral Small 3.1/3.2 and Ministral 3 are released as
-# vision-language checkpoints: config model_type gemma3 / gemma4 / mistral3 (Gemma3-, Gemma4- and
-# Mistral3ForConditionalGeneration; Gemma 4's small ones hold an audio tower too), the language
-# model's settings in config.text_config.
-# transformers' AutoModelForCausalLM builds the whole vision-language model for gemma3 and
-# refuses mistral3, and its text classes (Gemma3ForCausalLM, Ministral3ForCausalLM,
-# MistralForCausalLM) given such a directory load none of its weights: they stay random, with a
+# Gemma 3 from 4B up, every Gemma 4, Mistral Small 3.1/3.2, Ministral 3 and every Llama 4 are
+# released as vision-language checkpoints: config model_type gemma3 / gemma4 / mistral3 / llama4
+# (Gemma3-, Gemma4-, Mistral3- and Llama4ForConditionalGeneration; Gemma 4's small ones hold an audio
+# tower too), the language model's settings in config.text_config.
+# transformers' AutoModelForCausalLM builds the whole vision-language model for gemma3, refuses
+# mistral3 and builds Llama4ForCausalLM from the whole llama4 config; its text classes
+# (Gemma3ForCausalLM, Ministral3ForCausalLM, MistralForCausalLM) given such a directory load none of its weights: they stay random, with a
 # warning (transformers 5.24: every tensor MISSING). llama-cp trains the text model: it is built
 # from text_config, and its tensors are the checkpoint's language model and lm_head, renamed:
 #
@@ -40,8 +40,7 @@ import torch
 # writes (checkpoints, final/, exports) is the text model; a LoRA adapter's names are the text
 # model's, so the vision-language model does not take it: merge it (--merge_lora, recipes.export).
 # Only the types of VISION_LANGUAGE_TYPES are read so; other vision-language models are refused as
-# families, and Llama 4 (llama4), whose AutoModelForCausalLM builds Llama4ForCausalLM itself, is
-# refused naming that text model.
+# families.
 
 
 def _text_causal_lm_name(config) -> str | None:
@@ -55,7 +54,7 @@ def _text_causal_lm_name(config) -> str | None:
 #: text_model_tensors renames (tests/modules/test_checkpoints.py builds each). Others (Idefics3 and
 #: SmolVLM keep theirs under model.text_model; PaliGemma and the rest are not checked) are refused as
 #: families by name.
-VISION_LANGUAGE_TYPES = frozenset({"gemma3", "gemma4", "mistral3"})
+VISION_LANGUAGE_TYPES = frozenset({"gemma3", "gemma4", "mistral3", "llama4"})
 #: The index of a sharded safetensors checkpoint.
 INDEX = "model.safetensors.index.json"
 #: Where a vision-language checkpoint stores its own lm_head (absent: tied to the embedding).

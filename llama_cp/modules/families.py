@@ -199,9 +199,10 @@ _REFUSAL_REASONS = {
     **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4"),
                     "its sparse attention lets a learned indexer pick each query's keys (its top k of the whole "
                     "sequence), which context-parallel attention does not compute"),
-    # transformers 5's AutoModelForCausalLM builds Llama4ForCausalLM (llama4_text) from a llama4 config
-    "llama4": "it is the vision-language Llama4ForConditionalGeneration, not checked under CP; its text model is "
-              "supported: Llama4ForCausalLM (llama4_text) of its config's text_config",
+    # a model object or config given directly; a checkpoint directory is read as its text model (checkpoints.py)
+    "llama4": "it is the vision-language Llama4ForConditionalGeneration; llama-cp trains its text model, "
+              "Llama4ForCausalLM (llama4_text): give the recipe the checkpoint directory, which it reads as that "
+              "text model, or apply context parallelism to the model's language_model",
 }
 
 # Note [A family's transformers floor]

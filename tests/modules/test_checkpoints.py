@@ -129,6 +129,12 @@ if "gemma4" in CONFIG_MAPPING_NAMES:  # Gemma 4 from E2B up: image (and audio) t
                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
                                       patch_size=14, pooling_kernel_size=2, position_embedding_size=64),
                                  dict(image_token_id=93, boi_token_id=94, eoi_token_id=95, audio_config=None))
+if "llama4" in CONFIG_MAPPING_NAMES:  # Llama 4 Scout and Maverick: an image tower, an untied head
+    VISION_LANGUAGE["llama4"] = (dict(model_type="llama4_text", **TEXT, **EXTRA["llama4_text"]),
+                                 dict(model_type="llama4_vision_model", hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+                                      vision_output_dim=16, projector_input_dim=16, projector_output_dim=32,
+                                      pixel_shuffle_ratio=0.5), dict(image_token_index=93))
 if "ministral3" in CONFIG_MAPPING_NAMES:  # Ministral 3: tied by the outer config while its text config says not
     VISION_LANGUAGE["ministral3"] = (dict(model_type="ministral3", **TEXT), VISION_LANGUAGE["mistral3"][1],
                                      dict(image_token_index=93, tie_word_embeddings=True))
@@ -171,16 +177,19 @@ def test_text_model_of_a_vision_language_checkpoint_computes_its_logits(name, tm
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert tied == (whole.get_output_embeddings().weight is whole.get_input_embeddings().weight)
     ids = torch.randint(3, 90, (2, 24))
+    # transformers 5's Llama 4 forward fails after its language model ran (it reads image_outputs from the language
+    # model's output): on text rows that forward is its language model's on the token embeddings, so that is called
+    reference = whole.language_model if name == "llama4" and TRANSFORMERS_5 else whole
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, whole(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_other_vision_language_models_are_refused_as_families():
-    """Only gemma3 and mistral3 checkpoints are read as their text model: Idefics3 keeps its language
-    model under model.text_model (its tensors would not be found, late), Llama 4 is refused naming
-    its text model; both in one line before anything is built."""
+    """Only the checkpoints of VISION_LANGUAGE are read as their text model: Idefics3 keeps its language
+    model under model.text_model (its tensors would not be found, late): refused in one line before
+    anything is built."""
     assert not vision_language(family_config("llama"))
-    for model_type, reason in (("idefics3", "it has not been checked exact"), ("llama4", "its text model is supported")):
+    for model_type, reason in (("idefics3", "it has not been checked exact"),):
         if model_type not in CONFIG_MAPPING_NAMES:
             continue
         config = AutoConfig.for_model(model_type)

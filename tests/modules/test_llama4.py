@@ -199,7 +199,8 @@ def test_without_position_ids_at_cp1():
 def test_the_vision_language_llama4_is_refused_its_text_model_not():
     """Llama4ForCausalLM of a llama4 config's text_config (llama4_text; transformers 5's
     AutoModelForCausalLM builds it from the llama4 config itself) is supported;
-    Llama4ForConditionalGeneration (llama4) is refused in one line pointing to it."""
+    Llama4ForConditionalGeneration (llama4) given as a model is refused in one line pointing to it (a
+    checkpoint directory of it is read as its text model: tests/modules/test_checkpoints.py)."""
     from transformers import Llama4ForConditionalGeneration
 
     from llama_cp import apply_context_parallel
@@ -215,8 +216,9 @@ def test_the_vision_language_llama4_is_refused_its_text_model_not():
         model = Llama4ForConditionalGeneration(config)
     apply_context_parallel(text_model, None)
     with pytest.raises(ValueError, match=r"^model family 'llama4' \(Llama4ForConditionalGeneration\) is not supported "
-                                         r"by llama-cp: it is the vision-language .*supported: Llama4ForCausalLM "
-                                         r"\(llama4_text\) of its config's text_config\. Supported"):
+                                         r"by llama-cp: it is the vision-language .* its text model, Llama4ForCausalLM "
+                                         r"\(llama4_text\): give the recipe the checkpoint directory, .*language_model\. "
+                                         r"Supported"):
         apply_context_parallel(model, None)
 
 
