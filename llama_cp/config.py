@@ -111,7 +111,7 @@ class PeftConfig:
     lora_dropout: float = 0.0
     """Dropout on the LoRA input."""
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    """Module names that get adapters; all-linear = every Linear layer but the output layer (peft's all-linear)."""
+    """Module names that get adapters; all-linear = every Linear layer but the output layer (peft's all-linear). Under transformers 5, peft turns gate_proj/up_proj/down_proj of the fused-expert MoE families into the experts' parameters: said at start (Note [peft's MoE target conversion])."""
     lora_modules_to_save: tuple[str, ...] = ()
     """Modules trained in full beside the adapters and saved with them (peft's modules_to_save), matched by the end of their names: embed_tokens,norm trains the input embedding and every norm, which LongLoRA (Chen et al. 2023) found context extension needs. Refused for the embedding of a model with tied embeddings."""
     use_rslora: bool = False

@@ -91,6 +91,9 @@ def validate(cfg) -> None:
         from llama_cp.modules.gguf import require_gguf
 
         require_gguf("--export_gguf")
+    if cfg.merge_lora and cfg.peft.lora_target_parameters:
+        raise ValueError("--merge_lora with --lora_target_parameters: adapters on fused expert tensors are not merged "
+                         "here; drop --merge_lora and merge the run's adapter (final/) with peft's merge_and_unload")
     if cfg.merge_lora and cfg.peft.quantization != "none":
         raise ValueError("--merge_lora with --quantization 4bit: the base weights in training are NF4 codes; after "
                          "the run merge onto the original weights with python -m recipes.export --checkpoint "

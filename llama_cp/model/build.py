@@ -269,6 +269,45 @@ def lora_targets(model: nn.Module, targets) -> tuple[str, ...]:
                          if isinstance(module, nn.Linear) and name and module is not output}))
 
 
+# Note [peft's MoE target conversion]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under transformers 5, peft 0.21 rewrites the LoRA targets of the MoE families whose experts
+# transformers 5 fused (read in peft 0.21.2, utils/transformers_weight_conversion.py,
+# _convert_peft_config_moe, run by get_peft_model; the families are transformers' conversion patterns
+# qwen2_moe and mixtral: DeepSeek-V2/V3, GLM-4.5 and 4.7-Flash, Qwen2/3-MoE, OLMoE, dots.llm1, ERNIE 4.5,
+# EXAONE-MoE, AFMoE, Hunyuan-MoE, Mixtral, MiniMax-M2), so that adapters trained under transformers 4,
+# where each expert was Linear layers, still load: a target named gate_proj, up_proj or down_proj (w1,
+# w3, w2) becomes the experts' fused parameter gate_up_proj or down_proj, and gate the router's
+# gate.weight, after "all-linear" is expanded. The Linear layers of those names outside the experts, the
+# MLPs of the dense layers and the shared experts, are then no target: no name reaches them. llama-cp
+# says so at start (:func:`lora_target_changes`) and refuses --merge_lora there (adapters on fused
+# expert tensors are not merged here) before training, not at the export after it. The MFU counts the
+# adapters of the names the flag gives (a few percent of a layer's FLOPs at r <= 64).
+def lora_target_changes(model: nn.Module, targets, parameters=()) -> str | None:
+    """One line saying what peft adapted besides --lora_target_modules / --lora_target_parameters, and
+    which Linear layers they name got no adapter (Note [peft's MoE target conversion]); None when
+    peft adapted what the flags name."""
+    import peft
+
+    config = next(iter(model.peft_config.values()))
+    added = sorted(set(getattr(config, "target_parameters", None) or ()) - set(parameters))
+    if not added:
+        return None
+    output = base_causal_lm(model).get_output_embeddings()
+    # the Linear layers peft left as they were: not an adapted layer's base_layer, nor its lora_A/lora_B
+    bare = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)
+            and module is not output and ".lora_" not in name and not name.endswith(".base_layer")}
+    bare = sorted(bare if ALL_LINEAR in targets else bare & set(targets))
+
+    family = base_causal_lm(model).config.model_type
+    missed = (f"; the Linear layers {', '.join(bare)} (the dense layers' MLPs, shared experts) get none, as no "
+              "target reaches them there" if bare else "")
+    router = " and router" if any(name.startswith("gate.") for name in added) else ""
+    return (f"--lora_target_modules {','.join(targets)}: peft {peft.__version__} adapts {family}'s fused experts"
+            f"{router} by the names of transformers 4 (target parameters {', '.join(added)}){missed} (Note [peft's "
+            "MoE target conversion] in llama_cp/model/build.py)")
+
+
 def cp_strategy(cfg: TrainConfig, config) -> tuple[str, int]:
     """(strategy, ulysses_degree) of a run: --cp_strategy and --ulysses_degree, or what ``auto``
     picks for ``config``'s heads (Note [Choosing a strategy] in ``llama_cp/attention/choose.py``)."""

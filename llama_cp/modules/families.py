@@ -119,6 +119,9 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # v3: sigmoid with a score bias and groups); transformers adds no router loss
     "deepseek_v2": _plain,
     "deepseek_v3": _plain,
+    # GLM-4.7-Flash: DeepSeek-V3's attention (MLA) and GLM-4.5's experts (sigmoid router with a score bias,
+    # a shared expert) on its mlp_layer_types "sparse" layers; transformers adds no router loss
+    "glm4_moe_lite": _plain,
     # chunked local attention on the RoPE layers (Note [Chunked attention under CP]), NoPE full layers
     # whose queries are scaled by their row (Note [Query temperature under CP], both in
     # llama_cp/attention/chunks.py), q/k L2 norm; routed (sigmoid top-k) + shared experts,

@@ -193,9 +193,10 @@ def check_mergeable(model: nn.Module) -> None:
                          "onto the original weights with python -m recipes.export --checkpoint DIR --merge_lora "
                          "(it reads the base model directory)")
     targets = getattr(next(iter(model.peft_config.values())), "target_parameters", None)
-    if targets:
-        raise ValueError("--merge_lora with --lora_target_parameters: adapters on fused expert tensors are not merged "
-                         "here; export the adapter and merge it with peft's merge_and_unload")
+    if targets:  # given, or peft's (Note [peft's MoE target conversion] in llama_cp/model/build.py)
+        raise ValueError(f"--merge_lora: the adapter has adapters on fused expert tensors (target parameters "
+                         f"{', '.join(sorted(targets))}), which are not merged here; drop --merge_lora and merge the "
+                         "adapter with peft's merge_and_unload")
 
 
 def _write_info(directory: str, info: dict) -> None:

@@ -102,10 +102,17 @@ class Trainer:
 
     def _build_model(self):
         """The run's model; said when its rows are longer than its positions (Note [Positions past the model's])."""
-        from llama_cp.model.build import build_model
+        from llama_cp.model.build import build_model, lora_target_changes
+        from llama_cp.train.export import check_mergeable
         from llama_cp.modules.causal_lm import base_causal_lm, positions_past_config
 
         model = build_model(self.cfg, self.mesh, self.device, self.model_path)
+        if self.cfg.peft.use_peft:  # Note [peft's MoE target conversion]
+            p = self.cfg.peft
+            if line := lora_target_changes(model, p.lora_target_modules, p.lora_target_parameters):
+                self._say(line)
+            if self.cfg.merge_lora:  # before training, not at the export after it
+                check_mergeable(model)
         m = self.cfg.model
         if line := positions_past_config(base_causal_lm(model).config, self.cfg.data.context_length, m.rope_theta,
                                          m.rope_scaling):

@@ -5,11 +5,13 @@ in tests/model/test_levers_world2.py)."""
 
 import fnmatch
 import os
+import re
 import shutil
 
 import huggingface_hub
 import pytest
 import torch
+import transformers
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from llama_cp.config import PeftConfig, TrainConfig
@@ -154,3 +156,39 @@ def test_ulysses_refused_where_the_heads_do_not_split_names_only_strategies_that
         check_strategy_heads(cfg, SimpleNamespace(num_attention_heads=6))
     check_ulysses_degree("hybrid", 2, 4, heads=6)  # the degree offered is one hybrid takes
     check_strategy_heads(cfg, SimpleNamespace(num_attention_heads=8))  # 8 heads split over 4 ranks
+
+
+def test_peft_adapting_other_weights_than_the_targets_name_is_said():
+    """Note [peft's MoE target conversion]: on a Qwen3-MoE of a dense layer 0 and an expert layer 1, peft
+    under transformers 5 turns all-linear's gate_proj/up_proj/down_proj into the fused experts' parameters
+    and the router's weight, and the dense MLP gets no adapter: said in one line, and --merge_lora refused
+    (before training, in the trainer). Under transformers 4 the experts are Linear layers: nothing to say."""
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llama_cp.model.build import lora_config, lora_target_changes
+    from llama_cp.train.export import check_mergeable
+
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0])
+    for targets, said in (("all-linear", r"fused experts and router by the names of transformers 4 \(target "
+                                         r"parameters down_proj, gate.weight, gate_up_proj\); the Linear layers "
+                                         r"down_proj, gate_proj, up_proj \(the dense layers' MLPs, shared experts\) get "
+                                         r"none"),
+                          ("q_proj,down_proj", r"fused experts by the names of transformers 4 \(target parameters "
+                                               r"down_proj\); the Linear layers down_proj \(")):
+        cfg = TrainConfig.from_flags(use_peft=True, lora_target_modules=targets)
+        model = get_peft_model(AutoModelForCausalLM.from_config(config), lora_config(cfg))
+        line = lora_target_changes(model, cfg.peft.lora_target_modules)
+        if not getattr(model.peft_config["default"], "target_parameters", None):  # transformers 4: Linear experts
+            assert line is None and int(transformers.__version__.split(".")[0]) < 5
+            continue
+        assert line.startswith(f"--lora_target_modules {targets}: peft ") and re.search(said, line), line
+        with pytest.raises(ValueError, match=r"^--merge_lora: the adapter has adapters on fused expert tensors"):
+            check_mergeable(model)
+    plain = get_peft_model(AutoModelForCausalLM.from_config(config), lora_config(TrainConfig.from_flags(use_peft=True)))
+    assert lora_target_changes(plain, ("q_proj", "k_proj", "v_proj", "o_proj")) is None
+    with pytest.raises(ValueError, match=r"^--merge_lora with --lora_target_parameters: adapters on fused expert "
+                                         r"tensors are not merged here; drop --merge_lora"):
+        TrainConfig.from_flags(use_peft=True, merge_lora=True, lora_target_parameters="mlp.experts.down_proj")

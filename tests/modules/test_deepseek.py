@@ -1,4 +1,5 @@
-"""DeepSeek-V2 and -V3 (deepseek_v2, deepseek_v3: also Kimi K2, Moonlight) under context parallelism
+"""DeepSeek-V2 and -V3 (deepseek_v2, deepseek_v3: also Kimi K2, Moonlight) and GLM-4.7-Flash
+(glm4_moe_lite: V3's attention, GLM-4.5's experts, its mlp_layer_types) under context parallelism
 against plain single-process transformers on 4 CPU ranks (gloo), with the BASE model, batch, meshes
 and tolerances of tests/modules/test_families.py and the runs of tests/modules/test_families_new.py.
 
@@ -64,6 +65,10 @@ FAMILIES = {
                                         else 4, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
                                         **yarn())),
 }
+#: GLM-4.7-Flash: V3's attention, GLM-4.5's experts (the best group of 2, a score bias) after a dense layer
+FAMILIES["glm4_moe_lite"] = ("glm4_moe_lite", dict(q_lora_rank=12, n_routed_experts=8, num_experts_per_tok=2,
+                                                   norm_topk_prob=True, routed_scaling_factor=1.8, rope_interleave=True,
+                                                   mlp_layer_types=["dense", "sparse"]))
 #: V2's complex RoPE picks its frequencies from the longest position (32 > 16): Note [Position-dependent
 #: RoPE under CP]; with q_lora_rank, V2's q_a_proj -> q_b_proj
 FAMILIES["deepseek_v2_dynamic_rope"] = ("deepseek_v2", dict(
@@ -156,9 +161,11 @@ def _add(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.dtype, p
                skip=skip_reason(name, dtype), group=None if sharded else cp)
 
 
-for _name in ("deepseek_v2", "deepseek_v3"):
+for _name in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):
     for _run in RUNS:  # every strategy, cp 1, 2 and 4, plain and FSDP, float32 and float64
         _add(_name, *_run)
+_add("glm4_moe_lite", "ring", 2, True, F32, packed=True)
+_add("glm4_moe_lite", "allgather", 2, False, F64, lora=True)
 _add("deepseek_v2", "ring", 4, False, F64, packed=True)
 _add("deepseek_v3", "allgather", 4, True, F32, packed=True)
 _add("deepseek_v3", "ulysses", 2, True, F32, lora=True)
@@ -228,6 +235,36 @@ def features_change_the_result():
                      for a, n in zip([sum(lengths[:i]) for i in range(len(lengths))], lengths)]
             torch.testing.assert_close(packed, torch.cat(alone, dim=1).view_as(packed), **TOLERANCE[F32])
             moved[f"{name} documents"] = float((packed - model(input_ids=ids).logits).abs().max())
+    assert min(moved.values()) > 1e-3, moved
+
+
+@functools.partial(checks.add, group=1, skip=skip_reason("glm4_moe_lite"))
+def glm4_moe_lite_features_change_the_result():
+    """GLM-4.7-Flash's features each move the logits by more than 1e-3 when switched off: the router score
+    bias, the shared expert, the experts' layer (layer 0 dense: its experts there instead), interleaved RoPE;
+    and transformers' packed rows equal each document run alone (the packed check's reference)."""
+    data = packed_data()
+    ids = data["input_ids"]
+    moved = {}
+    with torch.no_grad():
+        whole = family_model("glm4_moe_lite")(input_ids=ids).logits
+        for feature, overrides, change in (
+            ("router score bias", {}, _zero("e_score_correction_bias")),
+            ("shared expert", {}, _zero("shared_experts.down_proj.weight")),
+            ("dense layer 0", dict(mlp_layer_types=["sparse", "sparse"]), None),
+            ("interleaved RoPE", dict(rope_interleave=False), None),
+        ):
+            off = family_model("glm4_moe_lite", **overrides)
+            if change is not None:
+                change(off)
+            moved[feature] = float((whole - off(input_ids=ids).logits).abs().max())
+        model = family_model("glm4_moe_lite")
+        packed = reference_forward(model, data)[0]
+        alone = [model(input_ids=ids[row:row + 1, a:a + n], position_ids=data["position_ids"][row:row + 1, a:a + n]
+                       ).logits for row, lengths in enumerate(PACKED_LENGTHS)
+                 for a, n in zip([sum(lengths[:i]) for i in range(len(lengths))], lengths)]
+        torch.testing.assert_close(packed, torch.cat(alone, dim=1).view_as(packed), **TOLERANCE[F32])
+        moved["documents"] = float((packed - whole).abs().max())
     assert min(moved.values()) > 1e-3, moved
 
 

@@ -71,11 +71,12 @@ MLA = dict(head_dim=None, num_key_value_heads=4, kv_lora_rank=8, qk_nope_head_di
            first_k_dense_replace=1, n_group=2, topk_group=1)
 FAMILIES["deepseek_v2"] = dict(MLA, q_lora_rank=None)
 FAMILIES["deepseek_v3"] = dict(MLA, q_lora_rank=12)
+FAMILIES["glm4_moe_lite"] = dict(MLA, q_lora_rank=12)  # its mlp_layer_types: layer 0 dense, then experts
 #: layer 0 RoPE, chunks of 6, a dense MLP of intermediate_size_mlp; layer 1 NoPE, full, 4 experts (top 1) + a shared one
 FAMILIES["llama4_text"] = dict(no_rope_layers=[1, 0], attention_chunk_size=6, num_local_experts=4,
                                num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size_mlp=48)
-MOE = {"glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gemma4_text", "minimax_m2", "dots1", "ernie4_5_moe",
-       "hunyuan_v1_moe", "exaone_moe", "afmoe"}
+MOE = {"glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "minimax_m2", "dots1",
+       "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
