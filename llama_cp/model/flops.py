@@ -391,6 +391,8 @@ def _is_moe_layer(config: Any, index: int) -> bool:
     every ``moe_layer_interval``-th from ``moe_layer_start_index`` to ``moe_layer_end_index``; EXAONE-MoE:
     its ``mlp_layer_types`` "sparse";
     Mixtral and OLMoE: every layer)."""
+    if config.model_type == "solar_open":  # Solar Open: every layer (its config drops GLM-4.5's first_k_dense_replace)
+        return True
     if getattr(config, "moe_layers", None) is not None:
         return index in config.moe_layers
     if getattr(config, "mlp_layer_types", None):  # EXAONE-MoE: "dense" or "sparse" by layer

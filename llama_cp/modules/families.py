@@ -119,6 +119,12 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # v3: sigmoid with a score bias and groups); transformers adds no router loss
     "deepseek_v2": _plain,
     "deepseek_v3": _plain,
+    # Solar Open: Llama's attention, GLM-4.5's experts (sigmoid router with a score bias, by group, shared
+    # experts) in every layer; no router loss
+    "solar_open": _plain,
+    # HY-V3 (Hy3): Apertus' attention (q/k norms), a sigmoid router with a score bias in float32, shared
+    # experts added in float32, on its mlp_layer_types "sparse" layers; no router loss
+    "hy_v3": _plain,
     # GLM-4.7-Flash: DeepSeek-V3's attention (MLA) and GLM-4.5's experts (sigmoid router with a score bias,
     # a shared expert) on its mlp_layer_types "sparse" layers; transformers adds no router loss
     "glm4_moe_lite": _plain,

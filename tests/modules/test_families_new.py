@@ -117,6 +117,14 @@ FAMILIES = {
                             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
                             first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
                             routed_scaling_factor=2.0)),
+    # Solar Open: experts in every layer (8, top 2 of the best group of 2, a score bias) and a shared one
+    "solar_open": ("solar_open", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                      n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True,
+                                      routed_scaling_factor=2.0)),
+    # HY-V3: layer 0 dense, layer 1 sigmoid-routed experts (8, top 2, a score bias) and a shared one added in
+    # float32, q/k norms; weights at 0.02 (its config's 0.006 left the router's scores near 0.5)
+    "hy_v3": ("hy_v3", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1,
+                            router_scaling_factor=2.0, mlp_layer_types=["dense", "sparse"], initializer_range=0.02)),
     # q/k norms over all heads, half of each head rotated, sigmoid-routed experts (8, top 2) with a score bias
     # and the router loss
     "minimax_m2": ("minimax_m2", dict(num_local_experts=8, num_experts_per_tok=2, **rope(
@@ -129,7 +137,7 @@ FAMILIES = {
         **MOE_LOSS)),
 }
 MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe",
-       "afmoe"}
+       "afmoe", "solar_open", "hy_v3"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
 #: LayerNorm, Gemma 4's RMSNorm), routers in float32 (GLM-4.5's gate and its score bias), the router loss.
 FLOAT32_ONLY = {"cohere2", "gemma4_text", *MOE}
@@ -403,6 +411,11 @@ FEATURES = {
     "afmoe: attention output gate": ("afmoe", {}, {}, _zero("self_attn.gate_proj.weight")),
     "afmoe: router score bias": ("afmoe", {}, {}, _zero("expert_bias")),
     "arcee: biases": ("arcee", {}, {}, _zero("_proj.bias")),
+    "solar_open: shared expert": ("solar_open", {}, {}, _zero("shared_experts.down_proj.weight")),
+    "solar_open: router score bias": ("solar_open", {}, {}, _zero("e_score_correction_bias")),
+    "hy_v3: shared expert": ("hy_v3", {}, {}, _zero("shared_experts.down_proj.weight")),
+    "hy_v3: router score bias": ("hy_v3", {}, {}, _zero("e_score_correction_bias")),
+    "hy_v3: dense layer 0": ("hy_v3", {}, dict(mlp_layer_types=["sparse", "sparse"]), None),
     "dots1: windows": ("dots1", {}, NO_WINDOWS, None),
     "dots1: shared expert": ("dots1", {}, {}, _zero("shared_experts.down_proj.weight")),
     "dots1: router score bias": ("dots1", {}, {}, _zero("e_score_correction_bias")),
