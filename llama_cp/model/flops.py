@@ -235,6 +235,8 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     for index, layer in enumerate(layer_configs(config)):
         before = decoder
         shape = _shape(layer)
+        if config.model_type == "mimo_v2_flash" and config.layer_types[index] == "sliding_attention":
+            shape["kv_heads"] *= 2  # MiMoV2FlashAttention: twice the key/value heads on its windowed layers
         attention = _attention_linears(layer, shape)
         top_k, experts = _moe(config, index)
         if config.model_type == "gemma4_text":
@@ -314,6 +316,10 @@ def _attention_linears(config: Any, shape: dict) -> dict[str, tuple[int, int]]:
     RoPE key, kv_b_proj from the latent to every head's key (no RoPE part) and value; o_proj."""
     if getattr(config, "qk_nope_head_dim", None) is None:
         linears = {name: _LAYER_LINEARS[name](shape) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        values = getattr(config, "v_head_dim", None)  # MiMo-V2-Flash: values narrower than the keys
+        if values:
+            linears["v_proj"] = (shape["hidden"], shape["kv_heads"] * values)
+            linears["o_proj"] = (shape["heads"] * values, shape["hidden"])
         if config.model_type == "afmoe":  # AfmoeAttention.gate_proj: a sigmoid gate on each head's output
             linears["gate_proj"] = _LAYER_LINEARS["q_proj"](shape)
         return linears
@@ -371,6 +377,8 @@ def _shared_expert(config: Any) -> tuple[int, int]:
     """(intermediate size of the MLP every token runs beside the routed experts, outputs of its gate):
     Qwen2-MoE's ``shared_expert`` gated by a Linear(hidden, 1), GLM-4.5's ``n_shared_experts`` experts
     as one ungated MLP (transformers 5.24 models/qwen2_moe, models/glm4_moe); (0, 0): none."""
+    if config.model_type == "mimo_v2_flash":  # MiMoV2FlashMoE drops DeepSeek-V3's shared experts, whatever the config
+        return 0, 0
     if getattr(config, "shared_expert_intermediate_size", None):
         return config.shared_expert_intermediate_size, 1
     shared = getattr(config, "n_shared_experts", None) or getattr(config, "num_shared_experts", None)  # EXAONE's name

@@ -125,6 +125,10 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # HY-V3 (Hy3): Apertus' attention (q/k norms), a sigmoid router with a score bias in float32, shared
     # experts added in float32, on its mlp_layer_types "sparse" layers; no router loss
     "hy_v3": _plain,
+    # MiMo-V2-Flash: windowed layers with learned per-head sinks (s_aux) and twice the key/value heads of the
+    # full ones, values narrower than the keys (padded: Note [Value heads narrower than keys]), partial RoPE
+    # per layer type, DeepSeek-V3's experts on its mlp_layer_types "sparse"; no router loss
+    "mimo_v2_flash": _plain,
     # GLM-4.7-Flash: DeepSeek-V3's attention (MLA) and GLM-4.5's experts (sigmoid router with a score bias,
     # a shared expert) on its mlp_layer_types "sparse" layers; transformers adds no router loss
     "glm4_moe_lite": _plain,

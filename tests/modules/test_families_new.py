@@ -117,6 +117,16 @@ FAMILIES = {
                             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
                             first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
                             routed_scaling_factor=2.0)),
+    # MiMo-V2-Flash: layer 0 full and dense, layer 1 windowed with sinks (4 key/value heads against the full
+    # layer's 2) and experts (8, top 2 of the best group of 2, a score bias; no shared one); values of 6 against
+    # keys of 8, half of each head rotated, its theta per layer type (transformers runs it eager only)
+    "mimo_v2_flash": ("mimo_v2_flash", dict(
+        attn_implementation="eager", layer_types=["full_attention", "sliding_attention"], sliding_window=WINDOW,
+        v_head_dim=6,
+        mlp_layer_types=["dense", "sparse"], n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.0,
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0, partial_rotary_factor=0.5),
+                         "full_attention": dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)})),
     # Solar Open: experts in every layer (8, top 2 of the best group of 2, a score bias) and a shared one
     "solar_open": ("solar_open", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                                       n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True,
@@ -137,7 +147,7 @@ FAMILIES = {
         **MOE_LOSS)),
 }
 MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe",
-       "afmoe", "solar_open", "hy_v3"}
+       "afmoe", "solar_open", "hy_v3", "mimo_v2_flash"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
 #: LayerNorm, Gemma 4's RMSNorm), routers in float32 (GLM-4.5's gate and its score bias), the router loss.
 FLOAT32_ONLY = {"cohere2", "gemma4_text", *MOE}
@@ -358,6 +368,14 @@ def _zero(*suffixes: str):
 
 
 BIASES = _zero("_proj.bias")
+
+
+def _no_sinks(model):
+    """A change of a built model: each attention sink at a logit no score is near (exp of it ~ 0)."""
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                tensor.fill_(-1e4)
 NO_WINDOWS = dict(sliding_window=SEQ_LEN)
 #: Full layers without RoPE (windows as long as the sequence are no-ops) against the same layers
 #: made windowed ones, which take RoPE.
@@ -411,6 +429,12 @@ FEATURES = {
     "afmoe: attention output gate": ("afmoe", {}, {}, _zero("self_attn.gate_proj.weight")),
     "afmoe: router score bias": ("afmoe", {}, {}, _zero("expert_bias")),
     "arcee: biases": ("arcee", {}, {}, _zero("_proj.bias")),
+    "mimo_v2_flash: windows": ("mimo_v2_flash", {}, NO_WINDOWS, None),
+    "mimo_v2_flash: sinks": ("mimo_v2_flash", {}, {}, _no_sinks),
+    "mimo_v2_flash: partial rotary": ("mimo_v2_flash", {}, dict(rope_parameters={
+        kind: dict(rope_type="default", rope_theta=theta, partial_rotary_factor=1.0)
+        for kind, theta in (("sliding_attention", 100.0), ("full_attention", 10000.0))}), None),
+    "mimo_v2_flash: router score bias": ("mimo_v2_flash", {}, {}, _zero("e_score_correction_bias")),
     "solar_open: shared expert": ("solar_open", {}, {}, _zero("shared_experts.down_proj.weight")),
     "solar_open: router score bias": ("solar_open", {}, {}, _zero("e_score_correction_bias")),
     "hy_v3: shared expert": ("hy_v3", {}, {}, _zero("shared_experts.down_proj.weight")),

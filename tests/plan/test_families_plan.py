@@ -63,6 +63,11 @@ FAMILIES = {
                          moe_layer_start_index=1),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
                   first_k_dense_replace=1, n_group=1, topk_group=1),  # layer 0 dense, layer 1 experts + shared
+    # layer 0 full and dense, layer 1 windowed with sinks and twice the key/value heads, experts; values narrower
+    # than the keys, partial RoPE; n_shared_experts as a config may carry it (its MoE has none)
+    "mimo_v2_flash": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=6, v_head_dim=6,
+                          mlp_layer_types=["dense", "sparse"], n_routed_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=16, n_shared_experts=1, n_group=1, topk_group=1),
     # experts + shared ones in every layer: its model reads no first_k_dense_replace, which a config may carry
     "solar_open": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
                        n_group=1, topk_group=1, first_k_dense_replace=1),
@@ -80,7 +85,7 @@ FAMILIES["glm4_moe_lite"] = dict(MLA, q_lora_rank=12)  # its mlp_layer_types: la
 FAMILIES["llama4_text"] = dict(no_rope_layers=[1, 0], attention_chunk_size=6, num_local_experts=4,
                                num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size_mlp=48)
 MOE = {"glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "minimax_m2", "dots1",
-       "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe", "solar_open", "hy_v3"}
+       "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe", "solar_open", "hy_v3", "mimo_v2_flash"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
