@@ -282,7 +282,8 @@ def lora_targets(model: nn.Module, targets) -> tuple[str, ...]:
 # MLPs of the dense layers and the shared experts, are then no target: no name reaches them. llama-cp
 # says so at start (:func:`lora_target_changes`) and refuses --merge_lora there (adapters on fused
 # expert tensors are not merged here) before training, not at the export after it. The MFU counts the
-# adapters of the names the flag gives (a few percent of a layer's FLOPs at r <= 64).
+# adapters of the Linear layers that have one (:func:`adapted_linears`); the experts' adapters, as
+# with --lora_target_parameters, it does not count (Note [Model FLOPs]).
 def lora_target_changes(model: nn.Module, targets, parameters=()) -> str | None:
     """One line saying what peft adapted besides --lora_target_modules / --lora_target_parameters, and
     which Linear layers they name got no adapter (Note [peft's MoE target conversion]); None when
@@ -306,6 +307,15 @@ def lora_target_changes(model: nn.Module, targets, parameters=()) -> str | None:
     return (f"--lora_target_modules {','.join(targets)}: peft {peft.__version__} adapts {family}'s fused experts"
             f"{router} by the names of transformers 4 (target parameters {', '.join(added)}){missed} (Note [peft's "
             "MoE target conversion] in llama_cp/model/build.py)")
+
+
+def adapted_linears(model: nn.Module) -> tuple[str, ...]:
+    """The last name part of every Linear layer of a peft ``model`` that has a LoRA adapter: the layers
+    whose adapters the MFU counts (Note [peft's MoE target conversion]: not always the flag's names)."""
+    from peft.tuners.lora import LoraLayer
+
+    return tuple(sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), nn.Linear)}))
 
 
 def cp_strategy(cfg: TrainConfig, config) -> tuple[str, int]:

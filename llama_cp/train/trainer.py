@@ -123,9 +123,12 @@ class Trainer:
         """The model FLOPs per token and per attention pair, and the GPU's peak (Note [Model FLOPs])."""
         from llama_cp.modules.causal_lm import base_causal_lm
 
-        p = self.cfg.peft
+        from llama_cp.model.build import adapted_linears
+
+        p = self.cfg.peft  # the layers peft adapted: Note [peft's MoE target conversion]
         self.flops = model_flops(base_causal_lm(self.model).config, lora_r=p.lora_r if p.use_peft else 0,
-                                 lora_targets=p.lora_target_modules, modules_to_save=p.lora_modules_to_save)
+                                 lora_targets=adapted_linears(self.model) if p.use_peft else (),
+                                 modules_to_save=p.lora_modules_to_save)
         device_name = torch.cuda.get_device_name(self.device) if self.device_type == "cuda" else None
         self.peak_flops = self.cfg.peak_tflops * 1e12 or peak_flops(device_name)
         if device_name is not None and self.peak_flops is None:  # names match exactly: say why no mfu, once

@@ -161,12 +161,13 @@ def test_ulysses_refused_where_the_heads_do_not_split_names_only_strategies_that
 def test_peft_adapting_other_weights_than_the_targets_name_is_said():
     """Note [peft's MoE target conversion]: on a Qwen3-MoE of a dense layer 0 and an expert layer 1, peft
     under transformers 5 turns all-linear's gate_proj/up_proj/down_proj into the fused experts' parameters
-    and the router's weight, and the dense MLP gets no adapter: said in one line, and --merge_lora refused
-    (before training, in the trainer). Under transformers 4 the experts are Linear layers: nothing to say."""
+    and the router's weight, and the dense MLP gets no adapter: said in one line, --merge_lora refused
+    (before training, in the trainer), and the MFU counts the adapters that are there. Under transformers 4
+    the experts are Linear layers: nothing to say."""
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llama_cp.model.build import lora_config, lora_target_changes
+    from llama_cp.model.build import adapted_linears, lora_config, lora_target_changes
     from llama_cp.train.export import check_mergeable
 
     config = AutoConfig.for_model("qwen3_moe", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -183,7 +184,11 @@ def test_peft_adapting_other_weights_than_the_targets_name_is_said():
         line = lora_target_changes(model, cfg.peft.lora_target_modules)
         if not getattr(model.peft_config["default"], "target_parameters", None):  # transformers 4: Linear experts
             assert line is None and int(transformers.__version__.split(".")[0]) < 5
+            assert "down_proj" in adapted_linears(model)
             continue
+        # what the MFU counts adapters on: the Linear layers that have one
+        assert adapted_linears(model) == (("k_proj", "o_proj", "q_proj", "v_proj") if targets == "all-linear"
+                                          else ("q_proj",))
         assert line.startswith(f"--lora_target_modules {targets}: peft ") and re.search(said, line), line
         with pytest.raises(ValueError, match=r"^--merge_lora: the adapter has adapters on fused expert tensors"):
             check_mergeable(model)
