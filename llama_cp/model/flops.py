@@ -242,7 +242,7 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
         if config.model_type == "gemma4_text":
             decoder += _gemma4_layer_flops(config, index, shape, attention, linear, layer_flops)
         elif experts and _is_moe_layer(config, index):
-            expert_size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+            expert_size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # Cohere2-MoE
             expert = {**shape, "intermediate": expert_size}
             decoder += layer_flops(top_k, expert, attention, shape) + 2 * weight_passes * config.hidden_size * experts
             shared, gated = _shared_expert(config)
@@ -277,8 +277,10 @@ def _shape(config: Any) -> dict:
         "hidden": config.hidden_size, "heads": heads,
         "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
         "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
-        # Llama 4's dense layers: intermediate_size_mlp (its experts and shared expert: intermediate_size)
-        "intermediate": getattr(config, "intermediate_size_mlp", None) or config.intermediate_size,
+        # Llama 4's dense layers: intermediate_size_mlp (its experts and shared expert: intermediate_size);
+        # Cohere2-MoE's: prefix_dense_intermediate_size (its experts: intermediate_size)
+        "intermediate": (getattr(config, "intermediate_size_mlp", None)
+                         or getattr(config, "prefix_dense_intermediate_size", None) or config.intermediate_size),
     }
 
 
@@ -382,6 +384,8 @@ def _shared_expert(config: Any) -> tuple[int, int]:
     if getattr(config, "shared_expert_intermediate_size", None):
         return config.shared_expert_intermediate_size, 1
     shared = getattr(config, "n_shared_experts", None) or getattr(config, "num_shared_experts", None)  # EXAONE's name
+    if shared and config.model_type == "cohere2_moe":  # Cohere2MoeSparseMoeBlock: of intermediate_size each
+        return shared * config.intermediate_size, 0
     if shared:
         return shared * config.moe_intermediate_size, 0
     if getattr(config, "moe_num_shared_experts", None):  # ERNIE 4.5's, one ungated MLP

@@ -84,6 +84,9 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "seed_oss": _plain,  # q/k/v and o biases (its config's default attention_dropout 0.1 is refused below)
     "glm4": _plain,  # partial interleaved RoPE, qkv bias, norms after attention and MLP
     "cohere2": _cohere,  # windowed RoPE layers, full layers without RoPE (NoPE), parallel block
+    # Cohere2-MoE: Cohere 2's layers (its dense prefix layers with RoPE whatever their window), experts of
+    # intermediate_size chosen top-k then normalised, shared experts summed or averaged in; no router loss
+    "cohere2_moe": _cohere,
     "exaone4": _plain,  # windowed RoPE layers, full NoPE layers, q/k norm, norms after attention and MLP
     "smollm3": _plain,  # NoPE layers among RoPE ones (no_rope_layers), windows where use_sliding_window
     "olmo3": _plain,  # windowed and full layers, a RoPE per layer type

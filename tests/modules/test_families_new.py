@@ -69,6 +69,12 @@ FAMILIES = {
     # RoPE on the windowed layer only: the full layer is NoPE (weights 2.5x the usual init: at 0.02 the
     # NoPE layer moved the logits by 3e-4 only)
     "cohere2": ("cohere2", dict(**SLIDING_FULL, logit_scale=0.25, initializer_range=0.05)),
+    # layer 0 windowed, dense and rotated; layer 1 full without RoPE, experts (4 of intermediate_size, top 2,
+    # sigmoid) and a shared one averaged in
+    "cohere2_moe": ("cohere2_moe", dict(**SLIDING_FULL, logit_scale=0.25, initializer_range=0.05,
+                                        mlp_layer_types=["dense", "sparse"], prefix_dense_intermediate_size=48,
+                                        num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                                        expert_selection_fn="sigmoid")),
     "exaone4": ("exaone4", SLIDING_FULL),  # the same NoPE rule, q/k norm
     # layer 0 full with RoPE, layer 1 windowed without (no_rope_layers [1, 0])
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=WINDOW)),
@@ -147,7 +153,7 @@ FAMILIES = {
         **MOE_LOSS)),
 }
 MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe",
-       "afmoe", "solar_open", "hy_v3", "mimo_v2_flash"}
+       "afmoe", "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
 #: LayerNorm, Gemma 4's RMSNorm), routers in float32 (GLM-4.5's gate and its score bias), the router loss.
 FLOAT32_ONLY = {"cohere2", "gemma4_text", *MOE}
@@ -392,6 +398,9 @@ FEATURES = {
     "glm4: partial rotary": ("glm4", {}, dict(partial_rotary_factor=1.0), None),
     "cohere2: windows": ("cohere2", {}, NO_WINDOWS, None),
     "cohere2: NoPE full layer": ("cohere2", NO_WINDOWS, NOPE_OFF, None),
+    "cohere2_moe: windows": ("cohere2_moe", {}, NO_WINDOWS, None),
+    "cohere2_moe: shared expert": ("cohere2_moe", {}, {}, _zero("shared_experts.down_proj.weight")),
+    "cohere2_moe: dense layer 0": ("cohere2_moe", {}, dict(mlp_layer_types=["sparse", "sparse"]), None),
     "exaone4: windows": ("exaone4", {}, NO_WINDOWS, None),
     "exaone4: NoPE full layer": ("exaone4", NO_WINDOWS, NOPE_OFF, None),
     "smollm3: windows": ("smollm3", {}, NO_WINDOWS, None),
@@ -611,7 +620,8 @@ def test_each_layer_window_is_the_one_its_attention_takes():
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("llama_cp_test_record_windows", record)
-    for name in ("ministral", "cohere2", "exaone4", "exaone_moe", "afmoe", "smollm3", "olmo3", "qwen2_moe"):
+    for name in ("ministral", "cohere2", "cohere2_moe", "exaone4", "exaone_moe", "afmoe", "smollm3", "olmo3",
+                 "qwen2_moe"):
         if skip_reason(name):
             continue
         model = family_model(name)

@@ -31,6 +31,9 @@ FAMILIES = {
     "seed_oss": dict(attention_bias=True, attention_out_bias=True, attention_dropout=0.0),
     "glm4": dict(attention_bias=True, partial_rotary_factor=0.5),  # fused gate_up_proj
     "cohere2": WINDOWED,
+    # layer 0 dense of its own size, layer 1 experts of intermediate_size + a shared one
+    "cohere2_moe": dict(WINDOWED, mlp_layer_types=["dense", "sparse"], prefix_dense_intermediate_size=48, num_experts=4,
+                        num_experts_per_tok=2, num_shared_experts=1),
     "exaone4": WINDOWED,
     "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=6),
     "olmo3": WINDOWED,
@@ -85,7 +88,8 @@ FAMILIES["glm4_moe_lite"] = dict(MLA, q_lora_rank=12)  # its mlp_layer_types: la
 FAMILIES["llama4_text"] = dict(no_rope_layers=[1, 0], attention_chunk_size=6, num_local_experts=4,
                                num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size_mlp=48)
 MOE = {"glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "minimax_m2", "dots1",
-       "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe", "solar_open", "hy_v3", "mimo_v2_flash"}
+       "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe", "solar_open", "hy_v3", "mimo_v2_flash",
+       "cohere2_moe"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
