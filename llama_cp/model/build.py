@@ -297,16 +297,18 @@ def lora_target_changes(model: nn.Module, targets, parameters=()) -> str | None:
     output = base_causal_lm(model).get_output_embeddings()
     # the Linear layers peft left as they were: not an adapted layer's base_layer, nor its lora_A/lora_B
     bare = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)
-            and module is not output and ".lora_" not in name and not name.endswith(".base_layer")}
+            and module is not output and ".lora_" not in name and not name.endswith(".base_layer")
+            and ".modules_to_save." not in name and not name.endswith(".original_module")}
     bare = sorted(bare if ALL_LINEAR in targets else bare & set(targets))
 
     family = base_causal_lm(model).config.model_type
     missed = (f"; the Linear layers {', '.join(bare)} (the dense layers' MLPs, shared experts) get none, as no "
               "target reaches them there" if bare else "")
-    router = " and router" if any(name.startswith("gate.") for name in added) else ""
-    return (f"--lora_target_modules {','.join(targets)}: peft {peft.__version__} adapts {family}'s fused experts"
-            f"{router} by the names of transformers 4 (target parameters {', '.join(added)}){missed} (Note [peft's "
-            "MoE target conversion] in llama_cp/model/build.py)")
+    parts = [part for part, names in (("fused experts", ("gate_up_proj", "down_proj")), ("router", ("gate.weight",)))
+             if any(name in added for name in names)]
+    return (f"--lora_target_modules {','.join(targets)}: peft {peft.__version__} adapts {family}'s "
+            f"{' and '.join(parts) or 'parameters'} by the names of transformers 4 (target parameters "
+            f"{', '.join(added)}){missed} (Note [peft's MoE target conversion] in llama_cp/model/build.py)")
 
 
 def adapted_linears(model: nn.Module) -> tuple[str, ...]:

@@ -279,8 +279,9 @@ def _shape(config: Any) -> dict:
         "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
         # Llama 4's dense layers: intermediate_size_mlp (its experts and shared expert: intermediate_size);
         # Cohere2-MoE's: prefix_dense_intermediate_size (its experts: intermediate_size)
-        "intermediate": (getattr(config, "intermediate_size_mlp", None)
-                         or getattr(config, "prefix_dense_intermediate_size", None) or config.intermediate_size),
+        "intermediate": (getattr(config, "intermediate_size_mlp", None)  # Solar Open: none (no dense layer)
+                         or getattr(config, "prefix_dense_intermediate_size", None)
+                         or getattr(config, "intermediate_size", None) or 0),
     }
 
 

@@ -10,9 +10,9 @@ measured as a real one is (``llama_cp.plan.memory.measure_step_memory``), and
 Note [Planning from a few layers]
 =================================
 
-Decoder layers are identical, and FSDP shards each layer's parameters on its
-own, so within one phase of a step every category of that phase's peak is an
-affine function of the number of layers n:
+Where decoder layers are alike (Note [Layers of different kinds] for where they are
+not), and FSDP shards each layer's parameters on its own, within one phase of a step
+every category of that phase's peak is an affine function of the number of layers n:
 
 - forward+backward: the peak sits at the loss or in backward, where all n
   layers' saved activations, the sharded state of all n layers and a constant
@@ -26,7 +26,7 @@ The step's peak is the larger of the two phases, and which one wins can change
 with n (many layers of small activations: the optimizer), so the phases are
 tracked apart (``llama_cp.plan.memory.measure_step_memory``), extrapolated apart
 and compared after.
-:func:`plan_step_memory` simulates 3 and 4 layers; ``tests/plan`` checks
+:func:`plan_step_memory` simulates 3 and 4 layers of such a model; ``tests/plan`` checks
 the extrapolation against full simulations. Not 2 and 3: the line holds from the first
 n whose backward has a middle layer (one with a decoder layer on either side). With 2
 layers the backward never has the previous layer's reduce-scatter buffer alive while a
@@ -47,18 +47,24 @@ cut to 3 layers is not even valid (transformers checks that every layer type reu
 values has one storing them). :func:`repeated_from` sorts the layers into kinds by what
 ``llama_cp.model.flops.model_flops`` counts for each (its linear layers, its attention per
 pair), which is where the shapes that set a layer's memory show: a dense layer against an
-expert one, a head size, a missing projection. Layers alike in that count (a window, RoPE or
-none) are one kind here, the windows being planned as full anyway. When the layers from some
+expert one, a head size, a missing projection; and by whether it applies RoPE where the config
+lists that per layer (``no_rope_layers``: Llama 4 normalises q and k in float32 on its RoPE layers
+only). Layers alike in those are one kind here, a window included, windows being planned as full. When the layers from some
 index P on are all of one kind, the extrapolation starts at n = max(3, P + 2): the n- and
 (n + 1)-layer simulations hold the P different first layers and differ by one layer of the
-repeated kind. Not from P or P + 1: the first repeated layers sit beside one of another kind,
+repeated kind. Where the kinds repeat with a period p from P on (Llama 4's dense and expert layers
+in turn, Gemma 4's five windowed layers to one full one), the simulations are of n and n + p
+layers, n at least P + 2p and a whole number of periods short of the model, and the line steps a
+period at a time. Not from P or P + 1: the first repeated layers sit beside one of another kind,
 whose buffers (the gathered parameters prefetched in backward, the gradients reduce-scattered)
 are alive with theirs at the backward's peak. A DeepSeek-V3 of 4 dense layers (64 tokens, cp 2)
 grew by 125,372 bytes from 4 to 5 layers and 127,580 from 5 to 6, then 127,444 a layer, as its
 1-dense-layer form does from 3 layers on. From P + 2 the plan equals the whole simulation
-(tests/plan/test_families_plan.py). Otherwise (Gemma 4's 5:1 pattern,
-interleaved experts) the model is simulated whole: exact, at the cost of a simulation of every
-layer (seconds per layer: 22 s for a 30-layer Gemma 4 at 32K tokens on 2 cores).
+(tests/plan/test_families_plan.py, periods too). Otherwise (Gemma 4's small models, whose last
+layers reuse keys and values) the model is simulated whole: exact, at the cost of a simulation
+of every layer (seconds per layer: 22 s for a 30-layer Gemma 4 at 32K tokens on 2 cores, 53 s
+for a 48-layer Llama-4-Maverick-shaped model at 32K, cp 8; by its period, 12 and 18 and 4 and 6
+layers).
 
 Note [Planning --offload_params]
 ================================
@@ -426,31 +432,53 @@ def _check_modelled(backend: str, dtype: torch.dtype, flag: str) -> None:
 _FEW_LAYERS = 3
 
 
-def repeated_from(config) -> int:
-    """The first decoder layer from which every layer is of the last one's kind: its linear layers'
-    FLOPs and its attention's per pair (Note [Layers of different kinds]); 0 when all are alike."""
+def layer_kinds(config) -> list[tuple]:
+    """Each decoder layer's kind: its linear layers' FLOPs, its attention's share of the FLOPs per pair, and
+    whether it applies RoPE where the config lists that per layer (Note [Layers of different kinds])."""
     flops = model_flops(config)
-    kinds = list(zip(flops.layer_flops, flops.pair_shares or (0.0,) * len(flops.layer_flops), strict=True))
-    first = len(kinds) - 1
-    while first > 0 and kinds[first - 1] == kinds[-1]:
+    layers = len(flops.layer_flops)
+    no_rope = getattr(config, "no_rope_layers", None)
+    no_rope = tuple(no_rope) if isinstance(no_rope, (list, tuple)) and len(no_rope) == layers else (0,) * layers
+    return list(zip(flops.layer_flops, flops.pair_shares or (0.0,) * layers, no_rope, strict=True))
+
+
+def repeated_from(kinds: list, period: int = 1) -> int:
+    """The first layer from which the kinds repeat every ``period`` layers to the last; 0 when they all do."""
+    first = len(kinds) - period
+    while first > 0 and kinds[first - 1] == kinds[first - 1 + period]:
         first -= 1
-    return first
+    return max(first, 0)
+
+
+def extrapolation(config) -> tuple[int, int] | None:
+    """(n, p): plan from simulations of n and n + p layers, p the period of the layers' kinds (1 when
+    from some layer on they are alike); None: simulate every layer (Note [Layers of different kinds])."""
+    kinds = layer_kinds(config)
+    layers, best = len(kinds), None
+    for period in range(1, layers // 2 + 1):
+        start = max(_FEW_LAYERS, repeated_from(kinds, period) + 2 * period)
+        start += (layers - start) % period  # whole periods from n to the last layer
+        if start + period < layers and (best is None or 2 * start + period < 2 * best[0] + best[1]):
+            best = (start, period)
+    return best
 
 
 def plan_step_memory(cfg: TrainConfig, world_size: int, *, model_config=None) -> MemoryBreakdown:
-    """:func:`simulate_step_memory` for the whole model, from simulations of n and n + 1 layers
-    extrapolated phase by phase (Note [Planning from a few layers]), n the larger of 3 and two
-    past the layers before those that repeat (Note [Layers of different kinds]); a model with no
-    more layers than n + 1 is simulated whole."""
+    """:func:`simulate_step_memory` for the whole model, from simulations of n and n + p layers
+    extrapolated phase by phase (Note [Planning from a few layers]): p layers the period of their kinds,
+    n at least 3 and two periods past the layers before those that repeat (Note [Layers of different
+    kinds]); a model with no more layers than n + p is simulated whole."""
     config = model_config if model_config is not None else load_model_config(cfg.model.model_name)
+    check_family(config)  # the trainer's refusal, before the layers are counted by kind
     layers = config.num_hidden_layers
-    start = max(_FEW_LAYERS, repeated_from(config) + 2)
-    if layers <= start + 1:
+    plan = extrapolation(config)
+    if plan is None:
         return simulate_step_memory(cfg, world_size, model_config=config)
+    start, period = plan
     few = []
-    for n in (start, start + 1):
+    for n in (start, start + period):
         small = copy.deepcopy(config)
         small.num_hidden_layers = n
         few.append(simulate_step_phases(cfg, world_size, model_config=small))
-    steps = layers - start
+    steps = (layers - start) // period
     return step_peak({phase: few[0][phase].extrapolate(few[1][phase], steps) for phase in few[0]})

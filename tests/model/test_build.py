@@ -194,6 +194,11 @@ def test_peft_adapting_other_weights_than_the_targets_name_is_said():
             check_mergeable(model)
     plain = get_peft_model(AutoModelForCausalLM.from_config(config), lora_config(TrainConfig.from_flags(use_peft=True)))
     assert lora_target_changes(plain, ("q_proj", "k_proj", "v_proj", "o_proj")) is None
+    # the head's trainable copy (modules_to_save) is no Linear layer left without an adapter
+    cfg = TrainConfig.from_flags(use_peft=True, lora_target_modules="all-linear", lora_modules_to_save="lm_head")
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), lora_config(cfg))
+    line = lora_target_changes(model, cfg.peft.lora_target_modules)
+    assert line is None or "the Linear layers down_proj, gate_proj, up_proj (" in line, line
     with pytest.raises(ValueError, match=r"^--merge_lora with --lora_target_parameters: adapters on fused expert "
                                          r"tensors are not merged here; drop --merge_lora"):
         TrainConfig.from_flags(use_peft=True, merge_lora=True, lora_target_parameters="mlp.experts.down_proj")

@@ -248,12 +248,14 @@ def test_heads_over_256_are_planned_with_the_memory_efficient_kernel(monkeypatch
 
 
 def test_layers_of_different_kinds_are_planned_exactly(monkeypatch):
-    """Note [Layers of different kinds]: a DeepSeek-V3 of 4 dense layers before 5 expert ones is planned
-    from 6 and 7 layers, equal to its whole simulation (3 and 4 layers took a dense layer for the repeated
-    one); a Gemma 4 whose kinds never settle (windowed and full layers of two head sizes, the last two
-    reusing keys and values) is simulated whole (cut to 3 layers, transformers refuses its config)."""
+    """Note [Layers of different kinds]: each plan equal to the whole model's simulation. A DeepSeek-V3 of 4
+    dense layers before 5 expert ones is planned from 6 and 7 layers (3 and 4 took a dense layer for the
+    repeated one); a Llama 4 of dense and expert layers in turn, from 5 and 7 (two periods past the start,
+    then one); a Gemma 4 of 2 windowed layers to 1 full one (heads of two sizes) from 6 and 9; one whose
+    last two layers reuse keys and values, so that no period reaches the end, is simulated whole (cut to 3
+    layers, transformers refuses its config)."""
     import llama_cp.plan.simulate as simulate
-    from llama_cp.plan.simulate import repeated_from, simulate_step_memory
+    from llama_cp.plan.simulate import extrapolation, simulate_step_memory
 
     skip_unplannable("deepseek_v3")
     simulated = []
@@ -264,15 +266,38 @@ def test_layers_of_different_kinds_are_planned_exactly(monkeypatch):
         return real(cfg, world_size, model_config=model_config)
     monkeypatch.setattr(simulate, "simulate_step_phases", counting)
 
+    two_to_one = ["sliding_attention"] * 2 + ["full_attention"]  # Gemma 4's own: 5 to 1
     cfg = TrainConfig.from_flags(context_length=64, cp=2, report_to="none")
-    for config, first, counts in [
-        (lambda: family_config("deepseek_v3", num_hidden_layers=9, first_k_dense_replace=4), 4, [6, 7, 9]),
+    for config, plan, counts in [
+        (lambda: family_config("deepseek_v3", num_hidden_layers=9, first_k_dense_replace=4), (6, 1), [6, 7, 9]),
+        (lambda: family_config("llama4_text", num_hidden_layers=9, no_rope_layers=[1] * 9), (5, 2), [5, 7, 9]),
+        (lambda: family_config("gemma4_text", num_hidden_layers=12, layer_types=two_to_one * 4, num_kv_shared_layers=0,
+                               use_double_wide_mlp=False), (6, 3), [6, 9, 12]),
         (lambda: family_config("gemma4_text", num_hidden_layers=7, layer_types=["sliding_attention", "full_attention"]
-                               + ["sliding_attention"] * 4 + ["full_attention"]), 6, [7, 7]),
+                               + ["sliding_attention"] * 4 + ["full_attention"]), None, [7, 7]),
     ]:
         simulated.clear()
-        assert repeated_from(config()) == first
+        assert extrapolation(config()) == plan
         assert plan_step_memory(cfg, 2, model_config=config()) == simulate_step_memory(cfg, 2, model_config=config())
         assert simulated == counts
     windowed = family_config("ministral", num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3)
-    assert repeated_from(windowed) == 0  # windows alone: one kind
+    assert extrapolation(windowed) == (3, 1)  # windows alone: one kind
+    # Llama 4's NoPE layers (every 4th: no float32 q/k norm) are a kind of their own: the period is 4
+    assert extrapolation(family_config("llama4_text", num_hidden_layers=16, no_rope_layers=[1, 1, 1, 0] * 4)) == (8, 4)
+
+
+def test_configs_without_the_fields_a_dense_layer_reads_are_counted_and_refusals_come_first():
+    """Solar Open's config has no intermediate_size (every layer is experts): its FLOPs count without it.
+    A family the trainer refuses is refused by the planner in the same line, before its layers are sorted
+    into kinds by their FLOPs (Qwen3.5-MoE's config has no intermediate_size either)."""
+    if "solar_open" in CONFIG_MAPPING_NAMES:
+        config = AutoConfig.for_model("solar_open", **{k: v for k, v in BASE.items() if k != "intermediate_size"},
+                                      **FAMILIES["solar_open"])
+        assert not hasattr(config, "intermediate_size")
+        flops = model_flops(config)
+        assert flops.per_token == model_flops(family_config("solar_open")).per_token  # BASE's size reaches no layer
+    if "qwen3_5_moe_text" in CONFIG_MAPPING_NAMES:
+        cfg = TrainConfig.from_flags(context_length=64, report_to="none")
+        with pytest.raises(ValueError, match=r"^model family 'qwen3_5_moe_text' \(Qwen3_5MoeForCausalLM\) is not "
+                                             r"supported by llama-cp: its linear-attention layers"):
+            plan_step_memory(cfg, 1, model_config=AutoConfig.for_model("qwen3_5_moe_text"))
