@@ -44,13 +44,13 @@ layers have heads of 512 against the windowed layers' 256, and its last layers r
 layers' keys and values (no k/v projections). A 3- and 4-layer simulation of those would
 extrapolate the wrong layer (Gemma 4's first 4 layers are all windowed), and a Gemma 4 config
 cut to 3 layers is not even valid (transformers checks that every layer type reusing keys and
-values has one storing them). :func:`repeated_from` sorts the layers into kinds by what
+values has one storing them). :func:`layer_kinds` sorts the layers into kinds by what
 ``llama_cp.model.flops.model_flops`` counts for each (its linear layers, its attention per
 pair), which is where the shapes that set a layer's memory show: a dense layer against an
 expert one, a head size, a missing projection; and by whether it applies RoPE where the config
 lists that per layer (``no_rope_layers``: Llama 4 normalises q and k in float32 on its RoPE layers
-only). Layers alike in those are one kind here, a window included, windows being planned as full. When the layers from some
-index P on are all of one kind, the extrapolation starts at n = max(3, P + 2): the n- and
+only). Layers alike in those are one kind here, a window included, windows being planned as
+full. When the layers from some index P on are all of one kind, the extrapolation starts at n = max(3, P + 2): the n- and
 (n + 1)-layer simulations hold the P different first layers and differ by one layer of the
 repeated kind. Where the kinds repeat with a period p from P on (Llama 4's dense and expert layers
 in turn, Gemma 4's five windowed layers to one full one), the simulations are of n and n + p
@@ -63,8 +63,8 @@ grew by 125,372 bytes from 4 to 5 layers and 127,580 from 5 to 6, then 127,444 a
 (tests/plan/test_families_plan.py, periods too). Otherwise (Gemma 4's small models, whose last
 layers reuse keys and values) the model is simulated whole: exact, at the cost of a simulation
 of every layer (seconds per layer: 22 s for a 30-layer Gemma 4 at 32K tokens on 2 cores, 53 s
-for a 48-layer Llama-4-Maverick-shaped model at 32K, cp 8; by its period, 12 and 18 and 4 and 6
-layers).
+for a 48-layer Llama-4-Maverick-shaped model at 32K, cp 8; by their periods, 12 and 18 layers and
+8 and 12, the Maverick's in 22 s, its plan the same bytes).
 
 Note [Planning --offload_params]
 ================================
