@@ -50,8 +50,8 @@ pair), which is where the shapes that set a layer's memory show: a dense layer a
 expert one, a head size, a missing projection; and by whether it applies RoPE where the config
 lists that per layer (``no_rope_layers``: Llama 4 normalises q and k in float32 on its RoPE layers
 only). Layers alike in those are one kind here, a window included, windows being planned as
-full. When the layers from some index P on are all of one kind, the extrapolation starts at n = max(3, P + 2): the n- and
-(n + 1)-layer simulations hold the P different first layers and differ by one layer of the
+full. When the layers from some index P on are all of one kind, the extrapolation starts at
+n = max(3, P + 2): the n- and (n + 1)-layer simulations hold the P different first layers and differ by one layer of the
 repeated kind. Where the kinds repeat with a period p from P on (Llama 4's dense and expert layers
 in turn, Gemma 4's five windowed layers to one full one), the simulations are of n and n + p
 layers, n at least P + 2p and a whole number of periods short of the model, and the line steps a
