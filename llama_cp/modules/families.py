@@ -108,6 +108,14 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # layers; no router loss
     "afmoe": _plain,
     "arcee": _plain,  # Arcee AFM: Llama with an MLP without a gate (ReLU squared), per token
+    # nanochat: q/k norms without weights, an MLP without a gate (ReLU squared), the final logit soft-cap
+    "nanochat": _final_softcap,
+    # VaultGemma: Gemma 2's attention soft-cap and final logit soft-cap, windowed and full layers
+    "vaultgemma": _final_softcap,
+    "helium": _plain,  # Helium: Llama's layers (biases where attention_bias)
+    "internlm3": _plain,  # InternLM3: Llama's layers, q/k/v biases where qkv_bias
+    # StarCoder2: layer norms with biases, an MLP without a gate (c_fc, c_proj) with biases, windows
+    "starcoder2": _plain,
     # dots.llm1: Qwen 3's attention (q/k norms, windows on the sliding layer_types), DeepSeek-V3's experts
     # (sigmoid router with a score bias, by group, a shared expert, dense first layers); no router loss
     "dots1": _plain,
@@ -184,7 +192,7 @@ def set_router_loss_coef(config, coef: float) -> None:
     config.output_router_logits = coef > 0
 
 #: Families whose attention reads ``config.sliding_window`` itself (others set it per layer).
-_WINDOW_IN_CONFIG = {"mistral", "phi3", "mixtral", "olmoe", "qwen3_moe", "ministral3"}
+_WINDOW_IN_CONFIG = {"mistral", "phi3", "mixtral", "olmoe", "qwen3_moe", "ministral3", "starcoder2"}
 
 _RECURRENT = ("carry a recurrent state along the sequence, which under CP would restart at every rank's shard "
               "(no context-parallel algorithm here passes it across ranks)")

@@ -117,6 +117,16 @@ FAMILIES = {
     "afmoe": ("afmoe", dict(**SLIDING_FULL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                             num_shared_experts=1, num_dense_layers=1, route_scale=2.0)),
     "arcee": ("arcee", dict(mlp_bias=True, attention_bias=True)),  # an MLP without a gate: ReLU squared
+    # q/k norms without weights, an ungated ReLU-squared MLP, the final logit soft-cap at 1.0 (as Gemma 4's here)
+    "nanochat": ("nanochat", dict(final_logit_softcapping=1.0)),
+    # Gemma 2's soft-caps (attention 0.05, logits 1.0) on windowed and full layers; weights at 0.15 (at 0.02 the
+    # scores stayed under the cap, which moved the logits by 3e-7); transformers runs it eager only
+    "vaultgemma": ("vaultgemma", dict(**SLIDING_FULL, attn_logit_softcapping=0.05, final_logit_softcapping=1.0,
+                                      initializer_range=0.15, attn_implementation="eager")),
+    "helium": ("helium", dict(attention_bias=True)),
+    "internlm3": ("internlm3", dict(qkv_bias=True, bias=True)),
+    # every layer windowed, biases everywhere
+    "starcoder2": ("starcoder2", dict(sliding_window=WINDOW, use_bias=True)),
     # layer 0 full and dense, layer 1 windowed with sigmoid-routed experts (the best group of 2, a score bias)
     # and a shared one
     "dots1": ("dots1", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=WINDOW,
@@ -155,8 +165,9 @@ FAMILIES = {
 MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe",
        "afmoe", "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
-#: LayerNorm, Gemma 4's RMSNorm), routers in float32 (GLM-4.5's gate and its score bias), the router loss.
-FLOAT32_ONLY = {"cohere2", "gemma4_text", *MOE}
+#: LayerNorm, Gemma 4's, Helium's and VaultGemma's RMSNorm), routers in float32 (GLM-4.5's gate and its
+#: score bias), the router loss.
+FLOAT32_ONLY = {"cohere2", "gemma4_text", "helium", "vaultgemma", *MOE}
 
 
 #: MoE families whose transformers 4 models fail in float64 themselves, single-process (4.56.2: GLM-4.5's and
@@ -444,6 +455,14 @@ FEATURES = {
         kind: dict(rope_type="default", rope_theta=theta, partial_rotary_factor=1.0)
         for kind, theta in (("sliding_attention", 100.0), ("full_attention", 10000.0))}), None),
     "mimo_v2_flash: router score bias": ("mimo_v2_flash", {}, {}, _zero("e_score_correction_bias")),
+    "nanochat: logit soft-cap": ("nanochat", {}, dict(final_logit_softcapping=None), None),
+    "vaultgemma: windows": ("vaultgemma", {}, NO_WINDOWS, None),
+    "vaultgemma: attention soft-cap": ("vaultgemma", {}, dict(attn_logit_softcapping=None), None),
+    "vaultgemma: logit soft-cap": ("vaultgemma", {}, dict(final_logit_softcapping=None), None),
+    "helium: biases": ("helium", {}, {}, BIASES),
+    "internlm3: biases": ("internlm3", {}, {}, BIASES),
+    "starcoder2: windows": ("starcoder2", {}, NO_WINDOWS, None),
+    "starcoder2: biases": ("starcoder2", {}, {}, BIASES),
     "solar_open: shared expert": ("solar_open", {}, {}, _zero("shared_experts.down_proj.weight")),
     "solar_open: router score bias": ("solar_open", {}, {}, _zero("e_score_correction_bias")),
     "hy_v3: shared expert": ("hy_v3", {}, {}, _zero("shared_experts.down_proj.weight")),
@@ -621,7 +640,7 @@ def test_each_layer_window_is_the_one_its_attention_takes():
 
     AttentionInterface.register("llama_cp_test_record_windows", record)
     for name in ("ministral", "cohere2", "cohere2_moe", "exaone4", "exaone_moe", "afmoe", "smollm3", "olmo3",
-                 "qwen2_moe"):
+                 "qwen2_moe", "starcoder2"):
         if skip_reason(name):
             continue
         model = family_model(name)
@@ -629,7 +648,7 @@ def test_each_layer_window_is_the_one_its_attention_takes():
         taken.clear()
         with torch.no_grad():
             model(input_ids=batch()["input_ids"])
-        want = [None, WINDOW] if name == "smollm3" else [WINDOW, None]
+        want = [None, WINDOW] if name == "smollm3" else [WINDOW] * 2 if name == "starcoder2" else [WINDOW, None]
         assert [taken[i] for i in range(2)] == layer_windows(model.config) == want, name
 
 

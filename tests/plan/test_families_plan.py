@@ -31,6 +31,11 @@ FAMILIES = {
     "seed_oss": dict(attention_bias=True, attention_out_bias=True, attention_dropout=0.0),
     "glm4": dict(attention_bias=True, partial_rotary_factor=0.5),  # fused gate_up_proj
     "cohere2": WINDOWED,
+    "nanochat": dict(final_logit_softcapping=15.0),  # an ungated MLP
+    "vaultgemma": dict(WINDOWED, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "helium": dict(attention_bias=True),
+    "internlm3": dict(qkv_bias=True, bias=True),
+    "starcoder2": dict(sliding_window=6, use_bias=True),  # an ungated MLP of c_fc and c_proj, biases
     # layer 0 dense of its own size, layer 1 experts of intermediate_size + a shared one
     "cohere2_moe": dict(WINDOWED, mlp_layer_types=["dense", "sparse"], prefix_dense_intermediate_size=48, num_experts=4,
                         num_experts_per_tok=2, num_shared_experts=1),
