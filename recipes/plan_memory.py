@@ -220,7 +220,8 @@ def main(
         "gpu_memory_bytes": int(gpu_memory_gb * GiB),
         "usable_bytes": budget,
         "attention_backend": backend,
-        **({"attention_backend_heads_over_256": "sdpa_efficient"} if getattr(backend, "auto", False) else {}),
+        **({"attention_backend_heads_over_256": "sdpa_efficient"}
+           if isinstance(backend, ModelledBackend) and backend.auto else {}),
     }
     if breakdown:
         from llama_cp.plan.breakdown import describe_groups, step_peak_tensors

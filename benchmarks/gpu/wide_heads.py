@@ -19,7 +19,7 @@ def wide_heads(device: torch.device, length: int) -> dict[str, Any]:
     backward: the relative error of out, dq, dk and dv of "auto" on bfloat16 inputs, and of math on the
     same bfloat16 inputs (the yardstick: what rounding to bfloat16 alone costs), each against math in
     float32. Passes when auto's errors are at most twice the yardstick's."""
-    from llama_cp.attention.kernels import attention_backward, attention_forward, select_backend
+    from llama_cp.attention.kernels import select_backend
 
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = (torch.randn(1, heads, length, HEAD_DIM, generator=g, device=device)
@@ -27,8 +27,7 @@ def wide_heads(device: torch.device, length: int) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the CPU's dry run: sdpa_cpu in float32
 
     def run(backend, *tensors):
-        out, lse = attention_forward(*tensors[:3], causal=True, backend=backend)
-        grads = attention_backward(tensors[3], *tensors[:3], out, lse, causal=True, backend=backend)
+        out, _, *grads = _call(*tensors, backend)
         return [t.float() for t in (out, *grads)]
 
     want = run("math", q, k, v, dout)

@@ -294,14 +294,15 @@ def lora_target_changes(model: nn.Module, targets, parameters=()) -> str | None:
     added = sorted(set(getattr(config, "target_parameters", None) or ()) - set(parameters))
     if not added:
         return None
-    output = base_causal_lm(model).get_output_embeddings()
+    causal_lm = base_causal_lm(model)
+    output = causal_lm.get_output_embeddings()
     # the Linear layers peft left as they were: not an adapted layer's base_layer, nor its lora_A/lora_B
     bare = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)
             and module is not output and ".lora_" not in name and not name.endswith(".base_layer")
             and ".modules_to_save." not in name and not name.endswith(".original_module")}
     bare = sorted(bare if ALL_LINEAR in targets else bare & set(targets))
 
-    family = base_causal_lm(model).config.model_type
+    family = causal_lm.config.model_type
     missed = (f"; the Linear layers {', '.join(bare)} (the dense layers' MLPs, shared experts) get none, as no "
               "target reaches them there" if bare else "")
     parts = [part for part, names in (("fused experts", ("gate_up_proj", "down_proj")), ("router", ("gate.weight",)))

@@ -23,8 +23,9 @@ import torch
 # transformers' AutoModelForCausalLM builds the whole vision-language model for gemma3, refuses
 # mistral3 and builds Llama4ForCausalLM from the whole llama4 config; its text classes
 # (Gemma3ForCausalLM, Ministral3ForCausalLM, MistralForCausalLM) given such a directory load none of
-# its weights: they stay random, with a warning (transformers 5.24: every tensor MISSING). llama-cp trains the text model: it is built
-# from text_config, and its tensors are the checkpoint's language model and lm_head, renamed:
+# its weights: they stay random, with a warning (transformers 5.24: every tensor MISSING). llama-cp
+# trains the text model: it is built from text_config, and its tensors are the checkpoint's language
+# model and lm_head, renamed:
 #
 #     language_model.model.X, model.language_model.X  ->  model.X
 #     language_model.lm_head.X, lm_head.X              ->  lm_head.X

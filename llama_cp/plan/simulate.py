@@ -256,11 +256,8 @@ def simulate_step_phases(
         mesh = dims.build_mesh("cpu")  # outside the fake mode: the mesh reads real rank tensors
         check_family(config)  # the trainer's refusals, before the model is built
         model = build_causal_lm(config, device="meta")  # the trainer's build: float32 sharded state
-        backend = planned_attention_backend(cfg, config)
-        if backend in MODELLED and not isinstance(backend, ModelledBackend):
-            backend = ModelledBackend(backend)
         model = parallelize_model(  # planned for GPUs: "auto" is bf16; attention: Note [GPU attention kernels' workspace]
-            model, cfg, mesh, device_type="cuda", attention_backend=backend,
+            model, cfg, mesh, device_type="cuda", attention_backend=planned_attention_backend(cfg, config),
         )
         plan_windows_as_full(model)  # an upper bound: windows and chunks only skip work
         # meta -> fake: the sharded parameters get fake storage of their real size
@@ -389,8 +386,9 @@ _PLANNED_GPU = dict(capability=(8, 0), flash_attn_installed=True)
 def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
     """The attention backend the plan models: ``--attention_backend``, where "auto" is what
     the trainer picks on an sm80+ GPU with flash-attn installed (flash_attn for bf16/fp16, and
-    sdpa_efficient for the calls of a layer whose heads are over 256: a ``ModelledBackend`` with
-    ``auto``), and sdpa_cudnn is planned as sdpa_flash (Note [Planning cuDNN attention]).
+    sdpa_efficient for the calls of a layer whose heads are over 256: ``auto`` of the
+    ``ModelledBackend``), and sdpa_cudnn is planned as sdpa_flash (Note [Planning cuDNN attention]);
+    a CUDA backend as the ``ModelledBackend`` whose stand-ins the simulation runs.
     A CUDA backend that could not run there, or that the planner cannot model, is refused in
     one line; sdpa_cpu and math are planned as they run on CPU (the planner's own checks)."""
     dtype = compute_dtype(cfg.model.dtype, "cuda") or torch.float32
@@ -404,12 +402,10 @@ def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
     if choice == "auto":  # per call, as select_backend: the backend of each head size the model has
         chosen = {next(b for b in BACKENDS if b in MODELLED + ("math",) and
                        backend_problem(b, "cuda", dtype, head_dim, **_PLANNED_GPU) is None) for head_dim in head_dims}
-        for backend in chosen & set(MODELLED):
-            _check_modelled(backend, dtype, cfg.model.attention_backend)
         if len(chosen) == 1:
             choice = chosen.pop()
-        elif chosen <= set(MODELLED) and "sdpa_efficient" in chosen and len(chosen) == 2:
-            return ModelledBackend((chosen - {"sdpa_efficient"}).pop(), auto=True)
+        elif chosen <= set(MODELLED) and "sdpa_efficient" in chosen and len(chosen) == 2:  # the other a flash
+            return ModelledBackend((chosen - {"sdpa_efficient"}).pop(), auto=True)  # kernel: half precision
         else:  # not a pair the planner's stand-ins cover (e.g. math beside a CUDA kernel)
             raise ValueError(f"the planner models one CUDA attention backend per head size, not {sorted(chosen)} "
                              f"for head sizes {head_dims}; set the memory levers by hand")
@@ -417,6 +413,7 @@ def planned_attention_backend(cfg: TrainConfig, model_config) -> str:
         check_backend(choice, "cuda", dtype, head_dims[-1],
                       name=f"--attention_backend {cfg.model.attention_backend}", **_PLANNED_GPU)
         _check_modelled(choice, dtype, cfg.model.attention_backend)
+        return ModelledBackend(choice)
     return choice
 
 
@@ -447,7 +444,7 @@ def repeated_from(kinds: list, period: int = 1) -> int:
     first = len(kinds) - period
     while first > 0 and kinds[first - 1] == kinds[first - 1 + period]:
         first -= 1
-    return max(first, 0)
+    return first
 
 
 def extrapolation(config) -> tuple[int, int] | None:
