@@ -119,7 +119,8 @@ def export_gguf(model, output_dir: str, tokenizer, dtype: torch.dtype, merge_lor
     directory beside ``output_dir``, converted, the HF files removed, the directory renamed into
     place. The base's record of its own GGUF (Note [Which pre-tokenizer a GGUF names]) goes along."""
     from llama_cp.train.export import export_pretrained
-    from llama_cp.train.gguf_export import source_tokenizer_pre, write_gguf
+    from llama_cp.train.gguf_export import write_gguf
+    from llama_cp.train.gguf_vocab import source_tokenizer_pre
 
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)

@@ -22,19 +22,12 @@ import numpy as np
 import torch
 
 from llama_cp.modules.causal_lm import rope_parameters
-# GGUF_SOURCE: written by GGUF in into a directory converted from a GGUF file; its "tokenizer_pre" is the
-# pre-tokenizer name that file carried
-from llama_cp.modules.gguf import GGUF_SOURCE
+from llama_cp.train.gguf_vocab import add_tokenizer, source_tokenizer_pre
 
 #: --gguf_type's choices: the tensor type of the weight matrices.
 GGUF_TYPES = ("f16", "bf16", "q8_0")
 #: model_type -> the llama.cpp architecture it is written as (llama.cpp runs Mistral as "llama").
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-#: The byte-level pre-tokenizers recognised from tokenizer.json (Note [Which pre-tokenizer a GGUF names]).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
-
 # Note [GGUF tensor types]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
 # --gguf_type picks the type of the 2-D weight matrices (embeddings, attention and MLP projections,
@@ -51,27 +44,6 @@ _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # (float16 rounds to 11 significant bits while d is a normal float16, d >= 2^-14: a >= 2^-7.
 # Below that the bound is d / 2 + 127 * 2^-25, float16's subnormal step 2^-24 halved.)
 # tests/train/test_gguf_export.py checks every weight read back against this bound.
-
-# Note [Which pre-tokenizer a GGUF names]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A byte-level BPE vocabulary is written as tokenizer.ggml.model "gpt2" with its merges, and
-# llama.cpp splits text before merging by the regexes of the name in tokenizer.ggml.pre (an
-# unknown name fails the load). The name is, in this order:
-#   1. the one the model's own GGUF carried, when the directory was converted from one (its
-#      llama_cp_gguf_source.json, "tokenizer_pre"; recipes.export and --export_gguf pass the base
-#      model's: source_tokenizer_pre).
-#      transformers rebuilds such a tokenizer.json without the original split (SmolLM2's digit
-#      split, "smollm"), so the file is the only faithful record;
-#   2. else the name whose split tokenizer.json's pre_tokenizer spells out:
-#        ByteLevel(use_regex=True)                          -> "gpt-2"
-#        Digits(individual) + ByteLevel(use_regex=True)     -> "smollm"
-#        Split(Llama 3's regex) + ByteLevel(use_regex=False) -> "llama-bpe"
-#        Split(Qwen2's regex)   + ByteLevel(use_regex=False) -> "qwen2"
-#   3. else the export is refused. llama.cpp's converter names the split by hashing how the
-#      tokenizer encodes a test text against its own table; a wrong name loads and then
-#      tokenizes differently from training, silently, so guessing is worse than refusing.
-# SentencePiece-style vocabularies (Llama 2, Mistral 7B v0.1) are refused as well: export
-# safetensors and convert them with llama.cpp's convert_hf_to_gguf.py.
 
 # Note [Writing a GGUF one tensor at a time]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -136,7 +108,7 @@ def write_gguf(model_dir: str, out_path: str, outtype: str, name: str | None = N
     writer = gguf.GGUFWriter(staging, arch_name)
     try:
         _add_hyperparameters(writer, hf_config, outtype, name or os.path.basename(os.path.abspath(model_dir)), gguf)
-        _add_tokenizer(writer, model_dir, hf_config, tokenizer_pre, gguf)
+        add_tokenizer(writer, model_dir, hf_config, tokenizer_pre, gguf)
         extra = _rope_freqs(hf_config)
         plan = [(gguf_name, shape, _gguf_type(gguf_name, shape, outtype, gguf)) for gguf_name, shape, _ in tensors]
         if extra is not None:
@@ -175,16 +147,6 @@ def write_final_gguf(model_dir: str, out_dir: str, outtype: str, base_dir: str |
     os.makedirs(out_dir)
     return write_gguf(model_dir, os.path.join(out_dir, f"model-{outtype.upper()}.gguf"), outtype,
                       tokenizer_pre=source_tokenizer_pre(base_dir))
-
-
-def source_tokenizer_pre(directory: str | None) -> str | None:
-    """The pre-tokenizer name of the GGUF file ``directory`` was converted from (its GGUF_SOURCE,
-    written by GGUF in), None for any other directory (Note [Which pre-tokenizer a GGUF names])."""
-    source = os.path.join(directory or "", GGUF_SOURCE)
-    if not directory or not os.path.isfile(source):
-        return None
-    with open(source) as f:
-        return json.load(f).get("tokenizer_pre")
 
 
 def check_gguf_family(config, flag: str = "--format gguf") -> str:
@@ -340,83 +302,3 @@ def _rope_freqs(config) -> torch.Tensor | None:
     dim = _head_dim(config)
     plain = 1.0 / (float(rope["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     return (plain / scaled.float()).to(torch.float32)
-
-
-def _add_tokenizer(writer, model_dir: str, config, tokenizer_pre: str | None, gguf) -> None:
-    """The vocabulary (one entry per embedding row), merges, special ids, add-bos/eos and chat template."""
-    from transformers import AutoTokenizer
-
-    path = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--format gguf: {model_dir!r} has no tokenizer.json; the GGUF must carry the tokenizer")
-    with open(path, encoding="utf-8") as f:
-        spec = json.load(f)
-    model = spec.get("model", {})
-    if model.get("type") != "BPE" or model.get("byte_fallback") or (spec.get("decoder") or {}).get("type") != "ByteLevel":
-        raise ValueError("--format gguf writes byte-level BPE tokenizers (Llama 3, Qwen2, SmolLM); this one is "
-                         "SentencePiece-style: export safetensors and convert them with llama.cpp's convert_hf_to_gguf.py")
-    if not model.get("merges"):
-        raise ValueError("--format gguf: the tokenizer has no BPE merges (the embedded byte tokenizer?), which "
-                         "llama.cpp's BPE needs; export safetensors instead")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if len(tokenizer) > config.vocab_size:
-        raise ValueError(f"--format gguf: the tokenizer has {len(tokenizer)} tokens, more than the model's "
-                         f"{config.vocab_size} embedding rows")
-    by_id = {i: token for token, i in tokenizer.get_vocab().items()}
-    added = tokenizer.added_tokens_decoder  # id -> AddedToken
-    tokens, types = [], []
-    for i in range(config.vocab_size):  # llama.cpp wants one token per embedding row
-        if i not in by_id:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-        elif i in added:
-            tokens.append(added[i].content)
-            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
-        else:
-            tokens.append(by_id[i])
-            types.append(gguf.TokenType.NORMAL)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(tokenizer_pre or pre_tokenizer_name(model_dir, spec))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=config.vocab_size)
-    probe = tokenizer("a").input_ids  # what the HF tokenizer adds around a text, told to llama.cpp exactly
-    special.add_special_token["bos"] = tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id]
-    special.add_special_token["eos"] = tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id]
-    if special.chat_template is None and tokenizer.chat_template:
-        special.chat_template = tokenizer.chat_template
-    special.add_to_gguf(writer, quiet=True)
-
-
-def pre_tokenizer_name(model_dir: str, spec: dict) -> str:
-    """llama.cpp's name for the tokenizer's split (Note [Which pre-tokenizer a GGUF names]):
-    the source GGUF's, else the one tokenizer.json's pre_tokenizer spells out; ValueError else."""
-    pre = source_tokenizer_pre(model_dir)
-    if pre:
-        return pre
-    pre = spec.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    shape = tuple(_describe_step(step) for step in steps)
-    known = {
-        ("bytelevel-regex",): "gpt-2",
-        ("digits-individual", "bytelevel-regex"): "smollm",
-        ("split-llama3", "bytelevel"): "llama-bpe",
-        ("split-qwen2", "bytelevel"): "qwen2",
-    }
-    if shape in known:
-        return known[shape]
-    raise ValueError(f"--format gguf: the tokenizer's pre-tokenizer ({' + '.join(shape) or 'none'}) is not one "
-                     "llama.cpp names here (gpt-2, smollm, llama-bpe, qwen2); export safetensors and convert them "
-                     "with llama.cpp's convert_hf_to_gguf.py, which recognises more")
-
-
-def _describe_step(step: dict) -> str:
-    kind = step.get("type", "?")
-    if kind == "ByteLevel":
-        return "bytelevel-regex" if step.get("use_regex", True) else "bytelevel"
-    if kind == "Digits":
-        return "digits-individual" if step.get("individual_digits") else "digits"
-    if kind == "Split":
-        regex = (step.get("pattern") or {}).get("Regex")
-        return {_LLAMA3_SPLIT: "split-llama3", _QWEN2_SPLIT: "split-qwen2"}.get(regex, "split-other")
-    return kind.lower()

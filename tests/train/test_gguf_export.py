@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from llama_cp.modules.gguf import _file_config, reading_once  # noqa: E402
-from llama_cp.train.gguf_export import GGUF_SOURCE, write_gguf  # noqa: E402
+from llama_cp.modules.gguf import GGUF_SOURCE, _file_config, reading_once  # noqa: E402
+from llama_cp.train.gguf_export import write_gguf  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -244,7 +244,7 @@ def test_the_pre_tokenizer_name(tmp_path):
     Llama 3's split is "llama-bpe"; a split llama.cpp is not told of here is refused."""
     from tokenizers import Regex, pre_tokenizers
 
-    from llama_cp.train.gguf_export import _LLAMA3_SPLIT
+    from llama_cp.train.gguf_vocab import _LLAMA3_SPLIT
 
     tokenizer = small_tokenizer()
     _, directory = model_dir(tmp_path / "from_gguf", tiny_config(), tokenizer)
