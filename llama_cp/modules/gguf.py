@@ -180,9 +180,28 @@ def gguf_config(path: str):
 # head size before the model is built from it.
 
 
+# Note [MoE fields of a GGUF file]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# For qwen3moe and qwen2moe files, transformers' GGUF reader (GGUF_CONFIG_MAPPING in
+# integrations/ggml.py at 5.24) maps expert_count and expert_used_count but neither
+# expert_feed_forward_length (the experts' width) nor expert_shared_feed_forward_length: the config
+# class's defaults stood (moe_intermediate_size 768 for Qwen3-MoE, 1408 and a shared expert of 5632
+# for Qwen2-MoE). Files of those widths loaded (Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B) and all others
+# failed on mismatched shapes (Qwen3-235B-A22B's experts are 1536 wide, Qwen2-57B-A14B's 2560). The
+# config now takes the widths from the file. The routing is llama.cpp's graph's, which no key holds:
+# qwen3moe renormalizes the chosen experts' weights and qwen2moe does not (Note [Experts in a GGUF
+# file] in llama_cp/train/gguf_export.py); transformers sets norm_topk_prob True for qwen3_moe files
+# (GGUF_CONFIG_DEFAULTS_MAPPING, since 5.0) and Qwen2-MoE's default is False, as
+# tests/train/test_gguf_experts.py checks. A file that scales the experts' weights
+# (expert_weights_scale other than 1, which llama.cpp's build_moe_ffn applies) is refused: these
+# transformers models cannot.
+_MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe")
+
+
 def _file_config(path: str):
     """transformers' config of the GGUF file ``path``, with the head size llama.cpp reads (Note [A
-    GGUF file's head size]). Inside ``reading_once``, so the file is parsed once."""
+    GGUF file's head size]) and its experts' widths (Note [MoE fields of a GGUF file]). Inside
+    ``reading_once``, so the file is parsed once."""
     import gguf
     from transformers import AutoConfig
 
@@ -191,6 +210,15 @@ def _file_config(path: str):
     arch = fields["general.architecture"].contents()
     key = fields.get(f"{arch}.attention.key_length")
     config.head_dim = key.contents() if key is not None else config.hidden_size // config.num_attention_heads
+    if arch in _MOE_ARCHITECTURES:
+        scale = fields.get(f"{arch}.expert_weights_scale")
+        if scale is not None and scale.contents() not in (0.0, 1.0):
+            raise ValueError(f"{path}: its experts' weights are scaled by {scale.contents()} "
+                             f"({arch}.expert_weights_scale), which transformers' {config.model_type} cannot")
+        for field, name in (("expert_feed_forward_length", "moe_intermediate_size"),
+                            ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+            if f"{arch}.{field}" in fields:
+                setattr(config, name, fields[f"{arch}.{field}"].contents())
     return config
 
 

@@ -3,7 +3,8 @@
     write_gguf("outputs/run/final_merged", "model-Q8_0.gguf", "q8_0")    # -> the file's path
 
 The directory is what llama_cp.train.export.export_pretrained writes (config.json, safetensors,
-tokenizer files) for a Llama-architecture model (model_type llama or mistral) or a Qwen2. The file
+tokenizer files) for a Llama-architecture model (model_type llama or mistral), a Qwen2 or Qwen3, or
+the expert models Qwen3-MoE and Qwen2-MoE (Note [Experts in a GGUF file]). The file
 carries the weights in the chosen type (Note [GGUF tensor types]), the hyperparameters llama.cpp
 reads, and the tokenizer with its chat template (Note [Which pre-tokenizer a GGUF names]). Tensors
 are read one at a time, so the host memory needed is about one tensor (Note [Writing a GGUF one
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 
@@ -27,7 +29,14 @@ from llama_cp.train.gguf_vocab import add_tokenizer, source_tokenizer_pre
 #: --gguf_type's choices: the tensor type of the weight matrices.
 GGUF_TYPES = ("f16", "bf16", "q8_0")
 #: model_type -> the llama.cpp architecture it is written as (llama.cpp runs Mistral as "llama").
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+                 "qwen2_moe": "qwen2moe"}
+#: The expert families -> whether llama.cpp's graph renormalizes the chosen experts' weights (Note [Experts in a
+#: GGUF file]).
+RENORMALIZES_TOP_K = {"qwen3_moe": True, "qwen2_moe": False}
+# One expert's projection as transformers writes it, and the fused form (all experts in one tensor a layer).
+_EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_FUSED_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj(?:\.weight)?")
 # Note [GGUF tensor types]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
 # --gguf_type picks the type of the 2-D weight matrices (embeddings, attention and MLP projections,
@@ -35,7 +44,9 @@ ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3"
 # d = max|x| / 127 and 32 int8 codes q = round(x / d); gguf.quants.quantize, bit for bit ggml's).
 # Every 1-D tensor stays F32, as llama.cpp's converter keeps them: the RMSNorm weights
 # (attn_norm, ffn_norm, output_norm), Qwen2's q/k/v biases and Llama 3's rope_freqs; they are a
-# few thousand values and llama.cpp adds or multiplies them in F32. A matrix whose rows are not
+# few thousand values and llama.cpp adds or multiplies them in F32. So do the routers of the expert
+# families (ffn_gate_inp, and Qwen2-MoE's shared expert's gate ffn_gate_inp_shexp), which the
+# converter and llama.cpp's quantizer never quantize. A matrix whose rows are not
 # a whole number of 32-value blocks is written F16 under q8_0 (llama.cpp's fallback too).
 #
 # What Q8_0 changes in a weight w of a block with largest magnitude a: d = a / 127 is computed in
@@ -55,7 +66,8 @@ ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3"
 #             write_header_to_file, write_kv_data_to_file, write_ti_data_to_file
 #     pass 2: for each tensor: read it (safe_open), permute, convert -> write_tensor_data
 #
-# so the host holds one tensor (plus its converted copy), never the model.
+# so the host holds one tensor (plus its converted copy), never the model; for the expert families,
+# one layer's gate, up or down projections of all its experts (Note [Experts in a GGUF file]).
 #
 # The Llama architecture's q and k rows are permuted (Note [Rotary halves and pairs]); Qwen2's
 # and Qwen3's are written as they are.
@@ -74,6 +86,28 @@ ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3"
 # Qwen2 and Qwen3 in llama.cpp rotate halves (NEOX style, llama_model_rope_type in llama.cpp's
 # src/llama-model.cpp): no permutation. Qwen3's q/k norms are per-head RMSNorm weights, written F32
 # as attn_q_norm / attn_k_norm.
+
+# Note [Experts in a GGUF file]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Read in ggml-org/llama.cpp (src/models/qwen3moe.cpp at 069be0ae, qwen2moe.cpp at 623ac8d3, and the
+# converter's Qwen2MoeModel, conversion code of the same tree). llama.cpp holds a layer's experts as
+# three 3-D tensors, ffn_gate_exps and ffn_up_exps (ne {hidden, expert width, experts}) and
+# ffn_down_exps ({expert width, hidden, experts}): torch's (experts, rows, columns) of the experts'
+# weights stacked in expert order. transformers writes each expert's gate_proj / up_proj / down_proj
+# apart (5.24's save_pretrained undoes its fused layout), so the writer stacks the experts of one layer
+# and projection, from the headers in pass 1 and the tensors in pass 2; a fused checkpoint's
+# gate_up_proj (experts, 2 x width, hidden) is split in halves, the gate first, as transformers' forward
+# splits it. The router (mlp.gate) is ffn_gate_inp; Qwen2-MoE's shared expert is
+# ffn_{gate,up,down}_shexp and its (1, hidden) gate the 1-D ffn_gate_inp_shexp.
+# What the graphs compute that the file cannot say: every layer is an expert layer (no
+# mlp_only_layers, decoder_sparse_step 1); the softmax over all experts, then the top k, renormalized
+# to sum 1 for qwen3moe (build_moe_ffn's norm_w, true in its graph) and not for qwen2moe (false);
+# Qwen2-MoE's shared expert scaled by the sigmoid of its gate, and its output layer always its own.
+# A model that differs (norm_topk_prob, dense layers, tied Qwen2-MoE) is refused rather than written
+# as a file llama.cpp would run differently. The hyperparameters: expert_count, expert_used_count,
+# expert_feed_forward_length (moe_intermediate_size) and, for qwen2moe,
+# expert_shared_feed_forward_length. GGUF in reads the same file back with these semantics (Note [MoE
+# fields of a GGUF file] in llama_cp/modules/gguf.py).
 
 
 def require_gguf():
@@ -120,14 +154,9 @@ def write_gguf(model_dir: str, out_path: str, outtype: str, name: str | None = N
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        readers = [(read, permute) for _, _, (read, permute) in tensors]
-        if extra is not None:
-            readers.append((lambda: extra, None))
-        for (gguf_name, _, qtype), (read, permute) in zip(plan, readers):  # pass 2
-            value = read().to(torch.float32)
-            if permute is not None:
-                value = _pair_rotary_rows(value, permute)
-            writer.write_tensor_data(_encode(value.numpy(), qtype, gguf))
+        readers = [read for _, _, read in tensors] + ([lambda: extra] if extra is not None else [])
+        for (gguf_name, _, qtype), read in zip(plan, readers):  # pass 2
+            writer.write_tensor_data(_encode(read().to(torch.float32).numpy(), qtype, gguf))
         writer.close()
         os.replace(staging, out_path)
     except BaseException:
@@ -159,17 +188,30 @@ def _check_family(config, flag: str = "--format gguf") -> str:
     """The llama.cpp architecture of ``config``; ValueError for a family or setting not written here."""
     model_type = config.model_type
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"{flag} writes the Llama architecture (llama, mistral), qwen2 and qwen3; {model_type} is "
+        raise ValueError(f"{flag} writes the Llama architecture (llama, mistral), qwen2, qwen3, qwen3_moe and "
+                         f"qwen2_moe; {model_type} is "
                          "not one: export safetensors (--format safetensors) and convert them with llama.cpp's "
                          "convert_hf_to_gguf.py")
     if getattr(config, "mlp_bias", False):
         raise ValueError(f"{flag}: this {model_type} has MLP biases (mlp_bias), which llama.cpp's llama "
                          "architecture does not load; export safetensors instead")
+    arch = ARCHITECTURES[model_type]
+    if model_type in RENORMALIZES_TOP_K:  # Note [Experts in a GGUF file]
+        if bool(config.norm_topk_prob) != RENORMALIZES_TOP_K[model_type]:
+            raise ValueError(f"{flag}: llama.cpp's {arch} {'always' if RENORMALIZES_TOP_K[model_type] else 'never'} "
+                             f"renormalizes the chosen experts' weights and this {model_type} has norm_topk_prob="
+                             f"{config.norm_topk_prob}; export safetensors instead")
+        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+            raise ValueError(f"{flag}: this {model_type} has dense layers (mlp_only_layers, decoder_sparse_step), "
+                             f"and llama.cpp's {arch} runs experts in every layer; export safetensors instead")
+        if model_type == "qwen2_moe" and config.tie_word_embeddings:
+            raise ValueError(f"{flag}: this qwen2_moe ties its output layer to the embeddings, and llama.cpp's "
+                             "qwen2moe needs its own; export safetensors instead")
     if getattr(config, "use_sliding_window", False) or (model_type == "mistral" and config.sliding_window
                                                         and config.sliding_window < config.max_position_embeddings):
         raise ValueError(f"{flag}: this {model_type} uses sliding-window attention, which llama.cpp's "
-                         f"{ARCHITECTURES[model_type]} architecture does not; export safetensors instead")
-    return ARCHITECTURES[model_type]
+                         f"{arch} architecture does not; export safetensors instead")
+    return arch
 
 
 def _head_dim(config) -> int:
@@ -187,40 +229,75 @@ def _safetensors_files(model_dir: str) -> list[str]:
 
 
 def _tensor_plan(model_dir, config, names, arch_tensors, gguf) -> Iterator[tuple]:
-    """(GGUF name, GGUF shape, (read, heads to permute or None)) of each tensor to write, from the
-    safetensors headers only; the tied output layer left out (llama.cpp falls back to token_embd)."""
+    """(GGUF name, GGUF shape, read) of each tensor to write, from the safetensors headers only; read()
+    gives the tensor as the file holds it (Note [Rotary halves and pairs], Note [Experts in a GGUF
+    file]). The tied output layer is left out (llama.cpp falls back to token_embd)."""
     from safetensors import safe_open
 
-    blocks = range(config.num_hidden_layers)
-    allowed = {gguf.TENSOR_NAMES[t].format(bid=i) for t in arch_tensors for i in blocks}
-    llama = ARCHITECTURES[config.model_type] == "llama"
+    arch = ARCHITECTURES[config.model_type]
+    allowed = {gguf.TENSOR_NAMES[t].format(bid=i) for t in arch_tensors for i in range(config.num_hidden_layers)}
+
+    def place(hf_name: str, key: str) -> str:
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None or gguf_name.rsplit(".", 1)[0] not in allowed:
+            raise ValueError(f"--format gguf: tensor {key} of {model_dir!r} has no place in llama.cpp's {arch} "
+                             "architecture; export safetensors instead")
+        return gguf_name
+
+    headers = {}  # key -> (file, shape), over every shard
     for file in _safetensors_files(model_dir):
         path = os.path.join(model_dir, file)
         with safe_open(path, framework="pt") as f:
-            keys = list(f.keys())
-            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in keys}
-        for key in keys:
-            if key == "lm_head.weight" and config.tie_word_embeddings:
+            headers.update({key: (path, tuple(f.get_slice(key).get_shape())) for key in f.keys()})
+    experts = {}  # (layer, projection) -> {expert: key}
+    for key, (path, shape) in headers.items():
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if match := _EXPERT_KEY.fullmatch(key):
+            experts.setdefault((int(match[1]), match[3]), {})[int(match[2])] = key
+        elif match := _FUSED_KEY.fullmatch(key):
+            stem = f"model.layers.{match[1]}.mlp.experts"
+            if match[2] == "down":
+                yield place(f"{stem}.down_proj.weight", key), shape, _reader(path, key)
                 continue
-            gguf_name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-            if gguf_name is None or gguf_name.rsplit(".", 1)[0] not in allowed:
-                raise ValueError(f"--format gguf: tensor {key} of {model_dir!r} has no place in llama.cpp's "
-                                 f"{ARCHITECTURES[config.model_type]} architecture; export safetensors instead")
-            heads = None
-            if llama and ".attn_q." in gguf_name:
-                heads = config.num_attention_heads
-            elif llama and ".attn_k." in gguf_name:
-                heads = config.num_key_value_heads
-            yield gguf_name, shapes[key], (_reader(path, key), heads)
+            width = shape[1] // 2
+            for i, half in enumerate(("gate", "up")):
+                yield (place(f"{stem}.{half}_proj.weight", key), (shape[0], width, shape[2]),
+                       _reader(path, key, lambda t, i=i: t[:, i * width:(i + 1) * width]))
+        else:
+            gguf_name = place(key, key)
+            heads = {".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
+            heads = next((n for part, n in heads.items() if part in gguf_name), None) if arch == "llama" else None
+            if heads is not None:
+                yield gguf_name, shape, _reader(path, key, lambda t, heads=heads: _pair_rotary_rows(t, heads))
+            elif ".ffn_gate_inp_shexp." in gguf_name:  # (1, hidden) -> (hidden,)
+                yield gguf_name, shape[1:], _reader(path, key, lambda t: t.reshape(-1))
+            else:
+                yield gguf_name, shape, _reader(path, key)
+    for (layer, projection), by_expert in sorted(experts.items()):
+        count = config.num_experts
+        if sorted(by_expert) != list(range(count)):
+            raise ValueError(f"--format gguf: {model_dir!r} holds {projection}_proj of {len(by_expert)} experts in "
+                             f"layer {layer}, and its config has num_experts={count}")
+        keys = [by_expert[i] for i in range(count)]
+        yield (place(f"model.layers.{layer}.mlp.experts.{projection}_proj.weight", keys[0]),
+               (count, *headers[keys[0]][1]), _stacked([headers[key][0] for key in keys], keys))
 
 
-def _reader(path: str, key: str):
+def _reader(path: str, key: str, change=None):
+    """A function reading tensor ``key`` of the safetensors file ``path``, ``change`` applied."""
     def read() -> torch.Tensor:
         from safetensors import safe_open
 
         with safe_open(path, framework="pt") as f:
-            return f.get_tensor(key)
+            value = f.get_tensor(key)
+        return value if change is None else change(value)
     return read
+
+
+def _stacked(paths: list[str], keys: list[str]):
+    """A function reading the experts' tensors ``keys`` (in ``paths``) as one (experts, ...) tensor."""
+    return lambda: torch.stack([_reader(path, key)() for path, key in zip(paths, keys)])
 
 
 def _pair_rotary_rows(value: torch.Tensor, heads: int) -> torch.Tensor:
@@ -232,7 +309,7 @@ def _pair_rotary_rows(value: torch.Tensor, heads: int) -> torch.Tensor:
 def _gguf_type(gguf_name: str, shape: tuple, outtype: str, gguf):
     """The GGML type of one tensor (Note [GGUF tensor types])."""
     types = gguf.GGMLQuantizationType
-    if len(shape) == 1:
+    if len(shape) == 1 or gguf_name.rsplit(".", 1)[0].endswith((".ffn_gate_inp", ".ffn_gate_inp_shexp")):
         return types.F32
     if outtype == "q8_0":
         return types.Q8_0 if shape[-1] % gguf.GGML_QUANT_SIZES[types.Q8_0][0] == 0 else types.F16
@@ -262,9 +339,15 @@ def _add_hyperparameters(writer, config, outtype: str, name: str, gguf) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(head_dim)
-    if head_dim != config.hidden_size // config.num_attention_heads or config.model_type == "qwen3":  # as llama.cpp's
-        writer.add_key_length(head_dim)  # converter writes it for Qwen3 (Note [A GGUF file's head size])
+    if head_dim != config.hidden_size // config.num_attention_heads or config.model_type in ("qwen3", "qwen3_moe"):
+        writer.add_key_length(head_dim)  # as llama.cpp's converter writes it (Note [A GGUF file's head size])
         writer.add_value_length(head_dim)
+    if config.model_type in RENORMALIZES_TOP_K:  # Note [Experts in a GGUF file]
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if config.model_type == "qwen2_moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     rope = rope_parameters(config)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     rope_type = rope.get("rope_type", "default")
