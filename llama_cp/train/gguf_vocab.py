@@ -20,6 +20,11 @@ from llama_cp.modules.gguf import GGUF_SOURCE
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# Mistral's Tekken (Mistral Nemo, Mistral Small 3, Ministral): as llama.cpp's src/llama-vocab.cpp quotes it from
+# tokenizer.json beside its own rewriting of it (LLAMA_VOCAB_PRE_TYPE_TEKKEN)
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+                 r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+"
+                 r"|\s+(?!\S)|\s+")
 
 # Note [Which pre-tokenizer a GGUF names]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -36,12 +41,12 @@ _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 #        Digits(individual) + ByteLevel(use_regex=True)     -> "smollm"
 #        Split(Llama 3's regex) + ByteLevel(use_regex=False) -> "llama-bpe"
 #        Split(Qwen2's regex)   + ByteLevel(use_regex=False) -> "qwen2"
+#        Split(Tekken's regex)  + ByteLevel(use_regex=False) -> "tekken"
 #   3. else the export is refused. llama.cpp's converter names the split by hashing how the
 #      tokenizer encodes a test text against its own table; a wrong name loads and then
 #      tokenizes differently from training, silently, so guessing is worse than refusing.
 # SentencePiece-style vocabularies (Llama 2, Mistral 7B v0.1) are refused as well: export
 # safetensors and convert them with llama.cpp's convert_hf_to_gguf.py.
-
 
 
 def source_tokenizer_pre(directory: str | None) -> str | None:
@@ -52,8 +57,6 @@ def source_tokenizer_pre(directory: str | None) -> str | None:
         return None
     with open(source) as f:
         return json.load(f).get("tokenizer_pre")
-
-
 
 
 def add_tokenizer(writer, model_dir: str, config, tokenizer_pre: str | None, gguf) -> None:
@@ -116,11 +119,12 @@ def pre_tokenizer_name(model_dir: str, spec: dict) -> str:
         ("digits-individual", "bytelevel-regex"): "smollm",
         ("split-llama3", "bytelevel"): "llama-bpe",
         ("split-qwen2", "bytelevel"): "qwen2",
+        ("split-tekken", "bytelevel"): "tekken",
     }
     if shape in known:
         return known[shape]
     raise ValueError(f"--format gguf: the tokenizer's pre-tokenizer ({' + '.join(shape) or 'none'}) is not one "
-                     "llama.cpp names here (gpt-2, smollm, llama-bpe, qwen2); export safetensors and convert them "
+                     "llama.cpp names here (gpt-2, smollm, llama-bpe, qwen2, tekken); export safetensors and convert them "
                      "with llama.cpp's convert_hf_to_gguf.py, which recognises more")
 
 
@@ -132,5 +136,6 @@ def _describe_step(step: dict) -> str:
         return "digits-individual" if step.get("individual_digits") else "digits"
     if kind == "Split":
         regex = (step.get("pattern") or {}).get("Regex")
-        return {_LLAMA3_SPLIT: "split-llama3", _QWEN2_SPLIT: "split-qwen2"}.get(regex, "split-other")
+        return {_LLAMA3_SPLIT: "split-llama3", _QWEN2_SPLIT: "split-qwen2", _TEKKEN_SPLIT: "split-tekken"}.get(
+            regex, "split-other")
     return kind.lower()

@@ -173,10 +173,10 @@ def test_rope_scaling_is_written_as_llama_cpp_reads_it(tmp_path):
 
 def test_the_pre_tokenizer_name(tmp_path):
     """A directory converted from a GGUF names its file's pre-tokenizer (llama_cp_gguf_source.json);
-    Llama 3's split is "llama-bpe"; a split llama.cpp is not told of here is refused."""
+    Llama 3's split is "llama-bpe", Mistral's Tekken "tekken"; a split llama.cpp is not told of here is refused."""
     from tokenizers import Regex, pre_tokenizers
 
-    from llama_cp.train.gguf_vocab import _LLAMA3_SPLIT
+    from llama_cp.train.gguf_vocab import _LLAMA3_SPLIT, _TEKKEN_SPLIT
 
     tokenizer = small_tokenizer()
     _, directory = model_dir(tmp_path / "from_gguf", tiny_config(), tokenizer)
@@ -189,6 +189,12 @@ def test_the_pre_tokenizer_name(tmp_path):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     _, directory = model_dir(tmp_path / "llama3", tiny_config(), tokenizer)
     assert fields(write_gguf(directory, str(tmp_path / "b.gguf"), "f16"))["tokenizer.ggml.pre"] == "llama-bpe"
+
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([  # Mistral Nemo's, Mistral Small 3's
+        pre_tokenizers.Split(Regex(_TEKKEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    _, directory = model_dir(tmp_path / "tekken", tiny_config("mistral", head_dim=32), tokenizer)
+    assert fields(write_gguf(directory, str(tmp_path / "t.gguf"), "f16"))["tokenizer.ggml.pre"] == "tekken"
 
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     _, directory = model_dir(tmp_path / "other", tiny_config(), tokenizer)
