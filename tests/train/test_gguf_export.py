@@ -195,6 +195,9 @@ def test_the_pre_tokenizer_name(tmp_path):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     _, directory = model_dir(tmp_path / "tekken", tiny_config("mistral", head_dim=32), tokenizer)
     assert fields(write_gguf(directory, str(tmp_path / "t.gguf"), "f16"))["tokenizer.ggml.pre"] == "tekken"
+    _, back = read_back(str(tmp_path / "t.gguf"))  # transformers 5.24 splits a "tekken" file by the same regex
+    for text in (*TEXTS, "CamelCase ÉTÉ 12345 a/b"):
+        assert back(text).input_ids == tokenizer(text).input_ids, text
 
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     _, directory = model_dir(tmp_path / "other", tiny_config(), tokenizer)
