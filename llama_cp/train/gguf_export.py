@@ -296,8 +296,17 @@ def _reader(path: str, key: str, change=None):
 
 
 def _stacked(paths: list[str], keys: list[str]):
-    """A function reading the experts' tensors ``keys`` (in ``paths``) as one (experts, ...) tensor."""
-    return lambda: torch.stack([_reader(path, key)() for path, key in zip(paths, keys)])
+    """A function reading the experts' tensors ``keys`` (in ``paths``) as one (experts, ...) tensor, each
+    file opened once (a large model's shard headers list thousands of tensors)."""
+    def read() -> torch.Tensor:
+        from safetensors import safe_open
+
+        parts = {}
+        for path in dict.fromkeys(paths):
+            with safe_open(path, framework="pt") as f:
+                parts.update({key: f.get_tensor(key) for p, key in zip(paths, keys) if p == path})
+        return torch.stack([parts[key] for key in keys])
+    return read
 
 
 def _pair_rotary_rows(value: torch.Tensor, heads: int) -> torch.Tensor:

@@ -190,3 +190,29 @@ def test_a_fused_checkpoint_writes_the_same_tensors(tmp_path):
     assert sorted(t.name for t in tensors) == sorted(by_name)
     for tensor in tensors:
         assert (tensor.data == by_name[tensor.name]).all(), tensor.name
+
+
+def test_experts_split_over_shards_write_the_same_tensors(tmp_path):
+    """A checkpoint in two shards (model.safetensors.index.json) whose layers' experts are split between
+    them, as a large model's are, gives the file of the one-file checkpoint."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    _, directory = model_dir(tmp_path / "hf", expert_config("qwen2_moe"))
+    whole = write_gguf(directory, str(tmp_path / "whole.gguf"), "f16")
+    state = load_file(os.path.join(directory, "model.safetensors"))
+    os.remove(os.path.join(directory, "model.safetensors"))
+    first = {k: v for k, v in state.items() if ".experts.0." in k or ".experts.1." in k or "layers.0.self_attn" in k}
+    shards = {"model-00001-of-00002.safetensors": first,
+              "model-00002-of-00002.safetensors": {k: v for k, v in state.items() if k not in first}}
+    for name, part in shards.items():
+        save_file(part, os.path.join(directory, name), metadata={"format": "pt"})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}, f)
+    sharded = write_gguf(directory, str(tmp_path / "sharded.gguf"), "f16")
+    by_name = {t.name: t.data for t in gguf.GGUFReader(whole).tensors}
+    tensors = gguf.GGUFReader(sharded).tensors
+    assert sorted(t.name for t in tensors) == sorted(by_name)
+    for tensor in tensors:
+        assert (tensor.data == by_name[tensor.name]).all(), tensor.name
