@@ -339,7 +339,7 @@ def _attention_linears(config: Any, shape: dict) -> dict[str, tuple[int, int]]:
 #: The MLP's layers: an MoE runs them once per routed expert.
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 #: Families whose MLP is down_proj(act(up_proj(x))), without a gate (transformers 5.24 ApertusMLP, ArceeMLP).
-_UNGATED_MLP = {"apertus", "arcee", "nanochat", "starcoder2"}  # StarCoder2's c_fc and c_proj by their shapes
+_UNGATED_MLP = {"apertus", "arcee", "jais2", "nanochat", "starcoder2"}  # StarCoder2's c_fc and c_proj by their shapes
 #: The layers of _LAYER_LINEARS a fused layer replaces.
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 

@@ -116,6 +116,8 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "internlm3": _plain,  # InternLM3: Llama's layers, q/k/v biases where qkv_bias
     # StarCoder2: layer norms with biases, an MLP without a gate (c_fc, c_proj) with biases, windows
     "starcoder2": _plain,
+    # Jais 2: Llama's attention with biases, layer norms with biases, an MLP without a gate (ReLU squared, biases)
+    "jais2": _plain,
     # dots.llm1: Qwen 3's attention (q/k norms, windows on the sliding layer_types), DeepSeek-V3's experts
     # (sigmoid router with a score bias, by group, a shared expert, dense first layers); no router loss
     "dots1": _plain,

@@ -127,6 +127,7 @@ FAMILIES = {
     "internlm3": ("internlm3", dict(qkv_bias=True, bias=True)),
     # every layer windowed, biases everywhere
     "starcoder2": ("starcoder2", dict(sliding_window=WINDOW, use_bias=True)),
+    "jais2": ("jais2", {}),  # biases everywhere (its defaults), layer norms, an ungated ReLU-squared MLP
     # layer 0 full and dense, layer 1 windowed with sigmoid-routed experts (the best group of 2, a score bias)
     # and a shared one
     "dots1": ("dots1", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=WINDOW,
@@ -463,6 +464,7 @@ FEATURES = {
     "internlm3: biases": ("internlm3", {}, {}, BIASES),
     "starcoder2: windows": ("starcoder2", {}, NO_WINDOWS, None),
     "starcoder2: biases": ("starcoder2", {}, {}, BIASES),
+    "jais2: biases": ("jais2", {}, {}, BIASES),
     "solar_open: shared expert": ("solar_open", {}, {}, _zero("shared_experts.down_proj.weight")),
     "solar_open: router score bias": ("solar_open", {}, {}, _zero("e_score_correction_bias")),
     "hy_v3: shared expert": ("hy_v3", {}, {}, _zero("shared_experts.down_proj.weight")),
