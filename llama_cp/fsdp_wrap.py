@@ -243,12 +243,20 @@ def _read_checkpoint(path: str, config, load_kwargs: dict | None = None) -> dict
             from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         except ImportError:  # transformers 4.x: checkpoints hold the model's own names
             return text_model_tensors(_read_safetensors(path))
-        if not get_checkpoint_conversion_mapping(config.model_type):
+        mapping = get_checkpoint_conversion_mapping(config.model_type)
+        if not mapping or all(_language_model_prefix(change) for change in mapping):
             return text_model_tensors(_read_safetensors(path))
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype="auto", device_map="cpu", **(load_kwargs or {}))
     return text_model_tensors(dict(loaded.state_dict()))
+
+
+def _language_model_prefix(change) -> bool:
+    """Whether the conversion ``change`` only renames model.language_model.X to model.X (Apertus 1.5's
+    text model, transformers 5.24), which text_model_tensors does to the files' names."""
+    return (getattr(change, "source_patterns", None) == [r"^model\.language_model\.(.+)"]
+            and getattr(change, "target_patterns", None) == [r"model.\1"])
 
 
 def _checkpoint_key(key: str) -> str:

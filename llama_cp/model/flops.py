@@ -257,7 +257,8 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     if getattr(config, "hidden_size_per_layer_input", None):  # Gemma 4's per-layer inputs, once per token
         decoder += linear("per_layer_model_projection", config.hidden_size,
                           layers * config.hidden_size_per_layer_input)
-    head_in, head_out = config.hidden_size, config.vocab_size
+    # Apertus 1.5's output layer keeps the first output_vocab_size rows (its text tokens) of the vocabulary
+    head_in, head_out = config.hidden_size, getattr(config, "output_vocab_size", None) or config.vocab_size
     head = 2 * (3 if "lm_head" in trained else weight_passes) * head_in * head_out
     if lora_r and "lm_head" in lora_targets:
         head += 2 * 3 * lora_r * (head_in + head_out)
@@ -339,7 +340,8 @@ def _attention_linears(config: Any, shape: dict) -> dict[str, tuple[int, int]]:
 #: The MLP's layers: an MoE runs them once per routed expert.
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 #: Families whose MLP is down_proj(act(up_proj(x))), without a gate (transformers 5.24 ApertusMLP, ArceeMLP).
-_UNGATED_MLP = {"apertus", "arcee", "jais2", "nanochat", "starcoder2"}  # StarCoder2's c_fc and c_proj by their shapes
+_UNGATED_MLP = {"apertus", "apertus1p5_text", "arcee", "jais2", "nanochat",
+                "starcoder2"}  # StarCoder2's c_fc and c_proj by their shapes
 #: The layers of _LAYER_LINEARS a fused layer replaces.
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 

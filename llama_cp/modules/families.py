@@ -94,6 +94,8 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # rank's shard holds, as transformers computes them), windowed when config.sliding_window is set
     "ministral3": _plain,
     "apertus": _plain,  # q/k norm, xIELU activation (per token), Llama 3 RoPE
+    # Apertus 1.5's text model: Apertus, its output layer cut to the text tokens (output_vocab_size rows)
+    "apertus1p5_text": _plain,
     # ERNIE 4.5 MoE: dense and expert layers (every moe_layer_interval-th from moe_layer_start_index), a
     # softmax router in float32 with a score bias (moe_statics), shared experts, the router loss
     "ernie4_5_moe": _plain,

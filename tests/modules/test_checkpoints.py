@@ -111,6 +111,25 @@ def test_a_gemma3_checkpoint_loads_as_transformers_loads_it(tmp_path):
                                    AutoModelForCausalLM.from_pretrained(tmp_path)(input_ids=ids).logits)
 
 
+@pytest.mark.skipif("apertus1p5_text" not in CONFIG_MAPPING_NAMES, reason="transformers without Apertus 1.5")
+def test_an_apertus_1p5_text_checkpoint_loads_as_transformers_loads_it(tmp_path):
+    """transformers 5.24 has a conversion mapping for Apertus 1.5's text model, a prefix change only (a released
+    checkpoint's model.language_model.X to model.X); the trainer reads the files itself, renamed as it renames
+    every vision-language checkpoint (not through transformers' loader, which takes a whole copy on each rank),
+    and computes transformers' from_pretrained logits over the head cut to 96 of 160 tokens."""
+    config = AutoConfig.for_model("apertus1p5_text", **{**TEXT, "vocab_size": 160}, output_vocab_size=96)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = build_causal_lm(config, device="meta").to_empty(device="cpu")
+    restore_buffers(model, torch.device("cpu"))
+    model.load_state_dict(_full_state_for(model.state_dict(), _read_checkpoint(str(tmp_path), config), str(tmp_path)))
+    ids = torch.randint(3, 96, (2, 24))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        assert logits.shape[-1] == 96
+        torch.testing.assert_close(logits, AutoModelForCausalLM.from_pretrained(tmp_path)(input_ids=ids).logits)
+
+
 #: Vision-language checkpoints -> (text config fields, their vision config); the smallest each can be.
 VISION_LANGUAGE = {
     "gemma3": (dict(model_type="gemma3_text", **TEXT, **EXTRA["gemma3_text"]),
@@ -135,6 +154,16 @@ if "llama4" in CONFIG_MAPPING_NAMES:  # Llama 4 Scout and Maverick: an image tow
                                       num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
                                       vision_output_dim=16, projector_input_dim=16, projector_output_dim=32,
                                       pixel_shuffle_ratio=0.5), dict(image_token_index=93))
+if "apertus1p5" in CONFIG_MAPPING_NAMES:  # Apertus 1.5: image and audio tokenizers (their codes are tokens), an untied
+    # head cut to the text tokens (96 of 160: the codes are 100-115 and 116-131)
+    VISION_LANGUAGE["apertus1p5"] = (
+        dict(model_type="apertus1p5_text", **{**TEXT, "vocab_size": 160}, output_vocab_size=96),
+        dict(codebook_size=16, embed_dim=8, latent_channels=8, base_channels=32, channel_multiplier=[1, 1],
+             num_res_blocks=1, attn_resolutions=[], resolution=16),
+        dict(audio_config=dict(model_type="wavtokenizer_encoder", num_filters=4, hidden_size=16, codebook_size=16,
+                               codebook_dim=16, decoder_hidden_size=16, decoder_attention_num_groups=4,
+                               decoder_intermediate_size=32, decoder_num_layers=1, num_lstm_layers=1),
+             image_token_id=93, audio_token_id=94, image_token_offset=100, audio_token_offset=116))
 if "ministral3" in CONFIG_MAPPING_NAMES:  # Ministral 3: tied by the outer config while its text config says not
     VISION_LANGUAGE["ministral3"] = (dict(model_type="ministral3", **TEXT), VISION_LANGUAGE["mistral3"][1],
                                      dict(image_token_index=93, tie_word_embeddings=True))

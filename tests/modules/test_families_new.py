@@ -86,6 +86,8 @@ FAMILIES = {
     # queries scaled by 1 + beta * log(1 + floor(position / 8)): 1 to 1.7 over 32 positions; every layer windowed
     "ministral3": ("ministral3", dict(sliding_window=WINDOW, rope_parameters=MINISTRAL3_ROPE)),
     "apertus": ("apertus", dict(attention_bias=True)),  # q/k norm, xIELU, Llama 3 RoPE
+    # Apertus, its output layer cut to the first 96 of its 128 tokens (output_vocab_size: the text tokens)
+    "apertus1p5_text": ("apertus1p5_text", dict(attention_bias=True, vocab_size=128, output_vocab_size=VOCAB)),
     # windowed and full layers, the full ones with their own head size (16) and one key/value head whose
     # values are its keys, a quarter of each head rotated ("proportional" RoPE); layers 2 and 3 reuse the
     # keys and values of layers 0 and 1; per-layer embeddings; soft-capped logits

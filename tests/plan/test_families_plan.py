@@ -45,6 +45,7 @@ FAMILIES = {
     "olmo3": WINDOWED,
     "ministral3": dict(sliding_window=6),  # every layer windowed
     "apertus": dict(attention_bias=True),
+    "apertus1p5_text": dict(attention_bias=True, vocab_size=128, output_vocab_size=96),  # an output layer of 96 rows
     # sliding layers of head size 8 (2 key/value heads), full ones of 16 (1 head, values = keys), layers 2-3
     # reusing layers 0-1's keys and values (no k/v projections), per-layer embeddings, an expert block
     # beside each MLP (4 experts, top 2), a double-wide MLP on the reusing layers
@@ -147,7 +148,8 @@ def test_model_flops_are_what_the_flop_counter_measures(model_type):
     experts = {"experts_implementation": "eager"} if model_type in MOE and TRANSFORMERS_5 else {}
     model = AutoModelForCausalLM.from_config(config, **experts)
     rows, length = 2, 24
-    ids = torch.randint(3, config.vocab_size, (rows, length))
+    # tokens the output layer predicts (Apertus 1.5's is cut to the first output_vocab_size)
+    ids = torch.randint(3, getattr(config, "output_vocab_size", None) or config.vocab_size, (rows, length))
     with FlopCounterMode(display=False) as counter:
         model(input_ids=ids, labels=ids).loss.backward()
     by_module = counter.get_flop_counts()
