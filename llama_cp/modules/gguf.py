@@ -192,9 +192,9 @@ def gguf_config(path: str):
 # qwen3moe renormalizes the chosen experts' weights and qwen2moe does not (Note [Experts in a GGUF
 # file] in llama_cp/train/gguf_export.py); transformers sets norm_topk_prob True for qwen3_moe files
 # (GGUF_CONFIG_DEFAULTS_MAPPING, since 5.0) and Qwen2-MoE's default is False, as
-# tests/train/test_gguf_experts.py checks. A file that scales the experts' weights
-# (expert_weights_scale other than 1, which llama.cpp's build_moe_ffn applies) is refused: these
-# transformers models cannot.
+# tests/train/test_gguf_experts.py checks. llama.cpp reads no expert_weights_scale for these two
+# architectures (their load_arch_hparams read the experts' width and the norm's epsilon only), so a
+# file's is ignored there too.
 _MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe")
 
 
@@ -211,10 +211,6 @@ def _file_config(path: str):
     key = fields.get(f"{arch}.attention.key_length")
     config.head_dim = key.contents() if key is not None else config.hidden_size // config.num_attention_heads
     if arch in _MOE_ARCHITECTURES:
-        scale = fields.get(f"{arch}.expert_weights_scale")
-        if scale is not None and scale.contents() not in (0.0, 1.0):
-            raise ValueError(f"{path}: its experts' weights are scaled by {scale.contents()} "
-                             f"({arch}.expert_weights_scale), which transformers' {config.model_type} cannot")
         for field, name in (("expert_feed_forward_length", "moe_intermediate_size"),
                             ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
             if f"{arch}.{field}" in fields:

@@ -103,8 +103,10 @@ _FUSED_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_pro
 # mlp_only_layers, decoder_sparse_step 1); the softmax over all experts, then the top k, renormalized
 # to sum 1 for qwen3moe (build_moe_ffn's norm_w, true in its graph) and not for qwen2moe (false);
 # Qwen2-MoE's shared expert scaled by the sigmoid of its gate, and its output layer always its own.
-# A model that differs (norm_topk_prob, dense layers, tied Qwen2-MoE) is refused rather than written
-# as a file llama.cpp would run differently. The hyperparameters: expert_count, expert_used_count,
+# A model that differs (norm_topk_prob, dense layers, a tied Qwen2-MoE or one without a shared expert)
+# is refused rather than written as a file llama.cpp would run differently, and so is a checkpoint whose
+# experts it would not find (one missing, a layer's projection missing or held twice, fused tensors of
+# other shapes than the config's). The hyperparameters: expert_count, expert_used_count,
 # expert_feed_forward_length (moe_intermediate_size) and, for qwen2moe,
 # expert_shared_feed_forward_length. GGUF in reads the same file back with these semantics (Note [MoE
 # fields of a GGUF file] in llama_cp/modules/gguf.py).
@@ -135,6 +137,7 @@ def write_gguf(model_dir: str, out_path: str, outtype: str, name: str | None = N
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     names = gguf.get_tensor_name_map(arch, hf_config.num_hidden_layers)
     tensors = list(_tensor_plan(model_dir, hf_config, names, gguf.MODEL_TENSORS[arch], gguf))
+    _check_experts([gguf_name for gguf_name, _, _ in tensors], hf_config, model_dir)
 
     parent = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(parent, exist_ok=True)
@@ -207,6 +210,12 @@ def _check_family(config, flag: str = "--format gguf") -> str:
         if model_type == "qwen2_moe" and config.tie_word_embeddings:
             raise ValueError(f"{flag}: this qwen2_moe ties its output layer to the embeddings, and llama.cpp's "
                              "qwen2moe needs its own; export safetensors instead")
+        if model_type == "qwen2_moe" and not config.shared_expert_intermediate_size:
+            raise ValueError(f"{flag}: this qwen2_moe has no shared expert (shared_expert_intermediate_size 0), and "
+                             "llama.cpp's qwen2moe needs one; export safetensors instead")
+    if model_type in ("qwen3", "qwen3_moe") and getattr(config, "attention_bias", False):
+        raise ValueError(f"{flag}: this {model_type} has attention biases (attention_bias), and llama.cpp's {arch} "
+                         "loads none on its output projection; export safetensors instead")
     if getattr(config, "use_sliding_window", False) or (model_type == "mistral" and config.sliding_window
                                                         and config.sliding_window < config.max_position_embeddings):
         raise ValueError(f"{flag}: this {model_type} uses sliding-window attention, which llama.cpp's "
@@ -257,6 +266,12 @@ def _tensor_plan(model_dir, config, names, arch_tensors, gguf) -> Iterator[tuple
             experts.setdefault((int(match[1]), match[3]), {})[int(match[2])] = key
         elif match := _FUSED_KEY.fullmatch(key):
             stem = f"model.layers.{match[1]}.mlp.experts"
+            experts_shape = (config.num_experts, config.hidden_size, config.moe_intermediate_size)
+            if match[2] == "gate_up":
+                experts_shape = (config.num_experts, 2 * config.moe_intermediate_size, config.hidden_size)
+            if shape != experts_shape:
+                raise ValueError(f"--format gguf: {key} of {model_dir!r} is {shape}, not {experts_shape} (num_experts, "
+                                 "rows, columns of its config); export safetensors instead")
             if match[2] == "down":
                 yield place(f"{stem}.down_proj.weight", key), shape, _reader(path, key)
                 continue
@@ -282,6 +297,19 @@ def _tensor_plan(model_dir, config, names, arch_tensors, gguf) -> Iterator[tuple
         keys = [by_expert[i] for i in range(count)]
         yield (place(f"model.layers.{layer}.mlp.experts.{projection}_proj.weight", keys[0]),
                (count, *headers[keys[0]][1]), _stacked([headers[key][0] for key in keys], keys))
+
+
+def _check_experts(gguf_names: list[str], config, model_dir: str) -> None:
+    """ValueError unless each layer of an expert model gets its gate, up and down experts' tensors once (a
+    checkpoint holding a layer's experts both fused and one by one, or missing a projection, is refused)."""
+    if config.model_type not in RENORMALIZES_TOP_K:
+        return
+    for layer in range(config.num_hidden_layers):
+        for projection in ("gate", "up", "down"):
+            count = gguf_names.count(f"blk.{layer}.ffn_{projection}_exps.weight")
+            if count != 1:
+                raise ValueError(f"--format gguf: {model_dir!r} holds layer {layer}'s experts' {projection}_proj "
+                                 f"{'both fused and one by one' if count else 'nowhere'}; export safetensors instead")
 
 
 def _reader(path: str, key: str, change=None):

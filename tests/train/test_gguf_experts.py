@@ -22,7 +22,7 @@ from gguf_files import CAST, cast_copy, fields, logits, model_dir, read_back, sm
 
 from llama_cp.train.gguf_export import write_gguf  # noqa: E402
 
-HIDDEN, EXPERTS, WIDTH, SHARED, VOCAB, HEAD = 64, 4, 32, 48, 320, 16
+HIDDEN, EXPERTS, WIDTH, SHARED, VOCAB, HEAD = 64, 4, 32, 48, 320, 32
 
 
 def expert_config(model_type: str, **overrides):
@@ -30,7 +30,8 @@ def expert_config(model_type: str, **overrides):
     a reader that keeps a default fails on shapes; Qwen2-MoE's shared expert 48 wide (default 5632)."""
     settings = dict(num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=WIDTH)
     if model_type == "qwen3_moe":
-        settings.update(norm_topk_prob=True, head_dim=HEAD)  # Qwen3-30B-A3B's routing; heads = hidden / 4
+        # Qwen3-30B-A3B's routing, and like it heads x head_dim (128) other than hidden (64)
+        settings.update(norm_topk_prob=True, head_dim=HEAD)
     else:
         settings.update(shared_expert_intermediate_size=SHARED)
     return tiny_config(model_type, **{**settings, **overrides})
@@ -130,43 +131,46 @@ def test_gguf_in_builds_the_model_llama_cpp_runs(tmp_path, monkeypatch):
                                                                            small_tokenizer()), atol=1e-5, rtol=1e-5)
 
 
-def test_what_llama_cpp_would_run_differently_is_refused(tmp_path, monkeypatch):
-    """Written: nothing, with one line naming the setting, for routing llama.cpp's graph does not run
-    (Qwen3-MoE without renormalizing, Qwen2-MoE with it), dense layers, a tied Qwen2-MoE, a checkpoint
-    missing an expert. Read: a file scaling its experts' weights."""
+def test_what_llama_cpp_would_run_differently_is_refused(tmp_path):
+    """Nothing written, and one line naming the setting, for routing llama.cpp's graph does not run
+    (Qwen3-MoE without renormalizing, Qwen2-MoE with it), dense layers, a tied Qwen2-MoE or one without a
+    shared expert, attention biases on Qwen3-MoE's output projection (llama.cpp's qwen3moe loads none),
+    and checkpoints whose experts llama.cpp would not find: one missing, a layer's both fused and one by
+    one, a projection missing, a fused tensor of other shapes than its config's."""
     from safetensors.torch import load_file, save_file
-
-    from llama_cp.modules.gguf import gguf_config
-    from llama_cp.train import gguf_export
 
     cases = {"norm_topk_prob=False": ("qwen3_moe", {"norm_topk_prob": False}),
              "norm_topk_prob=True": ("qwen2_moe", {"norm_topk_prob": True}),
              "has dense layers": ("qwen3_moe", {"mlp_only_layers": [1]}),
-             "ties its output layer": ("qwen2_moe", {"tie_word_embeddings": True})}
+             "ties its output layer": ("qwen2_moe", {"tie_word_embeddings": True}),
+             "has no shared expert": ("qwen2_moe", {"shared_expert_intermediate_size": 0}),
+             "has attention biases": ("qwen3_moe", {"attention_bias": True})}
     for message, (model_type, overrides) in cases.items():
         _, directory = model_dir(tmp_path / message, expert_config(model_type, **overrides))
         with pytest.raises(ValueError, match=f"^--format gguf: .*{message}.*export safetensors instead$"):
             write_gguf(directory, str(tmp_path / "x.gguf"), "f16")
+    _, directory = model_dir(tmp_path / "qwen3", tiny_config("qwen3", attention_bias=True))  # the dense Qwen3 alike
+    with pytest.raises(ValueError, match="^--format gguf: this qwen3 has attention biases"):
+        write_gguf(directory, str(tmp_path / "x.gguf"), "f16")
     _, directory = model_dir(tmp_path / "missing", expert_config("qwen3_moe"))
     weights = os.path.join(directory, "model.safetensors")
-    save_file({k: v for k, v in load_file(weights).items() if ".experts.3.up_proj" not in k}, weights,
-              metadata={"format": "pt"})
+    state = load_file(weights)
+    save_file({k: v for k, v in state.items() if ".experts.3.up_proj" not in k}, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"holds up_proj of 3 experts in layer 0, and its config has num_experts=4"):
         write_gguf(directory, str(tmp_path / "x.gguf"), "f16")
+    stem = "model.layers.1.mlp.experts"
+    fused_up = torch.cat([torch.stack([state[f"{stem}.{e}.{p}_proj.weight"] for e in range(EXPERTS)])
+                          for p in ("gate", "up")], dim=1)
+    broken = {"both fused and one by one": {**state, f"{stem}.gate_up_proj": fused_up},
+              "gate_proj nowhere": {k: v for k, v in state.items() if not k.startswith(f"{stem}.") or "gate" not in k},
+              r"is \(4, 32, 64\), not \(4, 64, 64\)": {
+                  **{k: v for k, v in state.items() if not k.startswith(f"{stem}.") or "down" in k},
+                  f"{stem}.gate_up_proj": fused_up[:, ::2].contiguous()}}
+    for message, tensors in broken.items():
+        save_file(tensors, weights, metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=f"^--format gguf: .*{message}"):
+            write_gguf(directory, str(tmp_path / "x.gguf"), "f16")
     assert not os.path.exists(tmp_path / "x.gguf") and not any(n.startswith(".tmp-") for n in os.listdir(tmp_path))
-
-    hyperparameters = gguf_export._add_hyperparameters
-
-    def scaled(writer, config, *args):
-        hyperparameters(writer, config, *args)
-        writer.add_expert_weights_scale(2.5)
-
-    monkeypatch.setattr(gguf_export, "_add_hyperparameters", scaled)
-    _, directory = model_dir(tmp_path / "scaled", expert_config("qwen3_moe"))
-    out = write_gguf(directory, str(tmp_path / "scaled.gguf"), "f16")
-    monkeypatch.setenv("LLAMA_CP_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(ValueError, match=r"experts' weights are scaled by 2.5 \(qwen3moe.expert_weights_scale\)"):
-        gguf_config(out)
 
 
 def test_a_fused_checkpoint_writes_the_same_tensors(tmp_path):
