@@ -42,6 +42,10 @@ def _granite(config) -> LogitTransform:  # GraniteForCausalLM: logits / config.l
     return LogitTransform(scale=1.0 / config.logits_scaling)
 
 
+def _hyperclovax(config) -> LogitTransform:  # HyperCLOVAXForCausalLM: logits * config.logits_scaling
+    return LogitTransform(scale=config.logits_scaling)
+
+
 def _cohere(config) -> LogitTransform:  # CohereForCausalLM: logits * config.logit_scale
     return LogitTransform(scale=config.logit_scale)
 
@@ -120,6 +124,14 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "starcoder2": _plain,
     # Jais 2: Llama's attention with biases, layer norms with biases, an MLP without a gate (ReLU squared, biases)
     "jais2": _plain,
+    # Llama's implementation in transformers 5.24 under their own model_type: EXAONE 3.5, IQuest-Coder
+    "exaone": _plain,
+    "iquestcoder": _plain,
+    # HyperCLOVA X SEED: Granite's multipliers (the logits multiplied, not divided), norms after attention and MLP
+    "hyperclovax": _hyperclovax,
+    "olmo": _plain,  # OLMo 1: q/k/v clamped (clip_qkv), layer norms without weights
+    "glm": _plain,  # GLM-4 (0414 and earlier): half of each head rotated, fused gate_up_proj, q/k/v biases
+    "bitnet": _plain,  # BitNet b1.58 (bf16 weights): norms inside attention and MLP, a ReLU-squared gated MLP
     # dots.llm1: Qwen 3's attention (q/k norms, windows on the sliding layer_types), DeepSeek-V3's experts
     # (sigmoid router with a score bias, by group, a shared expert, dense first layers); no router loss
     "dots1": _plain,

@@ -130,6 +130,14 @@ FAMILIES = {
     # every layer windowed, biases everywhere
     "starcoder2": ("starcoder2", dict(sliding_window=WINDOW, use_bias=True)),
     "jais2": ("jais2", {}),  # biases everywhere (its defaults), layer norms, an ungated ReLU-squared MLP
+    "exaone": ("exaone", dict(attention_bias=True)),  # Llama's implementation
+    "iquestcoder": ("iquestcoder", dict(attention_bias=True)),  # Llama's implementation
+    # Granite's multipliers (embeddings, residuals, attention, the logits multiplied), norms after attention and MLP
+    "hyperclovax": ("hyperclovax", dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                                        logits_scaling=0.5)),
+    "olmo": ("olmo", dict(clip_qkv=0.05)),  # q, k and v clamped to +-0.05 (they reach about 0.3 here)
+    "glm": ("glm", {}),  # half of each head rotated (its default), q/k/v biases (its default), fused gate_up_proj
+    "bitnet": ("bitnet", {}),  # RMSNorms inside attention (before o_proj) and the MLP (before down_proj)
     # layer 0 full and dense, layer 1 windowed with sigmoid-routed experts (the best group of 2, a score bias)
     # and a shared one
     "dots1": ("dots1", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=WINDOW,
@@ -467,6 +475,15 @@ FEATURES = {
     "starcoder2: windows": ("starcoder2", {}, NO_WINDOWS, None),
     "starcoder2: biases": ("starcoder2", {}, {}, BIASES),
     "jais2: biases": ("jais2", {}, {}, BIASES),
+    "exaone: biases": ("exaone", {}, {}, BIASES),
+    "iquestcoder: biases": ("iquestcoder", {}, {}, BIASES),
+    "hyperclovax: multipliers": ("hyperclovax", {}, dict(embedding_multiplier=1.0, residual_multiplier=1.0,
+                                                         attention_multiplier=None, logits_scaling=1.0), None),
+    "hyperclovax: norms after attention and MLP": ("hyperclovax", {}, dict(use_post_norm=False), None),
+    "olmo: clip_qkv": ("olmo", {}, dict(clip_qkv=None), None),
+    "glm: partial RoPE": ("glm", {}, dict(rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                                                           "rope_type": "default"}), None),
+    "glm: biases": ("glm", {}, {}, BIASES),
     "solar_open: shared expert": ("solar_open", {}, {}, _zero("shared_experts.down_proj.weight")),
     "solar_open: router score bias": ("solar_open", {}, {}, _zero("e_score_correction_bias")),
     "hy_v3: shared expert": ("hy_v3", {}, {}, _zero("shared_experts.down_proj.weight")),

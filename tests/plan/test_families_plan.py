@@ -37,6 +37,12 @@ FAMILIES = {
     "internlm3": dict(qkv_bias=True, bias=True),
     "starcoder2": dict(sliding_window=6, use_bias=True),  # an ungated MLP of c_fc and c_proj, biases
     "jais2": {},  # an ungated MLP, biases (its defaults)
+    "exaone": dict(attention_bias=True),
+    "iquestcoder": dict(attention_bias=True),
+    "hyperclovax": dict(embedding_multiplier=2.0, logits_scaling=0.5),
+    "olmo": dict(clip_qkv=0.05),
+    "glm": {},  # fused gate_up_proj, q/k/v biases
+    "bitnet": {},  # the norms inside attention and the MLP
     # layer 0 dense of its own size, layer 1 experts of intermediate_size + a shared one
     "cohere2_moe": dict(WINDOWED, mlp_layer_types=["dense", "sparse"], prefix_dense_intermediate_size=48, num_experts=4,
                         num_experts_per_tok=2, num_shared_experts=1),
