@@ -136,7 +136,7 @@ FAMILIES = {
     "hyperclovax": ("hyperclovax", dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
                                         logits_scaling=0.5)),
     "olmo": ("olmo", dict(clip_qkv=0.05)),  # q, k and v clamped to +-0.05 (they reach about 0.3 here)
-    "glm": ("glm", {}),  # half of each head rotated (its default), q/k/v biases (its default), fused gate_up_proj
+    "glm": ("glm", PARTIAL_ROTARY),  # half of each head rotated, q/k/v biases (its default), fused gate_up_proj
     "bitnet": ("bitnet", {}),  # RMSNorms inside attention (before o_proj) and the MLP (before down_proj)
     # layer 0 full and dense, layer 1 windowed with sigmoid-routed experts (the best group of 2, a score bias)
     # and a shared one
@@ -481,8 +481,7 @@ FEATURES = {
                                                          attention_multiplier=None, logits_scaling=1.0), None),
     "hyperclovax: norms after attention and MLP": ("hyperclovax", {}, dict(use_post_norm=False), None),
     "olmo: clip_qkv": ("olmo", {}, dict(clip_qkv=None), None),
-    "glm: partial RoPE": ("glm", {}, dict(rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 1.0,
-                                                           "rope_type": "default"}), None),
+    "glm: partial rotary": ("glm", {}, dict(partial_rotary_factor=1.0), None),
     "glm: biases": ("glm", {}, {}, BIASES),
     "solar_open: shared expert": ("solar_open", {}, {}, _zero("shared_experts.down_proj.weight")),
     "solar_open: router score bias": ("solar_open", {}, {}, _zero("e_score_correction_bias")),
