@@ -132,6 +132,12 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "olmo": _plain,  # OLMo 1: q/k/v clamped (clip_qkv), layer norms without weights
     "glm": _plain,  # GLM-4 (0414 and earlier): half of each head rotated, fused gate_up_proj, q/k/v biases
     "bitnet": _plain,  # BitNet b1.58 (bf16 weights): norms inside attention and MLP, a ReLU-squared gated MLP
+    # experts per token: FlexOlmo (OLMo 2's attention, a softmax router), Sarvam MoE (DeepSeek-V3's experts: a
+    # sigmoid router by group, shared experts, dense first layers), Mellum (dense and expert layers by
+    # mlp_layer_types); transformers adds no router loss to Sarvam's
+    "flex_olmo": _plain,
+    "sarvam_moe": _plain,
+    "mellum": _plain,
     # dots.llm1: Qwen 3's attention (q/k norms, windows on the sliding layer_types), DeepSeek-V3's experts
     # (sigmoid router with a score bias, by group, a shared expert, dense first layers); no router loss
     "dots1": _plain,

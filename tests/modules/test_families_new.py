@@ -138,6 +138,14 @@ FAMILIES = {
     "olmo": ("olmo", dict(clip_qkv=0.05)),  # q, k and v clamped to +-0.05 (they reach about 0.3 here)
     "glm": ("glm", PARTIAL_ROTARY),  # half of each head rotated, q/k/v biases (its default), fused gate_up_proj
     "bitnet": ("bitnet", {}),  # RMSNorms inside attention (before o_proj) and the MLP (before down_proj)
+    # OLMo 2's attention (q/k norms over all heads, norms after attention and MLP), 4 experts (top 2, renormalized)
+    "flex_olmo": ("flex_olmo", dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
+    # layer 0 dense, layer 1 sigmoid-routed experts (the best of 2 groups of 4, then its 2) and a shared one
+    "sarvam_moe": ("sarvam_moe", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                      n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1)),
+    # layer 0 dense, layer 1 experts (4, top 2, renormalized)
+    "mellum": ("mellum", dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                              mlp_layer_types=["dense", "sparse"])),
     # layer 0 full and dense, layer 1 windowed with sigmoid-routed experts (the best group of 2, a score bias)
     # and a shared one
     "dots1": ("dots1", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=WINDOW,
@@ -174,7 +182,7 @@ FAMILIES = {
         **MOE_LOSS)),
 }
 MOE = {"glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe",
-       "afmoe", "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe"}
+       "afmoe", "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe", "flex_olmo", "sarvam_moe", "mellum"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
 #: LayerNorm, Gemma 4's, Helium's and VaultGemma's RMSNorm), routers in float32 (GLM-4.5's gate and its
 #: score bias), the router loss.
@@ -483,6 +491,9 @@ FEATURES = {
     "olmo: clip_qkv": ("olmo", {}, dict(clip_qkv=None), None),
     "glm: partial rotary": ("glm", {}, dict(partial_rotary_factor=1.0), None),
     "glm: biases": ("glm", {}, {}, BIASES),
+    "flex_olmo: top-k renormalized": ("flex_olmo", {}, dict(norm_topk_prob=False), None),
+    "sarvam_moe: shared expert": ("sarvam_moe", {}, dict(n_shared_experts=0), None),
+    "mellum: top-k renormalized": ("mellum", {}, dict(norm_topk_prob=False), None),
     "solar_open: shared expert": ("solar_open", {}, {}, _zero("shared_experts.down_proj.weight")),
     "solar_open: router score bias": ("solar_open", {}, {}, _zero("e_score_correction_bias")),
     "hy_v3: shared expert": ("hy_v3", {}, {}, _zero("shared_experts.down_proj.weight")),

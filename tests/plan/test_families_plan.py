@@ -43,6 +43,11 @@ FAMILIES = {
     "olmo": dict(clip_qkv=0.05),
     "glm": {},  # fused gate_up_proj, q/k/v biases
     "bitnet": {},  # the norms inside attention and the MLP
+    "flex_olmo": dict(num_experts=4, num_experts_per_tok=2),  # every layer's experts
+    "sarvam_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                       first_k_dense_replace=1, n_group=1, topk_group=1),  # layer 0 dense, layer 1 experts + shared
+    "mellum": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                   mlp_layer_types=["dense", "sparse"]),
     # layer 0 dense of its own size, layer 1 experts of intermediate_size + a shared one
     "cohere2_moe": dict(WINDOWED, mlp_layer_types=["dense", "sparse"], prefix_dense_intermediate_size=48, num_experts=4,
                         num_experts_per_tok=2, num_shared_experts=1),
@@ -102,7 +107,7 @@ FAMILIES["llama4_text"] = dict(no_rope_layers=[1, 0], attention_chunk_size=6, nu
                                num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size_mlp=48)
 MOE = {"glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "minimax_m2", "dots1",
        "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe", "solar_open", "hy_v3", "mimo_v2_flash",
-       "cohere2_moe"}
+       "cohere2_moe", "flex_olmo", "sarvam_moe", "mellum"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
