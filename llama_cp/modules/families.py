@@ -130,7 +130,7 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # HyperCLOVA X SEED: Granite's multipliers (the logits multiplied, not divided), norms after attention and MLP
     "hyperclovax": _hyperclovax,
     "olmo": _plain,  # OLMo 1: q/k/v clamped (clip_qkv), layer norms without weights
-    "glm": _plain,  # GLM-4 (0414 and earlier): half of each head rotated, fused gate_up_proj, q/k/v biases
+    "glm": _plain,  # GLM-4-9B (-hf checkpoints): half of each head rotated, fused gate_up_proj, q/k/v biases
     "bitnet": _plain,  # BitNet b1.58 (bf16 weights): norms inside attention and MLP, a ReLU-squared gated MLP
     # experts per token: FlexOlmo (OLMo 2's attention, a softmax router), Sarvam MoE (DeepSeek-V3's experts: a
     # sigmoid router by group, shared experts, dense first layers), Mellum (dense and expert layers by
