@@ -61,6 +61,24 @@ def llama_cpp_tensors(model_type: str, layers: int = 2) -> dict[str, list[int]]:
     return want
 
 
+def fused_experts(state: dict, stem: str) -> dict[str, torch.Tensor]:
+    """The per-expert tensors of ``state`` under ``stem`` (model.layers.N.mlp.experts) as transformers fuses
+    them: gate_up_proj (experts, 2 x width, hidden), the gate first, and down_proj (experts, hidden, width)."""
+    stacked = {p: torch.stack([state[f"{stem}.{e}.{p}_proj.weight"] for e in range(EXPERTS)])
+               for p in ("gate", "up", "down")}
+    return {f"{stem}.gate_up_proj": torch.cat([stacked["gate"], stacked["up"]], dim=1),
+            f"{stem}.down_proj": stacked["down"]}
+
+
+def assert_same_tensors(path: str, reference: str) -> None:
+    """The GGUF file ``path`` holds the tensors of ``reference``, name for name and bit for bit."""
+    by_name = {t.name: t.data for t in gguf.GGUFReader(reference).tensors}
+    tensors = gguf.GGUFReader(path).tensors
+    assert sorted(t.name for t in tensors) == sorted(by_name)
+    for tensor in tensors:
+        assert (tensor.data == by_name[tensor.name]).all(), tensor.name
+
+
 @pytest.mark.parametrize("outtype", ["f16", "bf16"])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
 def test_expert_models_read_back_as_the_source_rounded_to_the_type(tmp_path, model_type, outtype):
@@ -159,8 +177,7 @@ def test_what_llama_cpp_would_run_differently_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"holds up_proj of 3 experts in layer 0, and its config has num_experts=4"):
         write_gguf(directory, str(tmp_path / "x.gguf"), "f16")
     stem = "model.layers.1.mlp.experts"
-    fused_up = torch.cat([torch.stack([state[f"{stem}.{e}.{p}_proj.weight"] for e in range(EXPERTS)])
-                          for p in ("gate", "up")], dim=1)
+    fused_up = fused_experts(state, stem)[f"{stem}.gate_up_proj"]
     broken = {"both fused and one by one": {**state, f"{stem}.gate_up_proj": fused_up},
               "gate_proj nowhere": {k: v for k, v in state.items() if not k.startswith(f"{stem}.") or "gate" not in k},
               r"is \(4, 32, 64\), not \(4, 64, 64\)": {
@@ -182,18 +199,11 @@ def test_a_fused_checkpoint_writes_the_same_tensors(tmp_path):
     per_expert = write_gguf(directory, str(tmp_path / "per_expert.gguf"), "bf16")
     weights = os.path.join(directory, "model.safetensors")
     state = load_file(weights)
+    fused = {k: v for k, v in state.items() if ".mlp.experts." not in k}
     for layer in range(2):
-        stem = f"model.layers.{layer}.mlp.experts"
-        take = {p: [state.pop(f"{stem}.{e}.{p}_proj.weight") for e in range(EXPERTS)] for p in ("gate", "up", "down")}
-        state[f"{stem}.gate_up_proj"] = torch.cat([torch.stack(take["gate"]), torch.stack(take["up"])], dim=1)
-        state[f"{stem}.down_proj"] = torch.stack(take["down"])
-    save_file(state, weights, metadata={"format": "pt"})
-    fused = write_gguf(directory, str(tmp_path / "fused.gguf"), "bf16")
-    by_name = {t.name: t.data for t in gguf.GGUFReader(per_expert).tensors}
-    tensors = gguf.GGUFReader(fused).tensors
-    assert sorted(t.name for t in tensors) == sorted(by_name)
-    for tensor in tensors:
-        assert (tensor.data == by_name[tensor.name]).all(), tensor.name
+        fused.update(fused_experts(state, f"model.layers.{layer}.mlp.experts"))
+    save_file(fused, weights, metadata={"format": "pt"})
+    assert_same_tensors(write_gguf(directory, str(tmp_path / "fused.gguf"), "bf16"), per_expert)
 
 
 def test_experts_split_over_shards_write_the_same_tensors(tmp_path):
@@ -214,9 +224,4 @@ def test_experts_split_over_shards_write_the_same_tensors(tmp_path):
         save_file(part, os.path.join(directory, name), metadata={"format": "pt"})
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}, f)
-    sharded = write_gguf(directory, str(tmp_path / "sharded.gguf"), "f16")
-    by_name = {t.name: t.data for t in gguf.GGUFReader(whole).tensors}
-    tensors = gguf.GGUFReader(sharded).tensors
-    assert sorted(t.name for t in tensors) == sorted(by_name)
-    for tensor in tensors:
-        assert (tensor.data == by_name[tensor.name]).all(), tensor.name
+    assert_same_tensors(write_gguf(directory, str(tmp_path / "sharded.gguf"), "f16"), whole)
