@@ -48,7 +48,9 @@ from llama_cp.attention.local import local_attention
 from llama_cp.attention.ring import _RingAttention
 from llama_cp.attention.ulysses import ulysses_attention
 from llama_cp.modules.causal_lm import base_causal_lm
-from llama_cp.modules.families import attention_chunk, bind_decoder, check_supported, sliding_windows
+from llama_cp.modules.families import (
+    attention_chunk, attention_heads, bind_decoder, check_supported, sliding_windows,
+)
 from llama_cp.parallel.sharding import SEQ_INDEX, check_attention_mask, document_starts, unshard, zigzag_index
 
 #: Name under which the attention function is registered with transformers.
@@ -434,13 +436,13 @@ def apply_context_parallel(
     cp = 1 if group is None else dist.get_world_size(group)
 
     config = model.config
-    heads = config.num_attention_heads
+    heads, heads_name = attention_heads(config)
     if strategy == "ulysses" and heads % cp:
         raise ValueError(
-            f"cp_strategy='ulysses' needs num_attention_heads ({heads}) divisible by cp ({cp}); "
+            f"cp_strategy='ulysses' needs {heads_name} divisible by cp ({cp}); "
             f"use cp_strategy='ring' or a cp that divides {heads}"
         )
-    check_ulysses_degree(strategy, ulysses_degree, cp, heads)
+    check_ulysses_degree(strategy, ulysses_degree, cp, heads, heads_name)
     layers = [m for m in model.modules()
               # q_a_proj: DeepSeek's MLA with q_lora_rank, which transformers 4.56.2 builds without a q_proj
               if any(hasattr(m, name) for name in ("q_proj", "qkv_proj", "q_a_proj")) and hasattr(m, "o_proj")

@@ -40,8 +40,10 @@ from llama_cp.attention.ulysses import _AllToAll, _heads_to_seq, _seq_to_heads
 from llama_cp.parallel.collectives import warm_up_group
 
 
-def check_ulysses_degree(strategy: str, ulysses_degree: int, cp: int, heads: int | None = None) -> None:
-    """One line naming --ulysses_degree and the fix unless it fits ``strategy``, cp and the heads."""
+def check_ulysses_degree(strategy: str, ulysses_degree: int, cp: int, heads: int | None = None,
+                         heads_name: str | None = None) -> None:
+    """One line naming --ulysses_degree and the fix unless it fits ``strategy``, cp and the heads
+    (``heads_name``: how to name them, :func:`llama_cp.modules.families.attention_heads`)."""
     if strategy != "hybrid":
         if ulysses_degree:
             raise ValueError(f"--ulysses_degree {ulysses_degree} is only read by --cp_strategy hybrid (got "
@@ -51,7 +53,8 @@ def check_ulysses_degree(strategy: str, ulysses_degree: int, cp: int, heads: int
         raise ValueError(f"--cp_strategy hybrid needs --ulysses_degree, a divisor of --cp {cp} (the Ulysses ranks "
                          f"inside each ring rank), got {ulysses_degree}")
     if heads is not None and heads % ulysses_degree:
-        raise ValueError(f"--ulysses_degree {ulysses_degree} must divide num_attention_heads ({heads}): choose a "
+        heads_name = heads_name or f"num_attention_heads ({heads})"
+        raise ValueError(f"--ulysses_degree {ulysses_degree} must divide {heads_name}: choose a "
                          f"common divisor of {heads} and --cp {cp}")
 
 

@@ -29,7 +29,7 @@ from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, restor
 from llama_cp.model.loss import enable_chunked_loss
 from llama_cp.modules.experts import apply_expert_gradients
 from llama_cp.modules.checkpoints import checkpoint_config, vision_language_line
-from llama_cp.modules.families import attention_head_dims, check_family, set_router_loss_coef
+from llama_cp.modules.families import attention_head_dims, attention_heads, check_family, set_router_loss_coef
 from llama_cp.modules.gguf import gguf_model_dir, gguf_path
 from llama_cp.modules.causal_lm import (
     apply_rope_settings, base_causal_lm, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,
@@ -328,20 +328,20 @@ def cp_strategy(cfg: TrainConfig, config) -> tuple[str, int]:
     if p.cp_strategy != "auto":
         return p.cp_strategy, p.ulysses_degree
     packed = cfg.data.document_mask and cfg.data.dataset != PASSKEY  # files and hub datasets are packed
-    return choose_strategy(config.num_attention_heads, p.cp, packed)
+    return choose_strategy(attention_heads(config)[0], p.cp, packed)
 
 
 def check_strategy_heads(cfg: TrainConfig, config) -> None:
     """Refuse Ulysses where the model's query heads do not split over --cp, before anything is
     built: one line with the head count and the strategies that work."""
     strategy, _ = cp_strategy(cfg, config)
-    heads, cp = config.num_attention_heads, cfg.parallel.cp
+    (heads, heads_name), cp = attention_heads(config), cfg.parallel.cp
     if strategy == "ulysses" and heads % cp:
         common = math.gcd(heads, cp)  # hybrid's largest degree; 1 would be the ring alone
         hybrid = f", or --cp_strategy hybrid --ulysses_degree {common} (Ulysses over {common} ranks, the ring across " \
                  "them)" if common > 1 else ""
         raise ValueError(
-            f"--cp_strategy ulysses at --cp {cp}: this model has {heads} attention heads, which do not split over "
+            f"--cp_strategy ulysses at --cp {cp}: this model's attention heads, {heads_name}, do not split over "
             f"{cp} ranks; use --cp_strategy ring or allgather (any head count){hybrid}"
         )
 

@@ -235,6 +235,8 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     for index, layer in enumerate(layer_configs(config)):
         before = decoder
         shape = _shape(layer)
+        if getattr(config, "num_attention_heads_per_layer", None):  # Laguna: query heads by layer
+            shape["heads"] = config.num_attention_heads_per_layer[index]
         if config.model_type == "mimo_v2_flash" and config.layer_types[index] == "sliding_attention":
             shape["kv_heads"] *= 2  # MiMoV2FlashAttention: twice the key/value heads on its windowed layers
         attention = _attention_linears(layer, shape)
@@ -324,8 +326,11 @@ def _attention_linears(config: Any, shape: dict) -> dict[str, tuple[int, int]]:
         if values:
             linears["v_proj"] = (shape["hidden"], shape["kv_heads"] * values)
             linears["o_proj"] = (shape["heads"] * values, shape["hidden"])
-        if config.model_type == "afmoe":  # AfmoeAttention.gate_proj: a sigmoid gate on each head's output
+        if config.model_type in ("afmoe", "beam"):  # AfmoeAttention.gate_proj: a sigmoid gate on each head's output
             linears["gate_proj"] = _LAYER_LINEARS["q_proj"](shape)
+        if config.model_type == "laguna":  # LagunaAttention.g_proj: a softplus gate per head, or per element
+            per_head = config.gating is True or config.gating == "per-head"
+            linears["g_proj"] = (shape["hidden"], shape["heads"] * (1 if per_head else shape["head_dim"]))
         return linears
     hidden, heads, latent = shape["hidden"], shape["heads"], config.kv_lora_rank
     queries = heads * attention_head_dim(config)
@@ -384,8 +389,8 @@ def _shared_expert(config: Any) -> tuple[int, int]:
     as one ungated MLP (transformers 5.24 models/qwen2_moe, models/glm4_moe); (0, 0): none."""
     if config.model_type == "mimo_v2_flash":  # MiMoV2FlashMoE drops DeepSeek-V3's shared experts, whatever the config
         return 0, 0
-    if getattr(config, "shared_expert_intermediate_size", None):
-        return config.shared_expert_intermediate_size, 1
+    if getattr(config, "shared_expert_intermediate_size", None):  # Laguna's and Flint's: ungated
+        return config.shared_expert_intermediate_size, int(config.model_type == "qwen2_moe")
     shared = getattr(config, "n_shared_experts", None) or getattr(config, "num_shared_experts", None)  # EXAONE's name
     if shared and config.model_type == "cohere2_moe":  # Cohere2MoeSparseMoeBlock: of intermediate_size each
         return shared * config.intermediate_size, 0

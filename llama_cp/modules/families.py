@@ -15,6 +15,7 @@ and the fix, rather than trained differently.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ def _granite(config) -> LogitTransform:  # GraniteForCausalLM: logits / config.l
 
 def _hyperclovax(config) -> LogitTransform:  # HyperCLOVAXForCausalLM: logits * config.logits_scaling
     return LogitTransform(scale=config.logits_scaling)
+
+
+def _minicpm3(config) -> LogitTransform:  # MiniCPM3ForCausalLM: lm_head(hidden / config.logits_scaling)
+    return LogitTransform(scale=1.0 / config.logits_scaling)
 
 
 def _cohere(config) -> LogitTransform:  # CohereForCausalLM: logits * config.logit_scale
@@ -170,13 +175,19 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # llama_cp/attention/chunks.py), q/k L2 norm; routed (sigmoid top-k) + shared experts,
     # transformers adds no router loss
     "llama4_text": _plain,
+    "laguna": _plain,
+    "beam": _final_softcap,
+    "flint": _plain,
+    "minicpm3": _minicpm3,
+    "youtu": _plain,
+    "axk1": _plain,
 }
 
 #: MoE families -> the config field holding their number of experts.
 #: (GLM-4.5's glm4_moe and DeepSeek-V2/V3 have a router but their forwards add no load-balancing loss: not here.)
 _EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts",
                   "qwen2_moe": "num_experts", "gpt_oss": "num_local_experts", "minimax_m2": "num_local_experts",
-                  "ernie4_5_moe": "num_experts"}
+                  "ernie4_5_moe": "num_experts", "laguna": "num_experts", "flint": "num_experts"}
 
 
 @dataclass(frozen=True)
@@ -219,6 +230,9 @@ _WINDOW_IN_CONFIG = {"mistral", "phi3", "mixtral", "olmoe", "qwen3_moe", "minist
 _RECURRENT = ("carry a recurrent state along the sequence, which under CP would restart at every rank's shard "
               "(no context-parallel algorithm here passes it across ranks)")
 
+_TOKENS_BEFORE = ("read the few tokens before each position, which under CP lie on another rank's shard at every "
+                  "shard's start (no context-parallel algorithm here passes them across ranks)")
+
 #: Why some well-known families are refused.
 _REFUSAL_REASONS = {
     "phi": "its attention has no o_proj and a partial rotary embedding",
@@ -230,9 +244,12 @@ _REFUSAL_REASONS = {
     "kimi_linear": f"its linear-attention layers (Kimi Delta Attention) {_RECURRENT}",
     "falcon_h1": f"its Mamba2 mixers, one beside the attention of every layer, {_RECURRENT}",
     "granitemoehybrid": f"its Mamba2 layers {_RECURRENT}",
-    **dict.fromkeys(("lfm2", "lfm2_moe"), "its short-convolution layers read the few tokens before each position, "
-                    "which under CP lie on another rank's shard at every shard's start (no context-parallel "
-                    "algorithm here passes them across ranks)"),
+    # LFM2/LFM3 and Inkling's short convolutions; ZAYA1's compressed convolutional attention (CCA: its queries and
+    # keys mixed by a causal convolution, its values half the previous token's)
+    **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
+                    f"its short-convolution layers {_TOKENS_BEFORE}"),
+    "zaya": f"its convolutional attention (CCA) mixes queries and keys by causal convolutions, which {_TOKENS_BEFORE}",
+    "lara_mini": f"its linear-attention layers (gated DeltaNet with a causal convolution) {_RECURRENT}",
     # Qwen4-Exp: gated DeltaNet layers (and a sparse-attention indexer) among the attention layers
     **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"),
                     f"its linear-attention layers (gated DeltaNet with a causal convolution) {_RECURRENT}"),
@@ -242,7 +259,8 @@ _REFUSAL_REASONS = {
     **dict.fromkeys(("nemotron_h", "jamba", "zamba", "zamba2", "bamba"), f"its Mamba layers {_RECURRENT}"),
     **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"), f"it is a state-space model (Mamba): its layers {_RECURRENT}"),
     # DeepSeek Sparse Attention (V3.2, GLM-5): a learned indexer picks each query's top-k keys
-    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4"),
+    # A.X K2, dots3 and MiniMax-M3 (its indexer picks blocks of keys) the same
+    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "axk2", "dots3_note_text", "minimax_m3_vl_text"),
                     "its sparse attention lets a learned indexer pick each query's keys (its top k of the whole "
                     "sequence), which context-parallel attention does not compute"),
     # a model object or config given directly; a checkpoint directory is read as its text model (checkpoints.py)
@@ -320,6 +338,18 @@ def attention_head_dim(config) -> int:
     if getattr(config, "qk_nope_head_dim", None) is not None:
         return config.qk_nope_head_dim + config.qk_rope_head_dim
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_heads(config) -> tuple[int, str]:
+    """(the query heads Ulysses splits, how to name them in an error): ``num_attention_heads``, or where
+    the count varies by layer (Laguna's ``num_attention_heads_per_layer``) the largest number dividing
+    every layer's: a cp or Ulysses degree that divides it divides each layer's heads."""
+    per_layer = getattr(config, "num_attention_heads_per_layer", None)
+    if per_layer and len(set(per_layer)) > 1:
+        heads = math.gcd(*per_layer)
+        return heads, f"num_attention_heads_per_layer ({', '.join(map(str, sorted(set(per_layer))))}: {heads} divides each)"
+    heads = per_layer[0] if per_layer else config.num_attention_heads
+    return heads, f"num_attention_heads ({heads})"
 
 
 def attention_head_dims(config) -> list[int]:

@@ -146,9 +146,9 @@ def test_ulysses_refused_where_the_heads_do_not_split_names_only_strategies_that
     from llama_cp.model.build import check_strategy_heads
 
     cfg = TrainConfig.from_flags(cp=2, cp_strategy="ulysses")
-    with pytest.raises(ValueError, match=r"^--cp_strategy ulysses at --cp 2: this model has 9 attention heads, which "
-                                         r"do not split over 2 ranks; use --cp_strategy ring or allgather \(any head "
-                                         r"count\)$"):
+    with pytest.raises(ValueError, match=r"^--cp_strategy ulysses at --cp 2: this model's attention heads, "
+                                         r"num_attention_heads \(9\), do not split over 2 ranks; use --cp_strategy "
+                                         r"ring or allgather \(any head count\)$"):
         check_strategy_heads(cfg, SimpleNamespace(num_attention_heads=9))
     cfg = TrainConfig.from_flags(cp=4, cp_strategy="ulysses")
     with pytest.raises(ValueError, match=r"\(any head count\), or --cp_strategy hybrid --ulysses_degree 2 \(Ulysses "
@@ -156,6 +156,26 @@ def test_ulysses_refused_where_the_heads_do_not_split_names_only_strategies_that
         check_strategy_heads(cfg, SimpleNamespace(num_attention_heads=6))
     check_ulysses_degree("hybrid", 2, 4, heads=6)  # the degree offered is one hybrid takes
     check_strategy_heads(cfg, SimpleNamespace(num_attention_heads=8))  # 8 heads split over 4 ranks
+
+
+def test_heads_that_vary_by_layer_split_only_where_every_layer_splits():
+    """Laguna's query heads vary by layer (num_attention_heads_per_layer): Ulysses needs --cp to divide
+    each layer's, so the check and ``auto`` go by the count dividing all of them (4 for 4 and 8), not by
+    num_attention_heads (8; before the fix Ulysses at cp 8 passed the check and failed in the forward)."""
+    from types import SimpleNamespace
+
+    from llama_cp.model.build import check_strategy_heads, cp_strategy
+
+    laguna = SimpleNamespace(num_attention_heads=8, num_attention_heads_per_layer=[4, 8])
+    with pytest.raises(ValueError, match=r"^--cp_strategy ulysses at --cp 8: this model's attention heads, "
+                                         r"num_attention_heads_per_layer \(4, 8: 4 divides each\), do not split over "
+                                         r"8 ranks;.* --cp_strategy hybrid --ulysses_degree 4 "):
+        check_strategy_heads(TrainConfig.from_flags(cp=8, cp_strategy="ulysses"), laguna)
+    check_strategy_heads(TrainConfig.from_flags(cp=4, cp_strategy="ulysses"), laguna)
+    assert cp_strategy(TrainConfig.from_flags(cp=8, cp_strategy="auto"), laguna) == ("hybrid", 4)
+    assert cp_strategy(TrainConfig.from_flags(cp=4, cp_strategy="auto"), laguna) == ("ulysses", 0)
+    same = SimpleNamespace(num_attention_heads=8, num_attention_heads_per_layer=[8, 8])
+    assert cp_strategy(TrainConfig.from_flags(cp=8, cp_strategy="auto"), same) == ("ulysses", 0)
 
 
 def test_peft_adapting_other_weights_than_the_targets_name_is_said():

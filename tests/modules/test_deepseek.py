@@ -75,6 +75,14 @@ FAMILIES["deepseek_v2_dynamic_rope"] = ("deepseek_v2", dict(
     FAMILIES["deepseek_v2"][1], q_lora_rank=12, max_position_embeddings=16,
     **rope(rope_type="dynamic", rope_theta=10000.0, factor=2.0)))
 FAMILIES["deepseek_v3_dense"] = ("deepseek_v3", dict(FAMILIES["deepseek_v3"][1], first_k_dense_replace=2))
+#: MLA without experts (MLA's expert fields cleared): MiniCPM3, its embeddings, residual branches and the hidden
+#: states before the output layer scaled; Youtu-LLM, V3's attention (interleaved RoPE) and a dense MLP
+DENSE = dict(n_routed_experts=None, n_shared_experts=None, moe_intermediate_size=None, first_k_dense_replace=None,
+             n_group=None, topk_group=None)
+FAMILIES["minicpm3"] = ("minicpm3", dict(DENSE, q_lora_rank=12, scale_emb=2.0, scale_depth=1.4, dim_model_base=16))
+FAMILIES["youtu"] = ("youtu", dict(DENSE, q_lora_rank=12, rope_interleave=True))
+FAMILIES["axk1"] = ("axk1", dict(q_lora_rank=12, n_routed_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                 routed_scaling_factor=2.5, rope_interleave=True))
 #: documents of each packed row (SEQ_LEN tokens): split across zigzag chunks at cp 2 and 4, one of 1 token
 PACKED_LENGTHS = [[5, 1, 14, 12], [9, 23]]
 #: LoRA on every projection of MLA with q_lora_rank (V3's)
@@ -164,6 +172,15 @@ def _add(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.dtype, p
 for _name in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):
     for _run in RUNS:  # every strategy, cp 1, 2 and 4, plain and FSDP, float32 and float64
         _add(_name, *_run)
+for _name in ("minicpm3", "youtu", "axk1"):
+    for _run in RUNS:
+        _add(_name, *_run)
+_add("minicpm3", "ring", 2, True, F32, packed=True)
+_add("minicpm3", "allgather", 2, False, F64, lora=True)
+_add("youtu", "allgather", 4, True, F32, packed=True)
+_add("youtu", "ulysses", 2, False, F64, lora=True)
+_add("axk1", "ring", 4, False, F32, packed=True)
+_add("axk1", "ulysses", 2, True, F32, lora=True)
 _add("glm4_moe_lite", "ring", 2, True, F32, packed=True)
 _add("glm4_moe_lite", "allgather", 2, False, F64, lora=True)
 _add("deepseek_v2", "ring", 4, False, F64, packed=True)
@@ -265,6 +282,41 @@ def glm4_moe_lite_features_change_the_result():
                  for a, n in zip([sum(lengths[:i]) for i in range(len(lengths))], lengths)]
         torch.testing.assert_close(packed, torch.cat(alone, dim=1).view_as(packed), **TOLERANCE[F32])
         moved["documents"] = float((packed - whole).abs().max())
+    assert min(moved.values()) > 1e-3, moved
+
+
+@functools.partial(checks.add, group=1, skip=skip_reason("minicpm3") or skip_reason("youtu") or skip_reason("axk1"))
+def mla_families_features_change_the_result():
+    """The features of MiniCPM3, Youtu-LLM and A.X K1 each move the logits by more than 1e-3 when switched
+    off: MiniCPM3's scaled embeddings, residual branches and hidden states before the output layer (the last
+    one llama-cp's loss repeats: ``_minicpm3`` in llama_cp/modules/families.py); interleaved RoPE; A.X K1's
+    router score bias and shared expert."""
+    ids = batch()["input_ids"]
+    moved = {}
+    with torch.no_grad():
+        for feature, name, overrides, change in (
+            ("MiniCPM3 embedding scale", "minicpm3", dict(scale_emb=1.0), None),
+            ("MiniCPM3 residual scale", "minicpm3", dict(scale_depth=2 ** 0.5), None),  # / sqrt(2 layers) = 1
+            ("MiniCPM3 output scale", "minicpm3", dict(dim_model_base=32), None),  # hidden_size / 32 = 1
+            ("Youtu interleaved RoPE", "youtu", dict(rope_interleave=False), None),
+            ("A.X K1 interleaved RoPE", "axk1", dict(rope_interleave=False), None),
+            ("A.X K1 router score bias", "axk1", {}, _zero("e_score_correction_bias")),
+            ("A.X K1 shared expert", "axk1", {}, _zero("shared_experts.down_proj.weight")),
+        ):
+            off = family_model(name, **overrides)
+            if change is not None:
+                change(off)
+            moved[feature] = float((family_model(name)(input_ids=ids).logits - off(input_ids=ids).logits).abs().max())
+        data = packed_data()
+        for name in ("minicpm3", "youtu", "axk1"):  # the packed checks' reference: each document alone
+            model = family_model(name)
+            packed = reference_forward(model, data)[0]
+            alone = [model(input_ids=data["input_ids"][row:row + 1, a:a + n],
+                           position_ids=data["position_ids"][row:row + 1, a:a + n]).logits
+                     for row, lengths in enumerate(PACKED_LENGTHS)
+                     for a, n in zip([sum(lengths[:i]) for i in range(len(lengths))], lengths)]
+            torch.testing.assert_close(packed, torch.cat(alone, dim=1).view_as(packed), **TOLERANCE[F32])
+            moved[f"{name} documents"] = float((packed - model(input_ids=data["input_ids"]).logits).abs().max())
     assert min(moved.values()) > 1e-3, moved
 
 
