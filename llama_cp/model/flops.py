@@ -241,7 +241,7 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
             shape["kv_heads"] *= 2  # MiMoV2FlashAttention: twice the key/value heads on its windowed layers
         attention = _attention_linears(layer, shape)
         top_k, experts = _moe(config, index)
-        if config.model_type == "gemma4_text":
+        if config.model_type in ("gemma4_text", "gemma4_unified_text"):
             decoder += _gemma4_layer_flops(config, index, shape, attention, linear, layer_flops)
         elif experts and _is_moe_layer(config, index):
             expert_size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # Cohere2-MoE
@@ -293,7 +293,8 @@ def _gemma4_layer_flops(config: Any, index: int, shape: dict, attention: dict, l
     reuse an earlier layer's keys and values have no k/v projections (and, with use_double_wide_mlp, an MLP
     twice as wide), full layers with attention_k_eq_v no v projection (their values are their keys); with
     enable_moe_block a router and the top k of the experts beside the MLP; with per-layer inputs, their gate
-    (hidden -> per-layer size) and projection back."""
+    (hidden -> per-layer size) and projection back. Gemma 4 12B's config (gemma4_unified_text) has neither
+    of the last two fields."""
     reuses = index >= config.num_hidden_layers - (config.num_kv_shared_layers or 0)
     full = config.layer_types[index] != "sliding_attention"
     attention = {name: features for name, features in attention.items()
@@ -301,11 +302,11 @@ def _gemma4_layer_flops(config: Any, index: int, shape: dict, attention: dict, l
                          name == "v_proj")}
     wide = 2 if config.use_double_wide_mlp and reuses else 1
     flops = layer_flops(1, {**shape, "intermediate": wide * config.intermediate_size}, attention, shape)
-    if config.enable_moe_block:
+    if getattr(config, "enable_moe_block", False):
         flops += linear("proj", config.hidden_size, config.num_experts)  # the router
         flops += layer_flops(config.top_k_experts, {**shape, "intermediate": config.moe_intermediate_size}, None,
                              shape)
-    if config.hidden_size_per_layer_input:
+    if getattr(config, "hidden_size_per_layer_input", None):
         flops += linear("per_layer_input_gate", config.hidden_size, config.hidden_size_per_layer_input)
         flops += linear("per_layer_projection", config.hidden_size_per_layer_input, config.hidden_size)
     return flops

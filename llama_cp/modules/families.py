@@ -79,6 +79,9 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # attention (its local rows: each call exchanges them again); per-layer inputs and the expert
     # block beside the MLP are per token; no router loss
     "gemma4_text": _final_softcap,
+    # Gemma 4 12B (Gemma4UnifiedForCausalLM): Gemma 4's layers without per-layer inputs or expert blocks, each
+    # layer's output scaled by its layer_scalar
+    "gemma4_unified_text": _final_softcap,
     # mixture of experts: the experts are per token (nothing to change under CP); the router's
     # load-balancing loss is reduced over every rank (Note [Router loss under CP] in llama_cp/model/loss.py)
     "mixtral": _plain,

@@ -42,7 +42,11 @@ EXTRA = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, 
          "gemma4_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6, global_head_dim=16,
                              num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8,
                              vocab_size_per_layer_input=96, final_logit_softcapping=1.0, enable_moe_block=True,
-                             num_experts=4, top_k_experts=2, moe_intermediate_size=16)}
+                             num_experts=4, top_k_experts=2, moe_intermediate_size=16),
+         # Gemma 4 12B: no per-layer inputs and no expert block
+         "gemma4_unified_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                                     global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+                                     final_logit_softcapping=1.0)}
 
 
 def family_config(family: str):
@@ -148,6 +152,12 @@ if "gemma4" in CONFIG_MAPPING_NAMES:  # Gemma 4 from E2B up: image (and audio) t
                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
                                       patch_size=14, pooling_kernel_size=2, position_embedding_size=64),
                                  dict(image_token_id=93, boi_token_id=94, eoi_token_id=95, audio_config=None))
+if "gemma4_unified" in CONFIG_MAPPING_NAMES:  # Gemma 4 12B: an image tower, tied
+    VISION_LANGUAGE["gemma4_unified"] = (
+        dict(model_type="gemma4_unified_text", **TEXT, **EXTRA["gemma4_unified_text"]),
+        dict(model_type="gemma4_unified_vision", patch_size=14, pooling_kernel_size=2, mm_embed_dim=16,
+             mm_posemb_size=64, output_proj_dims=32),
+        dict(image_token_id=93, boi_token_id=94, eoi_token_id=95, audio_config=None))
 if "llama4" in CONFIG_MAPPING_NAMES:  # Llama 4 Scout and Maverick: an image tower, an untied head
     VISION_LANGUAGE["llama4"] = (dict(model_type="llama4_text", **TEXT, **EXTRA["llama4_text"]),
                                  dict(model_type="llama4_vision_model", hidden_size=16, intermediate_size=32,

@@ -56,6 +56,9 @@ GEMMA4 = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_atten
               global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
               hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, final_logit_softcapping=1.0)
 
+#: Gemma 4 12B's text model: GEMMA4 without per-layer inputs (no such fields), a double-wide MLP on the reusing layers
+GEMMA4_UNIFIED = dict({k: v for k, v in GEMMA4.items() if "per_layer_input" not in k}, use_double_wide_mlp=True)
+
 #: name -> (model_type, config overrides).
 FAMILIES = {
     "ministral": ("ministral", SLIDING_FULL),
@@ -103,6 +106,7 @@ FAMILIES = {
         attention_bias=True, use_qk_norm=True, **PARTIAL_ROTARY, n_routed_experts=8, num_experts_per_tok=4,
         n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
         norm_topk_prob=True, routed_scaling_factor=2.0)),  # every expert gets tokens (transformers 4 and 5)
+    "gemma4_unified_text": ("gemma4_unified_text", GEMMA4_UNIFIED),
     # layer 0 dense, layer 1 softmax-routed experts (4, top 2; a score bias) and a shared one, the router loss
     "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
                                           moe_num_shared_experts=1, moe_layer_start_index=1, **MOE_LOSS)),
@@ -197,9 +201,9 @@ FAMILIES = {
 MOE = {"laguna", "beam", "flint", "glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe",
        "afmoe", "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe", "flex_olmo", "sarvam_moe", "mellum"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
-#: LayerNorm, Gemma 4's, Helium's and VaultGemma's RMSNorm), routers in float32 (GLM-4.5's gate and its
+#: LayerNorm, Gemma 4's (12B's too), Helium's and VaultGemma's RMSNorm), routers in float32 (GLM-4.5's gate and its
 #: score bias), the router loss.
-FLOAT32_ONLY = {"cohere2", "gemma4_text", "helium", "vaultgemma", *MOE}
+FLOAT32_ONLY = {"cohere2", "gemma4_text", "gemma4_unified_text", "helium", "vaultgemma", *MOE}
 
 
 #: MoE families whose transformers 4 models fail in float64 themselves, single-process (4.56.2: GLM-4.5's and
@@ -238,6 +242,10 @@ def family_model(name: str, dtype=torch.float32, **overrides):
             # Beam's per-head bias of its attention output gate (zeros at init) too
             if tensor_name.endswith(("_proj.bias", "self_attn.gate_bias")) or router_bias:
                 tensor.copy_(scale * (torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype) - 0.5))
+            # Gemma 4's per-layer output scale (a buffer, ones at init); 0.75 to 1.25: at 0.5 to 1.5 one embedding
+            # gradient of Gemma 4's float32 all-gather run was 1.5e-5 off (rounding: in float64 it agrees to 3e-9)
+            if tensor_name.endswith("layer_scalar"):
+                tensor.copy_(0.75 + 0.5 * torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype))
     # transformers 4's experts are separate modules, and one that no token of a rank picked gets no gradient
     # there: every expert made part of the graph, as the trainer does (Note [An expert no token picked]); the
     # output is unchanged, and single-process transformers' idle experts get zeros instead of None
@@ -300,7 +308,7 @@ def check_gemma4_checkpointed(name: str):
                                sharded=True, tol=TOLERANCE[torch.float32], max_seq_len=SEQ_LEN)
 
 
-for _name in ("gemma4_text", "gemma4_moe"):
+for _name in ("gemma4_text", "gemma4_moe", "gemma4_unified_text"):
     checks.add(functools.partial(check_gemma4_checkpointed, _name), name=f"{_name}_checkpointed_ring_cp2_fsdp_float32",
                skip=skip_reason(_name))
 
@@ -427,6 +435,16 @@ def _zero(*suffixes: str):
     return change
 
 
+def _ones(*suffixes: str):
+    """A change of a built model: the tensors whose names end with one of ``suffixes`` set to ones."""
+    def change(model):
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(suffixes):
+                    tensor.fill_(1.0)
+    return change
+
+
 BIASES = _zero("_proj.bias")
 
 
@@ -475,6 +493,14 @@ FEATURES = {
     "gemma4_text: per-layer inputs": ("gemma4_text", {}, {}, _zero("per_layer_projection.weight")),
     "gemma4_text: logit soft-cap": ("gemma4_text", {}, dict(final_logit_softcapping=None), None),
     "gemma4_moe: experts": ("gemma4_moe", {}, {}, _zero("experts.down_proj")),
+    "gemma4_text: layer scalars": ("gemma4_text", {}, {}, _ones("layer_scalar")),
+    "gemma4_unified_text: windows": ("gemma4_unified_text", {}, NO_WINDOWS, None),
+    "gemma4_unified_text: proportional RoPE": ("gemma4_unified_text", {}, dict(rope_parameters={
+        "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+        "full_attention": dict(rope_type="proportional", partial_rotary_factor=1.0, rope_theta=1e6)}), None),
+    "gemma4_unified_text: layer scalars": ("gemma4_unified_text", {}, {}, _ones("layer_scalar")),
+    "gemma4_unified_text: logit soft-cap": ("gemma4_unified_text", {}, dict(final_logit_softcapping=None), None),
+    "gemma4_unified_text: double-wide MLP": ("gemma4_unified_text", {}, dict(use_double_wide_mlp=False), None),
     "glm4_moe: biases": ("glm4_moe", {}, {}, BIASES),
     "glm4_moe: partial rotary": ("glm4_moe", {}, dict(partial_rotary_factor=1.0), None),
     "glm4_moe: shared experts": ("glm4_moe", {}, {}, _zero("shared_experts.down_proj.weight")),
@@ -586,14 +612,15 @@ def test_gemma4_test_models_hold_the_features_they_are_checked_for():
     keys and heads of their own size: what check_family compares under CP is Gemma 4's own structure."""
     if skip_reason("gemma4_text"):
         pytest.skip(skip_reason("gemma4_text"))
-    for name in ("gemma4_text", "gemma4_moe"):
+    for name in ("gemma4_text", "gemma4_moe", "gemma4_unified_text"):
         layers = family_model(name).model.layers
         assert [layer.self_attn.is_kv_shared_layer for layer in layers] == [False, False, True, True]
         assert [hasattr(layer.self_attn, "k_proj") for layer in layers] == [True, True, False, False]
         assert layers[0].self_attn.v_proj is not None and layers[1].self_attn.v_proj is None  # keys as values
         assert [layer.self_attn.head_dim for layer in layers] == [8, 16, 8, 16]
         assert layers[1].self_attn.k_proj.out_features == 16  # one key/value head on the full layers
-    assert family_model("gemma4_moe").model.layers[2].mlp.up_proj.out_features == 2 * BASE["intermediate_size"]
+    for name in ("gemma4_moe", "gemma4_unified_text"):
+        assert family_model(name).model.layers[2].mlp.up_proj.out_features == 2 * BASE["intermediate_size"]
 
 
 def test_gemma4_attending_every_token_both_ways_is_refused():

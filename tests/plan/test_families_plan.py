@@ -65,6 +65,10 @@ FAMILIES = {
                         num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
                         vocab_size_per_layer_input=96, enable_moe_block=True, num_experts=4, top_k_experts=2,
                         moe_intermediate_size=16),
+    # Gemma 4 12B: Gemma 4's layers without per-layer inputs or the expert block
+    "gemma4_unified_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                                sliding_window=6, global_head_dim=16, num_global_key_value_heads=1,
+                                attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True),
     # layer 0 dense (its own intermediate size), layer 1 routed experts + the shared ones
     "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=16,
                      first_k_dense_replace=1, n_group=2, topk_group=1),
