@@ -262,10 +262,13 @@ _REFUSAL_REASONS = {
     **dict.fromkeys(("nemotron_h", "jamba", "zamba", "zamba2", "bamba"), f"its Mamba layers {_RECURRENT}"),
     **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"), f"it is a state-space model (Mamba): its layers {_RECURRENT}"),
     # DeepSeek Sparse Attention (V3.2, GLM-5): a learned indexer picks each query's top-k keys
-    # A.X K2, dots3 and MiniMax-M3 (its indexer picks blocks of keys) the same
-    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "axk2", "dots3_note_text", "minimax_m3_vl_text"),
+    # A.X K2 and dots3 the same; MiniMax-M3's indexer picks blocks of keys, on its sparse-attention layers
+    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "axk2", "dots3_note_text"),
                     "its sparse attention lets a learned indexer pick each query's keys (its top k of the whole "
                     "sequence), which context-parallel attention does not compute"),
+    "minimax_m3_vl_text": "its sparse-attention layers let a learned indexer pick each query's keys (its top k blocks "
+                          "of the whole sequence and the local ones), which context-parallel attention does not "
+                          "compute",
     # a model object or config given directly; a checkpoint directory is read as its text model (checkpoints.py)
     "llama4": "it is the vision-language Llama4ForConditionalGeneration; llama-cp trains its text model, "
               "Llama4ForCausalLM (llama4_text): give the recipe the checkpoint directory, which it reads as that "

@@ -701,7 +701,8 @@ REFUSED_BY_CONFIG = {
                     r"short-convolution layers read the few tokens before each position"),
     "zaya": r"convolutional attention \(CCA\).*read the few tokens before each position",
     "lara_mini": r"linear-attention layers \(gated DeltaNet.*recurrent state",
-    **dict.fromkeys(("axk2", "dots3_note_text", "minimax_m3_vl_text"), r"learned indexer pick each query's keys"),
+    **dict.fromkeys(("axk2", "dots3_note_text"), r"learned indexer pick each query's keys"),
+    "minimax_m3_vl_text": r"learned indexer pick each query's keys \(its top k blocks",
 }
 
 
