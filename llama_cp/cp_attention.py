@@ -75,6 +75,9 @@ class ContextParallelAttention:
     outer: dist.ProcessGroup | None = None
     #: some layer has a sliding window: every batch gets a layout (Note [Sliding windows under CP])
     sliding: bool = False
+    #: whether the decoder handed the layers of the current forward a layout (Note [Documents a layer
+    #: drops]); set by the decoder's hook, read by every attention call
+    handed: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def cp_size(self) -> int:
@@ -195,6 +198,7 @@ def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple
     all-gather, which rows each rank holds: the batch's ``seq_index``)."""
     check_attention_mask(kwargs.get("attention_mask", args[1] if len(args) > 1 else None))
     attention: ContextParallelAttention = module.cp_attention
+    attention.handed["documents"] = False  # until a layout is handed below
     seq_index = kwargs.get(SEQ_INDEX)
     kwargs = {key: value for key, value in kwargs.items() if key != SEQ_INDEX}
     position_ids = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
@@ -233,6 +237,7 @@ def _prepare_decoder_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple
                                                           positions.device)
         if documents is not None:
             kwargs = {**kwargs, DOCUMENTS_KWARG: documents}
+    attention.handed["documents"] = DOCUMENTS_KWARG in kwargs
     return args, kwargs
 
 
@@ -280,6 +285,13 @@ def cp_attention_forward(
     if width < query.shape[-1]:
         value = torch.nn.functional.pad(value, (0, query.shape[-1] - width))
     documents = kwargs.get(DOCUMENTS_KWARG)
+    if documents is None and attention.handed.get("documents"):  # Note [Documents a layer drops]
+        raise RuntimeError(
+            f"{type(module).__name__} was called without the batch's document layout, which the decoder handed its "
+            "layers: a decoder layer of this model does not pass its keyword arguments on to attention, so packed "
+            "documents (and all-gather's and the windows' layouts) cannot reach it; this model cannot be trained "
+            "with llama-cp"
+        )
     if getattr(module, "cp_temperature", None) is not None:  # Note [Query temperature under CP]
         query = scale_queries(query, attention.query_rows(query.shape[2], documents, query.device),
                               *module.cp_temperature)
@@ -287,6 +299,19 @@ def cp_attention_forward(
                     softcap=kwargs.get("softcap") or 0.0, window=window, sinks=sinks, chunk=attention_chunk(module))
     return out[..., :width].transpose(1, 2).contiguous(), None
 
+
+# Note [Documents a layer drops]
+# ==============================
+#
+# The batch's document layout reaches attention as a keyword argument: the decoder's hook adds
+# DOCUMENTS_KWARG to the decoder's kwargs, transformers' decoder hands **kwargs to each layer and
+# each layer to its attention module, which passes them to the attention function. A decoder
+# layer that calls its attention without **kwargs (transformers 5.24 NemotronDecoderLayer,
+# StableLmDecoderLayer) drops the layout, and the attention would then see one document per row:
+# packed documents attended as one, silently. So the hook records whether it handed a layout
+# (ContextParallelAttention.handed, reset every forward), and an attention call without one after
+# that is refused. Every supported family passes them (each one's packed-document check); this
+# makes a release or a model whose layers do not fail loudly instead.
 
 #: Keyword arguments of transformers' attention calls that change the result and that the kernel
 #: does not compute (their names in transformers 5.24's modeling code and integrations/sdpa_attention.py);

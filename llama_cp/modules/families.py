@@ -239,6 +239,9 @@ _TOKENS_BEFORE = ("read the few tokens before each position, which under CP lie 
 #: Why some well-known families are refused.
 _REFUSAL_REASONS = {
     "phi": "its attention has no o_proj and a partial rotary embedding",
+    # Note [Documents a layer drops] in llama_cp/cp_attention.py
+    **dict.fromkeys(("nemotron", "stablelm"), "its decoder layers call attention without the keyword arguments they "
+                    "get, so a batch's packed documents cannot reach it"),
     # linear-attention and state-space hybrids: their non-attention layers see only the local shard
     "qwen3_next": f"its linear-attention layers (gated DeltaNet with a causal convolution) {_RECURRENT}",
     # Qwen3.5 (Qwen3_5ForCausalLM, built from its qwen3_5 config): the layers of Qwen3-Next

@@ -146,3 +146,27 @@ def test_position_ids_broadcast_over_the_batch():
         whole_row = reference(input_ids=input_ids, use_cache=False).logits
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
     assert (want - whole_row).abs().max() > 1e-3
+
+
+def test_a_layer_that_drops_the_documents_is_refused():
+    """Note [Documents a layer drops]: a decoder layer that calls its attention without the keyword
+    arguments it got (as transformers 5.24's Nemotron and StableLM layers do) would have its packed rows
+    attended as one document; the attention call refuses in one line instead. A batch of one document
+    a row hands no layout, and runs."""
+    from llama_cp.cp_attention import DOCUMENTS_KWARG
+
+    model = apply_context_parallel(tiny_model().double(), None)
+    layer = model.model.layers[1]
+    forward = layer.forward
+
+    def dropping(*args, **kwargs):  # the layer's own forward, the layout taken out of its kwargs
+        kwargs.pop(DOCUMENTS_KWARG, None)
+        return forward(*args, **kwargs)
+
+    layer.forward = dropping
+    input_ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match=r"^LlamaAttention was called without the batch's document layout, "
+                                               r"which the decoder handed its layers: .*cannot be trained"):
+            model(input_ids=input_ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]]))
+        model(input_ids=input_ids, position_ids=torch.arange(12)[None])  # one document: no layout handed

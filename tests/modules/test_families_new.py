@@ -673,6 +673,8 @@ REFUSED = {
     "jamba": ({}, r"Mamba layers.*recurrent state"),
     "deepseek_v32": ({}, r"sparse attention lets a learned indexer pick each query's keys"),
     "glm_moe_dsa": ({}, r"sparse attention lets a learned indexer pick each query's keys"),
+    "nemotron": ({}, r"decoder layers call attention without the keyword arguments they get"),
+    "stablelm": ({}, r"decoder layers call attention without the keyword arguments they get"),
 }
 
 
