@@ -390,6 +390,8 @@ def _shared_expert(config: Any) -> tuple[int, int]:
     as one ungated MLP (transformers 5.24 models/qwen2_moe, models/glm4_moe); (0, 0): none."""
     if config.model_type == "mimo_v2_flash":  # MiMoV2FlashMoE drops DeepSeek-V3's shared experts, whatever the config
         return 0, 0
+    if getattr(config, "shared_intermediate_size", None):  # GraniteMoeShared's shared_mlp (input_linear, gated)
+        return config.shared_intermediate_size, 0
     if getattr(config, "shared_expert_intermediate_size", None):  # Laguna's and Flint's: ungated
         return config.shared_expert_intermediate_size, int(config.model_type == "qwen2_moe")
     shared = getattr(config, "n_shared_experts", None) or getattr(config, "num_shared_experts", None)  # EXAONE's name

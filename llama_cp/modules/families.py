@@ -82,6 +82,10 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # Gemma 4 12B (Gemma4UnifiedForCausalLM): Gemma 4's layers without per-layer inputs or expert blocks, each
     # layer's output scaled by its layer_scalar
     "gemma4_unified_text": _final_softcap,
+    # Granite 3 MoE: Granite's multipliers and logits divided by logits_scaling, softmax-routed experts (the router
+    # loss); GraniteMoeShared adds a shared MLP beside them
+    "granitemoe": _granite,
+    "granitemoeshared": _granite,
     # mixture of experts: the experts are per token (nothing to change under CP); the router's
     # load-balancing loss is reduced over every rank (Note [Router loss under CP] in llama_cp/model/loss.py)
     "mixtral": _plain,
@@ -190,7 +194,8 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
 #: (GLM-4.5's glm4_moe and DeepSeek-V2/V3 have a router but their forwards add no load-balancing loss: not here.)
 _EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts",
                   "qwen2_moe": "num_experts", "gpt_oss": "num_local_experts", "minimax_m2": "num_local_experts",
-                  "ernie4_5_moe": "num_experts", "laguna": "num_experts", "flint": "num_experts"}
+                  "ernie4_5_moe": "num_experts", "laguna": "num_experts", "flint": "num_experts",
+                  "granitemoe": "num_local_experts", "granitemoeshared": "num_local_experts"}
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,9 @@ _TOKENS_BEFORE = ("read the few tokens before each position, which under CP lie 
 #: Why some well-known families are refused.
 _REFUSAL_REASONS = {
     "phi": "its attention has no o_proj and a partial rotary embedding",
+    # Phi-3.5-MoE (transformers 5.24 models/phimoe, sparsemixer: Gumbel sampling when training)
+    "phimoe": "its router draws each token's experts at random in training (sparsemixer's Gumbel sampling), so no "
+              "run of it can be checked against single-process transformers",
     # Note [Documents a layer drops] in llama_cp/cp_attention.py
     **dict.fromkeys(("nemotron", "stablelm"), "its decoder layers call attention without the keyword arguments they "
                     "get, so a batch's packed documents cannot reach it"),
@@ -306,10 +314,19 @@ _REFUSAL_REASONS = {
 # dtype"); from 5.0.0 ApertusMLP passes the model's dtype (read in the released wheels of 4.56.2,
 # 4.57.6 and 5.0.0: models/apertus/modeling_apertus.py, ACT2FN["xielu"] then ACT2CLS["xielu"](dtype=)).
 
+#
+# Granite 3 MoE (granitemoe, granitemoeshared) for a third: 4.56.2 and 4.57.6 build a 4-D attention mask
+# of their own (GraniteMoeModel._update_causal_mask, for any attention but flash-attn's), which the
+# attention call then refuses; 5.0.0 builds it with masking_utils.create_causal_mask, as Llama does (read
+# in the released wheels' models/granitemoe/modeling_granitemoe.py and models/granitemoeshared/).
+
 _SDPA_ITSELF = "its attention calls SDPA itself, so context-parallel attention cannot take its place"
+_OWN_MASK = ("its model builds a 4-D attention mask of its own (_update_causal_mask), which context-parallel "
+             "attention does not take")
 #: Family -> (the first transformers release where llama-cp computes it, why not before).
 _NEEDS_TRANSFORMERS = {
     "olmoe": ((5, 0), _SDPA_ITSELF), "qwen2_moe": ((5, 0), _SDPA_ITSELF),
+    "granitemoe": ((5, 0), _OWN_MASK), "granitemoeshared": ((5, 0), _OWN_MASK),
     "apertus": ((5, 0), "its xIELU activation keeps its parameters in bfloat16 beside the model's float32 ones, "
                         "which FSDP2 cannot shard together"),
 }

@@ -107,6 +107,14 @@ FAMILIES = {
         n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
         norm_topk_prob=True, routed_scaling_factor=2.0)),  # every expert gets tokens (transformers 4 and 5)
     "gemma4_unified_text": ("gemma4_unified_text", GEMMA4_UNIFIED),
+    # Granite's multipliers (the logits divided by logits_scaling), 4 experts (top 2) in every layer, the router loss
+    "granitemoe": ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
+                                      residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
+                                      **MOE_LOSS)),
+    # + a shared MLP beside the experts
+    "granitemoeshared": ("granitemoeshared", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
+                                                  residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
+                                                  shared_intermediate_size=32, **MOE_LOSS)),
     # layer 0 dense, layer 1 softmax-routed experts (4, top 2; a score bias) and a shared one, the router loss
     "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
                                           moe_num_shared_experts=1, moe_layer_start_index=1, **MOE_LOSS)),
@@ -198,7 +206,7 @@ FAMILIES = {
     "flint": ("flint", dict(**SLIDING_FULL, attn_implementation="eager", num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=16, shared_expert_intermediate_size=32, mlp_only_layers=[0], **MOE_LOSS)),
 }
-MOE = {"laguna", "beam", "flint", "glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe",
+MOE = {"laguna", "beam", "flint", "granitemoe", "granitemoeshared", "glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe",
        "afmoe", "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe", "flex_olmo", "sarvam_moe", "mellum"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
 #: LayerNorm, Gemma 4's (12B's too), Helium's and VaultGemma's RMSNorm), routers in float32 (GLM-4.5's gate and its
@@ -391,7 +399,9 @@ def check_lora(name: str, strategy: str):
 
     from llama_cp.model.build import check_lora_targets
 
-    experts = EXPERTS if name in MOE else []
+    # Granite 3 MoE holds its experts under block_sparse_moe
+    experts = [] if name not in MOE else [f"block_sparse_moe.experts.{parameter}" for parameter in (
+        "gate_up_proj", "down_proj")] if name.startswith("granitemoe") else EXPERTS
     reference = family_model(name, torch.float64)
     check_lora_targets(reference, LORA_TARGETS, experts)
     moe_layers = sum(name.endswith("experts.down_proj") for name, _ in reference.named_parameters())
@@ -558,6 +568,9 @@ FEATURES = {
     "qwen2_moe: windows": ("qwen2_moe", {}, NO_WINDOWS, None),
     "qwen2_moe: biases": ("qwen2_moe", {}, {}, BIASES),
     "qwen2_moe: shared expert": ("qwen2_moe", {}, {}, _zero("shared_expert.down_proj.weight")),
+    "granitemoe: multipliers": ("granitemoe", {}, dict(embedding_multiplier=1.0, residual_multiplier=1.0,
+                                                       attention_multiplier=8 ** -0.5, logits_scaling=1.0), None),
+    "granitemoeshared: shared MLP": ("granitemoeshared", {}, dict(shared_intermediate_size=0), None),
     "laguna: windows": ("laguna", {}, NO_WINDOWS, None),
     "laguna: attention output gate": ("laguna", {}, {}, _zero("self_attn.g_proj.weight")),
     "laguna: partial rotary": ("laguna", {}, dict(rope_parameters={
@@ -673,6 +686,7 @@ REFUSED = {
     "jamba": ({}, r"Mamba layers.*recurrent state"),
     "deepseek_v32": ({}, r"sparse attention lets a learned indexer pick each query's keys"),
     "glm_moe_dsa": ({}, r"sparse attention lets a learned indexer pick each query's keys"),
+    "phimoe": (dict(num_local_experts=4), r"router draws each token's experts at random in training"),
     "nemotron": ({}, r"decoder layers call attention without the keyword arguments they get"),
     "stablelm": ({}, r"decoder layers call attention without the keyword arguments they get"),
 }
@@ -741,6 +755,17 @@ def test_qwen2_moe_is_refused_where_transformers_calls_sdpa_itself():
         with pytest.raises(ValueError, match=re.escape(refusal)):
             apply_context_parallel(AutoModelForCausalLM.from_config(AutoConfig.for_model(
                 "qwen2_moe", **BASE, num_experts=4, num_experts_per_tok=2)), None)
+
+
+def test_granite_moe_is_refused_where_transformers_builds_its_own_mask():
+    """Note [A family's transformers floor]: Granite 3 MoE below transformers 5 builds a 4-D mask of its own
+    (refused at the attention call, loudly, but only once the run is under way): refused in one line at start."""
+    for family in ("granitemoe", "granitemoeshared"):
+        assert transformers_refusal(family, "4.57.6") == (
+            f"model family '{family}' needs transformers >= 5.0 (installed: 4.57.6): before that its model builds a "
+            "4-D attention mask of its own (_update_causal_mask), which context-parallel attention does not take; "
+            "upgrade transformers")
+        assert transformers_refusal(family, "5.0.0") is None
 
 
 def test_each_layer_window_is_the_one_its_attention_takes():
