@@ -76,6 +76,34 @@ def _head_forward(self: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | 
     )
 
 
+def token_rows(model: nn.Module) -> tuple[int, int]:
+    """(rows of ``model``'s input embedding, rows of its output layer): the token ids a batch may
+    hold and the labels the loss may score (Apertus 1.5's output layer keeps only the text tokens)."""
+    base = base_causal_lm(model)
+    head = base.get_output_embeddings()
+    head = getattr(head, "original_module", head)  # peft's modules_to_save wrapper
+    return base.get_input_embeddings().weight.shape[0], head.weight.shape[0]
+
+
+def check_token_ids(batch: dict[str, torch.Tensor], embedding_rows: int, head_rows: int) -> None:
+    """ValueError naming the token and the fix where a host batch holds a token id beyond ``model``'s
+    embedding, or a label beyond its output layer (:func:`token_rows`); on CUDA either would stop the run
+    with a device-side assert that names neither."""
+    for key, tensor in batch.items():
+        if not key.endswith(("input_ids", "labels")) or not tensor.numel():
+            continue
+        top = int(tensor.max())
+        if key.endswith("labels") and top >= head_rows:
+            raise ValueError(f"a label is token {top}, but the model's output layer has {head_rows} rows: it cannot "
+                             f"be scored (an output layer cut to the text tokens, as Apertus 1.5's output_vocab_size, "
+                             f"or a tokenizer larger than the model); leave such tokens out of the data or set their "
+                             f"labels to {IGNORE_INDEX}")
+        if key.endswith("input_ids") and top >= embedding_rows:
+            raise ValueError(f"the batch holds token {top}, but the model's embedding has {embedding_rows} rows: the "
+                             f"tokenizer has tokens the model does not (added tokens?); resize the model's embeddings "
+                             f"(resize_token_embeddings, then save it) or use the model's own tokenizer")
+
+
 #: Bounds of the automatic loss chunk (``--loss_chunk_size 0``): one chunk's fp32 logits take at
 #: most AUTO_CHUNK_LOGITS_BYTES, and a chunk has at most AUTO_CHUNK_MAX_TOKENS tokens.
 AUTO_CHUNK_LOGITS_BYTES = 256 << 20

@@ -29,6 +29,7 @@ from llama_cp.files import write_text
 from llama_cp.flags.defaults import said_defaults
 from llama_cp.model.build import model_path
 from llama_cp.model.flops import model_flops, peak_flops, throughput
+from llama_cp.model.loss import check_token_ids, token_rows
 from llama_cp.optim.optimizers import build_optimizer
 from llama_cp.optim.schedule import lr_factor, start_schedule
 from llama_cp.optim.step import clip_gradients
@@ -67,6 +68,7 @@ class Trainer:
         self.model_path = model_path(cfg.model.model_name)
         self.tokenizer = self._build_tokenizer()
         self.model = self._build_model()
+        self._token_rows = token_rows(self.model)  # each host batch is checked against them (_to_device)
         from llama_cp.model.build import cp_strategy
 
         self.cp_strategy, ulysses_degree = cp_strategy(cfg, self.model.config)
@@ -210,6 +212,7 @@ class Trainer:
 
     # ------------------------------------------------------------ loop
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        check_token_ids(batch, *self._token_rows)
         layout = layout_for(self.cp_strategy)
         local = shard_batch(batch, self.mesh["cp"], layout=layout)
         return {k: v.to(self.device) for k, v in local.items()}

@@ -334,3 +334,36 @@ def test_a_compiled_loss_chunk_on_the_gpus_bf16_path_equals_the_eager_one(monkey
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=0)  # the loss: fp32 throughout
+
+
+def test_tokens_the_model_cannot_embed_or_score_are_refused_naming_them():
+    """A host batch is checked against the model's rows before it goes to the device (on CUDA an id beyond
+    them stops the run with a device-side assert that names nothing): an input id beyond the embedding, a
+    label beyond the output layer (Apertus 1.5's is cut to its text tokens: 96 of 160 here), each in one
+    line; peft's copy of a trained head (modules_to_save) reads as the head."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from llama_cp.model.loss import check_token_ids, token_rows
+
+    fields = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8)
+    if "apertus1p5_text" in CONFIG_MAPPING_NAMES:
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("apertus1p5_text", **fields,
+                                                                      output_vocab_size=96))
+        head_rows = 96
+    else:  # transformers without Apertus 1.5: a plain head
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **fields))
+        head_rows = 160
+    assert token_rows(model) == (160, head_rows)
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    assert token_rows(lora) == (160, head_rows)
+    ids = torch.tensor([[3, 159, 7]])
+    check_token_ids({"input_ids": ids, "labels": torch.tensor([[head_rows - 1, -100, 5]])}, 160, head_rows)
+    with pytest.raises(ValueError, match=rf"^a label is token {head_rows}, but the model's output layer has "
+                                         rf"{head_rows} rows: .*set their labels to -100$"):
+        check_token_ids({"input_ids": ids, "labels": torch.tensor([[head_rows, -100, 5]])}, 160, head_rows)
+    with pytest.raises(ValueError, match=r"^the batch holds token 160, but the model's embedding has 160 rows: "
+                                         r".*resize_token_embeddings"):
+        check_token_ids({"chosen_input_ids": torch.tensor([[3, 160]])}, 160, head_rows)
