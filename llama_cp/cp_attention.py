@@ -48,9 +48,8 @@ from llama_cp.attention.local import local_attention
 from llama_cp.attention.ring import _RingAttention
 from llama_cp.attention.ulysses import ulysses_attention
 from llama_cp.modules.causal_lm import base_causal_lm
-from llama_cp.modules.families import (
-    attention_chunk, attention_heads, bind_decoder, check_supported, sliding_windows,
-)
+from llama_cp.modules.families import bind_decoder, check_supported
+from llama_cp.modules.layers import attention_chunk, attention_heads, sliding_windows
 from llama_cp.parallel.sharding import SEQ_INDEX, check_attention_mask, document_starts, unshard, zigzag_index
 
 #: Name under which the attention function is registered with transformers.

@@ -32,7 +32,7 @@ key[t] is what transformers' masking_utils.chunked_overlay compares (kv_idx // C
 The layout is one like any other, so ring, Ulysses, all-gather and hybrid compute it exactly
 through their document paths (a chunk no local query sees is neither computed nor, by the ring,
 sent). ContextParallelAttention makes it from the batch's layout (one document per row without
-one) for the chunked layers only (its ``chunk=``, from families.attention_chunk); the full (NoPE)
+one) for the chunked layers only (its ``chunk=``, from layers.attention_chunk); the full (NoPE)
 layers take the batch's documents. The planner runs chunked layers as full ones (an upper bound).
 
 Note [Query temperature under CP]

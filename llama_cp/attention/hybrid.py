@@ -43,7 +43,7 @@ from llama_cp.parallel.collectives import warm_up_group
 def check_ulysses_degree(strategy: str, ulysses_degree: int, cp: int, heads: int | None = None,
                          heads_name: str | None = None) -> None:
     """One line naming --ulysses_degree and the fix unless it fits ``strategy``, cp and the heads
-    (``heads_name``: how to name them, :func:`llama_cp.modules.families.attention_heads`)."""
+    (``heads_name``: how to name them, :func:`llama_cp.modules.layers.attention_heads`)."""
     if strategy != "hybrid":
         if ulysses_degree:
             raise ValueError(f"--ulysses_degree {ulysses_degree} is only read by --cp_strategy hybrid (got "

@@ -29,7 +29,8 @@ from llama_cp.fsdp_wrap import cast_frozen_parameters, load_full_weights, restor
 from llama_cp.model.loss import enable_chunked_loss
 from llama_cp.modules.experts import apply_expert_gradients
 from llama_cp.modules.checkpoints import checkpoint_config, vision_language_line
-from llama_cp.modules.families import attention_head_dims, attention_heads, check_family, set_router_loss_coef
+from llama_cp.modules.families import check_family, set_router_loss_coef
+from llama_cp.modules.layers import attention_head_dims, attention_heads
 from llama_cp.modules.gguf import gguf_model_dir, gguf_path
 from llama_cp.modules.causal_lm import (
     apply_rope_settings, base_causal_lm, build_causal_lm, compute_dtype, decoder_layers, embedded_llama_config,

@@ -100,7 +100,7 @@ from typing import Any
 
 import torch
 
-from llama_cp.modules.families import attention_head_dim, layer_chunks, layer_configs, layer_windows
+from llama_cp.modules.layers import attention_head_dim, layer_chunks, layer_configs, layer_windows
 
 #: Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per GPU by the exact name
 #: ``torch.cuda.get_device_name()`` reports; a name not here gets no MFU (--peak_tflops sets one).

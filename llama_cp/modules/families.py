@@ -15,7 +15,6 @@ and the fix, rather than trained differently.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -232,8 +231,6 @@ def set_router_loss_coef(config, coef: float) -> None:
     config.router_aux_loss_coef = coef
     config.output_router_logits = coef > 0
 
-#: Families whose attention reads ``config.sliding_window`` itself (others set it per layer).
-_WINDOW_IN_CONFIG = {"mistral", "phi3", "mixtral", "olmoe", "qwen3_moe", "ministral3", "starcoder2"}
 
 _RECURRENT = ("carry a recurrent state along the sequence, which under CP would restart at every rank's shard "
               "(no context-parallel algorithm here passes it across ranks)")
@@ -345,78 +342,6 @@ def transformers_refusal(family: str, transformers_version: str) -> str | None:
         return None
     return (f"model family {family!r} needs transformers >= {'.'.join(map(str, needed))} (installed: "
             f"{transformers_version}): before that {why}; upgrade transformers")
-
-
-def layer_configs(config) -> list:
-    """Each decoder layer's config. A transformers 5 config whose fields vary by layer (Gemma 4's
-    full-attention layers have their own head size and key/value heads) raises where such a field is
-    read on the whole config, and gives each layer's through ``per_layer_config``; any other config
-    is every layer's."""
-    if getattr(config, "is_heterogeneous", False):
-        return config.per_layer_config[:]
-    return [config] * config.num_hidden_layers
-
-
-def attention_head_dim(config) -> int:
-    """The head size attention computes with: the query/key heads' (DeepSeek's multi-head latent
-    attention: qk_nope_head_dim + qk_rope_head_dim; its config's head_dim is the RoPE slice's).
-    ``config``: a layer's (:func:`layer_configs`) where the head size varies by layer."""
-    if getattr(config, "qk_nope_head_dim", None) is not None:
-        return config.qk_nope_head_dim + config.qk_rope_head_dim
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def attention_heads(config) -> tuple[int, str]:
-    """(the query heads Ulysses splits, how to name them in an error): ``num_attention_heads``, or where
-    the count varies by layer (Laguna's ``num_attention_heads_per_layer``) the largest number dividing
-    every layer's: a cp or Ulysses degree that divides it divides each layer's heads."""
-    per_layer = getattr(config, "num_attention_heads_per_layer", None)
-    if per_layer and len(set(per_layer)) > 1:
-        heads = math.gcd(*per_layer)
-        return heads, f"num_attention_heads_per_layer ({', '.join(map(str, sorted(set(per_layer))))}: {heads} divides each)"
-    heads = per_layer[0] if per_layer else config.num_attention_heads
-    return heads, f"num_attention_heads ({heads})"
-
-
-def attention_head_dims(config) -> list[int]:
-    """The head sizes attention computes with, smallest first: one, or Gemma 4's two (windowed and full layers)."""
-    return sorted({attention_head_dim(layer) for layer in layer_configs(config)})
-
-
-def model_family(model: nn.Module) -> str:
-    return base_causal_lm(model).config.model_type
-
-
-def sliding_windows(model: nn.Module) -> set[int]:
-    """The sliding windows (tokens) of ``model``'s attention layers; empty when it has none."""
-    return {w for w in layer_windows(base_causal_lm(model).config) if w is not None}
-
-
-def layer_windows(config) -> list[int | None]:
-    """Each decoder layer's sliding window (None: full attention) as ``config`` sets them: on every
-    layer for the families whose attention takes ``config.sliding_window`` (Qwen3-MoE's config
-    clears it without ``use_sliding_window``), else on the "sliding_attention" ``layer_types``
-    (Qwen2/3, Gemma 2/3), as their attention modules read them."""
-    window = getattr(config, "sliding_window", None)
-    if config.model_type in _WINDOW_IN_CONFIG:
-        return [window] * config.num_hidden_layers
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return [window if kind == "sliding_attention" else None for kind in types]
-
-
-def layer_chunks(config) -> list[int | None]:
-    """Each decoder layer's attention chunk (None: none): Llama 4's "chunked_attention" layer_types
-    take ``config.attention_chunk_size`` (Note [Chunked attention under CP] in llama_cp/attention/chunks.py)."""
-    chunk = getattr(config, "attention_chunk_size", None)
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return [chunk if kind == "chunked_attention" else None for kind in types]
-
-
-def attention_chunk(module: nn.Module) -> int | None:
-    """The attention chunk of an attention ``module``'s layer (None: none; no other family has one)."""
-    if getattr(module.config, "attention_chunk_size", None) is None:
-        return None
-    return layer_chunks(module.config)[module.layer_idx]
 
 
 def bind_decoder(causal_lm: nn.Module) -> None:

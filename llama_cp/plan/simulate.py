@@ -114,7 +114,8 @@ from llama_cp.cp_attention import ContextParallelAttention
 from llama_cp.model.build import cp_strategy, parallelize_model
 from llama_cp.model.flops import model_flops
 from llama_cp.modules.causal_lm import compute_dtype
-from llama_cp.modules.families import attention_head_dims, check_family, layer_chunks
+from llama_cp.modules.families import check_family
+from llama_cp.modules.layers import attention_head_dims, layer_chunks
 from llama_cp.plan.memory import MemoryBreakdown, create_optimizer_state, measure_step_memory, step_peak
 
 # ----------------------------------------------------------------------------- models

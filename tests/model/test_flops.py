@@ -256,7 +256,8 @@ def test_layer_windows_are_those_the_attention_layers_hold(window):
     family's attention modules hold, for every supported family (transformers' own modules)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llama_cp.modules.families import SUPPORTED_FAMILIES, _WINDOW_IN_CONFIG, layer_windows, transformers_refusal
+    from llama_cp.modules.families import SUPPORTED_FAMILIES, transformers_refusal
+    from llama_cp.modules.layers import _WINDOW_IN_CONFIG, layer_windows
 
     base = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -28,7 +28,8 @@ from fsdp_checks import check_cp_against_reference
 from llama_cp import apply_context_parallel
 from llama_cp.cp_attention import UNCOMPUTED_KWARGS, cp_attention_forward
 from llama_cp.modules.experts import apply_expert_gradients
-from llama_cp.modules.families import SUPPORTED_FAMILIES, check_supported, layer_windows, transformers_refusal
+from llama_cp.modules.families import SUPPORTED_FAMILIES, check_supported, transformers_refusal
+from llama_cp.modules.layers import layer_windows
 from test_families import (
     BASE, FUSED_EXPERTS_LORA_PROBLEM, MOE_LOSS, SEQ_LEN, TOLERANCE, TRANSFORMERS_5, VOCAB, WINDOW, WORLD_SIZE, batch,
     hf_reference, mesh_for, rope,
