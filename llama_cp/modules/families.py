@@ -83,6 +83,7 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "gemma4_unified_text": _final_softcap,
     # Granite 3 MoE: Granite's multipliers and logits divided by logits_scaling, softmax-routed experts (the router
     # loss); GraniteMoeShared adds a shared MLP beside them
+    "cwm": _plain,  # Code World Model: Llama's layers, windowed and full layer_types
     "granitemoe": _granite,
     "granitemoeshared": _granite,
     # mixture of experts: the experts are per token (nothing to change under CP); the router's
@@ -269,6 +270,9 @@ _REFUSAL_REASONS = {
     "minimax": f"its lightning-attention layers (linear attention) {_RECURRENT}",
     **dict.fromkeys(("nemotron_h", "jamba", "zamba", "zamba2", "bamba"), f"its Mamba layers {_RECURRENT}"),
     **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"), f"it is a state-space model (Mamba): its layers {_RECURRENT}"),
+    "recurrent_gemma": f"its recurrent layers (RG-LRU) {_RECURRENT}",
+    "rwkv": f"it is a recurrent network (RWKV): its layers {_RECURRENT}",
+    "xlstm": f"it is a recurrent network (xLSTM): its layers {_RECURRENT}",
     # DeepSeek Sparse Attention (V3.2, GLM-5): a learned indexer picks each query's top-k keys
     # A.X K2 and dots3 the same; MiniMax-M3's indexer picks blocks of keys, on its sparse-attention layers
     **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "axk2", "dots3_note_text"),

@@ -108,6 +108,8 @@ FAMILIES = {
         n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
         norm_topk_prob=True, routed_scaling_factor=2.0)),  # every expert gets tokens (transformers 4 and 5)
     "gemma4_unified_text": ("gemma4_unified_text", GEMMA4_UNIFIED),
+    # Code World Model: Llama's layers, layer 1 windowed
+    "cwm": ("cwm", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=WINDOW)),
     # Granite's multipliers (the logits divided by logits_scaling), 4 experts (top 2) in every layer, the router loss
     "granitemoe": ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
                                       residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
@@ -569,6 +571,7 @@ FEATURES = {
     "qwen2_moe: windows": ("qwen2_moe", {}, NO_WINDOWS, None),
     "qwen2_moe: biases": ("qwen2_moe", {}, {}, BIASES),
     "qwen2_moe: shared expert": ("qwen2_moe", {}, {}, _zero("shared_expert.down_proj.weight")),
+    "cwm: windows": ("cwm", {}, NO_WINDOWS, None),
     "granitemoe: multipliers": ("granitemoe", {}, dict(embedding_multiplier=1.0, residual_multiplier=1.0,
                                                        attention_multiplier=8 ** -0.5, logits_scaling=1.0), None),
     "granitemoeshared: shared MLP": ("granitemoeshared", {}, dict(shared_intermediate_size=0), None),
@@ -718,6 +721,8 @@ REFUSED_BY_CONFIG = {
                     r"short-convolution layers read the few tokens before each position"),
     "zaya": r"convolutional attention \(CCA\).*read the few tokens before each position",
     "lara_mini": r"linear-attention layers \(gated DeltaNet.*recurrent state",
+    "recurrent_gemma": r"recurrent layers \(RG-LRU\).*recurrent state",
+    "rwkv": r"recurrent network \(RWKV\).*recurrent state", "xlstm": r"recurrent network \(xLSTM\).*recurrent state",
     **dict.fromkeys(("axk2", "dots3_note_text"), r"learned indexer pick each query's keys"),
     "minimax_m3_vl_text": r"learned indexer pick each query's keys \(its top k blocks",
 }

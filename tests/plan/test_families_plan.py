@@ -96,6 +96,7 @@ FAMILIES = {
     # experts + shared ones in every layer: its model reads no first_k_dense_replace, which a config may carry
     "solar_open": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
                        n_group=1, topk_group=1, first_k_dense_replace=1),
+    "cwm": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=6),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, logits_scaling=2.0),  # experts in every layer
     "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=24),  # + shared MLP
     "laguna": dict(WINDOWED, num_attention_heads_per_layer=[4, 8], num_experts=4, num_experts_per_tok=2,
