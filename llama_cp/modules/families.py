@@ -86,6 +86,11 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "cwm": _plain,  # Code World Model: Llama's layers, windowed and full layer_types
     "granitemoe": _granite,
     "granitemoeshared": _granite,
+    # Granite SWA (granite-swash): windowed and full layers, a RoPE base per layer (0: NoPE), learned sinks applied
+    # as a scale sigmoid(lse - sink) after the softmax (gpt-oss's sinks: Note [Attention sinks under CP]),
+    # Granite's multipliers; its MoE adds Granite 3 MoE's experts, a shared MLP and the router loss
+    "granite_swa": _granite,
+    "granitemoe_swa": _granite,
     # mixture of experts: the experts are per token (nothing to change under CP); the router's
     # load-balancing loss is reduced over every rank (Note [Router loss under CP] in llama_cp/model/loss.py)
     "mixtral": _plain,
@@ -195,7 +200,8 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
 _EXPERTS_FIELD = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts",
                   "qwen2_moe": "num_experts", "gpt_oss": "num_local_experts", "minimax_m2": "num_local_experts",
                   "ernie4_5_moe": "num_experts", "laguna": "num_experts", "flint": "num_experts",
-                  "granitemoe": "num_local_experts", "granitemoeshared": "num_local_experts"}
+                  "granitemoe": "num_local_experts", "granitemoeshared": "num_local_experts",
+                  "granitemoe_swa": "num_local_experts"}
 
 
 @dataclass(frozen=True)
@@ -274,8 +280,8 @@ _REFUSAL_REASONS = {
     "rwkv": f"it is a recurrent network (RWKV): its layers {_RECURRENT}",
     "xlstm": f"it is a recurrent network (xLSTM): its layers {_RECURRENT}",
     # DeepSeek Sparse Attention (V3.2, GLM-5): a learned indexer picks each query's top-k keys
-    # A.X K2 and dots3 the same; MiniMax-M3's indexer picks blocks of keys, on its sparse-attention layers
-    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "axk2", "dots3_note_text"),
+    # A.X K2, dots3 and Hy4 the same; MiniMax-M3's indexer picks blocks of keys, on its sparse-attention layers
+    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "axk2", "dots3_note_text", "hy_v4"),
                     "its sparse attention lets a learned indexer pick each query's keys (its top k of the whole "
                     "sequence), which context-parallel attention does not compute"),
     "minimax_m3_vl_text": "its sparse-attention layers let a learned indexer pick each query's keys (its top k blocks "

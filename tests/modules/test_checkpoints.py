@@ -43,6 +43,9 @@ EXTRA = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, 
                              num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8,
                              vocab_size_per_layer_input=96, final_logit_softcapping=1.0, enable_moe_block=True,
                              num_experts=4, top_k_experts=2, moe_intermediate_size=16),
+         # Granite SWA: a RoPE base per layer (0: none), one per layer of TEXT
+         "granite_swa": dict(layer_rope_theta=[0.0, 10000.0]),
+         "granitemoe_swa": dict(layer_rope_theta=[0.0, 10000.0], num_local_experts=4),
          # Gemma 4 12B: no per-layer inputs and no expert block
          "gemma4_unified_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6,
                                      global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,

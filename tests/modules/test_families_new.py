@@ -114,6 +114,19 @@ FAMILIES = {
     "granitemoe": ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
                                       residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
                                       **MOE_LOSS)),
+    # Granite SWA: layer 0 full without RoPE (layer_rope_theta 0), layer 1 windowed with it, learned sinks (as
+    # gpt-oss's: a scale sigmoid(lse - sink) after the softmax), Granite's multipliers; transformers runs it eager only;
+    # weights 4x the usual init (at 0.02 the full layer's NoPE moved the logits by 8e-5 only: the scores were near 0)
+    "granite_swa": ("granite_swa", dict(attn_implementation="eager", initializer_range=0.08, layer_types=["full_attention", "sliding_attention"],
+                                        sliding_window=WINDOW, layer_rope_theta=[0.0, 10000.0],
+                                        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                                        logits_scaling=2.0)),
+    # + Granite 3 MoE's experts and a shared MLP, the router loss
+    "granitemoe_swa": ("granitemoe_swa", dict(attn_implementation="eager",
+                                              layer_types=["full_attention", "sliding_attention"], sliding_window=WINDOW,
+                                              layer_rope_theta=[0.0, 10000.0], num_local_experts=4,
+                                              num_experts_per_tok=2, shared_intermediate_size=32, logits_scaling=2.0,
+                                              **MOE_LOSS)),
     # + a shared MLP beside the experts
     "granitemoeshared": ("granitemoeshared", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
                                                   residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
@@ -209,12 +222,13 @@ FAMILIES = {
     "flint": ("flint", dict(**SLIDING_FULL, attn_implementation="eager", num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=16, shared_expert_intermediate_size=32, mlp_only_layers=[0], **MOE_LOSS)),
 }
-MOE = {"laguna", "beam", "flint", "granitemoe", "granitemoeshared", "glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe",
+MOE = {"laguna", "beam", "flint", "granitemoe", "granitemoeshared", "granitemoe_swa", "glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe",
        "afmoe", "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe", "flex_olmo", "sarvam_moe", "mellum"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
-#: LayerNorm, Gemma 4's (12B's too), Helium's and VaultGemma's RMSNorm), routers in float32 (GLM-4.5's gate and its
+#: LayerNorm, Gemma 4's (12B's too), Helium's and VaultGemma's RMSNorm), Granite SWA's attention (its softmax and
+#: sink scale in float32), routers in float32 (GLM-4.5's gate and its
 #: score bias), the router loss.
-FLOAT32_ONLY = {"cohere2", "gemma4_text", "gemma4_unified_text", "helium", "vaultgemma", *MOE}
+FLOAT32_ONLY = {"cohere2", "gemma4_text", "gemma4_unified_text", "granite_swa", "helium", "vaultgemma", *MOE}
 
 
 #: MoE families whose transformers 4 models fail in float64 themselves, single-process (4.56.2: GLM-4.5's and
@@ -572,6 +586,13 @@ FEATURES = {
     "qwen2_moe: biases": ("qwen2_moe", {}, {}, BIASES),
     "qwen2_moe: shared expert": ("qwen2_moe", {}, {}, _zero("shared_expert.down_proj.weight")),
     "cwm: windows": ("cwm", {}, NO_WINDOWS, None),
+    "granite_swa: windows": ("granite_swa", {}, NO_WINDOWS, None),
+    "granite_swa: sinks": ("granite_swa", {}, {}, _no_sinks),
+    "granite_swa: NoPE full layer": ("granite_swa", {}, dict(layer_rope_theta=[10000.0, 10000.0]), None),
+    "granite_swa: multipliers": ("granite_swa", {}, dict(embedding_multiplier=1.0, residual_multiplier=1.0,
+                                                         attention_multiplier=8 ** -0.5, logits_scaling=1.0), None),
+    "granitemoe_swa: sinks": ("granitemoe_swa", {}, {}, _no_sinks),
+    "granitemoe_swa: shared MLP": ("granitemoe_swa", {}, dict(shared_intermediate_size=0), None),
     "granitemoe: multipliers": ("granitemoe", {}, dict(embedding_multiplier=1.0, residual_multiplier=1.0,
                                                        attention_multiplier=8 ** -0.5, logits_scaling=1.0), None),
     "granitemoeshared: shared MLP": ("granitemoeshared", {}, dict(shared_intermediate_size=0), None),
@@ -723,7 +744,7 @@ REFUSED_BY_CONFIG = {
     "lara_mini": r"linear-attention layers \(gated DeltaNet.*recurrent state",
     "recurrent_gemma": r"recurrent layers \(RG-LRU\).*recurrent state",
     "rwkv": r"recurrent network \(RWKV\).*recurrent state", "xlstm": r"recurrent network \(xLSTM\).*recurrent state",
-    **dict.fromkeys(("axk2", "dots3_note_text"), r"learned indexer pick each query's keys"),
+    **dict.fromkeys(("axk2", "dots3_note_text", "hy_v4"), r"learned indexer pick each query's keys"),
     "minimax_m3_vl_text": r"learned indexer pick each query's keys \(its top k blocks",
 }
 

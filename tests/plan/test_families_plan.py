@@ -97,6 +97,11 @@ FAMILIES = {
     "solar_open": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
                        n_group=1, topk_group=1, first_k_dense_replace=1),
     "cwm": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=6),
+    # layer 0 full without RoPE, layer 1 windowed, sinks (no FLOPs of their own); + experts and a shared MLP
+    "granite_swa": dict(WINDOWED, layer_types=["full_attention", "sliding_attention"], layer_rope_theta=[0.0, 10000.0]),
+    "granitemoe_swa": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=6,
+                           layer_rope_theta=[0.0, 10000.0], num_local_experts=4, num_experts_per_tok=2,
+                           shared_intermediate_size=24),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, logits_scaling=2.0),  # experts in every layer
     "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=24),  # + shared MLP
     "laguna": dict(WINDOWED, num_attention_heads_per_layer=[4, 8], num_experts=4, num_experts_per_tok=2,
@@ -124,7 +129,7 @@ FAMILIES["axk1"] = dict(MLA, q_lora_rank=12)
 #: layer 0 RoPE, chunks of 6, a dense MLP of intermediate_size_mlp; layer 1 NoPE, full, 4 experts (top 1) + a shared one
 FAMILIES["llama4_text"] = dict(no_rope_layers=[1, 0], attention_chunk_size=6, num_local_experts=4,
                                num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size_mlp=48)
-MOE = {"laguna", "beam", "flint", "granitemoe", "granitemoeshared", "axk1", "glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "minimax_m2", "dots1",
+MOE = {"laguna", "beam", "flint", "granitemoe", "granitemoeshared", "granitemoe_swa", "axk1", "glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "minimax_m2", "dots1",
        "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe", "solar_open", "hy_v3", "mimo_v2_flash",
        "cohere2_moe", "flex_olmo", "sarvam_moe", "mellum"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
