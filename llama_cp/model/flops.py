@@ -327,7 +327,7 @@ def _attention_linears(config: Any, shape: dict) -> dict[str, tuple[int, int]]:
         if values:
             linears["v_proj"] = (shape["hidden"], shape["kv_heads"] * values)
             linears["o_proj"] = (shape["heads"] * values, shape["hidden"])
-        if config.model_type in ("afmoe", "beam"):  # AfmoeAttention.gate_proj: a sigmoid gate on each head's output
+        if config.model_type in ("afmoe", "beam"):  # Afmoe's and Beam's gate_proj: a sigmoid gate on each head's output
             linears["gate_proj"] = _LAYER_LINEARS["q_proj"](shape)
         if config.model_type == "laguna":  # LagunaAttention.g_proj: a softplus gate per head, or per element
             per_head = config.gating is True or config.gating == "per-head"

@@ -86,9 +86,9 @@ def token_rows(model: nn.Module) -> tuple[int, int]:
 
 
 def check_token_ids(batch: dict[str, torch.Tensor], embedding_rows: int, head_rows: int) -> None:
-    """ValueError naming the token and the fix where a host batch holds a token id beyond ``model``'s
-    embedding, or a label beyond its output layer (:func:`token_rows`); on CUDA either would stop the run
-    with a device-side assert that names neither."""
+    """ValueError naming the token and the fix where a host batch holds a token id beyond the model's
+    ``embedding_rows``, or a label beyond its output layer's ``head_rows`` (:func:`token_rows`); on CUDA
+    either would stop the run with a device-side assert that names neither."""
     for key, tensor in batch.items():
         if not key.endswith(("input_ids", "labels")) or not tensor.numel():
             continue

@@ -38,16 +38,14 @@ def _plain(config) -> LogitTransform:
     return LogitTransform()
 
 
-def _granite(config) -> LogitTransform:  # GraniteForCausalLM: logits / config.logits_scaling
+# GraniteForCausalLM: logits / config.logits_scaling; MiniCPM3ForCausalLM: lm_head(hidden / config.logits_scaling),
+# the same logits (its lm_head has no bias)
+def _granite(config) -> LogitTransform:
     return LogitTransform(scale=1.0 / config.logits_scaling)
 
 
 def _hyperclovax(config) -> LogitTransform:  # HyperCLOVAXForCausalLM: logits * config.logits_scaling
     return LogitTransform(scale=config.logits_scaling)
-
-
-def _minicpm3(config) -> LogitTransform:  # MiniCPM3ForCausalLM: lm_head(hidden / config.logits_scaling)
-    return LogitTransform(scale=1.0 / config.logits_scaling)
 
 
 def _cohere(config) -> LogitTransform:  # CohereForCausalLM: logits * config.logit_scale
@@ -190,7 +188,7 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     "laguna": _plain,
     "beam": _final_softcap,
     "flint": _plain,
-    "minicpm3": _minicpm3,
+    "minicpm3": _granite,
     "youtu": _plain,
     "axk1": _plain,
 }

@@ -117,16 +117,17 @@ FAMILIES = {
     # Granite SWA: layer 0 full without RoPE (layer_rope_theta 0), layer 1 windowed with it, learned sinks (as
     # gpt-oss's: a scale sigmoid(lse - sink) after the softmax), Granite's multipliers; transformers runs it eager only;
     # weights 4x the usual init (at 0.02 the full layer's NoPE moved the logits by 8e-5 only: the scores were near 0)
-    "granite_swa": ("granite_swa", dict(attn_implementation="eager", initializer_range=0.08, layer_types=["full_attention", "sliding_attention"],
+    "granite_swa": ("granite_swa", dict(attn_implementation="eager", initializer_range=0.08,
+                                        layer_types=["full_attention", "sliding_attention"],
                                         sliding_window=WINDOW, layer_rope_theta=[0.0, 10000.0],
                                         embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
                                         logits_scaling=2.0)),
     # + Granite 3 MoE's experts and a shared MLP, the router loss
     "granitemoe_swa": ("granitemoe_swa", dict(attn_implementation="eager",
-                                              layer_types=["full_attention", "sliding_attention"], sliding_window=WINDOW,
-                                              layer_rope_theta=[0.0, 10000.0], num_local_experts=4,
-                                              num_experts_per_tok=2, shared_intermediate_size=32, logits_scaling=2.0,
-                                              **MOE_LOSS)),
+                                              layer_types=["full_attention", "sliding_attention"],
+                                              sliding_window=WINDOW, layer_rope_theta=[0.0, 10000.0],
+                                              num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
+                                              logits_scaling=2.0, **MOE_LOSS)),
     # + a shared MLP beside the experts
     "granitemoeshared": ("granitemoeshared", dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
                                                   residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
@@ -208,22 +209,29 @@ FAMILIES = {
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32,
         mlp_only_layers=[0], qkv_bias=True, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2,
         **MOE_LOSS)),
-    "laguna": ("laguna", dict(**SLIDING_FULL, num_attention_heads_per_layer=[4, 8], num_experts=4, num_experts_per_tok=2,
-                              moe_intermediate_size=16, shared_expert_intermediate_size=16,
+    # Laguna: 4 query heads on layer 0, 8 on layer 1 (windowed, then full with half of each head rotated), a
+    # softplus gate on the attention output, layer 0 dense, layer 1 sigmoid-routed experts and a shared one
+    "laguna": ("laguna", dict(**SLIDING_FULL, num_attention_heads_per_layer=[4, 8], num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
                               mlp_layer_types=["dense", "sparse"], rope_parameters={
                                   "sliding_attention": dict(rope_type="default", rope_theta=100.0),
                                   "full_attention": dict(rope_type="default", rope_theta=10000.0,
                                                          partial_rotary_factor=0.5)}, **MOE_LOSS)),
+    # Beam: layer 0 windowed with RoPE and dense, layer 1 full without RoPE (its queries scaled by position),
+    # experts chosen by group with a score bias; a sigmoid gate on the attention output, the final soft-cap
     "beam": ("beam", dict(**SLIDING_FULL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_group=2,
                           topk_group=1, routed_scaling_factor=2.0, final_logit_softcapping=1.0,
                           mlp_layer_types=["dense", "sparse"], rope_parameters={
                               "sliding_attention": dict(rope_type="default", rope_theta=100.0),
                               "full_attention": None})),
+    # Flint: sinks, layer 0 windowed with RoPE and dense, layer 1 full without RoPE, experts and an ungated shared one
     "flint": ("flint", dict(**SLIDING_FULL, attn_implementation="eager", num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=16, shared_expert_intermediate_size=32, mlp_only_layers=[0], **MOE_LOSS)),
+                            moe_intermediate_size=16, shared_expert_intermediate_size=32, mlp_only_layers=[0],
+                            **MOE_LOSS)),
 }
-MOE = {"laguna", "beam", "flint", "granitemoe", "granitemoeshared", "granitemoe_swa", "glm4_moe", "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe",
-       "afmoe", "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe", "flex_olmo", "sarvam_moe", "mellum"}
+MOE = {"laguna", "beam", "flint", "granitemoe", "granitemoeshared", "granitemoe_swa", "glm4_moe", "qwen2_moe",
+       "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe", "solar_open",
+       "hy_v3", "mimo_v2_flash", "cohere2_moe", "flex_olmo", "sarvam_moe", "mellum"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
 #: LayerNorm, Gemma 4's (12B's too), Helium's and VaultGemma's RMSNorm), Granite SWA's attention (its softmax and
 #: sink scale in float32), routers in float32 (GLM-4.5's gate and its
@@ -416,9 +424,9 @@ def check_lora(name: str, strategy: str):
 
     from llama_cp.model.build import check_lora_targets
 
-    # Granite 3 MoE holds its experts under block_sparse_moe
-    experts = [] if name not in MOE else [f"block_sparse_moe.experts.{parameter}" for parameter in (
-        "gate_up_proj", "down_proj")] if name.startswith("granitemoe") else EXPERTS
+    experts = EXPERTS if name in MOE else []
+    if name.startswith("granitemoe"):  # Granite 3 MoE holds its experts under block_sparse_moe
+        experts = [target.replace("mlp.", "block_sparse_moe.") for target in EXPERTS]
     reference = family_model(name, torch.float64)
     check_lora_targets(reference, LORA_TARGETS, experts)
     moe_layers = sum(name.endswith("experts.down_proj") for name, _ in reference.named_parameters())
@@ -452,24 +460,23 @@ for _index, _name in enumerate(ISSUE_47):
                or skip_reason(_name, torch.float64), group=2)
 
 
-def _zero(*suffixes: str):
-    """A change of a built model: the parameters whose names end with one of ``suffixes`` zeroed."""
+def _fill(value: float, *suffixes: str):
+    """A change of a built model: the parameters and buffers whose names end with one of ``suffixes`` set
+    to ``value``."""
     def change(model):
         with torch.no_grad():
             for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
                 if name.endswith(suffixes):
-                    tensor.zero_()
+                    tensor.fill_(value)
     return change
+
+
+def _zero(*suffixes: str):
+    return _fill(0.0, *suffixes)
 
 
 def _ones(*suffixes: str):
-    """A change of a built model: the tensors whose names end with one of ``suffixes`` set to ones."""
-    def change(model):
-        with torch.no_grad():
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                if name.endswith(suffixes):
-                    tensor.fill_(1.0)
-    return change
+    return _fill(1.0, *suffixes)
 
 
 BIASES = _zero("_proj.bias")
@@ -485,6 +492,10 @@ NO_WINDOWS = dict(sliding_window=SEQ_LEN)
 #: Full layers without RoPE (windows as long as the sequence are no-ops) against the same layers
 #: made windowed ones, which take RoPE.
 NOPE_OFF = dict(layer_types=["sliding_attention"] * 2, sliding_window=SEQ_LEN)
+#: Gemma 4's RoPE without the quarter-head "proportional" rotation of its full layers (the whole head rotated)
+WHOLE_HEAD_ROPE = dict(rope_parameters={
+    "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+    "full_attention": dict(rope_type="proportional", partial_rotary_factor=1.0, rope_theta=1e6)})
 #: "family: feature" -> (family, config overrides with the feature, config overrides and a change
 #: of the built model without it).
 FEATURES = {
@@ -514,17 +525,13 @@ FEATURES = {
                                                                               "llama_4_scaling_beta": 0.0}), None),
     "apertus: biases": ("apertus", {}, {}, BIASES),
     "gemma4_text: windows": ("gemma4_text", {}, NO_WINDOWS, None),
-    "gemma4_text: proportional RoPE": ("gemma4_text", {}, dict(rope_parameters={
-        "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
-        "full_attention": dict(rope_type="proportional", partial_rotary_factor=1.0, rope_theta=1e6)}), None),
+    "gemma4_text: proportional RoPE": ("gemma4_text", {}, WHOLE_HEAD_ROPE, None),
     "gemma4_text: per-layer inputs": ("gemma4_text", {}, {}, _zero("per_layer_projection.weight")),
     "gemma4_text: logit soft-cap": ("gemma4_text", {}, dict(final_logit_softcapping=None), None),
     "gemma4_moe: experts": ("gemma4_moe", {}, {}, _zero("experts.down_proj")),
     "gemma4_text: layer scalars": ("gemma4_text", {}, {}, _ones("layer_scalar")),
     "gemma4_unified_text: windows": ("gemma4_unified_text", {}, NO_WINDOWS, None),
-    "gemma4_unified_text: proportional RoPE": ("gemma4_unified_text", {}, dict(rope_parameters={
-        "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
-        "full_attention": dict(rope_type="proportional", partial_rotary_factor=1.0, rope_theta=1e6)}), None),
+    "gemma4_unified_text: proportional RoPE": ("gemma4_unified_text", {}, WHOLE_HEAD_ROPE, None),
     "gemma4_unified_text: layer scalars": ("gemma4_unified_text", {}, {}, _ones("layer_scalar")),
     "gemma4_unified_text: logit soft-cap": ("gemma4_unified_text", {}, dict(final_logit_softcapping=None), None),
     "gemma4_unified_text: double-wide MLP": ("gemma4_unified_text", {}, dict(use_double_wide_mlp=False), None),
