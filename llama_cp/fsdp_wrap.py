@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from llama_cp.modules.altup import clamp_sharded_altup
 from llama_cp.modules.causal_lm import base_causal_lm, compute_dtype, decoder_layers
 from llama_cp.modules.checkpoints import safetensors_files, text_model_tensors
 from llama_cp.modules.quantize import quantize_checkpoint, quantized_linears
@@ -110,7 +111,8 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
 ) -> None:
-    """``fully_shard`` each decoder layer, then [final norm, lm_head], then the root."""
+    """``fully_shard`` each decoder layer, then [final norm, lm_head], then the root (and Gemma 3n's AltUp
+    clamp on the shards: Note [AltUp's clamp under FSDP2] in llama_cp/modules/altup.py)."""
     shard_mesh = fsdp_mesh(mesh)
     # On a CPU mesh the policy's copies are to the same device (the tests' case); pinning needs an accelerator.
     pinned = shard_mesh.device_type != "cpu"
@@ -138,6 +140,7 @@ def apply_fsdp(
             # collectives also keep gloo working (it has no pre-multiplied sum)
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    clamp_sharded_altup(model)  # Note [AltUp's clamp under FSDP2]
 
 
 def shard_model(

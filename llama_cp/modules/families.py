@@ -79,6 +79,12 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # Gemma 4 12B (Gemma4UnifiedForCausalLM): Gemma 4's layers without per-layer inputs or expert blocks, each
     # layer's output scaled by its layer_scalar
     "gemma4_unified_text": _final_softcap,
+    # Gemma 3n (Gemma3nForCausalLM): windowed and full layers, the last num_kv_shared_layers reusing the keys and
+    # values an earlier layer passed to attention (as Gemma 4's); AltUp (altup_num_inputs copies of the hidden
+    # state, predicted and corrected per token), LAuReL, per-layer inputs, per-layer MLP sizes and a Gaussian
+    # top-k on the first layers' MLP activations, all per token; AltUp's in-place coefficient clamp under FSDP2:
+    # Note [AltUp's clamp under FSDP2]
+    "gemma3n_text": _final_softcap,
     # Granite 3 MoE: Granite's multipliers and logits divided by logits_scaling, softmax-routed experts (the router
     # loss); GraniteMoeShared adds a shared MLP beside them
     "cwm": _plain,  # Code World Model: Llama's layers, windowed and full layer_types

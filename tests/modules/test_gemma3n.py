@@ -1,0 +1,202 @@
+"""Gemma 3n's text model (gemma3n_text, Gemma3nForCausalLM; its gemma3n vision-language checkpoints are read as
+it) under context parallelism against plain single-process transformers on 4 CPU ranks (gloo), with the BASE
+model, batch, meshes and tolerances of tests/modules/test_families.py and the runs of test_families_new.py.
+
+What Gemma 3n adds, each made to count (``features_change_the_result`` records how far the logits move
+without it): four layers (windowed, full, windowed, full), the last two reusing the first two's keys and values
+(as Gemma 4's); AltUp's four copies of the hidden state, predicted before each layer and corrected after it, its
+prediction coefficients clamped in place to +-altup_coef_clip in training (set here below their spread, so the
+clamp acts); LAuReL's low-rank residual; per-layer inputs (their own embedding of the tokens, gated by the
+corrected output); each layer's own MLP size and a Gaussian top-k on the first two layers' MLP activations; the
+logit soft-cap. Checked: logits, chunked loss and every gradient under ring, Ulysses, all-gather and hybrid, cp
+1, 2 and 4, plain and FSDP, float32 and float64 (its RMSNorm computes in float32: float64 agrees to float32
+precision), each layer checkpointed as the trainer does it, packed documents, peft's LoRA; and two optimizer
+steps under FSDP2 with the clamp acting (Note [AltUp's clamp under FSDP2]).
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+from dist_harness import Checks
+from document_checks import documents_batch
+from fsdp_checks import check_cp_against_reference
+from llama_cp.modules.families import transformers_refusal
+from test_families import BASE, SEQ_LEN, TOLERANCE, VOCAB, WINDOW, WORLD_SIZE, batch, mesh_for
+from test_families_new import NO_WINDOWS, RUNS, _zero
+
+checks = Checks(setup=lambda sizes: [mesh_for(cp) for cp in sorted(sizes)])
+F32, F64 = torch.float32, torch.float64
+TOL = TOLERANCE[F32]  # float32 RMSNorm: the module docstring
+
+#: four layers of their own MLP sizes, the last two reusing the first two's keys and values; per-layer inputs
+#: embedded from a table of 64 of the 96 tokens (transformers maps the others to token 0); the clamp at 0.02,
+#: about the coefficients' spread (initializer_range 0.02)
+GEMMA3N = dict(BASE, num_hidden_layers=4, intermediate_size=[64, 48, 64, 32],
+               layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=WINDOW, num_kv_shared_layers=2,
+               hidden_size_per_layer_input=8, vocab_size_per_layer_input=64, laurel_rank=4,
+               activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0], altup_coef_clip=0.02,
+               final_logit_softcapping=1.0)
+PACKED_LENGTHS = [[5, 1, 14, 12], [9, 23]]
+
+
+def skip_reason() -> str | None:
+    if "gemma3n_text" not in CONFIG_MAPPING_NAMES:
+        return f"transformers {transformers.__version__} has no 'gemma3n_text'"
+    return transformers_refusal("gemma3n_text", transformers.__version__)
+
+
+SKIP = skip_reason()
+
+
+def gemma3n_model(dtype=F32, **overrides):
+    """The model in ``dtype``, AltUp's output scales set to 0.5-1.5 (zeros at init: the per-layer inputs would
+    add nothing) and the prediction coefficients beyond the clamp at two places of each layer."""
+    config = AutoConfig.for_model("gemma3n_text", **{**GEMMA3N, **overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(dtype)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("altup.correct_output_scale"):
+                tensor.copy_(0.5 + torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype))
+            if name.endswith("altup.prediction_coefs.weight"):
+                tensor[0, 0], tensor[-1, -1] = 2.0, -2.0
+    return model
+
+
+def forward_and_loss(model, data):
+    logits = model(input_ids=data["input_ids"], position_ids=data.get("position_ids"), use_cache=False).logits
+    return logits, F.cross_entropy(logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
+
+
+def with_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "laurel.linear_left"]))
+
+
+@functools.cache
+def reference(dtype: torch.dtype, packed: bool = False, lora: bool = False, checkpointed: bool = False):
+    """(pristine, reference, data, logits, loss), built once per rank: ``reference`` after its forward and
+    backward (the checks read its gradients), ``pristine`` an untouched copy (its coefficients not clamped)."""
+    model = gemma3n_model(dtype)
+    if lora:
+        model = with_lora(model)
+    pristine = copy.deepcopy(model)
+    if checkpointed:
+        from llama_cp.fsdp_wrap import apply_activation_checkpointing
+
+        apply_activation_checkpointing(pristine)
+        assert all(layer.gradient_checkpointing for layer in pristine.model.layers)
+    data = documents_batch(batch()["input_ids"], PACKED_LENGTHS) if packed else batch()
+    assert model.training
+    logits, loss = forward_and_loss(model, data)
+    if not packed and not lora:  # transformers' own loss (labels unshifted: it shifts them)
+        hf_labels = torch.cat([torch.full((data["labels"].shape[0], 1), -100), data["labels"][:, :-1]], dim=1)
+        torch.testing.assert_close(model(input_ids=data["input_ids"], labels=hf_labels).loss.float(), loss.float(),
+                                   **TOL)
+    loss.backward()
+    return pristine, model, data, logits.detach(), loss.detach()
+
+
+def check(strategy: str, cp: int, sharded: bool, dtype: torch.dtype, packed: bool = False, lora: bool = False,
+          checkpointed: bool = False):
+    """The CP run's logits, loss and gradients against transformers', then its parameters against the reference's
+    after both forwards: the coefficients transformers clamped in place are clamped in each rank's shard too
+    (Note [AltUp's clamp under FSDP2]), so the optimizer steps what single-process transformers would."""
+    pristine, reference_model, data, logits, loss = reference(dtype, packed, lora, checkpointed)
+    model = copy.deepcopy(pristine)
+    check_cp_against_reference(model, reference_model, data, logits, loss, mesh_for(cp), strategy=strategy,
+                               sharded=sharded, tol=TOL, max_seq_len=SEQ_LEN,
+                               ulysses_degree=2 if strategy == "hybrid" else 0)
+    clamped = 0
+    for (name, param), want in zip(model.named_parameters(), reference_model.parameters(), strict=True):
+        clamped += "prediction_coefs" in name and bool((pristine.get_parameter(name) != want).any())
+        if isinstance(param, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            param, want = param.to_local(), want[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        torch.testing.assert_close(param.detach(), want.detach(), atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    assert clamped > 0, "no shard of the coefficients was clamped: the check proves nothing"
+
+
+def _add(strategy: str, cp: int, sharded: bool, dtype: torch.dtype, packed: bool = False, lora: bool = False,
+         checkpointed: bool = False):
+    extras = f"{'_packed' if packed else ''}{'_lora' if lora else ''}{'_checkpointed' if checkpointed else ''}"
+    checks.add(functools.partial(check, strategy, cp, sharded, dtype, packed, lora, checkpointed),
+               name=f"gemma3n_{strategy}_cp{cp}_{'fsdp' if sharded else 'plain'}_{str(dtype)[6:]}{extras}",
+               skip=SKIP, group=None if sharded else cp)
+
+
+for _run in RUNS:  # every strategy, cp 1, 2 and 4, plain and FSDP, float32 and float64
+    _add(*_run)
+_add("ring", 2, True, F32, packed=True)
+_add("allgather", 4, True, F32, packed=True)
+_add("ulysses", 2, False, F64, lora=True)
+_add("ring", 2, True, F32, checkpointed=True)
+
+
+@functools.partial(checks.add, group=1, skip=SKIP)
+def features_change_the_result():
+    """Each feature moves the logits by more than 1e-3 when switched off (the assertion message lists how
+    far), and transformers' packed rows equal each document run alone (the packed checks' reference)."""
+    data = documents_batch(batch()["input_ids"], PACKED_LENGTHS)
+    ids = data["input_ids"]
+    moved = {}
+    with torch.no_grad():
+        whole = gemma3n_model()(input_ids=ids).logits
+        for feature, overrides, change in (
+            ("windows", NO_WINDOWS, None),
+            ("logit soft-cap", dict(final_logit_softcapping=1e6), None),  # its config takes no None
+            ("keys and values reused", dict(num_kv_shared_layers=0), None),
+            ("AltUp coefficient clamp", dict(altup_coef_clip=120.0), None),  # the released configs' clamp
+            ("AltUp corrected output scale", dict(altup_correct_scale=False), None),
+            ("LAuReL", {}, _zero("laurel.linear_right.weight")),
+            ("per-layer inputs", {}, _zero("per_layer_projection.weight")),
+            ("Gaussian top-k activations", dict(activation_sparsity_pattern=[0.0] * 4), None),
+        ):
+            off = gemma3n_model(**overrides)
+            if change is not None:
+                change(off)
+            moved[feature] = float((whole - off(input_ids=ids).logits).abs().max())
+        model = gemma3n_model()
+        packed = forward_and_loss(model, data)[0]
+        alone = [model(input_ids=ids[row:row + 1, a:a + n], position_ids=data["position_ids"][row:row + 1, a:a + n]
+                       ).logits for row, lengths in enumerate(PACKED_LENGTHS)
+                 for a, n in zip([sum(lengths[:i]) for i in range(len(lengths))], lengths)]
+        torch.testing.assert_close(packed, torch.cat(alone, dim=1).view_as(packed), **TOL)
+        moved["documents"] = float((packed - model(input_ids=ids).logits).abs().max())
+    assert min(moved.values()) > 1e-3, moved
+
+
+results = checks.module_fixture(__name__, WORLD_SIZE)
+
+
+@pytest.mark.parametrize("name", checks.names)
+def test_check(results, name):
+    checks.assert_passed(results, name)
+
+
+def test_test_model_holds_the_features_it_is_checked_for():
+    """The layers that reuse keys and values hold no k/v projections, each layer its own MLP size, the first two
+    the Gaussian top-k; the clamp acts on each layer's coefficients."""
+    if SKIP:
+        pytest.skip(SKIP)
+    model = gemma3n_model()
+    layers = model.model.layers
+    assert [hasattr(layer.self_attn, "k_proj") for layer in layers] == [True, True, False, False]
+    assert [layer.mlp.intermediate_size for layer in layers] == [64, 48, 64, 32]
+    assert [layer.mlp.activation_sparsity for layer in layers] == [0.95, 0.95, 0.0, 0.0]
+    assert all(float(layer.altup.prediction_coefs.weight.abs().max()) > 0.02 for layer in layers)
+    model(input_ids=batch()["input_ids"])
+    assert all(float(layer.altup.prediction_coefs.weight.abs().max()) == pytest.approx(0.02) for layer in layers)
