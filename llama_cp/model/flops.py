@@ -100,6 +100,7 @@ from typing import Any
 
 import torch
 
+from llama_cp.model.flops_gemma import gemma3n_layer_flops, gemma4_layer_flops
 from llama_cp.modules.layers import attention_head_dim, layer_chunks, layer_configs, layer_windows
 
 #: Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per GPU by the exact name
@@ -242,7 +243,9 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
         attention = _attention_linears(layer, shape)
         top_k, experts = _moe(config, index)
         if config.model_type in ("gemma4_text", "gemma4_unified_text"):
-            decoder += _gemma4_layer_flops(config, index, shape, attention, linear, layer_flops)
+            decoder += gemma4_layer_flops(config, index, shape, attention, linear, layer_flops)
+        elif config.model_type == "gemma3n_text":
+            decoder += gemma3n_layer_flops(config, index, shape, attention, linear, layer_flops)
         elif experts and _is_moe_layer(config, index):
             expert_size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size  # Cohere2-MoE
             expert = {**shape, "intermediate": expert_size}
@@ -259,6 +262,9 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     if getattr(config, "hidden_size_per_layer_input", None):  # Gemma 4's per-layer inputs, once per token
         decoder += linear("per_layer_model_projection", config.hidden_size,
                           layers * config.hidden_size_per_layer_input)
+    if config.model_type == "gemma3n_text":  # AltUp's copies of the hidden state made, and merged back
+        for name in ("altup_projections", "altup_unembed_projections"):
+            decoder += (config.altup_num_inputs - 1) * linear(name, config.hidden_size, config.hidden_size)
     # Apertus 1.5's output layer keeps the first output_vocab_size rows (its text tokens) of the vocabulary
     head_in, head_out = config.hidden_size, getattr(config, "output_vocab_size", None) or config.vocab_size
     head = 2 * (3 if "lm_head" in trained else weight_passes) * head_in * head_out
@@ -286,30 +292,6 @@ def _shape(config: Any) -> dict:
                          or getattr(config, "prefix_dense_intermediate_size", None)
                          or getattr(config, "intermediate_size", None) or 0),
     }
-
-
-def _gemma4_layer_flops(config: Any, index: int, shape: dict, attention: dict, linear, layer_flops) -> int:
-    """A Gemma 4 decoder layer (transformers 5.24 models/gemma4, Gemma4TextDecoderLayer): the layers that
-    reuse an earlier layer's keys and values have no k/v projections (and, with use_double_wide_mlp, an MLP
-    twice as wide), full layers with attention_k_eq_v no v projection (their values are their keys); with
-    enable_moe_block a router and the top k of the experts beside the MLP; with per-layer inputs, their gate
-    (hidden -> per-layer size) and projection back. Gemma 4 12B's config (gemma4_unified_text) has neither
-    of the last two fields."""
-    reuses = index >= config.num_hidden_layers - (config.num_kv_shared_layers or 0)
-    full = config.layer_types[index] != "sliding_attention"
-    attention = {name: features for name, features in attention.items()
-                 if not (reuses and name in ("k_proj", "v_proj") or config.attention_k_eq_v and full and
-                         name == "v_proj")}
-    wide = 2 if config.use_double_wide_mlp and reuses else 1
-    flops = layer_flops(1, {**shape, "intermediate": wide * config.intermediate_size}, attention, shape)
-    if getattr(config, "enable_moe_block", False):
-        flops += linear("proj", config.hidden_size, config.num_experts)  # the router
-        flops += layer_flops(config.top_k_experts, {**shape, "intermediate": config.moe_intermediate_size}, None,
-                             shape)
-    if getattr(config, "hidden_size_per_layer_input", None):
-        flops += linear("per_layer_input_gate", config.hidden_size, config.hidden_size_per_layer_input)
-        flops += linear("per_layer_projection", config.hidden_size_per_layer_input, config.hidden_size)
-    return flops
 
 
 def _value_head_dim(config: Any) -> int:

@@ -16,12 +16,14 @@ import torch
 
 # Note [The text model of a vision-language checkpoint]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Gemma 3 from 4B up, every Gemma 4, Mistral Small 3.1/3.2, Ministral 3, every Llama 4 and Apertus 1.5
-# are released as vision-language checkpoints: config model_type gemma3 / gemma4 (gemma4_unified: 12B) /
-# mistral3 / llama4 / apertus1p5 (Gemma3-, Gemma4-, Gemma4Unified-, Mistral3-, Llama4- and
-# Apertus1p5ForConditionalGeneration; Gemma 4's small ones hold an audio tower too, Apertus 1.5 image
-# and audio tokenizers whose codes are tokens of its vocabulary), the language model's settings in
-# config.text_config.
+# Gemma 3 from 4B up, every Gemma 3n and Gemma 4, Mistral Small 3.1/3.2, Ministral 3, every Llama 4 and
+# Apertus 1.5 are released as vision-language checkpoints: config model_type gemma3 / gemma3n / gemma4
+# (gemma4_unified: 12B) / mistral3 / llama4 / apertus1p5 (Gemma3-, Gemma3n-, Gemma4-, Gemma4Unified-, Mistral3-,
+# Llama4- and Apertus1p5ForConditionalGeneration; Gemma 3n and Gemma 4's small ones hold an audio tower too,
+# Apertus 1.5 image and audio tokenizers whose codes are tokens of its vocabulary), the language model's
+# settings in config.text_config. Gemma 3n's released files also hold k/v projections for the layers that
+# reuse keys and values, which its text model has not (transformers drops them on load too); what the model
+# has no parameter for is not read.
 # transformers' AutoModelForCausalLM builds the whole vision-language model for gemma3, refuses
 # mistral3 and builds Llama4ForCausalLM from the whole llama4 config; its text classes
 # (Gemma3ForCausalLM, Ministral3ForCausalLM, MistralForCausalLM) given such a directory load none of
@@ -57,7 +59,8 @@ def _text_causal_lm_name(config) -> str | None:
 #: text_model_tensors renames (tests/modules/test_checkpoints.py builds each). Others (Idefics3 and
 #: SmolVLM keep theirs under model.text_model; PaliGemma and the rest are not checked) are refused as
 #: families by name.
-VISION_LANGUAGE_TYPES = frozenset({"gemma3", "gemma4", "gemma4_unified", "mistral3", "llama4", "apertus1p5"})
+VISION_LANGUAGE_TYPES = frozenset({"gemma3", "gemma3n", "gemma4", "gemma4_unified", "mistral3", "llama4",
+                                   "apertus1p5"})
 #: The index of a sharded safetensors checkpoint.
 INDEX = "model.safetensors.index.json"
 #: Where a vision-language checkpoint stores its own lm_head (absent: tied to the embedding).

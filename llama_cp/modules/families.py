@@ -331,6 +331,14 @@ _REFUSAL_REASONS = {
 # attention call then refuses; 5.0.0 builds it with masking_utils.create_causal_mask, as Llama does (read
 # in the released wheels' models/granitemoe/modeling_granitemoe.py and models/granitemoeshared/).
 
+#
+# Gemma 3n (gemma3n_text) for a fourth, not the attention call: its last num_kv_shared_layers layers reuse an
+# earlier layer's keys and values at inference. Up to 5.5.4 Gemma3nTextAttention took them only from a cache,
+# which a training forward passes none of, so in training those layers ran k/v projections of their own, which
+# inference never runs: a fine-tune would train what the model does not use. From 5.6.0 the forward hands them
+# on itself (shared_kv_states) and the reusing layers hold no k/v projections (read in the released wheels of
+# 4.56.2, 5.0.0, 5.5.0, 5.5.4 and 5.6.0: models/gemma3n/modeling_gemma3n.py).
+
 _SDPA_ITSELF = "its attention calls SDPA itself, so context-parallel attention cannot take its place"
 _OWN_MASK = ("its model builds a 4-D attention mask of its own (_update_causal_mask), which context-parallel "
              "attention does not take")
@@ -340,6 +348,9 @@ _NEEDS_TRANSFORMERS = {
     "granitemoe": ((5, 0), _OWN_MASK), "granitemoeshared": ((5, 0), _OWN_MASK),
     "apertus": ((5, 0), "its xIELU activation keeps its parameters in bfloat16 beside the model's float32 ones, "
                         "which FSDP2 cannot shard together"),
+    "gemma3n_text": ((5, 6), "its layers that reuse an earlier layer's keys and values compute their own in "
+                             "training (from k/v projections its inference does not run), so a fine-tune would "
+                             "train weights the model does not use"),
 }
 
 

@@ -46,6 +46,11 @@ EXTRA = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, 
          # Granite SWA: a RoPE base per layer (0: none), one per layer of TEXT
          "granite_swa": dict(layer_rope_theta=[0.0, 10000.0]),
          "granitemoe_swa": dict(layer_rope_theta=[0.0, 10000.0], num_local_experts=4),
+         # Gemma 3n: per-layer inputs, AltUp, LAuReL (no layer reuses keys and values: of two layers, each type's
+         # would have to be before the reusing ones)
+         "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                              num_kv_shared_layers=0, hidden_size_per_layer_input=8, vocab_size_per_layer_input=96,
+                              laurel_rank=4, final_logit_softcapping=1.0),
          # Gemma 4 12B: no per-layer inputs and no expert block
          "gemma4_unified_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6,
                                      global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
@@ -224,6 +229,46 @@ def test_text_model_of_a_vision_language_checkpoint_computes_its_logits(name, tm
     reference = whole.language_model if name == "llama4" and TRANSFORMERS_5 else whole
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_text_model_of_a_gemma3n_checkpoint_is_its_text_model(tmp_path):
+    """A Gemma 3n vision-language checkpoint, written as released (its text model's tensors under
+    model.language_model, image and audio towers beside them, k/v projections for the layers that reuse keys and
+    values, no lm_head: tied), is read as its text model: llama-cp's load computes what transformers'
+    Gemma3nForCausalLM of the same weights does. Built by hand: transformers builds Gemma 3n's image tower through
+    timm, which llama-cp does not install (Note [The text model of a vision-language checkpoint])."""
+    from safetensors.torch import save_file
+
+    if "gemma3n" not in CONFIG_MAPPING_NAMES or transformers_refusal("gemma3n_text", transformers.__version__):
+        pytest.skip(f"transformers {transformers.__version__}: gemma3n_text is not built here")
+    fields = dict(TEXT, **{**EXTRA["gemma3n_text"], "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                           "layer_types": ["sliding_attention", "full_attention"] * 2})
+    text = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma3n_text", **fields)).eval()
+    with torch.no_grad():  # AltUp's output scales (zeros at init: the per-layer inputs would add nothing)
+        for name, tensor in text.named_parameters():
+            if name.endswith("correct_output_scale"):
+                tensor.uniform_(0.5, 1.5)
+    state = {"model.language_model." + key[len("model."):]: tensor.contiguous()
+             for key, tensor in text.state_dict().items() if key.startswith("model.")}
+    state.update({"model.language_model.layers.3.self_attn.k_proj.weight": torch.ones(16, 32),
+                  "model.vision_tower.timm_model.stem.conv.weight": torch.ones(4, 3, 3, 3),
+                  "model.audio_tower.conformer.0.norm.weight": torch.ones(8),
+                  "model.embed_vision.embedding.weight": torch.ones(4, 32)})
+    save_file(state, tmp_path / "model.safetensors")
+    whole = AutoConfig.for_model("gemma3n", text_config=fields, architectures=["Gemma3nForConditionalGeneration"])
+    whole.save_pretrained(tmp_path)
+    config = checkpoint_config(str(tmp_path))
+    assert config.model_type == "gemma3n_text" and config.architectures == ["Gemma3nForCausalLM"]
+    assert config.tie_word_embeddings
+    check_family(config)
+    model = build_causal_lm(config, device="meta").to_empty(device="cpu")
+    model.tie_weights()
+    restore_buffers(model, torch.device("cpu"))
+    model.load_state_dict(_full_state_for(model.state_dict(), _read_checkpoint(str(tmp_path), config), str(tmp_path)))
+    ids = torch.randint(3, 90, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(input_ids=ids).logits, text(input_ids=ids).logits, rtol=1e-5,
+                                   atol=1e-5)
 
 
 def test_other_vision_language_models_are_refused_as_families():

@@ -200,3 +200,14 @@ def test_test_model_holds_the_features_it_is_checked_for():
     assert all(float(layer.altup.prediction_coefs.weight.abs().max()) > 0.02 for layer in layers)
     model(input_ids=batch()["input_ids"])
     assert all(float(layer.altup.prediction_coefs.weight.abs().max()) == pytest.approx(0.02) for layer in layers)
+
+
+def test_releases_that_train_the_reusing_layers_own_keys_are_refused():
+    """Up to 5.5.4 transformers' Gemma 3n reused keys and values only from a cache (none in training): its
+    reusing layers trained k/v projections inference does not run. Refused there in one line (Note [A family's
+    transformers floor])."""
+    assert transformers_refusal("gemma3n_text", "5.5.4") == (
+        "model family 'gemma3n_text' needs transformers >= 5.6 (installed: 5.5.4): before that its layers that "
+        "reuse an earlier layer's keys and values compute their own in training (from k/v projections its "
+        "inference does not run), so a fine-tune would train weights the model does not use; upgrade transformers")
+    assert transformers_refusal("gemma3n_text", "5.6.0") is None

@@ -69,6 +69,12 @@ FAMILIES = {
     "gemma4_unified_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
                                 sliding_window=6, global_head_dim=16, num_global_key_value_heads=1,
                                 attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True),
+    # Gemma 3n: layers 2-3 reusing layers 0-1's keys and values, an MLP size per layer (the first two with the
+    # Gaussian top-k), AltUp's four copies of the hidden state, LAuReL, per-layer inputs
+    "gemma3n_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                         sliding_window=6, num_kv_shared_layers=2, intermediate_size=[64, 48, 64, 32],
+                         activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0], hidden_size_per_layer_input=8,
+                         vocab_size_per_layer_input=64, laurel_rank=4),
     # layer 0 dense (its own intermediate size), layer 1 routed experts + the shared ones
     "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=16,
                      first_k_dense_replace=1, n_group=2, topk_group=1),
@@ -175,7 +181,7 @@ def measured_flops(config, rows: int, length: int, **build) -> dict:
     return by_module
 
 
-@pytest.mark.parametrize("model_type", [name for name in FAMILIES if name != "llama4_text"])
+@pytest.mark.parametrize("model_type", [name for name in FAMILIES if name not in ("llama4_text", "gemma3n_text")])
 def test_model_flops_are_what_the_flop_counter_measures(model_type):
     """Eager attention computes all L x L pairs (the mask is applied after, windows too); the linear
     layers (mm, and addmm where they have a bias) are per_token x tokens, exactly."""
@@ -251,6 +257,20 @@ def test_llama4_flops_count_its_chunks_and_its_routed_experts():
     assert measured["aten.bmm"] - experts == flops.per_pair * rows * length ** 2
     assert flops.chunks == (6, None)
     assert flops.pairs(torch.arange(length).expand(rows, -1)) == rows * (4 * 21 + 300) / 2
+
+
+def test_gemma3n_flops_count_altups_product_per_token():
+    """Gemma 3n's model_flops against FlopCounterMode: AltUp's prediction multiplies each token's four copies of
+    the hidden state by a 4 x 4 matrix the token computed, a bmm beside attention's that is per token (3 x 2 x
+    hidden x 16 a layer, forward and both inputs' gradients); the rest are the linear layers (the reusing layers
+    without k/v projections, an MLP size per layer, LAuReL, per-layer inputs, AltUp's projections), all exactly."""
+    config = family_config("gemma3n_text", attn_implementation="eager")
+    rows, length = 2, 24
+    measured, flops = measured_flops(config, rows, length)["Global"], model_flops(config)
+    altup = 3 * 2 * config.hidden_size * config.altup_num_inputs ** 2 * config.num_hidden_layers * rows * length
+    assert measured["aten.mm"] == flops.per_token * rows * length - altup
+    assert measured["aten.bmm"] == flops.per_pair * rows * length ** 2 + altup
+    assert flops.layer_flops[0] > flops.layer_flops[2] > flops.layer_flops[3]  # k/v reused; MLPs of 64, 64, 32
 
 
 def test_heads_over_256_are_planned_with_the_memory_efficient_kernel(monkeypatch):
