@@ -38,12 +38,12 @@ F32, F64 = torch.float32, torch.float64
 TOL = TOLERANCE[F32]  # float32 RMSNorm: the module docstring
 
 #: four layers of their own MLP sizes, the last two reusing the first two's keys and values; per-layer inputs
-#: embedded from a table of 64 of the 96 tokens (transformers maps the others to token 0); the clamp at 0.02,
-#: about the coefficients' spread (initializer_range 0.02)
+#: embedded from a table of 64 of the 96 tokens (transformers maps the others to token 0); the clamp at 0.05,
+#: a little beyond the coefficients' spread (initializer_range 0.02), and not a float32 number
 GEMMA3N = dict(BASE, num_hidden_layers=4, intermediate_size=[64, 48, 64, 32],
                layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=WINDOW, num_kv_shared_layers=2,
                hidden_size_per_layer_input=8, vocab_size_per_layer_input=64, laurel_rank=4,
-               activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0], altup_coef_clip=0.02,
+               activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0], altup_coef_clip=0.05,
                final_logit_softcapping=1.0)
 PACKED_LENGTHS = [[5, 1, 14, 12], [9, 23]]
 
@@ -197,9 +197,23 @@ def test_test_model_holds_the_features_it_is_checked_for():
     assert [hasattr(layer.self_attn, "k_proj") for layer in layers] == [True, True, False, False]
     assert [layer.mlp.intermediate_size for layer in layers] == [64, 48, 64, 32]
     assert [layer.mlp.activation_sparsity for layer in layers] == [0.95, 0.95, 0.0, 0.0]
-    assert all(float(layer.altup.prediction_coefs.weight.abs().max()) > 0.02 for layer in layers)
+    assert all(float(layer.altup.prediction_coefs.weight.abs().max()) > 0.05 for layer in layers)
     model(input_ids=batch()["input_ids"])
-    assert all(float(layer.altup.prediction_coefs.weight.abs().max()) == pytest.approx(0.02) for layer in layers)
+    assert all(float(layer.altup.prediction_coefs.weight.abs().max()) == pytest.approx(0.05) for layer in layers)
+
+
+@pytest.mark.parametrize("clip", [0.05, 0.02, 120.0])
+def test_the_coefficients_clamped_in_place_are_read_from_transformers(clip):
+    """_clamped_in_place names the coefficients the installed AltUp clamps in place: the prediction ones (5.24
+    clamps the correction ones functionally), whatever the clamp's rounding in float32 (0.05 rounds up, 0.02
+    down). The first version compared the clamped values with the clamp and found none at 0.05: a run of the
+    trainer kept coefficients of 2.0 under a clamp of 0.05."""
+    from llama_cp.modules.altup import _clamped_in_place
+
+    if SKIP:
+        pytest.skip(SKIP)
+    altup = gemma3n_model(altup_coef_clip=clip).model.layers[0].altup
+    assert _clamped_in_place(altup) == ("prediction_coefs",)
 
 
 def test_releases_that_train_the_reusing_layers_own_keys_are_refused():
