@@ -130,6 +130,9 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # EXAONE-MoE: EXAONE 4's attention (windowed RoPE layers, full NoPE ones, q/k norms), DeepSeek-V3's experts
     # (sigmoid router with a score bias, by group, shared experts) on its mlp_layer_types "sparse"; no router loss
     "exaone_moe": _plain,
+    # Kolibri-1 (Aleph Alpha): EXAONE 4's attention, GLM-4's norms after attention and MLP, experts in every layer
+    # (a float32 sigmoid router with a score bias, renormalised top-k) and a shared expert; no router loss
+    "kolibri1": _plain,
     # AFMoE (Arcee Trinity): windowed RoPE layers next to full NoPE ones, q/k norms, a sigmoid gate on the
     # attention output (per token), routed experts with a score bias and shared ones after dense first
     # layers; no router loss
@@ -173,6 +176,7 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # v3: sigmoid with a score bias and groups); transformers adds no router loss
     "deepseek_v2": _plain,
     "deepseek_v3": _plain,
+    "sarvam_mla": _plain,  # Sarvam-105B: transformers builds DeepseekV3ForCausalLM from its config
     # Solar Open: Llama's attention, GLM-4.5's experts (sigmoid router with a score bias, by group, shared
     # experts) in every layer; no router loss
     "solar_open": _plain,

@@ -274,7 +274,8 @@ def test_layer_windows_are_those_the_attention_layers_hold(window):
                                   topk_group=1),
                "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1),
                "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
-                             n_group=1, topk_group=1)}
+                             n_group=1, topk_group=1),
+               "gemma3n_text": dict(num_kv_shared_layers=0)}  # its default 15 reusing layers: more than the 4 here
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     for family in SUPPORTED_FAMILIES:

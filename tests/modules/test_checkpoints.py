@@ -46,6 +46,9 @@ EXTRA = {"mixtral": dict(num_local_experts=4), "qwen3_moe": dict(num_experts=4, 
          # Granite SWA: a RoPE base per layer (0: none), one per layer of TEXT
          "granite_swa": dict(layer_rope_theta=[0.0, 10000.0]),
          "granitemoe_swa": dict(layer_rope_theta=[0.0, 10000.0], num_local_experts=4),
+         "kolibri1": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                          shared_expert_intermediate_size=16),
+         "sarvam_mla": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
          # Gemma 3n: per-layer inputs, AltUp, LAuReL (no layer reuses keys and values: of two layers, each type's
          # would have to be before the reusing ones)
          "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6,

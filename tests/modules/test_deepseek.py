@@ -1,5 +1,6 @@
-"""DeepSeek-V2 and -V3 (deepseek_v2, deepseek_v3: also Kimi K2, Moonlight) and GLM-4.7-Flash
-(glm4_moe_lite: V3's attention, GLM-4.5's experts, its mlp_layer_types) under context parallelism
+"""DeepSeek-V2 and -V3 (deepseek_v2, deepseek_v3: also Kimi K2, Moonlight; sarvam_mla, Sarvam-105B, which
+transformers builds as V3) and GLM-4.7-Flash (glm4_moe_lite: V3's attention, GLM-4.5's experts, its
+mlp_layer_types), MiniCPM3, Youtu-LLM and A.X K1 under context parallelism
 against plain single-process transformers on 4 CPU ranks (gloo), with the BASE model, batch, meshes
 and tolerances of tests/modules/test_families.py and the runs of tests/modules/test_families_new.py.
 
@@ -83,6 +84,9 @@ FAMILIES["minicpm3"] = ("minicpm3", dict(DENSE, q_lora_rank=12, scale_emb=2.0, s
 FAMILIES["youtu"] = ("youtu", dict(DENSE, q_lora_rank=12, rope_interleave=True))
 FAMILIES["axk1"] = ("axk1", dict(q_lora_rank=12, n_routed_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                                  routed_scaling_factor=2.5, rope_interleave=True))
+#: Sarvam-105B: transformers builds V3 from its config (one group, interleaved RoPE, no q_lora_rank)
+FAMILIES["sarvam_mla"] = ("sarvam_mla", dict(q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+                                             topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5))
 #: documents of each packed row (SEQ_LEN tokens): split across zigzag chunks at cp 2 and 4, one of 1 token
 PACKED_LENGTHS = [[5, 1, 14, 12], [9, 23]]
 #: LoRA on every projection of MLA with q_lora_rank (V3's)
@@ -173,9 +177,11 @@ def _add(name: str, strategy: str, cp: int, sharded: bool, dtype: torch.dtype, p
 for _name in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):
     for _run in RUNS:  # every strategy, cp 1, 2 and 4, plain and FSDP, float32 and float64
         _add(_name, *_run)
-for _name in ("minicpm3", "youtu", "axk1"):
+for _name in ("minicpm3", "youtu", "axk1", "sarvam_mla"):
     for _run in RUNS:
         _add(_name, *_run)
+_add("sarvam_mla", "ring", 2, True, F32, packed=True)
+_add("sarvam_mla", "allgather", 2, False, F32, lora=True)
 _add("minicpm3", "ring", 2, True, F32, packed=True)
 _add("minicpm3", "allgather", 2, False, F64, lora=True)
 _add("youtu", "allgather", 4, True, F32, packed=True)
@@ -286,7 +292,8 @@ def glm4_moe_lite_features_change_the_result():
     assert min(moved.values()) > 1e-3, moved
 
 
-@functools.partial(checks.add, group=1, skip=skip_reason("minicpm3") or skip_reason("youtu") or skip_reason("axk1"))
+@functools.partial(checks.add, group=1, skip=skip_reason("minicpm3") or skip_reason("youtu") or skip_reason("axk1")
+                   or skip_reason("sarvam_mla"))
 def mla_families_features_change_the_result():
     """The features of MiniCPM3, Youtu-LLM and A.X K1 each move the logits by more than 1e-3 when switched
     off: MiniCPM3's scaled embeddings, residual branches and hidden states before the output layer (the last
@@ -303,6 +310,8 @@ def mla_families_features_change_the_result():
             ("A.X K1 interleaved RoPE", "axk1", dict(rope_interleave=False), None),
             ("A.X K1 router score bias", "axk1", {}, _zero("e_score_correction_bias")),
             ("A.X K1 shared expert", "axk1", {}, _zero("shared_experts.down_proj.weight")),
+            ("Sarvam router score bias", "sarvam_mla", {}, _zero("e_score_correction_bias")),
+            ("Sarvam interleaved RoPE", "sarvam_mla", dict(rope_interleave=False), None),
         ):
             off = family_model(name, **overrides)
             if change is not None:

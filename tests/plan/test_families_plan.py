@@ -117,6 +117,9 @@ FAMILIES = {
     "flint": dict(WINDOWED, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                   shared_expert_intermediate_size=24, mlp_only_layers=[0]),
     "hy_v3": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1),  # 0 dense
+    # EXAONE 4's attention, experts in every layer (sigmoid, a score bias) and a shared one
+    "kolibri1": dict(WINDOWED, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     shared_expert_intermediate_size=24),
 }
 #: DeepSeek's MLA (q/k heads of 8 + 4, values of 6; V2 q_proj, V3 q_a_proj -> q_b_proj), layer 0 dense
 #: and layer 1 experts + a shared one; no head_dim (V3's config would take it for the RoPE slice's)
@@ -132,10 +135,11 @@ DENSE_MLA = {field: MLA[field] for field in ("head_dim", "num_key_value_heads", 
 FAMILIES["minicpm3"] = dict(DENSE_MLA, q_lora_rank=12, scale_emb=2.0, dim_model_base=16)
 FAMILIES["youtu"] = dict(DENSE_MLA, q_lora_rank=12)
 FAMILIES["axk1"] = dict(MLA, q_lora_rank=12)
+FAMILIES["sarvam_mla"] = dict(MLA, q_lora_rank=None, n_group=1)
 #: layer 0 RoPE, chunks of 6, a dense MLP of intermediate_size_mlp; layer 1 NoPE, full, 4 experts (top 1) + a shared one
 FAMILIES["llama4_text"] = dict(no_rope_layers=[1, 0], attention_chunk_size=6, num_local_experts=4,
                                num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size_mlp=48)
-MOE = {"laguna", "beam", "flint", "granitemoe", "granitemoeshared", "granitemoe_swa", "axk1", "glm4_moe", "qwen2_moe",
+MOE = {"kolibri1", "sarvam_mla", "laguna", "beam", "flint", "granitemoe", "granitemoeshared", "granitemoe_swa", "axk1", "glm4_moe", "qwen2_moe",
        "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "minimax_m2", "dots1", "ernie4_5_moe",
        "hunyuan_v1_moe", "exaone_moe", "afmoe", "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe", "flex_olmo",
        "sarvam_moe", "mellum"}
