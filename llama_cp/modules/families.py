@@ -289,12 +289,16 @@ _REFUSAL_REASONS = {
     "xlstm": f"it is a recurrent network (xLSTM): its layers {_RECURRENT}",
     # DeepSeek Sparse Attention (V3.2, GLM-5): a learned indexer picks each query's top-k keys
     # A.X K2, dots3 and Hy4 the same; MiniMax-M3's indexer picks blocks of keys, on its sparse-attention layers
-    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "axk2", "dots3_note_text", "hy_v4"),
+    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "axk2", "dots3_note_text", "dots3_note", "hy_v4"),
                     "its sparse attention lets a learned indexer pick each query's keys (its top k of the whole "
                     "sequence), which context-parallel attention does not compute"),
     "minimax_m3_vl_text": "its sparse-attention layers let a learned indexer pick each query's keys (its top k blocks "
                           "of the whole sequence and the local ones), which context-parallel attention does not "
                           "compute",
+    # Gemma 4's speculative-decoding drafters (Gemma4AssistantForCausalLM): transformers 5.24 models/gemma4_assistant
+    **dict.fromkeys(("gemma4_assistant", "gemma4_unified_assistant"),
+                    "it is a speculative-decoding drafter: its forward takes the main Gemma 4 model's embeddings and "
+                    "keys and values, not token ids (fine-tune the main model)"),
     # a model object or config given directly; a checkpoint directory is read as its text model (checkpoints.py)
     "llama4": "it is the vision-language Llama4ForConditionalGeneration; llama-cp trains its text model, "
               "Llama4ForCausalLM (llama4_text): give the recipe the checkpoint directory, which it reads as that "

@@ -759,7 +759,8 @@ REFUSED_BY_CONFIG = {
     "lara_mini": r"linear-attention layers \(gated DeltaNet.*recurrent state",
     "recurrent_gemma": r"recurrent layers \(RG-LRU\).*recurrent state",
     "rwkv": r"recurrent network \(RWKV\).*recurrent state", "xlstm": r"recurrent network \(xLSTM\).*recurrent state",
-    **dict.fromkeys(("axk2", "dots3_note_text", "hy_v4"), r"learned indexer pick each query's keys"),
+    **dict.fromkeys(("axk2", "dots3_note_text", "dots3_note", "hy_v4"), r"learned indexer pick each query's keys"),
+    "gemma4_unified_assistant": r"speculative-decoding drafter: its forward takes the main Gemma 4 model's",
     "minimax_m3_vl_text": r"learned indexer pick each query's keys \(its top k blocks",
 }
 
@@ -773,6 +774,21 @@ def test_refused_from_the_config_by_name_with_the_reason(model_type):
     with pytest.raises(ValueError, match=rf"^model family '{model_type}' \(\w+\) is not supported by llama-cp: "
                                          rf"[^\n]*{REFUSED_BY_CONFIG[model_type]}"):
         check_family(AutoConfig.for_model(model_type))
+
+
+def test_gemma4_drafter_is_refused_naming_the_main_model():
+    """Gemma 4's drafter for speculative decoding (gemma4_assistant: its released configs turn per-layer inputs
+    off) takes the main model's embeddings and keys and values: refused from its config in one line."""
+    from llama_cp.modules.families import check_family
+
+    if "gemma4_assistant" not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no 'gemma4_assistant'")
+    config = AutoConfig.for_model("gemma4_assistant", text_config=dict(hidden_size_per_layer_input=0,
+                                                                       vocab_size_per_layer_input=0))
+    with pytest.raises(ValueError, match=r"^model family 'gemma4_assistant' \(Gemma4AssistantForCausalLM\) is not "
+                                         r"supported by llama-cp: it is a speculative-decoding drafter: .*\(fine-tune "
+                                         r"the main model\)"):
+        check_family(config)
 
 
 def test_smollm3_windows_its_attention_would_not_take_are_refused():
