@@ -136,13 +136,13 @@ def check_one_step(dims_kwargs: dict, strategy: str = "ring", offload: bool = Fa
 
 def check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mesh, *, strategy: str, sharded: bool,
                                tol: dict, max_seq_len: int, shard=None, block_size: int = 0,
-                               ulysses_degree: int = 0) -> None:
+                               ulysses_degree: int = 0, param_dtype: torch.dtype | None = None) -> None:
     """Make ``model`` (a copy of ``reference``, whose gradients of ``ref_loss`` are computed)
     context-parallel over ``mesh`` (and FSDP-sharded when ``sharded``), then check its logits,
     chunked loss and every gradient of the trainable parameters against the reference's;
     frozen parameters must get no gradient. ``shard(batch, cp_mesh)`` makes the local batch;
     default: ``shard_batch`` with the strategy's layout (allgather: "documents"); ``block_size``:
-    the attention's tiles."""
+    the attention's tiles; ``param_dtype``: FSDP's compute dtype (None: the model's)."""
     if shard is None:
         layout = "documents" if strategy == "allgather" else "zigzag"
         shard = functools.partial(shard_batch, layout=layout)
@@ -151,7 +151,7 @@ def check_cp_against_reference(model, reference, data, ref_logits, ref_loss, mes
                            ulysses_degree=ulysses_degree)
     enable_chunked_loss(model, chunk_size=7)  # several chunks with a ragged last one
     if sharded:
-        shard_model(model, mesh, param_dtype=None, reduce_dtype=None)
+        shard_model(model, mesh, param_dtype=param_dtype, reduce_dtype=None)
         dp_mesh = mesh["dp"]
         dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
         # this dp rank's rows (as local_batches takes them), sharded over cp

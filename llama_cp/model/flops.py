@@ -213,10 +213,11 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     weight_passes = 2 if lora_r else 3  # frozen: forward + input gradient; trained: + weight gradient
 
-    def linear(name: str, fan_in: int, fan_out: int, copies: int = 1) -> int:
-        """A linear layer's FLOPs per token, run ``copies`` times (an MoE's routed experts), its adapters too."""
+    def linear(name: str, fan_in: int, fan_out: int, copies: int = 1, adapted: bool = True) -> int:
+        """A linear layer's FLOPs per token, run ``copies`` times (an MoE's routed experts), its adapters too
+        (``adapted``: the model runs the layer as a module, which peft's adapters wrap)."""
         flops = copies * 2 * (3 if name in trained else weight_passes) * fan_in * fan_out
-        if lora_r and name in lora_targets:
+        if lora_r and adapted and name in lora_targets:
             flops += copies * 2 * 3 * lora_r * (fan_in + fan_out)
         return flops
 
@@ -263,8 +264,9 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
         decoder += linear("per_layer_model_projection", config.hidden_size,
                           layers * config.hidden_size_per_layer_input)
     if config.model_type == "gemma3n_text":  # AltUp's copies of the hidden state made, and merged back
-        for name in ("altup_projections", "altup_unembed_projections"):
-            decoder += (config.altup_num_inputs - 1) * linear(name, config.hidden_size, config.hidden_size)
+        for _ in ("altup_projections", "altup_unembed_projections"):  # ModuleLists: peft names their layers 0, 1, ...
+            decoder += sum(linear(str(i), config.hidden_size, config.hidden_size)
+                           for i in range(config.altup_num_inputs - 1))
     # Apertus 1.5's output layer keeps the first output_vocab_size rows (its text tokens) of the vocabulary
     head_in, head_out = config.hidden_size, getattr(config, "output_vocab_size", None) or config.vocab_size
     head = 2 * (3 if "lm_head" in trained else weight_passes) * head_in * head_out

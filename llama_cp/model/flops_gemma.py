@@ -52,5 +52,6 @@ def gemma3n_layer_flops(config: Any, index: int, shape: dict, attention: dict, l
     flops += linear("per_layer_input_gate", hidden, config.hidden_size_per_layer_input)
     flops += linear("per_layer_projection", config.hidden_size_per_layer_input, hidden)
     flops += 2 * linear("modality_router", hidden, n) + linear("prediction_coefs", n, n * n)
-    flops += linear("correction_coefs", n, n)
+    # in training with a clamp, correct() multiplies by a clamped copy of the weight (F.linear), past any adapter
+    flops += linear("correction_coefs", n, n, adapted=config.altup_coef_clip is None)
     return flops + 3 * 2 * hidden * n * n

@@ -340,12 +340,19 @@ _REFUSAL_REASONS = {
 # in the released wheels' models/granitemoe/modeling_granitemoe.py and models/granitemoeshared/).
 
 #
-# Gemma 3n (gemma3n_text) for a fourth, not the attention call: its last num_kv_shared_layers layers reuse an
-# earlier layer's keys and values at inference. Up to 5.5.4 Gemma3nTextAttention took them only from a cache,
-# which a training forward passes none of, so in training those layers ran k/v projections of their own, which
-# inference never runs: a fine-tune would train what the model does not use. From 5.6.0 the forward hands them
-# on itself (shared_kv_states) and the reusing layers hold no k/v projections (read in the released wheels of
-# 4.56.2, 5.0.0, 5.5.0, 5.5.4 and 5.6.0: models/gemma3n/modeling_gemma3n.py).
+# Gemma 3n and Gemma 4 (gemma3n_text, gemma4_text) for a fourth, not the attention call: their last
+# num_kv_shared_layers layers reuse an earlier layer's keys and values. Gemma 4 up to 5.5.0 and Gemma 3n up to
+# 5.5.4 took them only from a cache, which llama-cp's forward does not make (use_cache=False, as transformers'
+# own training with checkpointing runs), so there those layers ran k/v projections of their own that inference
+# never runs: a fine-tune would train what the model does not use.
+# From 5.5.4 (Gemma 4) and 5.6.0 (Gemma 3n) the model's forward hands them on itself, in a plain dict; but FSDP2
+# rebuilds every dict among a layer's inputs on the way in (its pre-forward flattens them to hook the tensors
+# that need gradients, torch 2.13 _fsdp_param_group.py pre_forward -> _register_post_backward_hook, and its
+# cast to a param_dtype does the same), so the reusing layers find nothing there (KeyError: 'sliding_attention'
+# in every FSDP check of tests/modules/test_gemma3n.py on 5.24 with the dict swapped back in). From 5.9.0 the
+# forward hands a UserDict, which FSDP2 passes as it is (transformers' KVSharingDict says so). Read in the
+# released wheels of 4.56.2, 5.0.0, 5.5.0, 5.5.4, 5.6.0, 5.7.0, 5.8.0 and 5.9.0 (models/gemma3n/
+# modeling_gemma3n.py, models/gemma4/modeling_gemma4.py); Gemma 4 12B (gemma4_unified_text) is in 5.10.1 first.
 
 _SDPA_ITSELF = "its attention calls SDPA itself, so context-parallel attention cannot take its place"
 _OWN_MASK = ("its model builds a 4-D attention mask of its own (_update_causal_mask), which context-parallel "
@@ -356,9 +363,10 @@ _NEEDS_TRANSFORMERS = {
     "granitemoe": ((5, 0), _OWN_MASK), "granitemoeshared": ((5, 0), _OWN_MASK),
     "apertus": ((5, 0), "its xIELU activation keeps its parameters in bfloat16 beside the model's float32 ones, "
                         "which FSDP2 cannot shard together"),
-    "gemma3n_text": ((5, 6), "its layers that reuse an earlier layer's keys and values compute their own in "
-                             "training (from k/v projections its inference does not run), so a fine-tune would "
-                             "train weights the model does not use"),
+    **dict.fromkeys(("gemma3n_text", "gemma4_text"), (
+        (5, 9), "its layers that reuse an earlier layer's keys and values computed their own without a cache, "
+                "from k/v projections its inference does not run (to 5.5), then got them in a dict that FSDP2 "
+                "rebuilds on the way into each layer, so they found none (to 5.8)")),
 }
 
 

@@ -185,7 +185,9 @@ def quantize_model(model: nn.Module) -> nn.Module:
     """Replace every ``nn.Linear`` inside the decoder layers of ``model`` (an HF causal LM, real or
     on the meta device, not yet wrapped by peft or FSDP) by an :class:`NF4Linear`; the
     embeddings, norms and ``lm_head`` stay in full precision (as transformers' 4-bit loading
-    keeps ``lm_head``). Returns ``model``."""
+    keeps ``lm_head``), and Gemma 3n's AltUp layers, whose weights transformers reads directly: it clamps
+    them in place and multiplies by a clamped copy (models/gemma3n, Gemma3nTextAltUp: a 4-bit weight is codes,
+    not numbers; they are altup_num_inputs wide, a few thousand numbers a layer). Returns ``model``."""
     from llama_cp.modules.causal_lm import decoder_layers
 
     if any(isinstance(p, NF4Linear) for p in model.modules()):
@@ -195,7 +197,7 @@ def quantize_model(model: nn.Module) -> nn.Module:
     check_qlora_support()
     for layer in decoder_layers(model):
         for name, child in list(layer.named_modules()):
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and not name.startswith("altup."):
                 parent_name, _, attr = name.rpartition(".")
                 parent = layer.get_submodule(parent_name) if parent_name else layer
                 setattr(parent, attr, NF4Linear.from_linear(child))

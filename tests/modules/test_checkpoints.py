@@ -236,10 +236,10 @@ def test_text_model_of_a_vision_language_checkpoint_computes_its_logits(name, tm
 
 def test_text_model_of_a_gemma3n_checkpoint_is_its_text_model(tmp_path):
     """A Gemma 3n vision-language checkpoint, written as released (its text model's tensors under
-    model.language_model, image and audio towers beside them, k/v projections for the layers that reuse keys and
-    values, no lm_head: tied), is read as its text model: llama-cp's load computes what transformers'
-    Gemma3nForCausalLM of the same weights does. Built by hand: transformers builds Gemma 3n's image tower through
-    timm, which llama-cp does not install (Note [The text model of a vision-language checkpoint])."""
+    model.language_model, image and audio towers beside them, k/v projections and a k norm for a layer that
+    reuses keys and values, no lm_head: tied), is read as its text model: llama-cp's load computes what
+    transformers' Gemma3nForCausalLM of the same weights does. Built by hand: transformers builds Gemma 3n's image
+    tower through timm, which llama-cp does not install (Note [The text model of a vision-language checkpoint])."""
     from safetensors.torch import save_file
 
     if "gemma3n" not in CONFIG_MAPPING_NAMES or transformers_refusal("gemma3n_text", transformers.__version__):
@@ -254,6 +254,8 @@ def test_text_model_of_a_gemma3n_checkpoint_is_its_text_model(tmp_path):
     state = {"model.language_model." + key[len("model."):]: tensor.contiguous()
              for key, tensor in text.state_dict().items() if key.startswith("model.")}
     state.update({"model.language_model.layers.3.self_attn.k_proj.weight": torch.ones(16, 32),
+                  "model.language_model.layers.3.self_attn.v_proj.weight": torch.ones(16, 32),
+                  "model.language_model.layers.3.self_attn.k_norm.weight": torch.ones(8),
                   "model.vision_tower.timm_model.stem.conv.weight": torch.ones(4, 3, 3, 3),
                   "model.audio_tower.conformer.0.norm.weight": torch.ones(8),
                   "model.embed_vision.embedding.weight": torch.ones(4, 32)})

@@ -225,17 +225,18 @@ FAMILIES = {
                               "sliding_attention": dict(rope_type="default", rope_theta=100.0),
                               "full_attention": None})),
     # Kolibri-1: layer 0 windowed with RoPE, layer 1 full without (EXAONE 4's attention), q/k norms, norms after
-    # attention and MLP, experts in every layer (8, top 2, sigmoid, a score bias) beside a shared one
+    # attention and MLP, experts in every layer (8, top 2, sigmoid, a score bias; not renormalised: its config's
+    # default) beside a shared one
     "kolibri1": ("kolibri1", dict(**SLIDING_FULL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                                  shared_expert_intermediate_size=16, norm_topk_prob=True)),
+                                  shared_expert_intermediate_size=16)),
     # Flint: sinks, layer 0 windowed with RoPE and dense, layer 1 full without RoPE, experts and an ungated shared one
     "flint": ("flint", dict(**SLIDING_FULL, attn_implementation="eager", num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=16, shared_expert_intermediate_size=32, mlp_only_layers=[0],
                             **MOE_LOSS)),
 }
-MOE = {"kolibri1", "laguna", "beam", "flint", "granitemoe", "granitemoeshared", "granitemoe_swa", "glm4_moe", "qwen2_moe",
-       "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe", "solar_open",
-       "hy_v3", "mimo_v2_flash", "cohere2_moe", "flex_olmo", "sarvam_moe", "mellum"}
+MOE = {"kolibri1", "laguna", "beam", "flint", "granitemoe", "granitemoeshared", "granitemoe_swa", "glm4_moe",
+       "qwen2_moe", "gemma4_moe", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe",
+       "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe", "flex_olmo", "sarvam_moe", "mellum"}
 #: Families whose float64 runs agree to float32 precision only: norms computed in float32 (Cohere 2's
 #: LayerNorm, Gemma 4's (12B's too), Helium's and VaultGemma's RMSNorm), Granite SWA's attention (its softmax and
 #: sink scale in float32), routers in float32 (GLM-4.5's gate and its

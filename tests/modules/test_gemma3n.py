@@ -10,8 +10,10 @@ clamp acts); LAuReL's low-rank residual; per-layer inputs (their own embedding o
 corrected output); each layer's own MLP size and a Gaussian top-k on the first two layers' MLP activations; the
 logit soft-cap. Checked: logits, chunked loss and every gradient under ring, Ulysses, all-gather and hybrid, cp
 1, 2 and 4, plain and FSDP, float32 and float64 (its RMSNorm computes in float32: float64 agrees to float32
-precision), each layer checkpointed as the trainer does it, packed documents, peft's LoRA; and two optimizer
-steps under FSDP2 with the clamp acting (Note [AltUp's clamp under FSDP2]).
+precision), each layer checkpointed as the trainer does it, packed documents, peft's LoRA; after each run's
+forward, every parameter (each rank's shard) against the reference's, whose coefficients transformers clamped
+(Note [AltUp's clamp under FSDP2]); FSDP2 computing in bfloat16, as on a GPU; the AltUp layers kept out of 4-bit
+quantization.
 """
 
 import copy
@@ -30,7 +32,7 @@ from dist_harness import Checks
 from document_checks import documents_batch
 from fsdp_checks import check_cp_against_reference
 from llama_cp.modules.families import transformers_refusal
-from test_families import BASE, SEQ_LEN, TOLERANCE, VOCAB, WINDOW, WORLD_SIZE, batch, mesh_for
+from test_families import BASE, SEQ_LEN, TOLERANCE, WINDOW, WORLD_SIZE, batch, mesh_for
 from test_families_new import NO_WINDOWS, RUNS, _zero
 
 checks = Checks(setup=lambda sizes: [mesh_for(cp) for cp in sorted(sizes)])
@@ -73,6 +75,15 @@ def gemma3n_model(dtype=F32, **overrides):
     return model
 
 
+def _weights_of(source):
+    """A change of a built model: the parameters ``source`` also has set to its (the layers that compute their own
+    keys and values keep their k/v projections' random weights, the rest is ``source``'s)."""
+    def change(model):
+        missing = model.load_state_dict(source.state_dict(), strict=False).missing_keys
+        assert missing and all(".self_attn.k_" in key or ".self_attn.v_" in key for key in missing), missing
+    return change
+
+
 def forward_and_loss(model, data):
     logits = model(input_ids=data["input_ids"], position_ids=data.get("position_ids"), use_cache=False).logits
     return logits, F.cross_entropy(logits.flatten(0, 1), data["labels"].flatten(), ignore_index=-100)
@@ -82,8 +93,8 @@ def with_lora(model):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "laurel.linear_left"]))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "laurel.linear_left"]
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=targets))
 
 
 @functools.cache
@@ -120,14 +131,18 @@ def check(strategy: str, cp: int, sharded: bool, dtype: torch.dtype, packed: boo
     check_cp_against_reference(model, reference_model, data, logits, loss, mesh_for(cp), strategy=strategy,
                                sharded=sharded, tol=TOL, max_seq_len=SEQ_LEN,
                                ulysses_degree=2 if strategy == "hybrid" else 0)
-    clamped = 0
+    # the reference's coefficients are clamped (transformers did it in place) and every shard equals them: each
+    # shard holds the clamp
+    clamped = sum(int((pristine.get_parameter(name) != want).sum())
+                  for (name, _), want in zip(model.named_parameters(), reference_model.parameters(), strict=True)
+                  if "prediction_coefs" in name)
+    assert clamped > 0, "transformers clamped no coefficient of the reference: the comparison shows no clamp"
     for (name, param), want in zip(model.named_parameters(), reference_model.parameters(), strict=True):
-        clamped += "prediction_coefs" in name and bool((pristine.get_parameter(name) != want).any())
         if isinstance(param, DTensor):
             shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
             param, want = param.to_local(), want[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-        torch.testing.assert_close(param.detach(), want.detach(), atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
-    assert clamped > 0, "no shard of the coefficients was clamped: the check proves nothing"
+        torch.testing.assert_close(param.detach(), want.detach(), atol=0, rtol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _add(strategy: str, cp: int, sharded: bool, dtype: torch.dtype, packed: bool = False, lora: bool = False,
@@ -146,6 +161,17 @@ _add("ulysses", 2, False, F64, lora=True)
 _add("ring", 2, True, F32, checkpointed=True)
 
 
+@functools.partial(checks.add, skip=SKIP)
+def ring_cp2_fsdp_bfloat16():
+    """FSDP2 computing in bfloat16, as every GPU run does: it casts each layer's inputs to bfloat16, and the keys
+    and values handed to the reusing layers must still reach them (Note [A family's transformers floor]). Logits,
+    loss and gradients against float32 transformers, to bfloat16's precision."""
+    pristine, reference_model, data, logits, loss = reference(F32)
+    check_cp_against_reference(copy.deepcopy(pristine), reference_model, data, logits, loss, mesh_for(2),
+                               strategy="ring", sharded=True, tol=dict(atol=5e-2, rtol=5e-2, check_dtype=False),
+                               max_seq_len=SEQ_LEN, param_dtype=torch.bfloat16)
+
+
 @functools.partial(checks.add, group=1, skip=SKIP)
 def features_change_the_result():
     """Each feature moves the logits by more than 1e-3 when switched off (the assertion message lists how
@@ -158,7 +184,7 @@ def features_change_the_result():
         for feature, overrides, change in (
             ("windows", NO_WINDOWS, None),
             ("logit soft-cap", dict(final_logit_softcapping=1e6), None),  # its config takes no None
-            ("keys and values reused", dict(num_kv_shared_layers=0), None),
+            ("keys and values reused", dict(num_kv_shared_layers=0), _weights_of(gemma3n_model())),
             ("AltUp coefficient clamp", dict(altup_coef_clip=120.0), None),  # the released configs' clamp
             ("AltUp corrected output scale", dict(altup_correct_scale=False), None),
             ("LAuReL", {}, _zero("laurel.linear_right.weight")),
@@ -216,12 +242,30 @@ def test_the_coefficients_clamped_in_place_are_read_from_transformers(clip):
     assert _clamped_in_place(altup) == ("prediction_coefs",)
 
 
-def test_releases_that_train_the_reusing_layers_own_keys_are_refused():
-    """Up to 5.5.4 transformers' Gemma 3n reused keys and values only from a cache (none in training): its
-    reusing layers trained k/v projections inference does not run. Refused there in one line (Note [A family's
-    transformers floor])."""
-    assert transformers_refusal("gemma3n_text", "5.5.4") == (
-        "model family 'gemma3n_text' needs transformers >= 5.6 (installed: 5.5.4): before that its layers that "
-        "reuse an earlier layer's keys and values compute their own in training (from k/v projections its "
-        "inference does not run), so a fine-tune would train weights the model does not use; upgrade transformers")
-    assert transformers_refusal("gemma3n_text", "5.6.0") is None
+def test_releases_whose_reusing_layers_miss_the_shared_keys_are_refused():
+    """Up to 5.5.4 transformers' Gemma 3n reused keys and values only from a cache (none without one: its reusing
+    layers trained k/v projections inference does not run), and up to 5.8 it handed them on in a dict that
+    FSDP2 rebuilds on the way into each layer (with the dict swapped back in, every FSDP check here fails with a
+    KeyError). Refused there in one line, Gemma 4 too (Note [A family's transformers floor])."""
+    for family in ("gemma3n_text", "gemma4_text"):
+        assert transformers_refusal(family, "5.8.0") == (
+            f"model family '{family}' needs transformers >= 5.9 (installed: 5.8.0): before that its layers that "
+            "reuse an earlier layer's keys and values computed their own without a cache, from k/v projections its "
+            "inference does not run (to 5.5), then got them in a dict that FSDP2 rebuilds on the way into each "
+            "layer, so they found none (to 5.8); upgrade transformers")
+        assert transformers_refusal(family, "5.9.0") is None
+
+
+def test_altup_layers_stay_out_of_4bit_quantization():
+    """--quantization 4bit keeps AltUp's layers in full precision: transformers clamps their weights in place and
+    multiplies by a clamped copy, which 4-bit codes cannot take (RuntimeError: result type Float can't be cast to
+    the desired output type unsigned char); the rest of each layer is quantized, and a training forward runs."""
+    from llama_cp.modules.quantize import NF4Linear, installed_qlora_refusal, quantize_model
+
+    if SKIP or installed_qlora_refusal():
+        pytest.skip(SKIP or installed_qlora_refusal())
+    model = quantize_model(gemma3n_model())
+    layer = model.model.layers[0]
+    assert all(type(m) is torch.nn.Linear for m in layer.altup.modules() if isinstance(m, torch.nn.Linear))
+    assert isinstance(layer.self_attn.q_proj, NF4Linear) and isinstance(layer.laurel.linear_left, NF4Linear)
+    assert model.train()(input_ids=batch()["input_ids"]).logits.isfinite().all()

@@ -139,8 +139,9 @@ FAMILIES["sarvam_mla"] = dict(MLA, q_lora_rank=None, n_group=1)
 #: layer 0 RoPE, chunks of 6, a dense MLP of intermediate_size_mlp; layer 1 NoPE, full, 4 experts (top 1) + a shared one
 FAMILIES["llama4_text"] = dict(no_rope_layers=[1, 0], attention_chunk_size=6, num_local_experts=4,
                                num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size_mlp=48)
-MOE = {"kolibri1", "sarvam_mla", "laguna", "beam", "flint", "granitemoe", "granitemoeshared", "granitemoe_swa", "axk1", "glm4_moe", "qwen2_moe",
-       "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "minimax_m2", "dots1", "ernie4_5_moe",
+MOE = {"kolibri1", "sarvam_mla", "laguna", "beam", "flint", "granitemoe", "granitemoeshared", "granitemoe_swa", "axk1",
+       "glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "minimax_m2", "dots1",
+       "ernie4_5_moe",
        "hunyuan_v1_moe", "exaone_moe", "afmoe", "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe", "flex_olmo",
        "sarvam_moe", "mellum"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -275,6 +276,33 @@ def test_gemma3n_flops_count_altups_product_per_token():
     assert measured["aten.mm"] == flops.per_token * rows * length - altup
     assert measured["aten.bmm"] == flops.per_pair * rows * length ** 2 + altup
     assert flops.layer_flops[0] > flops.layer_flops[2] > flops.layer_flops[3]  # k/v reused; MLPs of 64, 64, 32
+
+
+def test_gemma3n_lora_flops_count_the_adapters_training_runs():
+    """LoRA on every linear layer of Gemma 3n (peft's all-linear): AltUp's model-level projections are layers of
+    ModuleLists (peft names them 0, 1, 2: their adapters count), and its correction coefficients are multiplied in
+    training as a clamped copy of the weight (F.linear), past their adapter (not counted); against FlopCounterMode
+    with the embedding's output needing a gradient, as Note [Model FLOPs] counts it."""
+    from peft import LoraConfig, get_peft_model
+
+    config = family_config("gemma3n_text", attn_implementation="eager")
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules="all-linear"))
+    model.enable_input_require_grads()
+    assert any(name.endswith("altup_projections.0.lora_A.default") for name, _ in model.named_modules())
+    rows, length = 2, 24
+    ids = torch.randint(3, config.vocab_size, (rows, length))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    measured = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    for module, by_op in counter.get_flop_counts().items():
+        if module.endswith("rotary_emb"):
+            for op, flops in by_op.items():
+                measured[str(op)] -= flops
+    flops = model_flops(config, lora_r=4, lora_targets=("all-linear",))
+    altup = 3 * 2 * config.hidden_size * config.altup_num_inputs ** 2 * config.num_hidden_layers * rows * length
+    assert measured["aten.mm"] == flops.per_token * rows * length - altup
+    assert measured["aten.bmm"] == flops.per_pair * rows * length ** 2 + altup
 
 
 def test_heads_over_256_are_planned_with_the_memory_efficient_kernel(monkeypatch):
