@@ -349,9 +349,9 @@ _REFUSAL_REASONS = {
 # rebuilds every dict among a layer's inputs on the way in (its pre-forward flattens them to hook the tensors
 # that need gradients, torch 2.13 _fsdp_param_group.py pre_forward -> _register_post_backward_hook, and its
 # cast to a param_dtype does the same), so the reusing layers find nothing there (KeyError: 'sliding_attention'
-# in every FSDP check of tests/modules/test_gemma3n.py on 5.24 with the dict swapped back in). From 5.9.0 the
-# forward hands a UserDict, which FSDP2 passes as it is (transformers' KVSharingDict says so). Read in the
-# released wheels of 4.56.2, 5.0.0, 5.5.0, 5.5.4, 5.6.0, 5.7.0, 5.8.0 and 5.9.0 (models/gemma3n/
+# in every FSDP check of tests/modules/test_gemma3n.py, and of Gemma 4's in test_families_new.py, on 5.24 with
+# the dict swapped back in). From 5.9.0 the forward hands a UserDict, which FSDP2 passes as it is (transformers'
+# KVSharingDict says so). Read in the released wheels of 4.56.2, 5.0.0, 5.5.0, 5.5.4, 5.6.0, 5.7.0, 5.8.0 and 5.9.0 (models/gemma3n/
 # modeling_gemma3n.py, models/gemma4/modeling_gemma4.py); Gemma 4 12B (gemma4_unified_text) is in 5.10.1 first.
 
 _SDPA_ITSELF = "its attention calls SDPA itself, so context-parallel attention cannot take its place"
