@@ -288,8 +288,10 @@ _REFUSAL_REASONS = {
     "rwkv": f"it is a recurrent network (RWKV): its layers {_RECURRENT}",
     "xlstm": f"it is a recurrent network (xLSTM): its layers {_RECURRENT}",
     # DeepSeek Sparse Attention (V3.2, GLM-5): a learned indexer picks each query's top-k keys
-    # A.X K2, dots3 and Hy4 the same; MiniMax-M3's indexer picks blocks of keys, on its sparse-attention layers
-    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "axk2", "dots3_note_text", "dots3_note", "hy_v4"),
+    # A.X K2, dots3, Hy4 and Mistral Large 4 the same; MiniMax-M3's indexer picks blocks of keys, on its sparse-attention
+    # layers
+    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "axk2", "dots3_note_text", "dots3_note", "hy_v4",
+                     "mistral_large4", "mistral_large4_text"),
                     "its sparse attention lets a learned indexer pick each query's keys (its top k of the whole "
                     "sequence), which context-parallel attention does not compute"),
     "minimax_m3_vl_text": "its sparse-attention layers let a learned indexer pick each query's keys (its top k blocks "

@@ -760,7 +760,8 @@ REFUSED_BY_CONFIG = {
     "lara_mini": r"linear-attention layers \(gated DeltaNet.*recurrent state",
     "recurrent_gemma": r"recurrent layers \(RG-LRU\).*recurrent state",
     "rwkv": r"recurrent network \(RWKV\).*recurrent state", "xlstm": r"recurrent network \(xLSTM\).*recurrent state",
-    **dict.fromkeys(("axk2", "dots3_note_text", "dots3_note", "hy_v4"), r"learned indexer pick each query's keys"),
+    **dict.fromkeys(("axk2", "dots3_note_text", "dots3_note", "hy_v4", "mistral_large4", "mistral_large4_text"),
+                    r"learned indexer pick each query's keys"),
     "gemma4_unified_assistant": r"speculative-decoding drafter: its forward takes the main Gemma 4 model's",
     "minimax_m3_vl_text": r"learned indexer pick each query's keys \(its top k blocks",
 }
