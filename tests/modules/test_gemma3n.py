@@ -158,6 +158,7 @@ for _run in RUNS:  # every strategy, cp 1, 2 and 4, plain and FSDP, float32 and 
 _add("ring", 2, True, F32, packed=True)
 _add("allgather", 4, True, F32, packed=True)
 _add("ulysses", 2, False, F64, lora=True)
+_add("ring", 2, True, F32, lora=True)  # the trainer's LoRA: peft's model sharded, its frozen coefficients clamped
 _add("ring", 2, True, F32, checkpointed=True)
 
 
