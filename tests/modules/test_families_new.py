@@ -648,6 +648,56 @@ def features_change_the_result():
     assert min(moved.values()) > 1e-3, moved
 
 
+#: Beam's full layers scale their queries by (1 + (position + 1) / 2048) ** 0.1 (transformers 5.24 beam
+#: compute_attention_scaling, from the global position_ids): 1.0 to 1.0016 over positions 0 to 31, which moves the
+#: logits by 3e-4 only; rows continuing a document from position 4096 scale them by about 1.12.
+BEAM_FAR = 4096
+
+
+def beam_far_rows() -> dict:
+    return dict(batch(), position_ids=torch.arange(BEAM_FAR, BEAM_FAR + SEQ_LEN).expand(2, -1))
+
+
+def check_beam_far_positions(strategy: str, cp: int):
+    """Beam on rows continuing a document from position 4096, float64, against transformers given those
+    position_ids: each shard's query scale must come from its tokens' global positions."""
+    data = beam_far_rows()
+    reference = family_model("beam", torch.float64)
+    pristine = copy.deepcopy(reference)
+    logits, loss = forward_and_loss(reference, data)
+    loss.backward()
+    check_cp_against_reference(pristine, reference, data, logits.detach(), loss.detach(), mesh_for(cp),
+                               strategy=strategy, sharded=False, tol=tolerance("beam", torch.float64),
+                               max_seq_len=SEQ_LEN)
+
+
+for _strategy, _cp in (("ring", 2), ("ulysses", 4)):
+    checks.add(functools.partial(check_beam_far_positions, _strategy, _cp), group=_cp, skip=skip_reason("beam"),
+               name=f"beam_far_positions_{_strategy}_cp{_cp}_plain_float64")
+
+
+@functools.partial(checks.add, group=1, skip=skip_reason("beam"))
+def beam_position_scaling_changes_the_result():
+    """Rows moved from position 0 to 4096 change Beam's logits only through its full layers' query scale (its
+    windowed layers' RoPE is relative, its full layers have none): by more than 1e-3 (0.17), and by under 1e-4 with
+    the scale made 1 (1.5e-5: the rotary table's float32 rounding at position 4096)."""
+    from transformers.models.beam import modeling_beam
+
+    near = dict(batch(), position_ids=torch.arange(SEQ_LEN).expand(2, -1))
+    model = family_model("beam", torch.float64)
+    with torch.no_grad():
+        moved = float((model(**{k: v for k, v in beam_far_rows().items() if k != "labels"}).logits
+                       - model(**{k: v for k, v in near.items() if k != "labels"}).logits).abs().max())
+        scale = modeling_beam.compute_attention_scaling
+        modeling_beam.compute_attention_scaling = lambda position_ids: torch.ones_like(scale(position_ids))
+        try:
+            unscaled = float((model(**{k: v for k, v in beam_far_rows().items() if k != "labels"}).logits
+                              - model(**{k: v for k, v in near.items() if k != "labels"}).logits).abs().max())
+        finally:
+            modeling_beam.compute_attention_scaling = scale
+    assert moved > 1e-3 and unscaled < 1e-4, (moved, unscaled)
+
+
 @functools.partial(checks.add, group=4, skip=skip_reason("laguna"))
 def laguna_ulysses_refused_where_a_layers_heads_do_not_split():
     """Laguna's heads vary by layer: with 4 and 2 query heads, Ulysses at cp 4 is refused in one line naming
