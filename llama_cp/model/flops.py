@@ -263,9 +263,9 @@ def model_flops(config: Any, *, lora_r: int = 0, lora_targets: tuple[str, ...] =
     if getattr(config, "hidden_size_per_layer_input", None):  # Gemma 4's per-layer inputs, once per token
         decoder += linear("per_layer_model_projection", config.hidden_size,
                           layers * config.hidden_size_per_layer_input)
-    if config.model_type == "gemma3n_text":  # AltUp's copies of the hidden state made, and merged back
-        for _ in ("altup_projections", "altup_unembed_projections"):  # ModuleLists: peft names their layers 0, 1, ...
-            decoder += sum(linear(str(i), config.hidden_size, config.hidden_size)
+    if config.model_type == "gemma3n_text":  # AltUp's copies of the hidden state made, and merged back: two
+        # ModuleLists of altup_num_inputs - 1 layers, which peft names 0, 1, ...
+        decoder += 2 * sum(linear(str(i), config.hidden_size, config.hidden_size)
                            for i in range(config.altup_num_inputs - 1))
     # Apertus 1.5's output layer keeps the first output_vocab_size rows (its text tokens) of the vocabulary
     head_in, head_out = config.hidden_size, getattr(config, "output_vocab_size", None) or config.vocab_size

@@ -85,9 +85,9 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # top-k on the first layers' MLP activations, all per token; AltUp's in-place coefficient clamp under FSDP2:
     # Note [AltUp's clamp under FSDP2]
     "gemma3n_text": _final_softcap,
+    "cwm": _plain,  # Code World Model: Llama's layers, windowed and full layer_types
     # Granite 3 MoE: Granite's multipliers and logits divided by logits_scaling, softmax-routed experts (the router
     # loss); GraniteMoeShared adds a shared MLP beside them
-    "cwm": _plain,  # Code World Model: Llama's layers, windowed and full layer_types
     "granitemoe": _granite,
     "granitemoeshared": _granite,
     # Granite SWA (granite-swash): windowed and full layers, a RoPE base per layer (0: NoPE), learned sinks applied
@@ -288,8 +288,8 @@ _REFUSAL_REASONS = {
     "rwkv": f"it is a recurrent network (RWKV): its layers {_RECURRENT}",
     "xlstm": f"it is a recurrent network (xLSTM): its layers {_RECURRENT}",
     # DeepSeek Sparse Attention (V3.2, GLM-5): a learned indexer picks each query's top-k keys
-    # A.X K2, dots3, Hy4 and Mistral Large 4 the same; MiniMax-M3's indexer picks blocks of keys, on its sparse-attention
-    # layers
+    # A.X K2, dots3, Hy4 and Mistral Large 4 the same; MiniMax-M3's indexer picks blocks of keys, on its
+    # sparse-attention layers
     **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "axk2", "dots3_note_text", "dots3_note", "hy_v4",
                      "mistral_large4", "mistral_large4_text"),
                     "its sparse attention lets a learned indexer pick each query's keys (its top k of the whole "
@@ -353,8 +353,9 @@ _REFUSAL_REASONS = {
 # cast to a param_dtype does the same), so the reusing layers find nothing there (KeyError: 'sliding_attention'
 # in every FSDP check of tests/modules/test_gemma3n.py, and of Gemma 4's in test_families_new.py, on 5.24 with
 # the dict swapped back in). From 5.9.0 the forward hands a UserDict, which FSDP2 passes as it is (transformers'
-# KVSharingDict says so). Read in the released wheels of 4.56.2, 5.0.0, 5.5.0, 5.5.4, 5.6.0, 5.7.0, 5.8.0 and 5.9.0 (models/gemma3n/
-# modeling_gemma3n.py, models/gemma4/modeling_gemma4.py); Gemma 4 12B (gemma4_unified_text) is in 5.10.1 first.
+# KVSharingDict says so). Read in the released wheels of 4.56.2, 5.0.0, 5.5.0, 5.5.4, 5.6.0, 5.7.0, 5.8.0 and
+# 5.9.0 (models/gemma3n/modeling_gemma3n.py, models/gemma4/modeling_gemma4.py); Gemma 4 12B (gemma4_unified_text)
+# is in 5.10.1 first.
 
 _SDPA_ITSELF = "its attention calls SDPA itself, so context-parallel attention cannot take its place"
 _OWN_MASK = ("its model builds a 4-D attention mask of its own (_update_causal_mask), which context-parallel "
