@@ -5,8 +5,8 @@ model, batch, meshes and tolerances of tests/modules/test_families.py and the ru
 What Gemma 3n adds, each made to count (``features_change_the_result`` records how far the logits move
 without it): four layers (windowed, full, windowed, full), the last two reusing the first two's keys and values
 (as Gemma 4's); AltUp's four copies of the hidden state, predicted before each layer and corrected after it, its
-prediction coefficients clamped in place to +-altup_coef_clip in training (set here below their spread, so the
-clamp acts); LAuReL's low-rank residual; per-layer inputs (their own embedding of the tokens, gated by the
+prediction coefficients clamped in place to +-altup_coef_clip in training (here 0.05, two coefficients of each
+layer at +-2: the clamp acts); LAuReL's low-rank residual; per-layer inputs (their own embedding of the tokens, gated by the
 corrected output); each layer's own MLP size and a Gaussian top-k on the first two layers' MLP activations; the
 logit soft-cap. Checked: logits, chunked loss and every gradient under ring, Ulysses, all-gather and hybrid, cp
 1, 2 and 4, plain and FSDP, float32 and float64 (its RMSNorm computes in float32: float64 agrees to float32
@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from dist_harness import Checks
@@ -267,6 +267,7 @@ def test_altup_layers_stay_out_of_4bit_quantization():
         pytest.skip(SKIP or installed_qlora_refusal())
     model = quantize_model(gemma3n_model())
     layer = model.model.layers[0]
-    assert all(type(m) is torch.nn.Linear for m in layer.altup.modules() if isinstance(m, torch.nn.Linear))
+    altup = [m for m in layer.altup.modules() if isinstance(m, (torch.nn.Linear, NF4Linear))]
+    assert len(altup) == 3 and not any(isinstance(m, NF4Linear) for m in altup)  # router, both coefficients
     assert isinstance(layer.self_attn.q_proj, NF4Linear) and isinstance(layer.laurel.linear_left, NF4Linear)
     assert model.train()(input_ids=batch()["input_ids"]).logits.isfinite().all()
