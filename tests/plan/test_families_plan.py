@@ -141,9 +141,8 @@ FAMILIES["llama4_text"] = dict(no_rope_layers=[1, 0], attention_chunk_size=6, nu
                                num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size_mlp=48)
 MOE = {"kolibri1", "sarvam_mla", "laguna", "beam", "flint", "granitemoe", "granitemoeshared", "granitemoe_swa", "axk1",
        "glm4_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gemma4_text", "minimax_m2", "dots1",
-       "ernie4_5_moe",
-       "hunyuan_v1_moe", "exaone_moe", "afmoe", "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe", "flex_olmo",
-       "sarvam_moe", "mellum"}
+       "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "afmoe", "solar_open", "hy_v3", "mimo_v2_flash", "cohere2_moe",
+       "flex_olmo", "sarvam_moe", "mellum"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
