@@ -131,7 +131,7 @@ SUPPORTED_FAMILIES: dict[str, Callable[..., LogitTransform]] = {
     # (sigmoid router with a score bias, by group, shared experts) on its mlp_layer_types "sparse"; no router loss
     "exaone_moe": _plain,
     # Kolibri-1 (Aleph Alpha): EXAONE 4's attention, GLM-4's norms after attention and MLP, experts in every layer
-    # (a float32 sigmoid router with a score bias, renormalised top-k) and a shared expert; no router loss
+    # (a float32 sigmoid router with a score bias) and a shared expert; no router loss
     "kolibri1": _plain,
     # AFMoE (Arcee Trinity): windowed RoPE layers next to full NoPE ones, q/k norms, a sigmoid gate on the
     # attention output (per token), routed experts with a score bias and shared ones after dense first
@@ -348,14 +348,15 @@ _REFUSAL_REASONS = {
 # own training with checkpointing runs), so there those layers ran k/v projections of their own that inference
 # never runs: a fine-tune would train what the model does not use.
 # From 5.5.4 (Gemma 4) and 5.6.0 (Gemma 3n) the model's forward hands them on itself, in a plain dict; but FSDP2
-# rebuilds every dict among a layer's inputs on the way in (its pre-forward flattens them to hook the tensors
-# that need gradients, torch 2.13 _fsdp_param_group.py pre_forward -> _register_post_backward_hook, and its
-# cast to a param_dtype does the same), so the reusing layers find nothing there (KeyError: 'sliding_attention'
-# in every FSDP check of tests/modules/test_gemma3n.py, and of Gemma 4's in test_families_new.py, on 5.24 with
-# the dict swapped back in). From 5.9.0 the forward hands a UserDict, which FSDP2 passes as it is (transformers'
-# KVSharingDict says so). Read in the released wheels of 4.56.2, 5.0.0, 5.5.0, 5.5.4, 5.6.0, 5.7.0, 5.8.0 and
-# 5.9.0 (models/gemma3n/modeling_gemma3n.py, models/gemma4/modeling_gemma4.py); Gemma 4 12B (gemma4_unified_text)
-# is in 5.10.1 first.
+# hands a layer a copy of any dict of its inputs that holds a tensor needing gradients (torch 2.13: pre_forward ->
+# _register_post_backward_hook -> fsdp/_common_utils.py replace_grad_tensors) and of every dict when it casts the
+# inputs to a param_dtype (_apply_to_tensors), so the keys and values the early layers store go into copies and
+# the reusing layers find nothing: a KeyError in every FSDP check of tests/modules/test_gemma3n.py, and of Gemma
+# 4's in test_families_new.py, on 5.24 with a plain dict swapped back in ('full_attention' where the dict reaches
+# the first layer untouched, 'sliding_attention' with bfloat16). From 5.9.0 the forward hands a UserDict (not a
+# dict: FSDP2 passes it as it is; transformers' KVSharingDict says so). Read in the released wheels of 4.56.2,
+# 5.0.0, 5.5.0, 5.5.4, 5.6.0, 5.7.0, 5.8.0 and 5.9.0 (models/gemma3n/modeling_gemma3n.py, models/gemma4/
+# modeling_gemma4.py; Gemma 4 from 5.5.0); Gemma 4 12B (gemma4_unified_text) is in 5.10.1 first.
 
 _SDPA_ITSELF = "its attention calls SDPA itself, so context-parallel attention cannot take its place"
 _OWN_MASK = ("its model builds a 4-D attention mask of its own (_update_causal_mask), which context-parallel "
@@ -369,7 +370,7 @@ _NEEDS_TRANSFORMERS = {
     **dict.fromkeys(("gemma3n_text", "gemma4_text"), (
         (5, 9), "its layers that reuse an earlier layer's keys and values computed their own without a cache, "
                 "from k/v projections its inference does not run (to 5.5), then got them in a dict that FSDP2 "
-                "rebuilds on the way into each layer, so they found none (to 5.8)")),
+                "copies on the way into a layer, so they found none (to 5.8)")),
 }
 
 

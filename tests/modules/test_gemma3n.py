@@ -6,14 +6,14 @@ What Gemma 3n adds, each made to count (``features_change_the_result`` records h
 without it): four layers (windowed, full, windowed, full), the last two reusing the first two's keys and values
 (as Gemma 4's); AltUp's four copies of the hidden state, predicted before each layer and corrected after it, its
 prediction coefficients clamped in place to +-altup_coef_clip in training (here 0.05, two coefficients of each
-layer at +-2: the clamp acts); LAuReL's low-rank residual; per-layer inputs (their own embedding of the tokens, gated by the
-corrected output); each layer's own MLP size and a Gaussian top-k on the first two layers' MLP activations; the
-logit soft-cap. Checked: logits, chunked loss and every gradient under ring, Ulysses, all-gather and hybrid, cp
-1, 2 and 4, plain and FSDP, float32 and float64 (its RMSNorm computes in float32: float64 agrees to float32
-precision), each layer checkpointed as the trainer does it, packed documents, peft's LoRA; after each run's
-forward, every parameter (each rank's shard) against the reference's, whose coefficients transformers clamped
-(Note [AltUp's clamp under FSDP2]); FSDP2 computing in bfloat16, as on a GPU; the AltUp layers kept out of 4-bit
-quantization.
+layer at +-2: the clamp acts); LAuReL's low-rank residual; per-layer inputs (their own embedding of the tokens,
+gated by the corrected output); each layer's own MLP size and a Gaussian top-k on the first two layers' MLP
+activations; the logit soft-cap. Checked: logits, chunked loss and every gradient under ring, Ulysses,
+all-gather and hybrid, cp 1, 2 and 4, plain and FSDP, float32 and float64 (its RMSNorm computes in float32:
+float64 agrees to float32 precision), each layer checkpointed as the trainer does it, packed documents, peft's
+LoRA (plain and under FSDP); after each run's forward, every parameter (each rank's shard) against the
+reference's, whose coefficients transformers clamped (Note [AltUp's clamp under FSDP2]); FSDP2 computing in
+bfloat16, as on a GPU; the AltUp layers kept out of 4-bit quantization.
 """
 
 import copy
@@ -246,14 +246,14 @@ def test_the_coefficients_clamped_in_place_are_read_from_transformers(clip):
 def test_releases_whose_reusing_layers_miss_the_shared_keys_are_refused():
     """Up to 5.5.4 transformers' Gemma 3n reused keys and values only from a cache (none without one: its reusing
     layers trained k/v projections inference does not run), and up to 5.8 it handed them on in a dict that
-    FSDP2 rebuilds on the way into each layer (with the dict swapped back in, every FSDP check here fails with a
+    FSDP2 copies on the way into a layer (with the dict swapped back in, every FSDP check here fails with a
     KeyError). Refused there in one line, Gemma 4 too (Note [A family's transformers floor])."""
     for family in ("gemma3n_text", "gemma4_text"):
         assert transformers_refusal(family, "5.8.0") == (
             f"model family '{family}' needs transformers >= 5.9 (installed: 5.8.0): before that its layers that "
             "reuse an earlier layer's keys and values computed their own without a cache, from k/v projections its "
-            "inference does not run (to 5.5), then got them in a dict that FSDP2 rebuilds on the way into each "
-            "layer, so they found none (to 5.8); upgrade transformers")
+            "inference does not run (to 5.5), then got them in a dict that FSDP2 copies on the way into a layer, so "
+            "they found none (to 5.8); upgrade transformers")
         assert transformers_refusal(family, "5.9.0") is None
 
 
