@@ -226,3 +226,31 @@ def test_gemma4_layers_sharing_keys_and_values_stay_eager(tmp_path):
             "attention kernels, 4 attention layers that share keys and values across layers stay eager" in said), said
     torch.testing.assert_close(torch.tensor(compiled, dtype=torch.float64), torch.tensor(eager, dtype=torch.float64),
                                rtol=1e-3, atol=0)
+
+
+@pytest.mark.slow
+def test_gemma3n_compiled_follows_eager(tmp_path):
+    """Gemma 3n full fine-tuning with --compile: its MLPs (the Gaussian top-k among them) and norms compiled, its
+    attention layers that store or reuse keys and values eager (as Gemma 4's), AltUp eager (not a per-token module
+    the trainer compiles; it clamps its coefficients in place); every layer checkpointed. The losses and gradient
+    norms of 3 steps follow eager's (float32: the losses to 1e-9, the gradient norms to 2e-6 here)."""
+    from dist_harness import map_in_processes
+    from test_gemma3n import SKIP, gemma3n_model
+
+    from llama_cp.data.tokenizer import byte_tokenizer
+
+    if SKIP:
+        pytest.skip(SKIP)
+    model = gemma3n_model(vocab_size=264, vocab_size_per_layer_input=264, sliding_window=64,
+                          max_position_embeddings=1024, attn_implementation="sdpa")
+    assert [(layer.self_attn.store_full_length_kv, layer.self_attn.is_kv_shared_layer) for layer in model.model.layers
+            ] == [(True, False), (True, False), (False, True), (False, True)]
+    model.save_pretrained(tmp_path / "gemma3n")
+    byte_tokenizer().save_pretrained(tmp_path / "gemma3n")
+    flags = dict(model_name=str(tmp_path / "gemma3n"), activation_checkpointing=True)
+    ((eager, compiled, captured, said),) = map_in_processes(eager_and_compiled, [(str(tmp_path), flags)], processes=1)
+    assert captured > 0
+    assert ("--compile: 21 norms, 4 MLPs, 0 attention layers and the loss's chunks run through torch.compile; the "
+            "attention kernels, 4 attention layers that share keys and values across layers stay eager" in said), said
+    torch.testing.assert_close(torch.tensor(compiled, dtype=torch.float64), torch.tensor(eager, dtype=torch.float64),
+                               rtol=1e-5, atol=0)
