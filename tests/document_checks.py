@@ -70,6 +70,17 @@ def documents_batch(input_ids: torch.Tensor, all_lengths: list[list[int]]) -> di
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
+def documents_alone(model, batch: dict[str, torch.Tensor], all_lengths: list[list[int]]) -> torch.Tensor:
+    """The logits of ``batch``'s packed rows (``documents_batch`` of ``all_lengths``) with each document run
+    alone through ``model``, put back in their rows: the reference a packed row's logits must equal."""
+    rows = []
+    for row, lengths in enumerate(all_lengths):
+        pieces = (batch[key][row].split(lengths) for key in ("input_ids", "position_ids"))
+        rows.append(torch.cat([model(input_ids=ids[None], position_ids=positions[None]).logits[0]
+                               for ids, positions in zip(*pieces, strict=True)]))
+    return torch.stack(rows)
+
+
 def reference_forward(model, batch):
     """Single-process transformers on the whole packed rows: (logits, mean CE)."""
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits

@@ -200,10 +200,7 @@ def test_gemma4_layers_sharing_keys_and_values_stay_eager(tmp_path):
     stay eager and the start line says so; with every decoder layer checkpointed the compiled run follows
     eager's trajectory (float32; the gradient norms to 1e-3: Gemma's many norms, summed in inductor's
     order, move them by up to 5e-4 in 3 steps at lr 3e-3, the losses by 1e-6)."""
-    from dist_harness import map_in_processes
     from test_families_new import skip_reason
-
-    from llama_cp.data.tokenizer import byte_tokenizer
 
     if skip_reason("gemma4_text"):
         pytest.skip(skip_reason("gemma4_text"))
@@ -214,18 +211,29 @@ def test_gemma4_layers_sharing_keys_and_values_stay_eager(tmp_path):
         attention_k_eq_v=True, num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2,
         sliding_window=64, hidden_size_per_layer_input=8, vocab_size_per_layer_input=264, max_position_embeddings=1024)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    check_kv_sharing_layers_stay_eager(AutoModelForCausalLM.from_config(config), tmp_path, rtol=1e-3)
+
+
+def check_kv_sharing_layers_stay_eager(model, directory, rtol: float) -> None:
+    """``model`` (4 layers: 0-1 store their keys and values, 2-3 reuse them) saved with the byte tokenizer and
+    trained 3 steps eager and with --compile, every decoder layer checkpointed, each in a process of its own: the
+    compiled graphs ran, the start line says the 4 attention layers that share keys and values stay eager, and
+    the losses and gradient norms agree to ``rtol``."""
+    from dist_harness import map_in_processes
+
+    from llama_cp.data.tokenizer import byte_tokenizer
+
     assert [(layer.self_attn.store_full_length_kv, layer.self_attn.is_kv_shared_layer) for layer in model.model.layers
             ] == [(True, False), (True, False), (False, True), (False, True)]
-    model.save_pretrained(tmp_path / "gemma4")
-    byte_tokenizer().save_pretrained(tmp_path / "gemma4")
-    flags = dict(model_name=str(tmp_path / "gemma4"), activation_checkpointing=True)
-    ((eager, compiled, captured, said),) = map_in_processes(eager_and_compiled, [(str(tmp_path), flags)], processes=1)
+    model.save_pretrained(directory / "model")
+    byte_tokenizer().save_pretrained(directory / "model")
+    flags = dict(model_name=str(directory / "model"), activation_checkpointing=True)
+    ((eager, compiled, captured, said),) = map_in_processes(eager_and_compiled, [(str(directory), flags)], processes=1)
     assert captured > 0
     assert ("--compile: 21 norms, 4 MLPs, 0 attention layers and the loss's chunks run through torch.compile; the "
             "attention kernels, 4 attention layers that share keys and values across layers stay eager" in said), said
     torch.testing.assert_close(torch.tensor(compiled, dtype=torch.float64), torch.tensor(eager, dtype=torch.float64),
-                               rtol=1e-3, atol=0)
+                               rtol=rtol, atol=0)
 
 
 @pytest.mark.slow
@@ -234,23 +242,10 @@ def test_gemma3n_compiled_follows_eager(tmp_path):
     attention layers that store or reuse keys and values eager (as Gemma 4's), AltUp eager (not a per-token module
     the trainer compiles; it clamps its coefficients in place); every layer checkpointed. The losses and gradient
     norms of 3 steps follow eager's (float32: the losses to 1e-9, the gradient norms to 2e-6 here)."""
-    from dist_harness import map_in_processes
     from test_gemma3n import SKIP, gemma3n_model
-
-    from llama_cp.data.tokenizer import byte_tokenizer
 
     if SKIP:
         pytest.skip(SKIP)
     model = gemma3n_model(vocab_size=264, vocab_size_per_layer_input=264, sliding_window=64,
                           max_position_embeddings=1024, attn_implementation="sdpa")
-    assert [(layer.self_attn.store_full_length_kv, layer.self_attn.is_kv_shared_layer) for layer in model.model.layers
-            ] == [(True, False), (True, False), (False, True), (False, True)]
-    model.save_pretrained(tmp_path / "gemma3n")
-    byte_tokenizer().save_pretrained(tmp_path / "gemma3n")
-    flags = dict(model_name=str(tmp_path / "gemma3n"), activation_checkpointing=True)
-    ((eager, compiled, captured, said),) = map_in_processes(eager_and_compiled, [(str(tmp_path), flags)], processes=1)
-    assert captured > 0
-    assert ("--compile: 21 norms, 4 MLPs, 0 attention layers and the loss's chunks run through torch.compile; the "
-            "attention kernels, 4 attention layers that share keys and values across layers stay eager" in said), said
-    torch.testing.assert_close(torch.tensor(compiled, dtype=torch.float64), torch.tensor(eager, dtype=torch.float64),
-                               rtol=1e-5, atol=0)
+    check_kv_sharing_layers_stay_eager(model, tmp_path, rtol=1e-5)

@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from dist_harness import Checks
-from document_checks import documents_batch
+from document_checks import documents_alone, documents_batch
 from fsdp_checks import check_cp_against_reference
 from llama_cp import apply_context_parallel
 from llama_cp.cp_attention import cp_attention_forward
@@ -254,10 +254,7 @@ def features_change_the_result():
         for name in ("deepseek_v2", "deepseek_v3"):
             model = family_model(name)
             packed = reference_forward(model, data)[0]
-            alone = [model(input_ids=ids[row:row + 1, a:a + n], position_ids=data["position_ids"][row:row + 1, a:a + n]
-                           ).logits for row, lengths in enumerate(PACKED_LENGTHS)
-                     for a, n in zip([sum(lengths[:i]) for i in range(len(lengths))], lengths)]
-            torch.testing.assert_close(packed, torch.cat(alone, dim=1).view_as(packed), **TOLERANCE[F32])
+            torch.testing.assert_close(packed, documents_alone(model, data, PACKED_LENGTHS), **TOLERANCE[F32])
             moved[f"{name} documents"] = float((packed - model(input_ids=ids).logits).abs().max())
     assert min(moved.values()) > 1e-3, moved
 
@@ -284,10 +281,7 @@ def glm4_moe_lite_features_change_the_result():
             moved[feature] = float((whole - off(input_ids=ids).logits).abs().max())
         model = family_model("glm4_moe_lite")
         packed = reference_forward(model, data)[0]
-        alone = [model(input_ids=ids[row:row + 1, a:a + n], position_ids=data["position_ids"][row:row + 1, a:a + n]
-                       ).logits for row, lengths in enumerate(PACKED_LENGTHS)
-                 for a, n in zip([sum(lengths[:i]) for i in range(len(lengths))], lengths)]
-        torch.testing.assert_close(packed, torch.cat(alone, dim=1).view_as(packed), **TOLERANCE[F32])
+        torch.testing.assert_close(packed, documents_alone(model, data, PACKED_LENGTHS), **TOLERANCE[F32])
         moved["documents"] = float((packed - whole).abs().max())
     assert min(moved.values()) > 1e-3, moved
 
@@ -321,11 +315,7 @@ def mla_families_features_change_the_result():
         for name in ("minicpm3", "youtu", "axk1"):  # the packed checks' reference: each document alone
             model = family_model(name)
             packed = reference_forward(model, data)[0]
-            alone = [model(input_ids=data["input_ids"][row:row + 1, a:a + n],
-                           position_ids=data["position_ids"][row:row + 1, a:a + n]).logits
-                     for row, lengths in enumerate(PACKED_LENGTHS)
-                     for a, n in zip([sum(lengths[:i]) for i in range(len(lengths))], lengths)]
-            torch.testing.assert_close(packed, torch.cat(alone, dim=1).view_as(packed), **TOLERANCE[F32])
+            torch.testing.assert_close(packed, documents_alone(model, data, PACKED_LENGTHS), **TOLERANCE[F32])
             moved[f"{name} documents"] = float((packed - model(input_ids=data["input_ids"]).logits).abs().max())
     assert min(moved.values()) > 1e-3, moved
 

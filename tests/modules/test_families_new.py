@@ -683,16 +683,19 @@ def beam_position_scaling_changes_the_result():
     the scale made 1 (1.5e-5: the rotary table's float32 rounding at position 4096)."""
     from transformers.models.beam import modeling_beam
 
-    near = dict(batch(), position_ids=torch.arange(SEQ_LEN).expand(2, -1))
-    model = family_model("beam", torch.float64)
+    model, ids = family_model("beam", torch.float64), batch()["input_ids"]
+
+    def moved_by_the_shift() -> float:
+        far, near = (model(input_ids=ids, position_ids=torch.arange(start, start + SEQ_LEN).expand(2, -1)).logits
+                     for start in (BEAM_FAR, 0))
+        return float((far - near).abs().max())
+
     with torch.no_grad():
-        moved = float((model(**{k: v for k, v in beam_far_rows().items() if k != "labels"}).logits
-                       - model(**{k: v for k, v in near.items() if k != "labels"}).logits).abs().max())
+        moved = moved_by_the_shift()
         scale = modeling_beam.compute_attention_scaling
         modeling_beam.compute_attention_scaling = lambda position_ids: torch.ones_like(scale(position_ids))
         try:
-            unscaled = float((model(**{k: v for k, v in beam_far_rows().items() if k != "labels"}).logits
-                              - model(**{k: v for k, v in near.items() if k != "labels"}).logits).abs().max())
+            unscaled = moved_by_the_shift()
         finally:
             modeling_beam.compute_attention_scaling = scale
     assert moved > 1e-3 and unscaled < 1e-4, (moved, unscaled)

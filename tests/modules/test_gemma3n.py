@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from dist_harness import Checks
-from document_checks import documents_batch
+from document_checks import documents_alone, documents_batch
 from fsdp_checks import check_cp_against_reference
 from llama_cp.modules.families import transformers_refusal
 from test_families import BASE, SEQ_LEN, TOLERANCE, WINDOW, WORLD_SIZE, batch, mesh_for
@@ -198,10 +198,7 @@ def features_change_the_result():
             moved[feature] = float((whole - off(input_ids=ids).logits).abs().max())
         model = gemma3n_model()
         packed = forward_and_loss(model, data)[0]
-        alone = [model(input_ids=ids[row:row + 1, a:a + n], position_ids=data["position_ids"][row:row + 1, a:a + n]
-                       ).logits for row, lengths in enumerate(PACKED_LENGTHS)
-                 for a, n in zip([sum(lengths[:i]) for i in range(len(lengths))], lengths)]
-        torch.testing.assert_close(packed, torch.cat(alone, dim=1).view_as(packed), **TOL)
+        torch.testing.assert_close(packed, documents_alone(model, data, PACKED_LENGTHS), **TOL)
         moved["documents"] = float((packed - model(input_ids=ids).logits).abs().max())
     assert min(moved.values()) > 1e-3, moved
 
